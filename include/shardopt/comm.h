@@ -1,0 +1,127 @@
+// Process groups: how ranks find each other and move tensors.
+//
+// A ProcessGroup wraps one c10d backend (Gloo on CPU) and makes every collective blocking with a
+// timeout: no call here waits longer than `timeout()`; a peer that is gone or late becomes a
+// c10::Error naming the collective, the rank and the time waited. `stats()` counts what this
+// rank moved, so tests and benchmarks can assert communication volume.
+//
+//   auto group = shardopt::init_process_group();   // env:// from the launcher, torchrun, mpirun, SLURM
+//   group->allreduce(t);                           // sum over ranks, in place
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/arg.h>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class Backend;
+class Store;
+class Work;
+}  // namespace c10d
+
+namespace shardopt {
+
+struct InitOptions {
+  TORCH_ARG(std::string, backend) = "auto";        // "gloo" | "nccl" | "auto" (nccl if CUDA, else gloo)
+  TORCH_ARG(std::string, init_method) = "env://";  // "env://" | "tcp://HOST:PORT" | "file:///PATH"
+  TORCH_ARG(int, rank) = -1;                       // -1: from the environment
+  TORCH_ARG(int, world_size) = -1;                 // -1: from the environment
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+};
+
+enum class Reduction { kSum, kMax, kMin };
+
+// What this rank moved, by kind of collective. Bytes are the payload of this rank's buffer:
+// the tensor for broadcast/allreduce/reduce/send/recv, the gathered output for allgather, the
+// scattered input for reduce_scatter.
+struct CommStats {
+  enum Kind { kBroadcast, kAllreduce, kReduce, kAllgather, kReduceScatter, kSend, kRecv, kBarrier, kNumKinds };
+  std::array<int64_t, kNumKinds> calls{};
+  std::array<int64_t, kNumKinds> bytes{};
+  int64_t total_calls() const;
+  int64_t total_bytes() const;
+  static const char* name(Kind kind);
+  std::string to_string() const;
+};
+
+// A handle on a collective in flight; wait() blocks at most the group's timeout.
+class PendingWork {
+ public:
+  PendingWork() = default;
+  PendingWork(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, std::chrono::milliseconds timeout);
+  void wait();
+  bool valid() const { return static_cast<bool>(work_); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string what_;
+  int rank_ = -1;
+  std::chrono::milliseconds timeout_{0};
+};
+
+class ProcessGroup {
+ public:
+  // Wraps a backend the caller already holds (for example one made by c10d directly).
+  ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout);
+  ~ProcessGroup();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& backend() const { return backend_name_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  const CommStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = CommStats{}; }
+  c10::intrusive_ptr<c10d::Backend> native() const;
+
+  // Blocking collectives (each waits at most timeout()).
+  void broadcast(at::Tensor& tensor, int root);
+  void allreduce(at::Tensor& tensor, Reduction op = Reduction::kSum);
+  void reduce(at::Tensor& tensor, int root, Reduction op = Reduction::kSum);
+  // outputs[r] receives rank r's input; all shapes equal.
+  void allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input);
+  // output receives the sum over ranks of inputs[rank()]; all shapes equal.
+  void reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs);
+  void send(at::Tensor& tensor, int dst, int tag = 0);
+  void recv(at::Tensor& tensor, int src, int tag = 0);
+  void barrier();
+
+  // Started, not waited: for overlapping communication with computation.
+  PendingWork reduce_async(at::Tensor& tensor, int root, Reduction op = Reduction::kSum);
+  PendingWork allreduce_async(at::Tensor& tensor, Reduction op = Reduction::kSum);
+  PendingWork broadcast_async(at::Tensor& tensor, int root);
+
+  // Small control messages: every rank's vector of integers (lengths may differ).
+  std::vector<std::vector<int64_t>> allgather_ints(const std::vector<int64_t>& values);
+
+  // Throws on every rank when the ranks' `values` differ, naming `what`, the first differing
+  // position (described by `describe(position)`), and the two ranks.
+  void check_same_on_all_ranks(const std::vector<int64_t>& values, const std::string& what);
+
+ private:
+  PendingWork track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work);
+
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  std::string backend_name_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::chrono::milliseconds timeout_;
+  CommStats stats_;
+};
+
+// Creates the process group of this rank as described by `options` (see docs/api.md for the
+// environment variables env:// reads).
+std::shared_ptr<ProcessGroup> init_process_group(InitOptions options = {});
+
+// Creates a group over a store the caller made (a c10d::HashStore shared by threads gives several
+// ranks in one process). rank and world_size must be set in `options`.
+std::shared_ptr<ProcessGroup> init_process_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                 InitOptions options);
+
+}  // namespace shardopt

@@ -1,0 +1,23 @@
+// Several ranks in one process, one thread each, over a shared c10d::HashStore and real Gloo
+// process groups: fast multi-rank tests.
+#pragma once
+
+#include <shardopt/comm.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+
+namespace shardopt::testing {
+
+// Runs fn on world_size threads, each with its own group; rethrows the lowest failing rank's
+// exception (as a c10::Error whose message starts with "rank R: ").
+void run_ranks(int world_size, const std::function<void(std::shared_ptr<ProcessGroup>)>& fn,
+               std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+// Collects every rank's error message, in rank order ("" for a rank that did not throw).
+std::vector<std::string> run_ranks_collect_errors(
+    int world_size, const std::function<void(std::shared_ptr<ProcessGroup>)>& fn,
+    std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+}  // namespace shardopt::testing

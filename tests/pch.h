@@ -1,0 +1,8 @@
+// Precompiled header for tests, benchmarks and examples (not for the library itself).
+#pragma once
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/nn.h>
+#include <torch/csrc/api/include/torch/optim.h>
+#include <torch/csrc/api/include/torch/serialize.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
