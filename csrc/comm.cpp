@@ -325,9 +325,15 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
 
 }  // namespace
 
+// Note [Several ranks in one process]
+// c10d's FlightRecorder (a process-wide debugging ring buffer of recent collectives) updates a
+// shared map without a lock when several Gloo groups of one process start collectives at once,
+// and crashes. Ranks sharing a store in one process are exactly that case, so the recorder is
+// turned off here unless the user configured it (TORCH_FR_BUFFER_SIZE).
 std::shared_ptr<ProcessGroup> init_process_group(const c10::intrusive_ptr<c10d::Store>& store,
                                                  InitOptions options) {
   TORCH_CHECK(store, "shardopt: init_process_group got a null store");
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
   check_rank(options);
   resolve_backend(options.backend());
   store->setTimeout(options.timeout());

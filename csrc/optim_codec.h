@@ -1,0 +1,32 @@
+// Translation between LibTorch optimizer objects and PyTorch's state_dict layout, so that a
+// consolidated OSS state loads into torch.optim in Python and back. Internal to shardopt.
+#pragma once
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/api/include/torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+
+namespace shardopt::detail {
+
+using GenericDict = c10::impl::GenericDict;
+
+GenericDict make_string_dict();
+
+struct OptimizerCodec {
+  std::string name;  // PyTorch's class name: "Adam", "SGD", ...
+  // Options of one param group, with PyTorch's key names (without "params").
+  GenericDict (*encode_options)(const torch::optim::OptimizerOptions& options);
+  // Options from a saved group; keys missing in `saved` keep the value in `base`.
+  std::unique_ptr<torch::optim::OptimizerOptions> (*decode_options)(
+      const GenericDict& saved, const torch::optim::OptimizerOptions& base);
+  GenericDict (*encode_state)(const torch::optim::OptimizerParamState& state);
+  std::unique_ptr<torch::optim::OptimizerParamState> (*decode_state)(const GenericDict& saved);
+};
+
+// The codec for `optimizer`'s concrete type; throws naming the type when there is none.
+const OptimizerCodec& codec_for(const torch::optim::Optimizer& optimizer);
+
+}  // namespace shardopt::detail

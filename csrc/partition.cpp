@@ -1,0 +1,96 @@
+#include <shardopt/partition.h>
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <numeric>
+
+namespace shardopt {
+
+namespace {
+
+int argmax(const std::vector<int64_t>& v) {
+  return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+int argmin(const std::vector<int64_t>& v) {
+  return static_cast<int>(std::min_element(v.begin(), v.end()) - v.begin());
+}
+
+// One improvement between the most- and least-loaded ranks: the move or swap that lowers the
+// larger of the two loads the most. Returns false when none helps.
+bool improve(const std::vector<int64_t>& weights, std::vector<int>& owner, std::vector<int64_t>& loads) {
+  const int hi = argmax(loads), lo = argmin(loads);
+  if (hi == lo) return false;
+  const int64_t gap = loads[hi] - loads[lo];
+  // Moving weight d from hi to lo helps when 0 < d < gap; the best d is closest to gap / 2.
+  int64_t best_d = 0;
+  long best_i = -1, best_j = -1;
+  auto consider = [&](int64_t d, long i, long j) {
+    if (d <= 0 || d >= gap) return;
+    if (best_i < 0 || std::llabs(2 * d - gap) < std::llabs(2 * best_d - gap)) {
+      best_d = d, best_i = i, best_j = j;
+    }
+  };
+  std::vector<long> on_hi, on_lo;
+  for (long i = 0; i < static_cast<long>(weights.size()); ++i) {
+    if (owner[i] == hi) on_hi.push_back(i);
+    if (owner[i] == lo) on_lo.push_back(i);
+  }
+  // Swaps cost |hi| * |lo| to search; past a few million pairs only moves are tried.
+  const bool try_swaps = on_hi.size() * on_lo.size() <= (1u << 22);
+  for (long i : on_hi) {
+    consider(weights[i], i, -1);
+    if (!try_swaps) continue;
+    for (long j : on_lo) consider(weights[i] - weights[j], i, j);
+  }
+  if (best_i < 0) return false;
+  owner[best_i] = lo;
+  if (best_j >= 0) owner[best_j] = hi;
+  loads[hi] -= best_d;
+  loads[lo] += best_d;
+  return true;
+}
+
+}  // namespace
+
+Partition Partition::balance(const std::vector<int64_t>& weights, int world_size) {
+  TORCH_CHECK(world_size >= 1, "shardopt: Partition needs world_size >= 1, got ", world_size);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    TORCH_CHECK(weights[i] >= 0, "shardopt: Partition weight of parameter ", i, " is negative (", weights[i], ")");
+  }
+  Partition p;
+  p.world_size_ = world_size;
+  p.owner_.assign(weights.size(), 0);
+  p.loads_.assign(world_size, 0);
+
+  // Sorted greedy: largest first (ties by position), to the least-loaded rank (ties: lowest rank).
+  std::vector<size_t> order(weights.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return weights[a] > weights[b]; });
+  for (size_t i : order) {
+    int r = argmin(p.loads_);
+    p.owner_[i] = r;
+    p.loads_[r] += weights[i];
+  }
+  // Local search; bounded so a pathological input cannot make construction slow.
+  const size_t max_rounds = std::min<size_t>(4 * weights.size() + 16, 512);
+  for (size_t round = 0; round < max_rounds && improve(weights, p.owner_, p.loads_); ++round) {
+  }
+  p.shards_.assign(world_size, {});
+  for (size_t i = 0; i < weights.size(); ++i) p.shards_[p.owner_[i]].push_back(i);
+  return p;
+}
+
+int64_t Partition::total() const {
+  return std::accumulate(loads_.begin(), loads_.end(), int64_t{0});
+}
+
+double Partition::imbalance() const {
+  const int64_t sum = total();
+  if (sum == 0) return 0.0;
+  const double mean = static_cast<double>(sum) / world_size_;
+  return static_cast<double>(*std::max_element(loads_.begin(), loads_.end())) / mean - 1.0;
+}
+
+}  // namespace shardopt

@@ -1,0 +1,38 @@
+// Partition: which rank owns each parameter's optimizer state.
+//
+// A pure, deterministic function of the parameters' weights (bytes of optimizer state each will
+// hold) and the world size, so every rank computes the same answer without communicating.
+// Whole parameters are assigned (never split): largest first to the least-loaded rank (sorted
+// greedy), then improved by moves and swaps between the most- and least-loaded ranks while that
+// lowers the maximum load.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace shardopt {
+
+class Partition {
+ public:
+  Partition() = default;
+  // weights[i] >= 0 for parameter i; world_size >= 1.
+  static Partition balance(const std::vector<int64_t>& weights, int world_size);
+
+  int world_size() const { return world_size_; }
+  size_t num_params() const { return owner_.size(); }
+  int owner(size_t param) const { return owner_.at(param); }
+  // Parameters owned by `rank`, in ascending order: the shard.
+  const std::vector<size_t>& shard(int rank) const { return shards_.at(rank); }
+  int64_t load(int rank) const { return loads_.at(rank); }
+  int64_t total() const;
+  // max load / mean load - 1 (0 = perfect balance).
+  double imbalance() const;
+
+ private:
+  int world_size_ = 1;
+  std::vector<int> owner_;
+  std::vector<std::vector<size_t>> shards_;
+  std::vector<int64_t> loads_;
+};
+
+}  // namespace shardopt

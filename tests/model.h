@@ -1,0 +1,40 @@
+// A tiny MLP written with plain tensor ops, deterministic on every rank, and per-rank data.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <shardopt/comm.h>
+
+#include <vector>
+
+namespace shardopt::testing {
+
+// Parameters of x[B,5] -> tanh(x W1^T + b1)[B,8] -> (h W2^T + b2)[B,3] -> * s[3]: the same
+// values on every rank for the same seed.
+std::vector<at::Tensor> make_params(uint64_t seed = 7);
+std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& params);
+
+struct Data {
+  at::Tensor x, y;
+};
+// Samples [first, first + count) of step `step`'s global batch: a pure function of the indices,
+// so any split over ranks sees the same global batch.
+Data global_data(int64_t step, int64_t first, int64_t count);
+// This rank's share of a global batch of `per_rank * world` samples.
+Data rank_data(int64_t step, int rank, int per_rank);
+
+// Sum of squared errors over the batch, divided by `divisor`.
+at::Tensor loss(const std::vector<at::Tensor>& params, const Data& data, double divisor);
+
+// Averages (or sums) each defined gradient over the ranks: the all-reduce data-parallel reference.
+void allreduce_grads(const std::vector<at::Tensor>& params, ProcessGroup& group, bool average = true);
+
+// max |a - b| / max(max |b|, tiny): the relative difference of two tensors.
+double rel_diff(const at::Tensor& a, const at::Tensor& b);
+
+// True when every rank holds bitwise the same values in `params`.
+bool same_on_all_ranks(const std::vector<at::Tensor>& params, ProcessGroup& group);
+
+// True when every rank's `t` differs from every other rank's.
+bool differs_across_ranks(const at::Tensor& t, ProcessGroup& group);
+
+}  // namespace shardopt::testing
