@@ -426,7 +426,8 @@ void OSS::consolidate_state_dict(int recipient) {
   size_t index = 0;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     GenericDict d = codec.encode_options(param_groups_[g].options());
-    c10::List<int64_t> ids;
+    // A generic list: Python's safe loader accepts it without extra allow-listed globals.
+    c10::impl::GenericList ids(c10::AnyType::get());
     for (size_t k = 0; k < group_sizes_[g]; ++k) ids.push_back(static_cast<int64_t>(index++));
     d.insert("params", ids);
     groups.push_back(d);
