@@ -25,6 +25,7 @@
 #include <shardopt/partition.h>
 
 #include <ATen/core/ivalue.h>
+#include <torch/csrc/api/include/torch/types.h>
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
 
 #include <functional>

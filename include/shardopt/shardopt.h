@@ -1,0 +1,6 @@
+// The whole public surface of shardopt.
+#pragma once
+
+#include <shardopt/comm.h>
+#include <shardopt/oss.h>
+#include <shardopt/partition.h>
