@@ -166,8 +166,8 @@ void OSS::check_params_across_ranks() {
 // Note [Parameter sync]
 // Parameters of one (device, dtype) live in one flat buffer, laid out owner by owner; each
 // owner's segment is padded to the longest, so the buffer is world_size equal shards. After the
-// owners stepped, one all-gather of the shards (or one broadcast per owner) makes every copy
-// current. set_data() keeps each parameter's TensorImpl, so optimizer state keys stay valid.
+// owners stepped, one broadcast per owner segment (or one all-gather of the shards) makes every
+// copy current. set_data() keeps each parameter's TensorImpl, so optimizer state keys stay valid.
 void OSS::flatten_params() {
   std::map<std::pair<int, int>, std::vector<size_t>> by_kind;  // (device, dtype) -> params
   for (size_t i = 0; i < params_.size(); ++i) {
