@@ -1,5 +1,7 @@
 #include <shardopt/comm.h>
 
+#include "backends.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -274,16 +276,26 @@ std::string resolve_backend(const std::string& requested) {
   TORCH_CHECK(requested == "auto" || requested == "gloo" || requested == "nccl",
               "shardopt: unknown backend '", requested, "' (expected \"gloo\", \"nccl\" or \"auto\")");
   if (requested == "nccl") {
-    TORCH_CHECK(false, "shardopt: backend 'nccl' was requested but this build of shardopt has no "
-                "NCCL support; use \"gloo\" (CPU tensors)");
+    TORCH_CHECK(detail::nccl_compiled(), "shardopt: backend 'nccl' was requested but this build has no NCCL "
+                "backend; use \"gloo\" (CPU tensors)");
+    TORCH_CHECK(detail::nccl_usable(), "shardopt: backend 'nccl' was requested but no CUDA device is visible");
+    return "nccl";
   }
+  if (requested == "auto" && detail::nccl_usable()) return "nccl";
   return "gloo";
 }
 
 std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store,
                                          const InitOptions& options, const std::string& host) {
-  auto backend = resolve_backend(options.backend());
-  (void)backend;
+  if (resolve_backend(options.backend()) == "nccl") {
+    try {
+      auto pg = detail::make_nccl_backend(store, options.rank(), options.world_size(), options.timeout());
+      return std::make_shared<ProcessGroup>(pg, options.timeout());
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "shardopt: rank ", options.rank(), " of ", options.world_size(),
+                  " could not create its NCCL group within ", options.timeout().count(), " ms: ", e.what());
+    }
+  }
   auto gloo_opts = c10d::ProcessGroupGloo::Options::create(options.timeout());
   gloo_opts->devices.push_back(host.empty() || is_loopback(host)
                                    ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")

@@ -4,6 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <thread>
+
 namespace shardopt {
 namespace {
 
@@ -41,6 +48,47 @@ TEST(Comm, CollectivesMoveDataAndCountBytes) {
     EXPECT_EQ(s.bytes[CommStats::kAllgather], 3 * 8);
     EXPECT_EQ(s.bytes[CommStats::kReduceScatter], 3 * 8);
   });
+}
+
+// Two ranks, one thread each, rendezvous through `init_method`; each contributes rank + 1.
+void two_ranks_through(const std::string& init_method) {
+  std::vector<std::string> errors(2);
+  std::vector<double> sums(2, 0);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto g = init_process_group(InitOptions().init_method(init_method).rank(r).world_size(2).timeout(std::chrono::seconds(30)));
+        at::Tensor t = at::full({1}, r + 1.0);
+        g->allreduce(t);
+        sums[r] = t.item<double>();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[r], "") << init_method;
+    EXPECT_EQ(sums[r], 3.0) << init_method << " rank " << r;
+  }
+}
+
+TEST(Comm, InitThroughTcpAndFile) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  two_ranks_through("tcp://127.0.0.1:" + std::to_string(ntohs(addr.sin_port)));
+
+  std::string path = ::testing::TempDir() + "shardopt_filestore_" + std::to_string(::getpid());
+  std::remove(path.c_str());
+  two_ranks_through("file://" + path);
+  std::remove(path.c_str());
 }
 
 }  // namespace

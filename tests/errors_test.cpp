@@ -170,6 +170,28 @@ TEST(Errors, UnknownBackendAndMalformedInitMethod) {
   expect_init_error(InitOptions().init_method("tcp://127.0.0.1:1234").rank(2).world_size(2), "rank 2 is outside [0, 2)");
 }
 
+TEST(Errors, NcclWithoutACudaDeviceIsANamedError) {
+  if (at::globalContext().hasCUDA()) {
+    // With a GPU, the same request must create a working NCCL group.
+    auto g = init_process_group(c10::make_intrusive<c10d::HashStore>(),
+                                InitOptions().backend("nccl").rank(0).world_size(1));
+    EXPECT_EQ(g->backend(), "nccl");
+    return;
+  }
+  try {
+    init_process_group(c10::make_intrusive<c10d::HashStore>(), InitOptions().backend("nccl").rank(0).world_size(1));
+    ADD_FAILURE() << "nccl without a CUDA device must throw";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_TRUE(msg.find("no CUDA device is visible") != std::string::npos ||
+                msg.find("this build has no NCCL backend") != std::string::npos)
+        << msg;
+  }
+  // "auto" falls back to Gloo.
+  auto g = init_process_group(c10::make_intrusive<c10d::HashStore>(), InitOptions().rank(0).world_size(1));
+  EXPECT_EQ(g->backend(), "gloo");
+}
+
 int free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
