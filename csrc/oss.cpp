@@ -1,6 +1,7 @@
 #include <shardopt/oss.h>
 
 #include "optim_codec.h"
+#include "trainable.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -77,11 +78,6 @@ std::string descriptor_text(const int64_t* d) {
   return out.str();
 }
 
-uint64_t mask_hash(const std::vector<uint8_t>& mask) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (uint8_t m : mask) h = (h ^ m) * 1099511628211ull;
-  return h;
-}
 
 }  // namespace
 
@@ -139,8 +135,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   local_ = factory(std::move(local_groups));
   TORCH_CHECK(local_, "shardopt: the optimizer factory returned null");
 
-  trainable_.resize(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) trainable_[i] = params_[i].requires_grad();
+  trainable_ = detail::trainable_mask(params_);
 }
 
 void OSS::check_params_across_ranks() {
@@ -221,29 +216,8 @@ bool OSS::trainable_mask_changed() const {
 }
 
 void OSS::agree_on_trainable(bool force) {
-  std::vector<uint8_t> mask(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) mask[i] = params_[i].requires_grad();
-  if (group_->size() > 1) {
-    bool differ = force;
-    if (!force) {
-      // max(h) == -max(-h) exactly when every rank has the same hash.
-      const auto h = static_cast<int64_t>(mask_hash(mask) >> 1);
-      at::Tensor t = at::tensor({h, -h}, at::kLong);
-      group_->allreduce(t, Reduction::kMax);
-      differ = t[0].item<int64_t>() != -t[1].item<int64_t>();
-    }
-    if (differ) {
-      auto all = group_->allgather_ints(std::vector<int64_t>(mask.begin(), mask.end()));
-      for (int r = 1; r < group_->size(); ++r) {
-        for (size_t i = 0; i < mask.size(); ++i) {
-          TORCH_CHECK(all[r][i] == all[0][i], "shardopt: ranks disagree on the trainable set: parameter ", i,
-                      " has requires_grad=", all[0][i] ? "true" : "false", " on rank 0 but ",
-                      all[r][i] ? "true" : "false", " on rank ", r,
-                      "; freeze and unfreeze the same parameters on every rank");
-        }
-      }
-    }
-  }
+  auto mask = detail::trainable_mask(params_);
+  detail::agree_on_mask(*group_, mask, force, [](size_t i) { return "parameter " + std::to_string(i); });
   trainable_ = std::move(mask);
 }
 
@@ -260,8 +234,7 @@ torch::Tensor OSS::step(LossClosure closure) {
   if (options_.check_trainable_every_step()) {
     agree_on_trainable(false);
   } else if (trainable_mask_changed()) {
-    trainable_.assign(params_.size(), 0);
-    for (size_t i = 0; i < params_.size(); ++i) trainable_[i] = params_[i].requires_grad();
+    trainable_ = detail::trainable_mask(params_);
   }
   sync_options_to_local();
 
