@@ -3,4 +3,7 @@
 
 #include <shardopt/comm.h>
 #include <shardopt/oss.h>
+#include <shardopt/data_sampler.h>
 #include <shardopt/partition.h>
+#include <shardopt/sampler.h>
+#include <shardopt/sharded_ddp.h>
