@@ -302,7 +302,8 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
   const bool inf = std::isinf(norm_type);
   std::vector<at::Tensor> grads;
   for (size_t i : partition_.shard(group_->rank())) {
-    if (trainable_[i] && params_[i].requires_grad() && params_[i].grad().defined()) grads.push_back(params_[i].grad());
+    // The flags as they are now, not as of the last step(): unfreezing takes effect at once.
+    if (params_[i].requires_grad() && params_[i].grad().defined()) grads.push_back(params_[i].grad());
   }
   double local = 0.0;
   for (const auto& g : grads) {

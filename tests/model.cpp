@@ -41,10 +41,18 @@ Data rank_data(int64_t step, int rank, int per_rank) {
   return global_data(step, static_cast<int64_t>(rank) * per_rank, per_rank);
 }
 
-at::Tensor loss(const std::vector<at::Tensor>& p, const Data& d, double divisor) {
-  at::Tensor h = at::tanh(at::addmm(p[1], d.x, p[0].t()));
-  at::Tensor o = at::addmm(p[3], h, p[2].t()) * p[4];
-  return (o - d.y).pow(2).sum() / divisor;
+at::Tensor output(const std::vector<at::Tensor>& p, const at::Tensor& x, bool use_scale) {
+  at::Tensor h = at::tanh(at::addmm(p[1], x, p[0].t()));
+  at::Tensor o = at::addmm(p[3], h, p[2].t());
+  return use_scale ? o * p[4] : o;
+}
+
+at::Tensor loss_of(const at::Tensor& out, const Data& d, double divisor) {
+  return (out - d.y).pow(2).sum() / divisor;
+}
+
+at::Tensor loss(const std::vector<at::Tensor>& p, const Data& d, double divisor, bool use_scale) {
+  return loss_of(output(p, d.x, use_scale), d, divisor);
 }
 
 void allreduce_grads(const std::vector<at::Tensor>& params, ProcessGroup& group, bool average) {

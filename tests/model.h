@@ -22,8 +22,13 @@ Data global_data(int64_t step, int64_t first, int64_t count);
 // This rank's share of a global batch of `per_rank * world` samples.
 Data rank_data(int64_t step, int rank, int per_rank);
 
+// The model's output; without `use_scale` the last parameter gets no gradient.
+at::Tensor output(const std::vector<at::Tensor>& params, const at::Tensor& x, bool use_scale = true);
+
 // Sum of squared errors over the batch, divided by `divisor`.
-at::Tensor loss(const std::vector<at::Tensor>& params, const Data& data, double divisor);
+at::Tensor loss(const std::vector<at::Tensor>& params, const Data& data, double divisor, bool use_scale = true);
+// The same for an output computed elsewhere.
+at::Tensor loss_of(const at::Tensor& out, const Data& data, double divisor);
 
 // Averages (or sums) each defined gradient over the ranks: the all-reduce data-parallel reference.
 void allreduce_grads(const std::vector<at::Tensor>& params, ProcessGroup& group, bool average = true);

@@ -1,8 +1,10 @@
 // One rank of the multi-process tests, started by tools/launch (env:// rendezvous).
 //
 //   mp_worker oss_parity     OSS(Adam, SGD) vs the all-reduce reference, 10 steps
+//   mp_worker ddp_parity     OSS + ShardedDDP vs the all-reduce reference, with freezing
 //   mp_worker fail_rank R    rank R exits with code 3; the others wait in a collective
 #include <shardopt/oss.h>
+#include <shardopt/sharded_ddp.h>
 
 #include "model.h"
 
@@ -12,6 +14,7 @@
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 
@@ -44,6 +47,43 @@ void oss_parity(ProcessGroup& g, std::shared_ptr<ProcessGroup> group, const char
   std::cout << name << " parity ok on rank " << g.rank() << " of " << g.size() << std::endl;
 }
 
+struct Net : torch::nn::Module {
+  Net() {
+    auto p = shardopt::testing::make_params();
+    for (size_t i = 0; i < p.size(); ++i) params.push_back(register_parameter("p" + std::to_string(i), p[i]));
+  }
+  at::Tensor forward(at::Tensor x) { return shardopt::testing::output(params, x); }
+  std::vector<at::Tensor> params;
+};
+
+void ddp_parity(std::shared_ptr<ProcessGroup> group) {
+  ProcessGroup& g = *group;
+  auto net = std::make_shared<Net>();
+  auto ref = shardopt::testing::clone_params(net->params);
+  optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+  OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), group);
+  ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(160));
+  for (int step = 0; step < 8; ++step) {
+    const bool frozen = step >= 3 && step < 5;  // a whole layer, frozen then unfrozen
+    for (int i : {2, 3}) net->params[i].requires_grad_(!frozen), ref[i].requires_grad_(!frozen);
+    auto data = shardopt::testing::rank_data(step, g.rank(), 4);
+    if (step == 0) TORCH_CHECK(shardopt::testing::differs_across_ranks(data.x, g), "each rank's data must differ");
+    ref_opt.zero_grad(true);
+    ddp.zero_grad(true);
+    shardopt::testing::loss(ref, data, 4).backward();
+    shardopt::testing::allreduce_grads(ref, g);
+    shardopt::testing::loss_of(ddp.forward(data.x), data, 4).backward();
+    ref_opt.step();
+    oss.step();
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double d = shardopt::testing::rel_diff(net->params[i], ref[i]);
+      TORCH_CHECK(d <= 1e-5, "ShardedDDP: parameter ", i, " differs from the reference by ", d, " after step ", step);
+    }
+    TORCH_CHECK(shardopt::testing::same_on_all_ranks(net->params, g), "ShardedDDP: ranks diverged after step ", step);
+  }
+  std::cout << "ShardedDDP parity ok on rank " << g.rank() << " of " << g.size() << std::endl;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -59,8 +99,13 @@ int main(int argc, char** argv) {
       oss_parity(*group, group, "SGD", optimizer<optim::SGD>(optim::SGDOptions(0.05).momentum(0.9)));
       return 0;
     }
+    if (std::strcmp(argv[1], "ddp_parity") == 0) {
+      ddp_parity(group);
+      return 0;
+    }
     if (std::strcmp(argv[1], "fail_rank") == 0 && argc > 2) {
-      if (group->rank() == std::atoi(argv[2])) return 3;
+      // A crash: no teardown, so this rank is the first to exit.
+      if (group->rank() == std::atoi(argv[2])) std::_Exit(3);
       at::Tensor t = at::ones({1});
       group->allreduce(t);  // never completes: the launcher must stop this rank
       return 0;

@@ -238,6 +238,22 @@ TEST(OSS, ClipGradNormEqualsFullGradientClipping) {
   }
 }
 
+TEST(OSS, ClipRightAfterUnfreezeCountsTheUnfrozenParameter) {
+  Parity p;
+  p.world = 2;
+  p.steps = 5;
+  p.factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+  p.clip_norm_type = 2.0;
+  // Parameter 0 is frozen during steps 1 and 2 and unfrozen before step 3's backward, after the
+  // last step() saw it frozen.
+  p.before_backward = [](int step, Params& ref, Params& mine) {
+    const bool frozen = step == 1 || step == 2;
+    ref[0].requires_grad_(!frozen);
+    mine[0].requires_grad_(!frozen);
+  };
+  p.run();
+}
+
 TEST(OSS, StateBytesAreSharded) {
   run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
     Params q;
