@@ -104,6 +104,10 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   }
   detail::agree_on_mask(*group_, detail::trainable_mask(params_), /*exhaustive=*/true,
                         [this](size_t i) { return "parameter '" + names_[i] + "'"; });
+  // forward() checks the trainable set; the step need not check it again.
+  if (options_.auto_refresh_trainable()) {
+    for (OSS* opt : optimizers_) opt->set_check_trainable_every_step(false);
+  }
   build();
 }
 
@@ -173,14 +177,13 @@ void ShardedDDP::build() {
 
 void ShardedDDP::pre_forward() {
   if (options_.auto_refresh_trainable()) {
-    auto mask = detail::trainable_mask(params_);
-    detail::agree_on_mask(*group_, mask, /*exhaustive=*/false,
-                          [this](size_t i) { return "parameter '" + names_[i] + "'"; });
-    if (mask != mask_) {
+    await_mask_check();
+    if (detail::trainable_mask(params_) != mask_) {
       TORCH_CHECK(!unreduced_local_grads_, "shardopt: the trainable set changed while no_sync() gradients are "
                   "waiting to be reduced; call reduce() (or run a backward outside no_sync) first");
       build();
     }
+    start_mask_check();
   }
   if (options_.broadcast_buffers() && group_->size() > 1) {
     at::NoGradGuard no_grad;
@@ -188,7 +191,31 @@ void ShardedDDP::pre_forward() {
   }
 }
 
+// Note [Overlapped trainability check]
+// Each forward() starts an all-reduce of (h, -h) under MAX, h a hash of the trainable mask the
+// buckets were built for; max(h) == -max(-h) exactly when all ranks agree. Backward waits for it
+// before its first reduction, so the check costs no time beside the forward; on disagreement
+// every rank, at the same point, all-gathers the masks and raises an error naming the parameter.
+void ShardedDDP::start_mask_check() {
+  if (group_->size() == 1) return;
+  checked_mask_ = mask_;
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (uint8_t m : mask_) h = (h ^ m) * 1099511628211ull;
+  const auto v = static_cast<int64_t>(h >> 1);
+  mask_check_buffer_ = at::tensor({v, -v}, at::kLong);
+  mask_check_ = group_->allreduce_async(mask_check_buffer_, Reduction::kMax);
+}
+
+void ShardedDDP::await_mask_check() {
+  if (!mask_check_.valid()) return;
+  mask_check_.wait();
+  if (mask_check_buffer_[0].item<int64_t>() == -mask_check_buffer_[1].item<int64_t>()) return;
+  detail::agree_on_mask(*group_, checked_mask_, /*exhaustive=*/true,
+                        [this](size_t i) { return "parameter '" + names_[i] + "'"; });
+}
+
 void ShardedDDP::refresh_trainable() {
+  await_mask_check();
   TORCH_CHECK(!unreduced_local_grads_, "shardopt: refresh_trainable() while no_sync() gradients are waiting to be "
               "reduced; call reduce() (or run a backward outside no_sync) first");
   detail::agree_on_mask(*group_, detail::trainable_mask(params_), /*exhaustive=*/false,
@@ -204,6 +231,7 @@ void ShardedDDP::on_grad_ready(size_t e) {
     return;
   }
   if (!in_backward_) {
+    await_mask_check();
     in_backward_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_reduction(); });
   }
@@ -289,6 +317,7 @@ void ShardedDDP::finish_reduction() {
 void ShardedDDP::reduce() {
   TORCH_CHECK(!in_backward_, "shardopt: reduce() called during backward");
   TORCH_CHECK(!no_sync_, "shardopt: reduce() called inside no_sync()");
+  await_mask_check();
   finish_reduction();
 }
 

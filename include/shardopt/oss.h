@@ -112,6 +112,8 @@ class OSS : public torch::optim::Optimizer {
   int64_t local_state_bytes() const;
   // Makes every rank's copy of the parameters equal to the owner's. Collective.
   void sync_params();
+  // ShardedDDP checks the trainable set at every forward and turns the step's check off.
+  void set_check_trainable_every_step(bool on) { options_.check_trainable_every_step(on); }
 
  private:
   struct FlatBuffer {

@@ -14,8 +14,10 @@
 //   loss.backward();                          // gradients reduced to their owners
 //   opt.step();
 //
-// Trainability: with auto_refresh_trainable, every forward() checks that all ranks have the same
-// trainable set (one 16-byte all-reduce) and, when it changed, rebuilds buckets and hooks. The
+// Trainability: with auto_refresh_trainable, every forward() rebuilds buckets and hooks when the
+// local trainable set changed, and starts a 16-byte all-reduce that checks all ranks have the
+// same set; backward waits for it before its first reduction (the check overlaps the forward),
+// and ranks that disagree all get an error naming the parameter. The
 // partition does not change on a freeze (docs/design.md): a frozen parameter's optimizer state
 // stays where it is for when it is unfrozen.
 //
@@ -128,6 +130,8 @@ class ShardedDDP {
   void launch_ready_buckets();
   void finish_reduction();
   void fill_entry(size_t entry);
+  void start_mask_check();
+  void await_mask_check();
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<torch::nn::AnyModule> callable_;
@@ -146,6 +150,9 @@ class ShardedDDP {
   bool no_sync_ = false;
   bool unreduced_local_grads_ = false;
   int64_t global_samples_ = -1;
+  PendingWork mask_check_;
+  at::Tensor mask_check_buffer_;
+  std::vector<uint8_t> checked_mask_;
   int64_t rebuilds_ = 0;
 };
 

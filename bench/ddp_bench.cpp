@@ -1,0 +1,237 @@
+// One rank of the data-parallel comparison (run under tools/launch; bench/run_ddp_comparison.py
+// drives it next to the PyTorch peers in bench/peers/).
+//
+//   tools/launch -n 2 build/bench/ddp_bench --impl sharded --model gpt2
+//
+// impl: sharded   = OSS(Adam) + ShardedDDP (gradients reduced to owners during backward)
+//       allreduce = torch::optim::Adam, gradients all-reduced in 8 MB buckets after backward
+// model: gpt2  = ~24M parameters in GPT-2-like shapes (6 blocks, width 512, vocab 10000)
+//        small = 300 small tensors (150 layers of 16x16 + bias): overhead-bound
+// Prints one JSON line per rank: median step time, peak RSS and RSS added since start-up, and for
+// `sharded` the time pre_forward() blocks per step (the trainability check is started there and
+// awaited by backward after the forward) and the time of one rebuild after a freeze.
+#include <shardopt/shardopt.h>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <torch/csrc/api/include/torch/nn/functional/loss.h>
+#include <torch/csrc/api/include/torch/nn/module.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+namespace {
+
+double rss_mb() {
+  std::ifstream statm("/proc/self/statm");
+  long pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * (sysconf(_SC_PAGESIZE) / 1048576.0);
+}
+double peak_rss_mb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss / 1024.0;
+}
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+at::Tensor init(std::vector<int64_t> shape, double scale, at::Generator& gen) {
+  return (at::randn(shape, gen) * scale).requires_grad_();
+}
+
+// Mirrors GPT2Like in bench/peers/ddp_peers.py.
+struct GPT2Like : torch::nn::Module {
+  static constexpr int64_t kD = 512, kVocab = 10000, kCtx = 512, kLayers = 6;
+  struct Block {
+    at::Tensor ln1_w, ln1_b, attn_w, attn_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, out_w, out_b;
+  };
+  GPT2Like() {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
+    wte = register_parameter("wte", init({kVocab, kD}, 0.02, gen));
+    wpe = register_parameter("wpe", init({kCtx, kD}, 0.01, gen));
+    for (int64_t l = 0; l < kLayers; ++l) {
+      Block b;
+      auto name = [&](const char* n) { return "h" + std::to_string(l) + "." + n; };
+      b.ln1_w = register_parameter(name("ln1_w"), at::ones({kD}).requires_grad_());
+      b.ln1_b = register_parameter(name("ln1_b"), at::zeros({kD}).requires_grad_());
+      b.attn_w = register_parameter(name("attn_w"), init({3 * kD, kD}, 0.02, gen));
+      b.attn_b = register_parameter(name("attn_b"), at::zeros({3 * kD}).requires_grad_());
+      b.proj_w = register_parameter(name("proj_w"), init({kD, kD}, 0.02, gen));
+      b.proj_b = register_parameter(name("proj_b"), at::zeros({kD}).requires_grad_());
+      b.ln2_w = register_parameter(name("ln2_w"), at::ones({kD}).requires_grad_());
+      b.ln2_b = register_parameter(name("ln2_b"), at::zeros({kD}).requires_grad_());
+      b.fc_w = register_parameter(name("fc_w"), init({4 * kD, kD}, 0.02, gen));
+      b.fc_b = register_parameter(name("fc_b"), at::zeros({4 * kD}).requires_grad_());
+      b.out_w = register_parameter(name("out_w"), init({kD, 4 * kD}, 0.02, gen));
+      b.out_b = register_parameter(name("out_b"), at::zeros({kD}).requires_grad_());
+      blocks.push_back(b);
+    }
+    lnf_w = register_parameter("lnf_w", at::ones({kD}).requires_grad_());
+    lnf_b = register_parameter("lnf_b", at::zeros({kD}).requires_grad_());
+  }
+  at::Tensor forward(at::Tensor tokens) {
+    const int64_t t = tokens.size(0);
+    at::Tensor x = at::embedding(wte, tokens) + wpe.narrow(0, 0, t);
+    for (auto& b : blocks) {
+      at::Tensor a = at::layer_norm(x, {kD}, b.ln1_w, b.ln1_b);
+      auto qkv = at::linear(a, b.attn_w, b.attn_b).chunk(3, -1);
+      at::Tensor att = at::softmax(at::matmul(qkv[0], qkv[1].t()) / std::sqrt(double(kD)), -1);
+      x = x + at::linear(at::matmul(att, qkv[2]), b.proj_w, b.proj_b);
+      at::Tensor m = at::layer_norm(x, {kD}, b.ln2_w, b.ln2_b);
+      x = x + at::linear(at::gelu(at::linear(m, b.fc_w, b.fc_b)), b.out_w, b.out_b);
+    }
+    return at::matmul(at::layer_norm(x, {kD}, lnf_w, lnf_b), wte.t());
+  }
+  at::Tensor wte, wpe, lnf_w, lnf_b;
+  std::vector<Block> blocks;
+};
+
+// Mirrors SmallTensors in bench/peers/ddp_peers.py.
+struct SmallTensors : torch::nn::Module {
+  SmallTensors() {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
+    for (int i = 0; i < 150; ++i) {
+      ws.push_back(register_parameter("w" + std::to_string(i), init({16, 16}, 0.25, gen)));
+      bs.push_back(register_parameter("b" + std::to_string(i), at::zeros({16}).requires_grad_()));
+    }
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (size_t i = 0; i < ws.size(); ++i) x = x + 0.1 * at::tanh(at::linear(x, ws[i], bs[i]));
+    return x;
+  }
+  std::vector<at::Tensor> ws, bs;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"shardopt data-parallel step benchmark (one rank; run under tools/launch)"};
+  std::string impl = "sharded", model_name = "gpt2";
+  int steps = 12, warmup = 3, tokens = 16;
+  app.add_option("--impl", impl)->check(CLI::IsMember({"sharded", "allreduce"}));
+  app.add_option("--model", model_name)->check(CLI::IsMember({"gpt2", "small"}));
+  app.add_option("--steps", steps)->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
+  app.add_option("--tokens", tokens, "tokens (gpt2) or rows (small) per rank per step")->check(CLI::PositiveNumber);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    at::set_num_threads(1);
+    auto group = shardopt::init_process_group(shardopt::InitOptions().timeout(std::chrono::minutes(2)));
+    const double rss_start = rss_mb();
+
+    std::shared_ptr<torch::nn::Module> module;
+    std::function<at::Tensor(int)> loss_fn;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + group->rank());
+    if (model_name == "gpt2") {
+      auto m = std::make_shared<GPT2Like>();
+      module = m;
+      loss_fn = [m, &gen, tokens](int) {
+        at::Tensor tok = at::randint(GPT2Like::kVocab, {tokens + 1}, gen);
+        return torch::nn::functional::cross_entropy(m->forward(tok.narrow(0, 0, tokens)), tok.narrow(0, 1, tokens));
+      };
+    } else {
+      auto m = std::make_shared<SmallTensors>();
+      module = m;
+      loss_fn = [m, &gen, tokens](int) { return m->forward(at::randn({tokens, 16}, gen)).pow(2).mean(); };
+    }
+
+    int64_t nparams = 0;
+    for (auto& p : module->parameters()) nparams += p.numel();
+    std::unique_ptr<shardopt::OSS> oss;
+    std::unique_ptr<shardopt::ShardedDDP> ddp;
+    std::unique_ptr<torch::optim::Adam> adam;
+    auto factory = shardopt::optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-4));
+    if (impl == "sharded") {
+      oss = std::make_unique<shardopt::OSS>(module->parameters(), factory, group);
+      ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss);
+    } else {
+      adam = std::make_unique<torch::optim::Adam>(module->parameters(), torch::optim::AdamOptions(1e-4));
+    }
+    auto params = module->parameters();
+
+    std::vector<double> checks;  // time pre_forward() blocks in each step
+    auto one_step = [&](int step) {
+      if (ddp) {
+        ddp->zero_grad(true);
+        auto t0 = std::chrono::steady_clock::now();
+        ddp->pre_forward();
+        checks.push_back(ms_since(t0));
+        loss_fn(step).backward();
+        oss->step();
+        return;
+      }
+      adam->zero_grad(true);
+      loss_fn(step).backward();
+      // shardopt's all-reduce-everything baseline: 8 MB buckets, averaged.
+      std::vector<at::Tensor> bucket;
+      int64_t bytes = 0;
+      auto flush = [&] {
+        if (bucket.empty()) return;
+        std::vector<at::Tensor> flat;
+        for (auto& g : bucket) flat.push_back(g.reshape(-1));
+        at::Tensor buf = at::cat(flat);
+        group->allreduce(buf);
+        buf.div_(group->size());
+        int64_t off = 0;
+        for (auto& g : bucket) g.copy_(buf.narrow(0, off, g.numel()).view(g.sizes())), off += g.numel();
+        bucket.clear();
+        bytes = 0;
+      };
+      for (auto it = params.rbegin(); it != params.rend(); ++it) {
+        if (!it->grad().defined()) continue;
+        bucket.push_back(it->grad());
+        bytes += it->grad().nbytes();
+        if (bytes >= (8 << 20)) flush();
+      }
+      flush();
+      adam->step();
+    };
+
+    for (int s = 0; s < warmup; ++s) one_step(s);
+    std::vector<double> times;
+    for (int s = 0; s < steps; ++s) {
+      group->barrier();
+      auto t0 = std::chrono::steady_clock::now();
+      one_step(warmup + s);
+      times.push_back(ms_since(t0));
+    }
+    const double step_ms = median(times);
+
+    double check_ms = 0, rebuild_ms = 0;
+    if (ddp) {
+      // What the trainability check costs a step: pre_forward() only starts it (backward waits
+      // for it after the forward has run), so this is its blocking time.
+      checks.erase(checks.begin(), checks.begin() + warmup);
+      check_ms = median(checks);
+      // One rebuild after freezing half of the parameter tensors (every other one).
+      for (size_t i = 0; i < params.size(); i += 2) params[i].requires_grad_(false);
+      group->barrier();
+      auto t0 = std::chrono::steady_clock::now();
+      ddp->pre_forward();
+      rebuild_ms = ms_since(t0);
+    }
+    std::printf("{\"impl\": \"shardopt-%s\", \"model\": \"%s\", \"rank\": %d, \"world\": %d, \"params\": %lld, "
+                "\"median_step_ms\": %.2f, \"peak_rss_mb\": %.1f, \"added_rss_mb\": %.1f, \"check_ms\": %.4f, "
+                "\"rebuild_ms\": %.3f}\n",
+                impl.c_str(), model_name.c_str(), group->rank(), group->size(), (long long)nparams, step_ms,
+                peak_rss_mb(), peak_rss_mb() - rss_start, check_ms, rebuild_ms);
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << std::endl;
+    return 1;
+  }
+}
