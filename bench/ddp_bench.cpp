@@ -65,7 +65,7 @@ struct GPT2Like : torch::nn::Module {
     wpe = register_parameter("wpe", init({kCtx, kD}, 0.01, gen));
     for (int64_t l = 0; l < kLayers; ++l) {
       Block b;
-      auto name = [&](const char* n) { return "h" + std::to_string(l) + "." + n; };
+      auto name = [&](const char* n) { return "h" + std::to_string(l) + "_" + n; };
       b.ln1_w = register_parameter(name("ln1_w"), at::ones({kD}).requires_grad_());
       b.ln1_b = register_parameter(name("ln1_b"), at::zeros({kD}).requires_grad_());
       b.attn_w = register_parameter(name("attn_w"), init({3 * kD, kD}, 0.02, gen));
@@ -211,8 +211,14 @@ int main(int argc, char** argv) {
     }
     const double step_ms = median(times);
 
-    double check_ms = 0, rebuild_ms = 0;
+    double check_ms = 0, rebuild_ms = 0, grad_fraction = 1, freeze_imbalance = 0;
     if (ddp) {
+      // Gradient bytes this rank holds after a backward, as a fraction of all gradients.
+      ddp->zero_grad(true);
+      ddp->pre_forward();
+      loss_fn(0).backward();
+      grad_fraction = static_cast<double>(ddp->local_grad_bytes()) / (4.0 * nparams);
+      ddp->zero_grad(true);
       // What the trainability check costs a step: pre_forward() only starts it (backward waits
       // for it after the forward has run), so this is its blocking time.
       checks.erase(checks.begin(), checks.begin() + warmup);
@@ -223,12 +229,21 @@ int main(int argc, char** argv) {
       auto t0 = std::chrono::steady_clock::now();
       ddp->pre_forward();
       rebuild_ms = ms_since(t0);
+      // Balance of the trainable work after that freeze: the partition is kept (docs/design.md).
+      std::vector<double> load(group->size(), 0.0);
+      for (auto& p : params) {
+        if (p.requires_grad()) load[oss->owner(p)] += p.numel();
+      }
+      double total = 0, top = 0;
+      for (double l : load) total += l, top = std::max(top, l);
+      freeze_imbalance = total > 0 ? top / (total / group->size()) - 1 : 0;
     }
     std::printf("{\"impl\": \"shardopt-%s\", \"model\": \"%s\", \"rank\": %d, \"world\": %d, \"params\": %lld, "
                 "\"median_step_ms\": %.2f, \"peak_rss_mb\": %.1f, \"added_rss_mb\": %.1f, \"check_ms\": %.4f, "
-                "\"rebuild_ms\": %.3f}\n",
+                "\"rebuild_ms\": %.3f, \"grad_fraction\": %.4f, \"imbalance\": %.4f, \"freeze_imbalance\": %.4f}\n",
                 impl.c_str(), model_name.c_str(), group->rank(), group->size(), (long long)nparams, step_ms,
-                peak_rss_mb(), peak_rss_mb() - rss_start, check_ms, rebuild_ms);
+                peak_rss_mb(), peak_rss_mb() - rss_start, check_ms, rebuild_ms, grad_fraction,
+                oss ? oss->partition().imbalance() : 0.0, freeze_imbalance);
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;

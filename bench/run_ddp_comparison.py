@@ -66,6 +66,11 @@ def main():
         print(f"trainability check, blocking time per step: {statistics.median(checks):.3f} ms "
               f"({100 * statistics.median(checks) / step['shardopt-sharded']:.2f}% of a step); "
               f"one rebuild after freezing half the tensors: {statistics.median(rebuilds):.2f} ms")
+        last = results["shardopt-sharded"][-1]
+        print("shardopt-sharded gradient bytes after backward, fraction of all gradients: " +
+              ", ".join(f"rank {k} {last[k]['grad_fraction']:.3f}" for k in sorted(last)) +
+              f"; partition imbalance {last[0]['imbalance']:.4f}, trainable imbalance after freezing every other "
+              f"tensor {last[0]['freeze_imbalance']:.4f}")
 
 
 if __name__ == "__main__":
