@@ -1,10 +1,12 @@
-// Data-parallel training of an MLP on Fashion-MNIST with a sharded optimizer (OSS).
+// Data-parallel training of an MLP on Fashion-MNIST with shardopt.
 //
 //   tools/launch -n 2 build/train_fashion_mnist --epochs 2
 //
-// Each rank reads its share of every global batch, gradients are averaged over the ranks, and
-// OSS(Adam) keeps only this rank's shard of the optimizer state. Prints per-rank optimizer-state
-// bytes against the unsharded figure and the loss per epoch.
+// BalancedSampler gives every rank its share of each global batch (the same number of steps on
+// every rank; padding of the last step is masked out of the loss), ShardedDDP reduces each
+// gradient to the rank that owns it, and OSS(Adam) keeps only this rank's shard of the optimizer
+// state. Prints the loss per epoch and, per rank, optimizer-state and gradient bytes against the
+// unsharded figures.
 #include <shardopt/shardopt.h>
 
 #include <ATen/ATen.h>
@@ -66,7 +68,6 @@ int main(int argc, char** argv) {
     at::Tensor labels = read_idx(data_dir + "/train-labels-idx1-ubyte.gz").to(at::kLong);
     images = (images - 0.2860) / 0.3530;
 
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
     at::manual_seed(0);  // identical initial weights on every rank
     // Whole tensors are sharded, so layers of similar size shard evenly.
     torch::nn::Sequential model(torch::nn::Linear(784, 256), torch::nn::ReLU(), torch::nn::Linear(256, 256),
@@ -74,35 +75,49 @@ int main(int argc, char** argv) {
                                 torch::nn::Linear(256, 256), torch::nn::ReLU(), torch::nn::Linear(256, 10));
     shardopt::OSS opt(model->parameters(), shardopt::optimizer<torch::optim::Adam>(torch::optim::AdamOptions(lr)),
                       group);
+    // Each rank's loss is the sum over its real samples; the gradient is divided by the number
+    // of real samples in the global step, so padded last steps weigh exactly right.
+    shardopt::ShardedDDP ddp(model.ptr(), opt,
+                             shardopt::ShardedDDPOptions().grad_scaling(shardopt::GradScaling::kGlobalSamples));
+    shardopt::BalancedSampler sampler(images.size(0), *group, shardopt::SamplerOptions(batch).seed(0));
 
-    const int64_t n = images.size(0), global = static_cast<int64_t>(batch) * world;
-    const int64_t steps = n / global;
+    int64_t grad_bytes = 0, all_grad_bytes = 0;
+    for (auto& p : model->parameters()) all_grad_bytes += p.numel() * 4;
     for (int epoch = 0; epoch < epochs; ++epoch) {
-      at::Tensor order = at::randperm(n, gen);  // same generator and seed: same order on every rank
+      sampler.set_epoch(epoch);
       double loss_sum = 0;
-      for (int64_t step = 0; step < steps; ++step) {
-        at::Tensor idx = order.narrow(0, step * global + rank * batch, batch);
-        opt.zero_grad(true);
-        at::Tensor loss = torch::nn::functional::cross_entropy(model->forward(images.index_select(0, idx)),
-                                                               labels.index_select(0, idx));
+      for (int64_t step = 0; step < sampler.steps_per_epoch(); ++step) {
+        shardopt::Batch b = sampler.batch(step);
+        at::Tensor idx = at::tensor(b.indices, at::kLong);
+        at::Tensor real = at::tensor(std::vector<float>(b.real.begin(), b.real.end()));
+        ddp.zero_grad(true);
+        ddp.set_global_samples(b.global_real);
+        ddp.pre_forward();  // Sequential has a template forward(): call it after pre_forward()
+        at::Tensor per_sample = torch::nn::functional::cross_entropy(
+            model->forward(images.index_select(0, idx)), labels.index_select(0, idx),
+            torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+        at::Tensor loss = (per_sample * real).sum();
         loss.backward();
-        for (auto& p : model->parameters()) {
-          group->allreduce(p.mutable_grad());
-          p.mutable_grad().div_(world);
-        }
+        grad_bytes = ddp.local_grad_bytes();
         opt.step();
         loss_sum += loss.item<double>();
       }
-      at::Tensor mean = at::full({1}, loss_sum / steps, at::kDouble);
-      group->allreduce(mean);
-      if (rank == 0) std::printf("epoch %d: mean training loss %.4f over %lld steps\n", epoch, mean.item<double>() / world, (long long)steps);
+      at::Tensor sum = at::full({1}, loss_sum, at::kDouble);
+      group->allreduce(sum);
+      if (rank == 0) {
+        std::printf("epoch %d: mean training loss %.4f over %lld steps of %lld samples\n", epoch,
+                    sum.item<double>() / images.size(0), (long long)sampler.steps_per_epoch(),
+                    (long long)batch * world);
+      }
     }
 
     at::Tensor mine = at::full({1}, opt.local_state_bytes(), at::kLong), total = mine.clone();
     group->allreduce(total);
-    std::printf("rank %d: optimizer state %lld bytes, unsharded %lld bytes (%.1f%%), partition imbalance %.2f%%\n",
+    std::printf("rank %d: optimizer state %lld bytes of %lld unsharded (%.1f%%); gradients after backward %lld bytes "
+                "of %lld (%.1f%%); partition imbalance %.2f%%\n",
                 rank, (long long)mine.item<int64_t>(), (long long)total.item<int64_t>(),
-                100.0 * mine.item<int64_t>() / total.item<int64_t>(), 100.0 * opt.partition().imbalance());
+                100.0 * mine.item<int64_t>() / total.item<int64_t>(), (long long)grad_bytes, (long long)all_grad_bytes,
+                100.0 * grad_bytes / all_grad_bytes, 100.0 * opt.partition().imbalance());
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;
