@@ -199,9 +199,7 @@ void ShardedDDP::pre_forward() {
 void ShardedDDP::start_mask_check() {
   if (group_->size() == 1) return;
   checked_mask_ = mask_;
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (uint8_t m : mask_) h = (h ^ m) * 1099511628211ull;
-  const auto v = static_cast<int64_t>(h >> 1);
+  const auto v = static_cast<int64_t>(detail::mask_hash(mask_) >> 1);
   mask_check_buffer_ = at::tensor({v, -v}, at::kLong);
   mask_check_ = group_->allreduce_async(mask_check_buffer_, Reduction::kMax);
 }

@@ -11,13 +11,11 @@ std::vector<uint8_t> trainable_mask(const std::vector<at::Tensor>& params) {
   return mask;
 }
 
-namespace {
 uint64_t mask_hash(const std::vector<uint8_t>& mask) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
   for (uint8_t m : mask) h = (h ^ m) * 1099511628211ull;
   return h ^ mask.size();
 }
-}  // namespace
 
 void agree_on_mask(ProcessGroup& group, const std::vector<uint8_t>& mask, bool exhaustive,
                    const std::function<std::string(size_t)>& name) {

@@ -4,8 +4,6 @@
 
 #include <gtest/gtest.h>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -75,15 +73,7 @@ void two_ranks_through(const std::string& init_method) {
 }
 
 TEST(Comm, InitThroughTcpAndFile) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  two_ranks_through("tcp://127.0.0.1:" + std::to_string(ntohs(addr.sin_port)));
+  two_ranks_through("tcp://127.0.0.1:" + std::to_string(testing::free_port()));
 
   std::string path = ::testing::TempDir() + "shardopt_filestore_" + std::to_string(::getpid());
   std::remove(path.c_str());

@@ -7,9 +7,6 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 namespace shardopt {
 namespace {
@@ -192,23 +189,10 @@ TEST(Errors, NcclWithoutACudaDeviceIsANamedError) {
   EXPECT_EQ(g->backend(), "gloo");
 }
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 TEST(Errors, RankThatNeverShowsUpTimesOut) {
   const auto start = std::chrono::steady_clock::now();
   expect_init_error(InitOptions()
-                        .init_method("tcp://127.0.0.1:" + std::to_string(free_port()))
+                        .init_method("tcp://127.0.0.1:" + std::to_string(testing::free_port()))
                         .rank(0)
                         .world_size(2)
                         .timeout(std::chrono::milliseconds(1500)),

@@ -4,6 +4,10 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <thread>
 
 namespace shardopt::testing {
@@ -36,6 +40,19 @@ void run_ranks(int world_size, const std::function<void(std::shared_ptr<ProcessG
   for (int r = 0; r < world_size; ++r) {
     TORCH_CHECK(errors[r].empty(), "rank ", r, ": ", errors[r]);
   }
+}
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd >= 0, "free_port: socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
 }
 
 }  // namespace shardopt::testing

@@ -20,4 +20,7 @@ std::vector<std::string> run_ranks_collect_errors(
     int world_size, const std::function<void(std::shared_ptr<ProcessGroup>)>& fn,
     std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
+// A TCP port on 127.0.0.1 that was free a moment ago (for tcp:// rendezvous in tests).
+int free_port();
+
 }  // namespace shardopt::testing
