@@ -113,6 +113,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
     param_groups_.push_back(std::move(global));
     group_sizes_.push_back(groups[g].params().size());
     for (const auto& p : groups[g].params()) {
+      index_of_.emplace(p.unsafeGetTensorImpl(), params_.size());
       params_.push_back(p);
       group_of_.push_back(g);
     }
@@ -324,8 +325,9 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
 // ---- introspection ------------------------------------------------------------------------
 
 size_t OSS::index_of(const torch::Tensor& param) const {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return i;
+  if (param.defined()) {
+    auto it = index_of_.find(param.unsafeGetTensorImpl());
+    if (it != index_of_.end()) return it->second;
   }
   TORCH_CHECK(false, "shardopt: the tensor", (param.defined() ? " of shape " + c10::str(param.sizes()) : std::string()),
               " is not a parameter of this OSS");

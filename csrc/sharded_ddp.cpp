@@ -292,10 +292,14 @@ void ShardedDDP::finish_reduction() {
     if (b.owner == rank) {
       at::Tensor grads = b.buffer.narrow(0, 0, b.numel);
       if (divisor != 1.0) grads.div_(divisor);
-      for (size_t e : b.entries) {
-        const Entry& entry = entries_[e];
+      // The flags of the whole bucket, read in one go (one copy off the device, if any).
+      const at::Tensor flags = b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size()))
+                                   .to(at::kCPU, at::kDouble);
+      const double* flag = flags.data_ptr<double>();
+      for (size_t k = 0; k < b.entries.size(); ++k) {
+        const Entry& entry = entries_[b.entries[k]];
         at::Tensor& p = params_[entry.param];
-        if (b.buffer[entry.flag].item<double>() > 0) {
+        if (flag[k] > 0) {
           // The owner's gradient becomes a view of the reduced bucket: no second copy.
           p.mutable_grad() = b.buffer.narrow(0, entry.offset, p.numel()).view(p.sizes());
         } else {

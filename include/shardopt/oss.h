@@ -31,6 +31,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 namespace shardopt {
@@ -133,6 +134,7 @@ class OSS : public torch::optim::Optimizer {
   std::vector<torch::Tensor> params_;
   std::vector<size_t> group_of_;
   std::vector<size_t> group_sizes_;
+  std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> position in params_
   Partition partition_;
   std::vector<FlatBuffer> buffers_;
   std::unique_ptr<torch::optim::Optimizer> local_;
