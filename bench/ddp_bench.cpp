@@ -164,18 +164,31 @@ int main(int argc, char** argv) {
     auto params = module->parameters();
 
     std::vector<double> checks;  // time pre_forward() blocks in each step
+    std::vector<double> phases[3];  // forward, backward, step
     auto one_step = [&](int step) {
       if (ddp) {
         ddp->zero_grad(true);
         auto t0 = std::chrono::steady_clock::now();
         ddp->pre_forward();
         checks.push_back(ms_since(t0));
-        loss_fn(step).backward();
+        at::Tensor loss = loss_fn(step);
+        auto t1 = std::chrono::steady_clock::now();
+        loss.backward();
+        auto t2 = std::chrono::steady_clock::now();
         oss->step();
+        phases[0].push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+        phases[1].push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+        phases[2].push_back(ms_since(t2));
         return;
       }
       adam->zero_grad(true);
-      loss_fn(step).backward();
+      auto t0 = std::chrono::steady_clock::now();
+      at::Tensor loss = loss_fn(step);
+      auto t1 = std::chrono::steady_clock::now();
+      loss.backward();
+      auto t2 = std::chrono::steady_clock::now();
+      phases[0].push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+      phases[1].push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
       // shardopt's all-reduce-everything baseline: 8 MB buckets, averaged.
       std::vector<at::Tensor> bucket;
       int64_t bytes = 0;
@@ -199,6 +212,7 @@ int main(int argc, char** argv) {
       }
       flush();
       adam->step();
+      phases[2].push_back(ms_since(t2));
     };
 
     for (int s = 0; s < warmup; ++s) one_step(s);
@@ -210,6 +224,9 @@ int main(int argc, char** argv) {
       times.push_back(ms_since(t0));
     }
     const double step_ms = median(times);
+    for (auto& p : phases) p.erase(p.begin(), p.begin() + warmup);
+    std::fprintf(stderr, "phases ms: forward %.1f backward %.1f step %.1f\n", median(phases[0]), median(phases[1]),
+                 median(phases[2]));
 
     double check_ms = 0, rebuild_ms = 0, grad_fraction = 1, freeze_imbalance = 0;
     if (ddp) {

@@ -51,6 +51,10 @@ PendingWork::PendingWork(c10::intrusive_ptr<c10d::Work> work, std::string what, 
                          std::chrono::milliseconds timeout)
     : work_(std::move(work)), what_(std::move(what)), rank_(rank), timeout_(timeout) {}
 
+PendingWork::~PendingWork() = default;
+PendingWork::PendingWork(PendingWork&&) noexcept = default;
+PendingWork& PendingWork::operator=(PendingWork&&) noexcept = default;
+
 void PendingWork::wait() {
   if (!work_) return;
   auto work = std::move(work_);
@@ -60,6 +64,10 @@ void PendingWork::wait() {
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "shardopt: ", what_, " on rank ", rank_, " failed or timed out (timeout ",
                 timeout_.count(), " ms; a peer may have exited or not called it): ", e.what());
+  }
+  if (then_) {
+    auto then = std::move(then_);
+    then();
   }
 }
 
@@ -129,8 +137,26 @@ void ProcessGroup::allreduce(at::Tensor& tensor, Reduction op) {
   allreduce_async(tensor, op).wait();
 }
 
+// Note [Reduce between two ranks]
+// Gloo's reduce is ring-based: between two ranks it sends 1.5x the buffer (a reduce-scatter,
+// then the second half to the root). A reduce of two ranks is one transfer: the other rank sends
+// its buffer, the root receives it into a scratch tensor and adds it when the work is waited on.
+// Tags come from a per-group sequence, the same on every rank because every rank issues its
+// collectives in the same order; they start above the tags callers of send/recv use.
 PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction op) {
   TORCH_CHECK(root >= 0 && root < size_, "shardopt: reduce root ", root, " is outside [0, ", size_, ")");
+  if (size_ == 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {
+    constexpr uint32_t kFirstTag = 1u << 24;
+    const int tag = static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
+    if (rank_ != root) {
+      std::vector<at::Tensor> ts{tensor};
+      return track(CommStats::kReduce, nbytes(tensor), backend_->send(ts, root, tag));
+    }
+    std::vector<at::Tensor> ts{at::empty_like(tensor)};
+    auto work = track(CommStats::kReduce, nbytes(tensor), backend_->recv(ts, 1 - rank_, tag));
+    work.set_then([tensor, incoming = ts[0]]() mutable { tensor.add_(incoming); });
+    return work;
+  }
   std::vector<at::Tensor> ts{tensor};
   c10d::ReduceOptions opts;
   opts.rootRank = root;

@@ -28,6 +28,7 @@ struct ShardedDDP::Bucket {
   int64_t numel = 0;   // gradient elements; one flag per entry follows them
   at::TensorOptions options;
   at::Tensor buffer;   // allocated when its first gradient arrives, released after the reduce
+  at::Tensor storage;  // kept between steps; reused as `buffer` when nothing else refers to it
   size_t pending = 0;  // entries not yet copied in
   PendingWork work;
 };
@@ -241,14 +242,31 @@ void ShardedDDP::fill_entry(size_t e) {
   Entry& entry = entries_[e];
   if (entry.ready) return;
   Bucket& b = buckets_[entry.bucket];
-  if (!b.buffer.defined()) b.buffer = at::zeros({b.numel + static_cast<int64_t>(b.entries.size())}, b.options);
+  at::NoGradGuard no_grad;
+  if (!b.buffer.defined()) {
+    // Only the flags start at zero: every gradient slot is written below (copied or zeroed).
+    if (b.storage.defined() && b.storage.storage().use_count() == 1) {
+      b.buffer = b.storage;
+    } else {
+      b.buffer = at::empty({b.numel + static_cast<int64_t>(b.entries.size())}, b.options);
+      b.storage = b.buffer;
+    }
+    b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).zero_();
+  }
   at::Tensor& p = params_[entry.param];
+  at::Tensor slot = b.buffer.narrow(0, entry.offset, p.numel());
   if (p.grad().defined()) {
-    at::NoGradGuard no_grad;
-    b.buffer.narrow(0, entry.offset, p.numel()).copy_(p.grad().reshape(-1));
+    if (p.grad().data_ptr() != slot.data_ptr()) slot.copy_(p.grad().reshape(-1));
     b.buffer[entry.flag].fill_(1);
-    // A non-owner drops its full gradient as soon as it is in the bucket.
-    if (b.owner != group_->rank()) p.mutable_grad().reset();
+    // The local gradient is released as soon as it is in the bucket: a non-owner drops it, the
+    // owner's becomes a view of its slot, which the reduction then overwrites with the sum.
+    if (b.owner != group_->rank()) {
+      p.mutable_grad().reset();
+    } else {
+      p.mutable_grad() = slot.view(p.sizes());
+    }
+  } else {
+    slot.zero_();
   }
   entry.ready = true;
   --b.pending;

@@ -48,6 +48,31 @@ TEST(Comm, CollectivesMoveDataAndCountBytes) {
   });
 }
 
+// Between two ranks a sum-reduce is a single transfer (Note [Reduce between two ranks]): several
+// in flight to either root, waited in any order, each lands in its own tensor; other reductions
+// still go through Gloo.
+TEST(Comm, TwoRankReducesInFlightToEitherRoot) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    const int r = g->rank();
+    std::vector<at::Tensor> ts;
+    std::vector<PendingWork> works;
+    for (int k = 0; k < 6; ++k) {
+      ts.push_back(at::arange(1000, at::kFloat) * (k + 1) + 1000 * r);
+      works.push_back(g->reduce_async(ts.back(), k % 2));
+    }
+    for (int k = 5; k >= 0; --k) works[k].wait();
+    for (int k = 0; k < 6; ++k) {
+      if (r != k % 2) continue;
+      EXPECT_TRUE(ts[k].equal(at::arange(1000, at::kFloat) * (2 * (k + 1)) + 1000)) << "reduce " << k;
+    }
+    at::Tensor m = at::full({3}, static_cast<float>(5 * r));
+    g->reduce(m, 0, Reduction::kMax);
+    if (r == 0) EXPECT_TRUE(m.equal(at::full({3}, 5.0f)));
+    EXPECT_EQ(g->stats().calls[CommStats::kReduce], 7);
+    EXPECT_EQ(g->stats().bytes[CommStats::kReduce], 6 * 4000 + 12);
+  });
+}
+
 // Two ranks, one thread each, rendezvous through `init_method`; each contributes rank + 1.
 void two_ranks_through(const std::string& init_method) {
   std::vector<std::string> errors(2);

@@ -16,6 +16,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,11 +57,20 @@ class PendingWork {
  public:
   PendingWork() = default;
   PendingWork(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, std::chrono::milliseconds timeout);
+  ~PendingWork();
+  PendingWork(PendingWork&&) noexcept;
+  PendingWork& operator=(PendingWork&&) noexcept;
+  PendingWork(const PendingWork&) = delete;
+  PendingWork& operator=(const PendingWork&) = delete;
+  // Waits, then runs `then` (if set) once the work completed.
   void wait();
   bool valid() const { return static_cast<bool>(work_); }
+  // Work to finish the operation on this rank after the transfer (for example a local sum).
+  void set_then(std::function<void()> then) { then_ = std::move(then); }
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
+  std::function<void()> then_;
   std::string what_;
   int rank_ = -1;
   std::chrono::milliseconds timeout_{0};
@@ -113,6 +123,7 @@ class ProcessGroup {
   int size_ = 1;
   std::chrono::milliseconds timeout_;
   CommStats stats_;
+  uint32_t p2p_sequence_ = 0;  // tags of the point-to-point transfers reduce_async issues
 };
 
 // Creates the process group of this rank as described by `options` (see docs/api.md for the
