@@ -28,7 +28,10 @@ struct ShardedDDP::Bucket {
   int64_t numel = 0;   // gradient elements; one flag per entry follows them
   at::TensorOptions options;
   at::Tensor buffer;   // allocated when its first gradient arrives, released after the reduce
-  at::Tensor storage;  // kept between steps; reused as `buffer` when nothing else refers to it
+  // An owner's bucket is kept between steps and reused as `buffer` once nothing refers to it
+  // (the gradients that were views of it are cleared): its memory is the owner's gradients,
+  // which it holds after every backward anyway, and reusing it spares the allocator.
+  at::Tensor storage;
   size_t pending = 0;  // entries not yet copied in
   PendingWork work;
 };
@@ -249,7 +252,7 @@ void ShardedDDP::fill_entry(size_t e) {
       b.buffer = b.storage;
     } else {
       b.buffer = at::empty({b.numel + static_cast<int64_t>(b.entries.size())}, b.options);
-      b.storage = b.buffer;
+      if (b.owner == group_->rank()) b.storage = b.buffer;
     }
     b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).zero_();
   }
