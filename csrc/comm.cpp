@@ -208,6 +208,26 @@ void ProcessGroup::recv(at::Tensor& tensor, int src, int tag) {
   track(CommStats::kRecv, nbytes(tensor), backend_->recv(ts, src, tag)).wait();
 }
 
+void ProcessGroup::send_bytes(const std::vector<char>& bytes, int dst, int tag) {
+  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  send(size, dst, tag);
+  if (bytes.empty()) return;
+  at::Tensor payload = at::from_blob(const_cast<char*>(bytes.data()), {static_cast<int64_t>(bytes.size())}, at::kByte);
+  send(payload, dst, tag);
+}
+
+std::vector<char> ProcessGroup::recv_bytes(int src, int tag) {
+  at::Tensor size = at::empty({1}, at::kLong);
+  recv(size, src, tag);
+  const int64_t n = size.item<int64_t>();
+  TORCH_CHECK(n >= 0, "shardopt: recv_bytes from rank ", src, " got a negative length ", n);
+  std::vector<char> bytes(n);
+  if (n == 0) return bytes;
+  at::Tensor payload = at::from_blob(bytes.data(), {n}, at::kByte);
+  recv(payload, src, tag);
+  return bytes;
+}
+
 void ProcessGroup::barrier() {
   c10d::BarrierOptions opts;
   opts.timeout = timeout_;

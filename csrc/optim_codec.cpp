@@ -271,4 +271,10 @@ const OptimizerCodec& codec_for(const optim::Optimizer& optimizer) {
               "optimizer is ", type.name());
 }
 
+bool steps_per_parameter(const optim::Optimizer& optimizer) {
+  const auto& type = typeid(optimizer);
+  return type == typeid(optim::Adam) || type == typeid(optim::AdamW) || type == typeid(optim::SGD) ||
+         type == typeid(optim::RMSprop) || type == typeid(optim::Adagrad);
+}
+
 }  // namespace shardopt::detail

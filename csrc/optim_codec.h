@@ -28,5 +28,8 @@ struct OptimizerCodec {
 
 // The codec for `optimizer`'s concrete type; throws naming the type when there is none.
 const OptimizerCodec& codec_for(const torch::optim::Optimizer& optimizer);
+// True for the optimizers codec_for() knows (Adam, AdamW, SGD, RMSprop, Adagrad): their update
+// of a parameter reads only that parameter's state, which can be moved to another rank.
+bool steps_per_parameter(const torch::optim::Optimizer& optimizer);
 
 }  // namespace shardopt::detail

@@ -118,25 +118,21 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
       group_of_.push_back(g);
     }
   }
-  check_params_across_ranks();
+  check_params_across_ranks();  // includes requires_grad: the ranks agree on the trainable set
 
-  std::vector<int64_t> weights;
-  for (const auto& p : params_) weights.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
-  partition_ = Partition::balance(weights, group_->size());
+  for (const auto& p : params_) weights_.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
+  trainable_ = detail::trainable_mask(params_);
+  balanced_for_ = trainable_;
+  partition_ = Partition::balance(weights_, group_->size(), trainable_);
   flatten_params();
 
   std::vector<optim::OptimizerParamGroup> local_groups;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
-    std::vector<at::Tensor> owned;
-    for (size_t i : partition_.shard(group_->rank())) {
-      if (group_of_[i] == g) owned.push_back(params_[i]);
-    }
-    local_groups.emplace_back(std::move(owned), param_groups_[g].options().clone());
+    local_groups.emplace_back(std::vector<at::Tensor>{}, param_groups_[g].options().clone());
   }
+  for (size_t i : partition_.shard(group_->rank())) local_groups[group_of_[i]].params().push_back(params_[i]);
   local_ = factory(std::move(local_groups));
   TORCH_CHECK(local_, "shardopt: the optimizer factory returned null");
-
-  trainable_ = detail::trainable_mask(params_);
 }
 
 void OSS::check_params_across_ranks() {
@@ -165,6 +161,7 @@ void OSS::check_params_across_ranks() {
 // owners stepped, one broadcast per owner segment (or one all-gather of the shards) makes every
 // copy current. set_data() keeps each parameter's TensorImpl, so optimizer state keys stay valid.
 void OSS::flatten_params() {
+  buffers_.clear();  // on a re-partition the parameters still hold the old buffers' data
   std::map<std::pair<int, int>, std::vector<size_t>> by_kind;  // (device, dtype) -> params
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
@@ -258,7 +255,116 @@ torch::Tensor OSS::step(LossClosure closure) {
   for (auto& [p, g] : hidden) p.mutable_grad() = g;
 
   sync_params();
+  // The set was just agreed on, so every rank takes the same decision.
+  if (options_.check_trainable_every_step()) rebalance(trainable_);
   return loss;
+}
+
+// ---- re-partitioning ---------------------------------------------------------------------------
+
+// Note [Rebalance after a freeze]
+// The partition balances the trainable parameters first and spreads the frozen ones by total
+// weight (Partition::balance with flags). When the trainable set changes, the work a step does
+// can become lopsided (freezing every other tensor of a GPT-2-shaped model leaves one of two
+// ranks 1.77x the mean). rebalance() then computes the partition for the new set and, if the
+// old one is more than rebalance_threshold above the mean and the new one is better, moves
+// every parameter whose owner changes: its optimizer state goes from the old owner to the new
+// one (serialized with the state_dict codec, one pair of ranks at a time), and the flat buffers
+// are laid out again, so the parameters' data moves with them. A frozen parameter's state moves
+// too, so it is there when the parameter is unfrozen. Every input of the decision (the mask,
+// the partition, the weights) is the same on every rank, so all ranks decide alike without
+// communicating. The step in which the set changed still runs on the old partition; the
+// re-partition follows it.
+bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
+  TORCH_CHECK(trainable.size() == params_.size(), "shardopt: OSS::rebalance got ", trainable.size(),
+              " trainable flags for ", params_.size(), " parameters");
+  if (trainable == balanced_for_) return false;
+  balanced_for_ = trainable;
+  if (!options_.rebalance() || group_->size() == 1 || !detail::steps_per_parameter(*local_)) return false;
+  const double before = partition_.imbalance(weights_, trainable);
+  if (before <= options_.rebalance_threshold()) return false;
+  Partition next = Partition::balance(weights_, group_->size(), trainable);
+  const double after = next.imbalance(weights_, trainable);
+  if (after >= before) return false;
+
+  last_rebalance_ = RebalanceStats();
+  last_rebalance_.imbalance_before = before;
+  last_rebalance_.imbalance_after = after;
+  migrate_state(next);
+  partition_ = std::move(next);
+  ++partition_version_;
+  flatten_params();
+  set_local_groups();
+  return true;
+}
+
+at::TensorOptions OSS::placed_like(size_t param) const {
+  return params_[param].options().requires_grad(false);
+}
+
+void OSS::migrate_state(const Partition& next) {
+  const int rank = group_->rank(), world = group_->size();
+  const auto& codec = detail::codec_for(*local_);
+  auto& state = local_->state();
+  // moving[s][d]: does any parameter go from rank s to rank d?
+  std::vector<std::vector<uint8_t>> moving(world, std::vector<uint8_t>(world, 0));
+  std::vector<GenericDict> outgoing;
+  for (int d = 0; d < world; ++d) outgoing.emplace_back(c10::IntType::get(), c10::AnyType::get());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int s = partition_.owner(i), d = next.owner(i);
+    if (s == d) continue;
+    moving[s][d] = 1;
+    ++last_rebalance_.params_moved;
+    if (s != rank) continue;
+    GenericDict entry = detail::make_string_dict();
+    auto it = state.find(compat::state_key(params_[i]));
+    if (it != state.end()) {  // no state yet (never stepped): nothing to move
+      GenericDict encoded = codec.encode_state(*it->second);
+      for (const auto& v : encoded) {
+        if (v.value().isTensor() && v.key().toStringRef() != "step") {
+          last_rebalance_.state_bytes_sent += static_cast<int64_t>(v.value().toTensor().nbytes());
+        }
+      }
+      entry.insert("state", encoded);
+      state.erase(it);
+    }
+    // A gradient only the old owner holds (ShardedDDP reduced it there) goes along, so a step
+    // right after the re-partition still sees it. clone(): a view would carry its whole base.
+    if (params_[i].grad().defined()) entry.insert("grad", params_[i].grad().detach().clone());
+    if (!entry.empty()) outgoing[d].insert(static_cast<int64_t>(i), entry);
+  }
+  // One pair of ranks at a time, in the same order everywhere: no two transfers wait on each other.
+  for (int s = 0; s < world; ++s) {
+    for (int d = 0; d < world; ++d) {
+      if (!moving[s][d]) continue;
+      if (rank == s) group_->send_bytes(torch::pickle_save(outgoing[d]), d, s);
+      if (rank != d) continue;
+      for (const auto& item : torch::pickle_load(group_->recv_bytes(s, s)).toGenericDict()) {
+        const size_t i = static_cast<size_t>(item.key().toInt());
+        const auto entry = item.value().toGenericDict();
+        if (entry.contains("grad") && !params_[i].grad().defined()) {
+          params_[i].mutable_grad() = entry.at("grad").toTensor().to(placed_like(i));
+        }
+        if (!entry.contains("state")) continue;
+        GenericDict placed = detail::make_string_dict();
+        for (const auto& v : entry.at("state").toGenericDict()) {
+          if (v.value().isTensor() && v.key().toStringRef() != "step") {
+            last_rebalance_.state_bytes_received += static_cast<int64_t>(v.value().toTensor().nbytes());
+            placed.insert(v.key(), v.value().toTensor().to(placed_like(i)));
+          } else {
+            placed.insert(v.key(), v.value());
+          }
+        }
+        state[compat::state_key(params_[i])] = codec.decode_state(placed);
+      }
+    }
+  }
+}
+
+void OSS::set_local_groups() {
+  auto& groups = local_->param_groups();
+  for (auto& g : groups) g.params().clear();
+  for (size_t i : partition_.shard(group_->rank())) groups[group_of_[i]].params().push_back(params_[i]);
 }
 
 void OSS::sync_params() {
@@ -382,18 +488,9 @@ void OSS::consolidate_state_dict(int recipient) {
       continue;
     }
     if (rank == r) {
-      std::vector<char> bytes = torch::pickle_save(own_shard());
-      at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
-      group_->send(size, recipient, r);
-      at::Tensor payload = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte);
-      group_->send(payload, recipient, r);
+      group_->send_bytes(torch::pickle_save(own_shard()), recipient, r);
     } else if (rank == recipient) {
-      at::Tensor size = at::empty({1}, at::kLong);
-      group_->recv(size, r, r);
-      std::vector<char> bytes(size.item<int64_t>());
-      at::Tensor payload = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte);
-      group_->recv(payload, r, r);
-      merge(torch::pickle_load(bytes).toGenericDict());
+      merge(torch::pickle_load(group_->recv_bytes(r, r)).toGenericDict());
     }
   }
   if (rank != recipient) return;
@@ -480,7 +577,7 @@ void OSS::load_state_dict(const torch::IValue& sd) {
     GenericDict placed = detail::make_string_dict();
     for (const auto& v : moved) {
       if (v.value().isTensor() && v.key().toStringRef() != "step") {
-        placed.insert(v.key(), v.value().toTensor().to(params_[i].options().requires_grad(false)));
+        placed.insert(v.key(), v.value().toTensor().to(placed_like(i)));
       } else {
         placed.insert(v.key(), v.value());
       }

@@ -82,6 +82,48 @@ Partition Partition::balance(const std::vector<int64_t>& weights, int world_size
   return p;
 }
 
+Partition Partition::balance(const std::vector<int64_t>& weights, int world_size,
+                             const std::vector<uint8_t>& trainable) {
+  TORCH_CHECK(trainable.size() == weights.size(), "shardopt: Partition got ", weights.size(), " weights but ",
+              trainable.size(), " trainable flags");
+  std::vector<int64_t> active(weights.size(), 0);
+  std::vector<size_t> frozen;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (trainable[i]) {
+      active[i] = weights[i];
+    } else {
+      frozen.push_back(i);
+    }
+  }
+  Partition p = balance(active, world_size);
+  if (frozen.empty()) return p;
+  std::vector<int64_t> held = p.loads_;
+  std::stable_sort(frozen.begin(), frozen.end(), [&](size_t a, size_t b) { return weights[a] > weights[b]; });
+  for (size_t i : frozen) {
+    const int r = argmin(held);
+    p.owner_[i] = r;
+    held[r] += weights[i];
+  }
+  p.shards_.assign(world_size, {});
+  for (size_t i = 0; i < weights.size(); ++i) p.shards_[p.owner_[i]].push_back(i);
+  return p;
+}
+
+double Partition::imbalance(const std::vector<int64_t>& weights, const std::vector<uint8_t>& trainable) const {
+  TORCH_CHECK(weights.size() == owner_.size() && trainable.size() == owner_.size(), "shardopt: Partition of ",
+              owner_.size(), " parameters asked about ", weights.size(), " weights and ", trainable.size(), " flags");
+  std::vector<int64_t> loads(world_size_, 0);
+  int64_t sum = 0;
+  for (size_t i = 0; i < owner_.size(); ++i) {
+    if (!trainable[i]) continue;
+    loads[owner_[i]] += weights[i];
+    sum += weights[i];
+  }
+  if (sum == 0) return 0.0;
+  const double mean = static_cast<double>(sum) / world_size_;
+  return static_cast<double>(*std::max_element(loads.begin(), loads.end())) / mean - 1.0;
+}
+
 int64_t Partition::total() const {
   return std::accumulate(loads_.begin(), loads_.end(), int64_t{0});
 }

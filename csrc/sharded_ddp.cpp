@@ -83,20 +83,21 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   }
   group_ = std::shared_ptr<ProcessGroup>(&optimizers_[0]->process_group(), [](ProcessGroup*) {});
 
-  std::unordered_map<const void*, int> owner_of;
-  for (OSS* opt : optimizers_) {
-    const auto& ps = opt->all_params();
-    for (size_t i = 0; i < ps.size(); ++i) owner_of[ps[i].unsafeGetTensorImpl()] = opt->partition().owner(i);
+  std::unordered_map<const void*, std::pair<size_t, size_t>> place;  // -> (optimizer, position)
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    const auto& ps = optimizers_[k]->all_params();
+    for (size_t i = 0; i < ps.size(); ++i) place[ps[i].unsafeGetTensorImpl()] = {k, i};
   }
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
-    auto it = owner_of.find(item.value().unsafeGetTensorImpl());
-    TORCH_CHECK(it != owner_of.end(), "shardopt: parameter '", item.key(),
+    auto it = place.find(item.value().unsafeGetTensorImpl());
+    TORCH_CHECK(it != place.end(), "shardopt: parameter '", item.key(),
                 "' of the module is in none of the OSS optimizers given to ShardedDDP");
     names_.push_back(item.key());
     params_.push_back(item.value());
-    owner_.push_back(it->second);
+    place_.push_back(it->second);
   }
   TORCH_CHECK(!params_.empty(), "shardopt: ShardedDDP: the module has no parameters");
+  refresh_owners();
 
   if (options_.sync_models_at_startup() && group_->size() > 1) {
     at::NoGradGuard no_grad;
@@ -106,13 +107,50 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
     }
     for (auto& b : module_->buffers()) group_->broadcast(b, 0);
   }
-  detail::agree_on_mask(*group_, detail::trainable_mask(params_), /*exhaustive=*/true,
-                        [this](size_t i) { return "parameter '" + names_[i] + "'"; });
+  auto mask = detail::trainable_mask(params_);
+  detail::agree_on_mask(*group_, mask, /*exhaustive=*/true, [this](size_t i) { return "parameter '" + names_[i] + "'"; });
   // forward() checks the trainable set; the step need not check it again.
   if (options_.auto_refresh_trainable()) {
     for (OSS* opt : optimizers_) opt->set_check_trainable_every_step(false);
   }
-  build();
+  build(mask);
+  balanced_for_ = mask_;
+}
+
+void ShardedDDP::refresh_owners() {
+  owner_.clear();
+  for (const auto& [k, i] : place_) owner_.push_back(optimizers_[k]->partition().owner(i));
+  partition_versions_.clear();
+  for (OSS* opt : optimizers_) partition_versions_.push_back(opt->partition_version());
+}
+
+// After an agreed change of the trainable set, each optimizer may re-partition (Note [Rebalance
+// after a freeze]); the buckets then follow the new owners, for the same trainable set.
+void ShardedDDP::follow_partition(bool agreed_mask_changed) {
+  if (agreed_mask_changed) {
+    for (size_t k = 0; k < optimizers_.size(); ++k) {
+      std::vector<uint8_t> mask = optimizers_[k]->trainable_mask();  // parameters outside the module
+      for (size_t m = 0; m < params_.size(); ++m) {
+        if (place_[m].first == k) mask[place_[m].second] = mask_[m];
+      }
+      optimizers_[k]->rebalance(mask);
+    }
+    balanced_for_ = mask_;
+  }
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    if (optimizers_[k]->partition_version() != partition_versions_[k]) {
+      refresh_owners();
+      build(mask_);
+      // The re-partition gave each moved gradient to its new owner; the old one lets go of it,
+      // unless it is a local gradient still waiting to be reduced (no_sync).
+      if (!unreduced_local_grads_) {
+        for (size_t m = 0; m < params_.size(); ++m) {
+          if (owner_[m] != group_->rank()) params_[m].mutable_grad().reset();
+        }
+      }
+      return;
+    }
+  }
 }
 
 ShardedDDP::~ShardedDDP() {
@@ -132,9 +170,9 @@ void ShardedDDP::remove_hooks() {
 // exceed reduce_bucket_bytes. They are launched strictly in that order: a bucket that fills early
 // waits for the ones before it. Every rank builds the same list from the same module, so the
 // order is identical everywhere, whatever order the hooks fire in.
-void ShardedDDP::build() {
+void ShardedDDP::build(std::vector<uint8_t> mask) {
   remove_hooks();
-  mask_ = detail::trainable_mask(params_);
+  mask_ = std::move(mask);
   entries_.clear();
   buckets_.clear();
   next_launch_ = 0;
@@ -181,13 +219,17 @@ void ShardedDDP::build() {
 
 void ShardedDDP::pre_forward() {
   if (options_.auto_refresh_trainable()) {
-    await_mask_check();
-    if (detail::trainable_mask(params_) != mask_) {
+    await_mask_check();  // from here on mask_ is known to be the same on every rank
+    follow_partition(mask_ != balanced_for_);
+    auto mask = detail::trainable_mask(params_);
+    if (mask != mask_) {
       TORCH_CHECK(!unreduced_local_grads_, "shardopt: the trainable set changed while no_sync() gradients are "
                   "waiting to be reduced; call reduce() (or run a backward outside no_sync) first");
-      build();
+      build(std::move(mask));
     }
     start_mask_check();
+  } else {
+    follow_partition(false);  // each OSS re-partitions in its step, after its own check
   }
   if (options_.broadcast_buffers() && group_->size() > 1) {
     at::NoGradGuard no_grad;
@@ -220,9 +262,10 @@ void ShardedDDP::refresh_trainable() {
   await_mask_check();
   TORCH_CHECK(!unreduced_local_grads_, "shardopt: refresh_trainable() while no_sync() gradients are waiting to be "
               "reduced; call reduce() (or run a backward outside no_sync) first");
-  detail::agree_on_mask(*group_, detail::trainable_mask(params_), /*exhaustive=*/false,
-                        [this](size_t i) { return "parameter '" + names_[i] + "'"; });
-  build();
+  auto mask = detail::trainable_mask(params_);
+  detail::agree_on_mask(*group_, mask, /*exhaustive=*/false, [this](size_t i) { return "parameter '" + names_[i] + "'"; });
+  build(std::move(mask));
+  follow_partition(mask_ != balanced_for_);
 }
 
 // ---- backward -----------------------------------------------------------------------------------

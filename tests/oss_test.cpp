@@ -37,13 +37,16 @@ struct Parity {
   std::function<void(OSS& oss, Params& mine)> clear;
   std::optional<double> clip_norm_type;
   bool with_scheduler = false;
+  // Called after each step (and its checks) with this rank's optimizer.
+  std::function<void(int step, OSS& oss, ProcessGroup& group)> after_step;
+  OSSOptions options;
 
   void run() const {
     run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
       Params init = params();
       Params ref = testing::clone_params(init), mine = testing::clone_params(init);
       auto ref_opt = factory(groups(ref));
-      OSS oss(groups(mine), factory, g);
+      OSS oss(groups(mine), factory, g, options);
       std::unique_ptr<optim::StepLR> ref_sched, oss_sched;
       if (with_scheduler) {
         ref_sched = std::make_unique<optim::StepLR>(*ref_opt, 3, 0.5);
@@ -84,6 +87,7 @@ struct Parity {
           }
         }
         ASSERT_TRUE(testing::same_on_all_ranks(mine, *g)) << "ranks diverged after step " << step;
+        if (after_step) after_step(step, oss, *g);
       }
     });
   }
@@ -204,6 +208,74 @@ TEST(OSS, FreezeAndUnfreezeBetweenSteps) {
     p.clear = [](OSS& oss, Params&) { oss.zero_grad(false); };
     p.run();
   }
+}
+
+// The trainable work each rank steps under the optimizer's partition (max / mean - 1), and the
+// best any whole-tensor partition achieves for the current trainable set.
+double trainable_imbalance(const OSS& oss, bool best = false) {
+  std::vector<int64_t> weights;
+  for (const auto& p : oss.all_params()) weights.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
+  std::vector<uint8_t> mask;
+  for (const auto& p : oss.all_params()) mask.push_back(p.requires_grad());
+  if (best) return Partition::balance(weights, oss.partition().world_size(), mask).imbalance();
+  return oss.partition().imbalance(weights, mask);
+}
+
+// Freezing w1 and w2 (82% of the model) leaves all trainable work on one rank; the step after
+// the freeze re-partitions and moves optimizer state, unfreezing does it again, and training
+// stays equal to the reference throughout (so the moved state, the frozen tensors' included, is
+// exact).
+TEST(OSS, FreezingRebalancesTheWorkAndMovesTheState) {
+  for (int world : {2, 3}) {
+    for (const auto& opt : all_optimizers()) {
+      SCOPED_TRACE(std::string(opt.name) + " world " + std::to_string(world));
+      Parity p;
+      p.world = world;
+      p.steps = 9;
+      p.factory = opt.factory;
+      p.before_backward = [](int step, Params& ref, Params& mine) {
+        for (Params* q : {&ref, &mine}) {
+          for (int i : {0, 2}) (*q)[i].requires_grad_(!(step >= 2 && step < 6));
+        }
+      };
+      p.after_step = [](int step, OSS& oss, ProcessGroup& g) {
+        if (step == 1) {
+          ASSERT_EQ(oss.partition_version(), 0);
+        }
+        if (step == 2) {
+          ASSERT_EQ(oss.partition_version(), 1) << "the freeze must re-partition";
+          const auto& st = oss.last_rebalance();
+          EXPECT_GT(st.imbalance_before, 0.5);
+          EXPECT_LT(st.imbalance_after, st.imbalance_before);
+          EXPECT_NEAR(trainable_imbalance(oss), st.imbalance_after, 1e-12);
+          EXPECT_GT(st.params_moved, 0);
+          at::Tensor moved = at::tensor({st.state_bytes_sent, st.state_bytes_received}, at::kLong);
+          g.allreduce(moved);
+          EXPECT_GT(moved[0].item<int64_t>(), 0) << "optimizer state must move with its parameters";
+          EXPECT_EQ(moved[0].item<int64_t>(), moved[1].item<int64_t>()) << "every byte sent is received";
+        }
+        if (step == 6) EXPECT_EQ(oss.partition_version(), 2) << "unfreezing re-partitions again";
+        if (step >= 2) EXPECT_NEAR(trainable_imbalance(oss), trainable_imbalance(oss, true), 1e-12) << "step " << step;
+      };
+      p.run();
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST(OSS, RebalanceOffKeepsThePartition) {
+  Parity p;
+  p.steps = 4;
+  p.factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+  p.options.rebalance(false);
+  p.before_backward = [](int step, Params& ref, Params& mine) {
+    for (Params* q : {&ref, &mine}) (*q)[0].requires_grad_(step < 2);
+  };
+  p.after_step = [](int step, OSS& oss, ProcessGroup&) {
+    EXPECT_EQ(oss.partition_version(), 0);
+    if (step >= 2) EXPECT_GT(trainable_imbalance(oss), 0.5) << "frozen w1's rank has nothing to step";
+  };
+  p.run();
 }
 
 TEST(OSS, EveryWayOfClearingGradientsKeepsParity) {

@@ -44,6 +44,30 @@ TEST(Partition, MoreRanksThanParametersLeavesEmptyShards) {
 TEST(Partition, RejectsBadInput) {
   EXPECT_THROW(Partition::balance({1, 2}, 0), c10::Error);
   EXPECT_THROW(Partition::balance({1, -2}, 2), c10::Error);
+  EXPECT_THROW(Partition::balance({1, 2}, 2, {1}), c10::Error);
+}
+
+// After freezing every other tensor of a model whose all-parameter partition is balanced, the
+// trainable work is lopsided; the trainable-first partition balances the work and still spreads
+// the frozen tensors' state by total weight.
+TEST(Partition, TrainableFirstBalancesTheStepAndSpreadsTheRest) {
+  std::vector<int64_t> w;
+  std::vector<uint8_t> trainable;
+  for (int i = 0; i < 40; ++i) {
+    w.push_back(i % 2 ? 100 : 10 + i);
+    trainable.push_back(i % 4 < 2);
+  }
+  const auto all = Partition::balance(w, 2);
+  const auto freeze_aware = Partition::balance(w, 2, trainable);
+  EXPECT_LT(freeze_aware.imbalance(w, trainable), 0.02);
+  EXPECT_LT(freeze_aware.imbalance(w, trainable), all.imbalance(w, trainable));
+  EXPECT_DOUBLE_EQ(freeze_aware.imbalance(), freeze_aware.imbalance(w, trainable));
+  int64_t held[2] = {0, 0};
+  for (size_t i = 0; i < w.size(); ++i) held[freeze_aware.owner(i)] += w[i];
+  EXPECT_LT(std::abs(held[0] - held[1]), 100) << "frozen tensors go where the least weight is held";
+
+  const std::vector<uint8_t> none_frozen(w.size(), 1);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(Partition::balance(w, 2, none_frozen).shard(r), all.shard(r));
 }
 
 }  // namespace

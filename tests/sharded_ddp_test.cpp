@@ -41,6 +41,10 @@ struct DdpParity {
   bool skip_scale_on_odd_steps = false;
   bool two_optimizers = false;
   OptimizerFactory factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+  // Replaces change_trainability's pattern: sets requires_grad on both models before a step.
+  std::function<void(int step, Params& mine, Params& ref)> trainability;
+  // Runs after each step's backward (before the optimizer step), and after the step.
+  std::function<void(int step, ShardedDDP& ddp, OSS& oss, ProcessGroup& g)> after_backward, after_step;
 
   std::string name() const {
     return "world " + std::to_string(world) + " buckets " + std::to_string(bucket_bytes) + " accumulate " +
@@ -70,6 +74,7 @@ struct DdpParity {
       }
       const int micro = accumulate ? 2 : 1;
       for (int step = 0; step < steps; ++step) {
+        if (trainability) trainability(step, net->params, ref);
         if (change_trainability) {
           if (step == 2) net->params[0].requires_grad_(true), ref[0].requires_grad_(true);
           const bool layer_frozen = step >= 4 && step < 6;
@@ -105,17 +110,59 @@ struct DdpParity {
           double got = oss_a->clip_grad_norm(0.5);
           ASSERT_NEAR(got, expected, 1e-5 * std::max(1.0, expected)) << "clip norm at step " << step << ", " << name();
         }
+        if (after_backward) after_backward(step, ddp, *oss_a, *g);
         ref_opt->step();
         for (OSS* o : opts) o->step();
         for (size_t i = 0; i < ref.size(); ++i) {
           ASSERT_LE(testing::rel_diff(net->params[i], ref[i]), 1e-5) << "parameter " << i << " after step " << step << ", " << name();
         }
         ASSERT_TRUE(testing::same_on_all_ranks(net->params, *g)) << "ranks diverged after step " << step;
+        if (after_step) after_step(step, ddp, *oss_a, *g);
       }
       if (change_trainability) EXPECT_GE(ddp.rebuild_count(), 4);
     });
   }
 };
+
+// Freezing w1 and w2 (82% of the model) leaves one rank with all the trainable work. The forward
+// after the first step with the new set re-partitions (the set is agreed on by then), the buckets
+// follow the new owners, each rank then holds only its balanced share of the gradients, and
+// unfreezing does the same again; parity with the reference holds throughout.
+TEST(ShardedDDP, FreezingRebalancesOwnersAndBuckets) {
+  for (int world : {2, 3}) {
+    for (int64_t bucket_bytes : {int64_t{0}, int64_t{160}}) {
+      DdpParity p;
+      p.world = world;
+      p.steps = 9;
+      p.bucket_bytes = bucket_bytes;
+      p.trainability = [](int step, Params& mine, Params& ref) {
+        for (Params* q : {&mine, &ref}) {
+          for (int i : {0, 2}) (*q)[i].requires_grad_(!(step >= 2 && step < 6));
+        }
+      };
+      p.after_backward = [](int step, ShardedDDP& ddp, OSS& oss, ProcessGroup& g) {
+        const int64_t expected_version = step < 3 ? 0 : step < 7 ? 1 : 2;
+        ASSERT_EQ(oss.partition_version(), expected_version) << "step " << step;
+        if (step < 3 || step >= 6) return;
+        // Frozen: b1, b2 and s are trainable; their gradients are split as evenly as tensors allow.
+        std::vector<int64_t> weights;
+        std::vector<uint8_t> mask;
+        int64_t trainable_bytes = 0;
+        for (const auto& q : oss.all_params()) {
+          weights.push_back(q.numel() * 4);
+          mask.push_back(q.requires_grad());
+          if (q.requires_grad()) trainable_bytes += q.numel() * 4;
+        }
+        const double best = Partition::balance(weights, g.size(), mask).imbalance();
+        EXPECT_NEAR(oss.partition().imbalance(weights, mask), best, 1e-12);
+        EXPECT_LE(ddp.local_grad_bytes(), trainable_bytes * (1 + best) / g.size() + 1e-9) << "step " << step;
+      };
+      SCOPED_TRACE("world " + std::to_string(world) + " buckets " + std::to_string(bucket_bytes));
+      p.run();
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
 
 TEST(ShardedDDP, ParityMatrix) {
   for (int world : {2, 3}) {
@@ -272,6 +319,48 @@ TEST(ShardedDDP, RefreshWhileNoSyncGradientsWaitIsAnError) {
     ddp.reduce();
     ddp.refresh_trainable();
     EXPECT_FALSE(net->params[0].grad().defined() && oss.owner(net->params[0]) != g->rank());
+  });
+}
+
+// A re-partition between backward and step (refresh_trainable by hand) hands each moved,
+// already reduced gradient to its new owner, so the step still applies it.
+TEST(ShardedDDP, RepartitionBetweenBackwardAndStepMovesTheReducedGradients) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<TinyNet>();
+    Params ref = testing::clone_params(net->params);
+    optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
+    ShardedDDP ddp(net, oss, ShardedDDPOptions().auto_refresh_trainable(false));
+    for (int step = 0; step < 3; ++step) {
+      auto data = testing::rank_data(step, g->rank(), 4);
+      if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+      ref_opt.zero_grad(true);
+      ddp.zero_grad(true);
+      testing::loss(ref, data, 4).backward();
+      testing::allreduce_grads(ref, *g);
+      testing::loss_of(ddp.forward(data.x, true), data, 4).backward();
+      if (step == 1) {
+        for (Params* q : {&net->params, &ref}) (*q)[0].requires_grad_(false), (*q)[2].requires_grad_(false);
+        ref[0].mutable_grad().reset();  // OSS never moves a frozen parameter; plain Adam would
+        ref[2].mutable_grad().reset();
+        std::vector<int> owners_before;
+        for (auto& p : net->params) owners_before.push_back(oss.owner(p));
+        ddp.refresh_trainable();
+        ASSERT_EQ(oss.partition_version(), 1);
+        int moved_trainable = 0;
+        for (int i : {1, 3, 4}) moved_trainable += oss.owner(net->params[i]) != owners_before[i];
+        ASSERT_GT(moved_trainable, 0) << "the test needs a trainable parameter that changes owner";
+      }
+      for (auto& p : net->params) {
+        if (oss.owner(p) != g->rank()) EXPECT_FALSE(p.grad().defined()) << "a non-owner holds a gradient";
+      }
+      ref_opt.step();
+      oss.step();
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_LE(testing::rel_diff(net->params[i], ref[i]), 1e-5) << "parameter " << i << " after step " << step;
+      }
+      ASSERT_TRUE(testing::same_on_all_ranks(net->params, *g));
+    }
   });
 }
 

@@ -100,6 +100,9 @@ class ProcessGroup {
   void reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs);
   void send(at::Tensor& tensor, int dst, int tag = 0);
   void recv(at::Tensor& tensor, int src, int tag = 0);
+  // A byte string of any length (its length goes first), for serialized state.
+  void send_bytes(const std::vector<char>& bytes, int dst, int tag = 0);
+  std::vector<char> recv_bytes(int src, int tag = 0);
   void barrier();
 
   // Started, not waited: for overlapping communication with computation.

@@ -60,6 +60,20 @@ struct OSSOptions {
   // Check at every step() that all ranks agree on the trainable set (one 16-byte all-reduce).
   // ShardedDDP turns this off because its forward() does the same check.
   TORCH_ARG(bool, check_trainable_every_step) = true;
+  // After the trainable set changes, re-partition when the trainable work on some rank is more
+  // than `rebalance_threshold` above the mean, moving optimizer state to the new owners (Note
+  // [Rebalance after a freeze]). Needs one of the optimizers state_dict() supports.
+  TORCH_ARG(bool, rebalance) = true;
+  TORCH_ARG(double, rebalance_threshold) = 0.1;
+};
+
+// What the last re-partition did on this rank.
+struct RebalanceStats {
+  int64_t params_moved = 0;       // parameters whose owner changed (all ranks)
+  int64_t state_bytes_sent = 0;   // optimizer-state tensor bytes this rank sent away
+  int64_t state_bytes_received = 0;
+  double imbalance_before = 0.0;  // trainable-work imbalance under the old and the new partition
+  double imbalance_after = 0.0;
 };
 
 class OSS : public torch::optim::Optimizer {
@@ -85,6 +99,13 @@ class OSS : public torch::optim::Optimizer {
   // Agrees across ranks on the trainable set now (step() also does this). Collective; ranks
   // that disagree all get an error naming the first differing parameter.
   void refresh_trainable();
+
+  // Re-partitions for the trainable set `trainable` (one flag per parameter, in all_params()
+  // order) if it differs from the set the partition was last decided for and the options ask
+  // for it; returns whether the partition changed. Collective: every rank passes the same mask.
+  // step() calls it after the step when it checks the trainable set itself; ShardedDDP calls it
+  // after its own check.
+  bool rebalance(const std::vector<uint8_t>& trainable);
 
   // The rank that owns `param`'s optimizer state.
   int owner(const torch::Tensor& param) const;
@@ -115,6 +136,9 @@ class OSS : public torch::optim::Optimizer {
   void sync_params();
   // ShardedDDP checks the trainable set at every forward and turns the step's check off.
   void set_check_trainable_every_step(bool on) { options_.check_trainable_every_step(on); }
+  // Counts re-partitions: owner() answers differently after it changed.
+  int64_t partition_version() const { return partition_version_; }
+  const RebalanceStats& last_rebalance() const { return last_rebalance_; }
 
  private:
   struct FlatBuffer {
@@ -128,6 +152,9 @@ class OSS : public torch::optim::Optimizer {
   void sync_options_to_local();
   bool trainable_mask_changed() const;
   void agree_on_trainable(bool force);
+  void migrate_state(const Partition& next);
+  void set_local_groups();
+  at::TensorOptions placed_like(size_t param) const;
 
   std::shared_ptr<ProcessGroup> group_;
   OSSOptions options_;
@@ -139,6 +166,10 @@ class OSS : public torch::optim::Optimizer {
   std::vector<FlatBuffer> buffers_;
   std::unique_ptr<torch::optim::Optimizer> local_;
   std::vector<uint8_t> trainable_;
+  std::vector<int64_t> weights_;        // bytes of each parameter, what the partition balances
+  std::vector<uint8_t> balanced_for_;   // the trainable set the partition was last decided for
+  int64_t partition_version_ = 0;
+  RebalanceStats last_rebalance_;
   std::optional<torch::IValue> consolidated_;
   int last_recipient_ = -1;
 };

@@ -17,6 +17,10 @@ class Partition {
   Partition() = default;
   // weights[i] >= 0 for parameter i; world_size >= 1.
   static Partition balance(const std::vector<int64_t>& weights, int world_size);
+  // Balances the trainable parameters first (the work of a step), then places each frozen one,
+  // largest first, on the rank holding the least weight in all (its state only waits there).
+  // load() and imbalance() count the trainable weight only. All trainable: same as balance().
+  static Partition balance(const std::vector<int64_t>& weights, int world_size, const std::vector<uint8_t>& trainable);
 
   int world_size() const { return world_size_; }
   size_t num_params() const { return owner_.size(); }
@@ -24,6 +28,8 @@ class Partition {
   // Parameters owned by `rank`, in ascending order: the shard.
   const std::vector<size_t>& shard(int rank) const { return shards_.at(rank); }
   int64_t load(int rank) const { return loads_.at(rank); }
+  // max / mean - 1 of the trainable weight each rank would step under this partition.
+  double imbalance(const std::vector<int64_t>& weights, const std::vector<uint8_t>& trainable) const;
   int64_t total() const;
   // max load / mean load - 1 (0 = perfect balance).
   double imbalance() const;

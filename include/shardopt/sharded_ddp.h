@@ -124,7 +124,9 @@ class ShardedDDP {
     }
   }
 
-  void build();
+  void build(std::vector<uint8_t> mask);
+  void refresh_owners();
+  void follow_partition(bool agreed_mask_changed);
   void remove_hooks();
   void on_grad_ready(size_t entry);
   void launch_ready_buckets();
@@ -141,8 +143,11 @@ class ShardedDDP {
 
   std::vector<at::Tensor> params_;  // the module's parameters, in module order
   std::vector<std::string> names_;
+  std::vector<std::pair<size_t, size_t>> place_;  // per module parameter: (optimizer, its position there)
   std::vector<int> owner_;          // per module parameter
+  std::vector<int64_t> partition_versions_;  // of each optimizer, when owner_ was read
   std::vector<uint8_t> mask_;       // trainable mask the buckets were built for
+  std::vector<uint8_t> balanced_for_;  // the agreed mask the optimizers last re-partitioned for
   std::vector<Entry> entries_;      // trainable parameters, in bucket order
   std::vector<Bucket> buckets_;
   size_t next_launch_ = 0;
