@@ -121,12 +121,19 @@ struct SmallTensors : torch::nn::Module {
 int main(int argc, char** argv) {
   CLI::App app{"shardopt data-parallel step benchmark (one rank; run under tools/launch)"};
   std::string impl = "sharded", model_name = "gpt2";
-  int steps = 12, warmup = 3, tokens = 16;
+  int steps = 12, warmup = 3, tokens = 16, freeze_steps = 8;
+  bool rebalance = true;
+  std::string freeze = "embeddings";
   app.add_option("--impl", impl)->check(CLI::IsMember({"sharded", "allreduce"}));
   app.add_option("--model", model_name)->check(CLI::IsMember({"gpt2", "small"}));
   app.add_option("--steps", steps)->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
   app.add_option("--tokens", tokens, "tokens (gpt2) or rows (small) per rank per step")->check(CLI::PositiveNumber);
+  app.add_option("--freeze-steps", freeze_steps, "steps timed after freezing every other tensor (sharded)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--rebalance", rebalance, "OSSOptions::rebalance (sharded)");
+  app.add_option("--freeze", freeze, "which tensors the freeze measurement freezes (sharded)")
+      ->check(CLI::IsMember({"embeddings", "lower", "alternate"}));
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);
@@ -156,7 +163,8 @@ int main(int argc, char** argv) {
     std::unique_ptr<torch::optim::Adam> adam;
     auto factory = shardopt::optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-4));
     if (impl == "sharded") {
-      oss = std::make_unique<shardopt::OSS>(module->parameters(), factory, group);
+      oss = std::make_unique<shardopt::OSS>(module->parameters(), factory, group,
+                                            shardopt::OSSOptions().rebalance(rebalance));
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss);
     } else {
       adam = std::make_unique<torch::optim::Adam>(module->parameters(), torch::optim::AdamOptions(1e-4));
@@ -228,39 +236,73 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "phases ms: forward %.1f backward %.1f step %.1f\n", median(phases[0]), median(phases[1]),
                  median(phases[2]));
 
-    double check_ms = 0, rebuild_ms = 0, grad_fraction = 1, freeze_imbalance = 0;
+    double check_ms = 0, rebuild_ms = 0, grad_fraction = 1, kept_imbalance = 0, freeze_imbalance = 0,
+           rebalance_ms = 0, after_freeze_ms = 0;
+    int64_t moved_bytes = 0;
     if (ddp) {
       // Gradient bytes this rank holds after a backward, as a fraction of all gradients.
       ddp->zero_grad(true);
       ddp->pre_forward();
       loss_fn(0).backward();
       grad_fraction = static_cast<double>(ddp->local_grad_bytes()) / (4.0 * nparams);
+      oss->step();
       ddp->zero_grad(true);
       // What the trainability check costs a step: pre_forward() only starts it (backward waits
       // for it after the forward has run), so this is its blocking time.
       checks.erase(checks.begin(), checks.begin() + warmup);
       check_ms = median(checks);
-      // One rebuild after freezing half of the parameter tensors (every other one).
-      for (size_t i = 0; i < params.size(); i += 2) params[i].requires_grad_(false);
+      // Freeze half of the parameter tensors (--freeze). The next forward rebuilds the
+      // buckets; the one after it, once the ranks have agreed on the new set, re-partitions.
+      auto trainable_imbalance = [&] {
+        std::vector<double> load(group->size(), 0.0);
+        for (auto& p : params) {
+          if (p.requires_grad()) load[oss->owner(p)] += p.numel();
+        }
+        double total = 0, top = 0;
+        for (double l : load) total += l, top = std::max(top, l);
+        return total > 0 ? top / (total / group->size()) - 1 : 0;
+      };
+      if (freeze == "embeddings") {  // the first two tensors: token and position embeddings (gpt2)
+        for (size_t i = 0; i < std::min<size_t>(2, params.size()); ++i) params[i].requires_grad_(false);
+      } else if (freeze == "alternate") {
+        for (size_t i = 0; i < params.size(); i += 2) params[i].requires_grad_(false);
+      } else {  // "lower": the first half of the parameter tensors (embeddings and lower layers)
+        for (size_t i = 0; i < params.size() / 2; ++i) params[i].requires_grad_(false);
+      }
+      kept_imbalance = trainable_imbalance();
       group->barrier();
       auto t0 = std::chrono::steady_clock::now();
       ddp->pre_forward();
       rebuild_ms = ms_since(t0);
-      // Balance of the trainable work after that freeze: the partition is kept (docs/design.md).
-      std::vector<double> load(group->size(), 0.0);
-      for (auto& p : params) {
-        if (p.requires_grad()) load[oss->owner(p)] += p.numel();
+      loss_fn(0).backward();
+      oss->step();
+      ddp->zero_grad(true);
+      group->barrier();
+      t0 = std::chrono::steady_clock::now();
+      ddp->pre_forward();
+      rebalance_ms = ms_since(t0);
+      loss_fn(0).backward();
+      oss->step();
+      freeze_imbalance = trainable_imbalance();
+      moved_bytes = oss->last_rebalance().state_bytes_sent + oss->last_rebalance().state_bytes_received;
+      std::vector<double> after;
+      for (int s = 0; s < freeze_steps; ++s) {
+        group->barrier();
+        t0 = std::chrono::steady_clock::now();
+        one_step(s);
+        after.push_back(ms_since(t0));
       }
-      double total = 0, top = 0;
-      for (double l : load) total += l, top = std::max(top, l);
-      freeze_imbalance = total > 0 ? top / (total / group->size()) - 1 : 0;
+      after_freeze_ms = median(after);
     }
     std::printf("{\"impl\": \"shardopt-%s\", \"model\": \"%s\", \"rank\": %d, \"world\": %d, \"params\": %lld, "
                 "\"median_step_ms\": %.2f, \"peak_rss_mb\": %.1f, \"added_rss_mb\": %.1f, \"check_ms\": %.4f, "
-                "\"rebuild_ms\": %.3f, \"grad_fraction\": %.4f, \"imbalance\": %.4f, \"freeze_imbalance\": %.4f}\n",
+                "\"rebuild_ms\": %.3f, \"grad_fraction\": %.4f, \"imbalance\": %.4f, \"rebalance\": %s, "
+                "\"kept_imbalance\": %.4f, \"freeze_imbalance\": %.4f, \"rebalance_ms\": %.3f, "
+                "\"moved_state_bytes\": %lld, \"after_freeze_step_ms\": %.2f}\n",
                 impl.c_str(), model_name.c_str(), group->rank(), group->size(), (long long)nparams, step_ms,
                 peak_rss_mb(), peak_rss_mb() - rss_start, check_ms, rebuild_ms, grad_fraction,
-                oss ? oss->partition().imbalance() : 0.0, freeze_imbalance);
+                oss ? oss->partition().imbalance() : 0.0, rebalance ? "true" : "false", kept_imbalance,
+                freeze_imbalance, rebalance_ms, (long long)moved_bytes, after_freeze_ms);
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;

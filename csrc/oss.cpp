@@ -283,7 +283,7 @@ bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
   if (!options_.rebalance() || group_->size() == 1 || !detail::steps_per_parameter(*local_)) return false;
   const double before = partition_.imbalance(weights_, trainable);
   if (before <= options_.rebalance_threshold()) return false;
-  Partition next = Partition::balance(weights_, group_->size(), trainable);
+  Partition next = Partition::rebalance(partition_, weights_, trainable);
   const double after = next.imbalance(weights_, trainable);
   if (after >= before) return false;
 

@@ -109,6 +109,28 @@ Partition Partition::balance(const std::vector<int64_t>& weights, int world_size
   return p;
 }
 
+Partition Partition::rebalance(const Partition& from, const std::vector<int64_t>& weights,
+                               const std::vector<uint8_t>& trainable) {
+  TORCH_CHECK(weights.size() == from.owner_.size() && trainable.size() == from.owner_.size(),
+              "shardopt: Partition of ", from.owner_.size(), " parameters asked to rebalance ", weights.size(),
+              " weights and ", trainable.size(), " flags");
+  // improve() only looks at the parameters it may move; frozen ones weigh nothing here, and a
+  // zero weight is never moved (a move must lower the larger load).
+  std::vector<int64_t> active(weights.size(), 0);
+  for (size_t i = 0; i < weights.size(); ++i) active[i] = trainable[i] ? weights[i] : 0;
+  Partition p;
+  p.world_size_ = from.world_size_;
+  p.owner_ = from.owner_;
+  p.loads_.assign(p.world_size_, 0);
+  for (size_t i = 0; i < active.size(); ++i) p.loads_[p.owner_[i]] += active[i];
+  const size_t max_rounds = std::min<size_t>(4 * weights.size() + 16, 512);
+  for (size_t round = 0; round < max_rounds && improve(active, p.owner_, p.loads_); ++round) {
+  }
+  p.shards_.assign(p.world_size_, {});
+  for (size_t i = 0; i < weights.size(); ++i) p.shards_[p.owner_[i]].push_back(i);
+  return p;
+}
+
 double Partition::imbalance(const std::vector<int64_t>& weights, const std::vector<uint8_t>& trainable) const {
   TORCH_CHECK(weights.size() == owner_.size() && trainable.size() == owner_.size(), "shardopt: Partition of ",
               owner_.size(), " parameters asked about ", weights.size(), " weights and ", trainable.size(), " flags");

@@ -70,5 +70,36 @@ TEST(Partition, TrainableFirstBalancesTheStepAndSpreadsTheRest) {
   for (int r = 0; r < 2; ++r) EXPECT_EQ(Partition::balance(w, 2, none_frozen).shard(r), all.shard(r));
 }
 
+// Freezing the embeddings of a GPT-2-shaped model (token 10000 x 512, position 512 x 512, six
+// blocks) leaves the all-parameter partition lopsided for the trainable work. rebalance() fixes
+// that from where it is: frozen tensors never move, and fewer tensors change owner than a
+// partition computed afresh would move.
+TEST(Partition, RebalanceFromTheCurrentPartitionMovesLittle) {
+  const int64_t d = 512;
+  std::vector<int64_t> w{10000 * d, 512 * d};
+  for (int l = 0; l < 6; ++l) {
+    for (int64_t n : {d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d}) w.push_back(n);
+  }
+  w.push_back(d), w.push_back(d);
+  std::vector<uint8_t> trainable(w.size(), 1);
+  trainable[0] = trainable[1] = 0;
+  const auto before = Partition::balance(w, 2);
+  ASSERT_GT(before.imbalance(w, trainable), 0.2) << "the scenario needs a lopsided start";
+  const auto after = Partition::rebalance(before, w, trainable);
+  EXPECT_LT(after.imbalance(w, trainable), 0.01);
+  EXPECT_DOUBLE_EQ(after.imbalance(), after.imbalance(w, trainable));
+  EXPECT_EQ(after.owner(0), before.owner(0));
+  EXPECT_EQ(after.owner(1), before.owner(1));
+  const auto fresh = Partition::balance(w, 2, trainable);
+  int moved = 0, fresh_moved = 0;
+  for (size_t i = 0; i < w.size(); ++i) {
+    moved += after.owner(i) != before.owner(i);
+    fresh_moved += fresh.owner(i) != before.owner(i);
+  }
+  EXPECT_GT(moved, 0);
+  EXPECT_LT(moved, fresh_moved);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(Partition::rebalance(after, w, trainable).shard(r), after.shard(r)) << "stable";
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -21,6 +21,11 @@ class Partition {
   // largest first, on the rank holding the least weight in all (its state only waits there).
   // load() and imbalance() count the trainable weight only. All trainable: same as balance().
   static Partition balance(const std::vector<int64_t>& weights, int world_size, const std::vector<uint8_t>& trainable);
+  // Starting from `from`, moves and swaps trainable parameters between the ranks with the most
+  // and the least trainable weight while that lowers the maximum; frozen parameters stay where
+  // they are. Few parameters change owner, so little optimizer state has to move.
+  static Partition rebalance(const Partition& from, const std::vector<int64_t>& weights,
+                             const std::vector<uint8_t>& trainable);
 
   int world_size() const { return world_size_; }
   size_t num_params() const { return owner_.size(); }
