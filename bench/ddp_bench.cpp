@@ -9,7 +9,10 @@
 //        small = 300 small tensors (150 layers of 16x16 + bias): overhead-bound
 // Prints one JSON line per rank: median step time, peak RSS and RSS added since start-up, and for
 // `sharded` the time pre_forward() blocks per step (the trainability check is started there and
-// awaited by backward after the forward) and the time of one rebuild after a freeze.
+// awaited by backward after the forward), then a freeze (--freeze): the time of the rebuild, of
+// the re-partition that follows (with --rebalance 1), the trainable-work imbalance kept or
+// re-partitioned, the optimizer-state bytes moved, and the step time after the freeze. Phase
+// times (forward, backward, step) go to stderr.
 #include <shardopt/shardopt.h>
 
 #include <ATen/ATen.h>
@@ -232,6 +235,7 @@ int main(int argc, char** argv) {
       times.push_back(ms_since(t0));
     }
     const double step_ms = median(times);
+    const double train_peak_mb = peak_rss_mb();  // before the freeze measurement below
     for (auto& p : phases) p.erase(p.begin(), p.begin() + warmup);
     std::fprintf(stderr, "phases ms: forward %.1f backward %.1f step %.1f\n", median(phases[0]), median(phases[1]),
                  median(phases[2]));
@@ -298,11 +302,11 @@ int main(int argc, char** argv) {
                 "\"median_step_ms\": %.2f, \"peak_rss_mb\": %.1f, \"added_rss_mb\": %.1f, \"check_ms\": %.4f, "
                 "\"rebuild_ms\": %.3f, \"grad_fraction\": %.4f, \"imbalance\": %.4f, \"rebalance\": %s, "
                 "\"kept_imbalance\": %.4f, \"freeze_imbalance\": %.4f, \"rebalance_ms\": %.3f, "
-                "\"moved_state_bytes\": %lld, \"after_freeze_step_ms\": %.2f}\n",
+                "\"moved_state_bytes\": %lld, \"after_freeze_step_ms\": %.2f, \"peak_rss_with_freeze_mb\": %.1f}\n",
                 impl.c_str(), model_name.c_str(), group->rank(), group->size(), (long long)nparams, step_ms,
-                peak_rss_mb(), peak_rss_mb() - rss_start, check_ms, rebuild_ms, grad_fraction,
+                train_peak_mb, train_peak_mb - rss_start, check_ms, rebuild_ms, grad_fraction,
                 oss ? oss->partition().imbalance() : 0.0, rebalance ? "true" : "false", kept_imbalance,
-                freeze_imbalance, rebalance_ms, (long long)moved_bytes, after_freeze_ms);
+                freeze_imbalance, rebalance_ms, (long long)moved_bytes, after_freeze_ms, peak_rss_mb());
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;

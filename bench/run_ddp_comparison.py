@@ -20,9 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ["shardopt-sharded", "shardopt-allreduce", "torch-ddp_zero", "torch-ddp_adam", "torch-fsdp2"]
 
 
-def run(impl, model, args):
+def run(impl, model, args, extra=()):
     if impl.startswith("shardopt-"):
-        cmd = [os.path.join(args.build, "bench", "ddp_bench"), "--impl", impl.split("-")[1]]
+        cmd = [os.path.join(args.build, "bench", "ddp_bench"), "--impl", impl.split("-")[1], *extra]
     else:
         cmd = [args.python, os.path.join(ROOT, "bench", "peers", "ddp_peers.py"), "--impl", impl.split("-")[1]]
     cmd += ["--model", model, "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -46,9 +46,11 @@ def main():
 
     for model in args.models.split(","):
         results = {impl: [] for impl in IMPLS}
+        kept = []  # shardopt-sharded with OSSOptions::rebalance off, for the freeze measurement
         for _ in range(args.rounds):
             for impl in IMPLS:
                 results[impl].append(run(impl, model, args))
+            kept.append(run("shardopt-sharded", model, args, ("--rebalance", "0")))
         step = {i: statistics.median(r[0]["median_step_ms"] for r in results[i]) for i in IMPLS}
         peak = {i: max(max(r[k]["peak_rss_mb"] for k in r) for r in results[i]) for i in IMPLS}
         added = {i: max(max(r[k]["added_rss_mb"] for k in r) for r in results[i]) for i in IMPLS}
@@ -69,8 +71,16 @@ def main():
         last = results["shardopt-sharded"][-1]
         print("shardopt-sharded gradient bytes after backward, fraction of all gradients: " +
               ", ".join(f"rank {k} {last[k]['grad_fraction']:.3f}" for k in sorted(last)) +
-              f"; partition imbalance {last[0]['imbalance']:.4f}, trainable imbalance after freezing every other "
-              f"tensor {last[0]['freeze_imbalance']:.4f}")
+              f"; partition imbalance {last[0]['imbalance']:.4f}")
+        rebal = results["shardopt-sharded"]
+        med = lambda rows, key: statistics.median(r[0][key] for r in rows)
+        print(f"after freezing the first two tensors: trainable-work imbalance kept {med(kept, 'freeze_imbalance'):.4f}"
+              f" / re-partitioned {med(rebal, 'freeze_imbalance'):.4f}; re-partition took "
+              f"{med(rebal, 'rebalance_ms'):.1f} ms and moved {med(rebal, 'moved_state_bytes') / 1e6:.1f} MB of "
+              f"optimizer state on rank 0; step time after the freeze: kept {med(kept, 'after_freeze_step_ms'):.1f} ms"
+              f" / re-partitioned {med(rebal, 'after_freeze_step_ms'):.1f} ms; peak RSS per rank including the "
+              f"freeze: kept {max(max(r[k]['peak_rss_with_freeze_mb'] for k in r) for r in kept):.0f} MB / "
+              f"re-partitioned {max(max(r[k]['peak_rss_with_freeze_mb'] for k in r) for r in rebal):.0f} MB")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@
 //
 // param_groups() are the global groups: option changes there (learning-rate schedulers) take
 // effect at the next step(). Trainability may change at any time: a parameter whose
-// requires_grad is false is not stepped (its state is kept for when it is unfrozen), and every
-// step() checks with one tiny collective that all ranks agree on the trainable set.
+// requires_grad is false is not stepped (its state is kept for when it is unfrozen), every
+// step() checks with one tiny collective that all ranks agree on the trainable set, and when the
+// set changed so that the trainable work is lopsided, the step re-partitions and moves the
+// optimizer state of the parameters that change owner (OSSOptions::rebalance).
 #pragma once
 
 #include <shardopt/comm.h>

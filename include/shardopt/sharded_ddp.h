@@ -17,9 +17,10 @@
 // Trainability: with auto_refresh_trainable, every forward() rebuilds buckets and hooks when the
 // local trainable set changed, and starts a 16-byte all-reduce that checks all ranks have the
 // same set; backward waits for it before its first reduction (the check overlaps the forward),
-// and ranks that disagree all get an error naming the parameter. The
-// partition does not change on a freeze (docs/design.md): a frozen parameter's optimizer state
-// stays where it is for when it is unfrozen.
+// and ranks that disagree all get an error naming the parameter. Once the new set is agreed
+// on (at the next forward()), each OSS may re-partition to balance the trainable work (see
+// OSSOptions::rebalance) and the buckets follow the new owners; a frozen parameter's optimizer
+// state is kept for when it is unfrozen.
 //
 // forward() calls the module's own forward through torch::nn::AnyModule, so the module needs a
 // (non-template) forward method; for other modules call pre_forward() and then the module.
