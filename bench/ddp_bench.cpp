@@ -255,7 +255,7 @@ int main(int argc, char** argv) {
       // for it after the forward has run), so this is its blocking time.
       checks.erase(checks.begin(), checks.begin() + warmup);
       check_ms = median(checks);
-      // Freeze half of the parameter tensors (--freeze). The next forward rebuilds the
+      // Freeze part of the model (--freeze). The next forward rebuilds the
       // buckets; the one after it, once the ranks have agreed on the new set, re-partitions.
       auto trainable_imbalance = [&] {
         std::vector<double> load(group->size(), 0.0);

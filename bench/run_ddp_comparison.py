@@ -7,7 +7,8 @@ For each model, every implementation runs once per round (rounds interleave the
 implementations, so machine noise spreads over all of them), each as 2 processes through
 tools/launch. Reports, per implementation: the median over rounds of rank 0's median step
 time, the largest per-rank peak RSS, and for shardopt the blocking cost of the trainability
-check per step and one rebuild after freezing half of the tensors.
+check per step, one rebuild after a freeze, and the freeze measured with the partition kept
+and re-partitioned (the re-partitioned runs are the main ones; kept runs add one per round).
 """
 import argparse
 import json
@@ -67,7 +68,7 @@ def main():
         rebuilds = [r[0]["rebuild_ms"] for r in results["shardopt-sharded"]]
         print(f"trainability check, blocking time per step: {statistics.median(checks):.3f} ms "
               f"({100 * statistics.median(checks) / step['shardopt-sharded']:.2f}% of a step); "
-              f"one rebuild after freezing half the tensors: {statistics.median(rebuilds):.2f} ms")
+              f"one rebuild after a freeze: {statistics.median(rebuilds):.2f} ms")
         last = results["shardopt-sharded"][-1]
         print("shardopt-sharded gradient bytes after backward, fraction of all gradients: " +
               ", ".join(f"rank {k} {last[k]['grad_fraction']:.3f}" for k in sorted(last)) +

@@ -253,7 +253,7 @@ OptimizerCodec make_codec(const char* name) {
 
 }  // namespace
 
-const OptimizerCodec& codec_for(const optim::Optimizer& optimizer) {
+const OptimizerCodec* find_codec(const optim::Optimizer& optimizer) {
   using AdamCodec = AdamLike<optim::AdamOptions, optim::AdamParamState, false>;
   using AdamWCodec = AdamLike<optim::AdamWOptions, optim::AdamWParamState, true>;
   static const OptimizerCodec adam = make_codec<AdamCodec>("Adam");
@@ -262,19 +262,27 @@ const OptimizerCodec& codec_for(const optim::Optimizer& optimizer) {
   static const OptimizerCodec rmsprop = make_codec<RMSpropCodec>("RMSprop");
   static const OptimizerCodec adagrad = make_codec<AdagradCodec>("Adagrad");
   const auto& type = typeid(optimizer);
-  if (type == typeid(optim::Adam)) return adam;
-  if (type == typeid(optim::AdamW)) return adamw;
-  if (type == typeid(optim::SGD)) return sgd;
-  if (type == typeid(optim::RMSprop)) return rmsprop;
-  if (type == typeid(optim::Adagrad)) return adagrad;
-  TORCH_CHECK(false, "shardopt: state_dict() supports Adam, AdamW, SGD, RMSprop and Adagrad; the wrapped "
-              "optimizer is ", type.name());
+  if (type == typeid(optim::Adam)) return &adam;
+  if (type == typeid(optim::AdamW)) return &adamw;
+  if (type == typeid(optim::SGD)) return &sgd;
+  if (type == typeid(optim::RMSprop)) return &rmsprop;
+  if (type == typeid(optim::Adagrad)) return &adagrad;
+  return nullptr;
 }
 
-bool steps_per_parameter(const optim::Optimizer& optimizer) {
-  const auto& type = typeid(optimizer);
-  return type == typeid(optim::Adam) || type == typeid(optim::AdamW) || type == typeid(optim::SGD) ||
-         type == typeid(optim::RMSprop) || type == typeid(optim::Adagrad);
+const OptimizerCodec& codec_for(const optim::Optimizer& optimizer) {
+  const OptimizerCodec* codec = find_codec(optimizer);
+  TORCH_CHECK(codec, "shardopt: state_dict() supports Adam, AdamW, SGD, RMSprop and Adagrad; the wrapped "
+              "optimizer is ", typeid(optimizer).name());
+  return *codec;
+}
+
+int64_t state_tensor_bytes(const GenericDict& state) {
+  int64_t bytes = 0;
+  for (const auto& v : state) {
+    if (v.value().isTensor() && v.key().toStringRef() != "step") bytes += v.value().toTensor().nbytes();
+  }
+  return bytes;
 }
 
 }  // namespace shardopt::detail

@@ -26,10 +26,12 @@ struct OptimizerCodec {
   std::unique_ptr<torch::optim::OptimizerParamState> (*decode_state)(const GenericDict& saved);
 };
 
-// The codec for `optimizer`'s concrete type; throws naming the type when there is none.
+// The codec for `optimizer`'s concrete type (Adam, AdamW, SGD, RMSprop, Adagrad), or null. These
+// optimizers update a parameter from its own state only, so that state can move between ranks.
+const OptimizerCodec* find_codec(const torch::optim::Optimizer& optimizer);
+// The same; throws naming the type when there is none.
 const OptimizerCodec& codec_for(const torch::optim::Optimizer& optimizer);
-// True for the optimizers codec_for() knows (Adam, AdamW, SGD, RMSprop, Adagrad): their update
-// of a parameter reads only that parameter's state, which can be moved to another rank.
-bool steps_per_parameter(const torch::optim::Optimizer& optimizer);
+// Bytes of the tensors in an encoded state (the "step" counter not counted).
+int64_t state_tensor_bytes(const GenericDict& state);
 
 }  // namespace shardopt::detail

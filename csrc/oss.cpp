@@ -266,12 +266,13 @@ torch::Tensor OSS::step(LossClosure closure) {
 // The partition balances the trainable parameters first and spreads the frozen ones by total
 // weight (Partition::balance with flags). When the trainable set changes, the work a step does
 // can become lopsided (freezing every other tensor of a GPT-2-shaped model leaves one of two
-// ranks 1.77x the mean). rebalance() then computes the partition for the new set and, if the
-// old one is more than rebalance_threshold above the mean and the new one is better, moves
-// every parameter whose owner changes: its optimizer state goes from the old owner to the new
-// one (serialized with the state_dict codec, one pair of ranks at a time), and the flat buffers
-// are laid out again, so the parameters' data moves with them. A frozen parameter's state moves
-// too, so it is there when the parameter is unfrozen. Every input of the decision (the mask,
+// ranks 1.77x the mean). If the old partition is more than rebalance_threshold above the mean
+// for the new set, rebalance() improves it by moves and swaps of trainable parameters
+// (Partition::rebalance: few change owner, frozen ones never do, so a frozen parameter's state
+// stays where it is for when it is unfrozen). Each parameter that changes owner takes its
+// optimizer state, and any gradient the old owner holds, to the new one (serialized with the
+// state_dict codec, one pair of ranks at a time), and the flat buffers are laid out again, so
+// the parameters' data moves with them. Every input of the decision (the mask,
 // the partition, the weights) is the same on every rank, so all ranks decide alike without
 // communicating. The step in which the set changed still runs on the old partition; the
 // re-partition follows it.
@@ -280,7 +281,7 @@ bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
               " trainable flags for ", params_.size(), " parameters");
   if (trainable == balanced_for_) return false;
   balanced_for_ = trainable;
-  if (!options_.rebalance() || group_->size() == 1 || !detail::steps_per_parameter(*local_)) return false;
+  if (!options_.rebalance() || group_->size() == 1 || !detail::find_codec(*local_)) return false;
   const double before = partition_.imbalance(weights_, trainable);
   if (before <= options_.rebalance_threshold()) return false;
   Partition next = Partition::rebalance(partition_, weights_, trainable);
@@ -302,6 +303,18 @@ at::TensorOptions OSS::placed_like(size_t param) const {
   return params_[param].options().requires_grad(false);
 }
 
+std::unique_ptr<optim::OptimizerParamState> OSS::decode_placed(const GenericDict& encoded, size_t param) const {
+  GenericDict placed = detail::make_string_dict();
+  for (const auto& v : encoded) {
+    if (v.value().isTensor() && v.key().toStringRef() != "step") {
+      placed.insert(v.key(), v.value().toTensor().to(placed_like(param)));
+    } else {
+      placed.insert(v.key(), v.value());
+    }
+  }
+  return detail::codec_for(*local_).decode_state(placed);
+}
+
 void OSS::migrate_state(const Partition& next) {
   const int rank = group_->rank(), world = group_->size();
   const auto& codec = detail::codec_for(*local_);
@@ -320,11 +333,7 @@ void OSS::migrate_state(const Partition& next) {
     auto it = state.find(compat::state_key(params_[i]));
     if (it != state.end()) {  // no state yet (never stepped): nothing to move
       GenericDict encoded = codec.encode_state(*it->second);
-      for (const auto& v : encoded) {
-        if (v.value().isTensor() && v.key().toStringRef() != "step") {
-          last_rebalance_.state_bytes_sent += static_cast<int64_t>(v.value().toTensor().nbytes());
-        }
-      }
+      last_rebalance_.state_bytes_sent += detail::state_tensor_bytes(encoded);
       entry.insert("state", encoded);
       state.erase(it);
     }
@@ -346,16 +355,9 @@ void OSS::migrate_state(const Partition& next) {
           params_[i].mutable_grad() = entry.at("grad").toTensor().to(placed_like(i));
         }
         if (!entry.contains("state")) continue;
-        GenericDict placed = detail::make_string_dict();
-        for (const auto& v : entry.at("state").toGenericDict()) {
-          if (v.value().isTensor() && v.key().toStringRef() != "step") {
-            last_rebalance_.state_bytes_received += static_cast<int64_t>(v.value().toTensor().nbytes());
-            placed.insert(v.key(), v.value().toTensor().to(placed_like(i)));
-          } else {
-            placed.insert(v.key(), v.value());
-          }
-        }
-        state[compat::state_key(params_[i])] = codec.decode_state(placed);
+        const auto encoded = entry.at("state").toGenericDict();
+        last_rebalance_.state_bytes_received += detail::state_tensor_bytes(encoded);
+        state[compat::state_key(params_[i])] = decode_placed(encoded, i);
       }
     }
   }
@@ -446,13 +448,7 @@ int OSS::owner(const torch::Tensor& param) const {
 int64_t OSS::local_state_bytes() const {
   int64_t bytes = 0;
   const auto& codec = detail::codec_for(*local_);
-  for (const auto& [key, state] : local_->state()) {
-    auto d = codec.encode_state(*state);
-    for (const auto& entry : d) {
-      if (entry.key().toStringRef() == "step" || !entry.value().isTensor()) continue;
-      bytes += entry.value().toTensor().nbytes();
-    }
-  }
+  for (const auto& [key, state] : local_->state()) bytes += detail::state_tensor_bytes(codec.encode_state(*state));
   return bytes;
 }
 
@@ -571,18 +567,7 @@ void OSS::load_state_dict(const torch::IValue& sd) {
       if (codec.name != "Adagrad") local_state.erase(key);
       continue;
     }
-    auto decoded = codec.decode_state(it->second);
-    // Move the loaded tensors next to the parameter, in its dtype.
-    auto moved = codec.encode_state(*decoded);
-    GenericDict placed = detail::make_string_dict();
-    for (const auto& v : moved) {
-      if (v.value().isTensor() && v.key().toStringRef() != "step") {
-        placed.insert(v.key(), v.value().toTensor().to(placed_like(i)));
-      } else {
-        placed.insert(v.key(), v.value());
-      }
-    }
-    local_state[key] = codec.decode_state(placed);
+    local_state[key] = decode_placed(codec.encode_state(*codec.decode_state(it->second)), i);
   }
 }
 

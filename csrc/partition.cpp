@@ -52,7 +52,19 @@ bool improve(const std::vector<int64_t>& weights, std::vector<int>& owner, std::
   return true;
 }
 
+// improve() until nothing helps; bounded so a pathological input cannot make it slow.
+void local_search(const std::vector<int64_t>& weights, std::vector<int>& owner, std::vector<int64_t>& loads) {
+  const size_t max_rounds = std::min<size_t>(4 * weights.size() + 16, 512);
+  for (size_t round = 0; round < max_rounds && improve(weights, owner, loads); ++round) {
+  }
+}
+
 }  // namespace
+
+void Partition::index_shards() {
+  shards_.assign(world_size_, {});
+  for (size_t i = 0; i < owner_.size(); ++i) shards_[owner_[i]].push_back(i);
+}
 
 Partition Partition::balance(const std::vector<int64_t>& weights, int world_size) {
   TORCH_CHECK(world_size >= 1, "shardopt: Partition needs world_size >= 1, got ", world_size);
@@ -73,12 +85,8 @@ Partition Partition::balance(const std::vector<int64_t>& weights, int world_size
     p.owner_[i] = r;
     p.loads_[r] += weights[i];
   }
-  // Local search; bounded so a pathological input cannot make construction slow.
-  const size_t max_rounds = std::min<size_t>(4 * weights.size() + 16, 512);
-  for (size_t round = 0; round < max_rounds && improve(weights, p.owner_, p.loads_); ++round) {
-  }
-  p.shards_.assign(world_size, {});
-  for (size_t i = 0; i < weights.size(); ++i) p.shards_[p.owner_[i]].push_back(i);
+  local_search(weights, p.owner_, p.loads_);
+  p.index_shards();
   return p;
 }
 
@@ -104,8 +112,7 @@ Partition Partition::balance(const std::vector<int64_t>& weights, int world_size
     p.owner_[i] = r;
     held[r] += weights[i];
   }
-  p.shards_.assign(world_size, {});
-  for (size_t i = 0; i < weights.size(); ++i) p.shards_[p.owner_[i]].push_back(i);
+  p.index_shards();
   return p;
 }
 
@@ -123,11 +130,8 @@ Partition Partition::rebalance(const Partition& from, const std::vector<int64_t>
   p.owner_ = from.owner_;
   p.loads_.assign(p.world_size_, 0);
   for (size_t i = 0; i < active.size(); ++i) p.loads_[p.owner_[i]] += active[i];
-  const size_t max_rounds = std::min<size_t>(4 * weights.size() + 16, 512);
-  for (size_t round = 0; round < max_rounds && improve(active, p.owner_, p.loads_); ++round) {
-  }
-  p.shards_.assign(p.world_size_, {});
-  for (size_t i = 0; i < weights.size(); ++i) p.shards_[p.owner_[i]].push_back(i);
+  local_search(active, p.owner_, p.loads_);
+  p.index_shards();
   return p;
 }
 

@@ -157,6 +157,9 @@ class OSS : public torch::optim::Optimizer {
   void migrate_state(const Partition& next);
   void set_local_groups();
   at::TensorOptions placed_like(size_t param) const;
+  // An encoded state (state_dict layout) decoded with its tensors next to `param`, in its dtype.
+  std::unique_ptr<torch::optim::OptimizerParamState> decode_placed(const c10::Dict<c10::IValue, c10::IValue>& encoded,
+                                                                   size_t param) const;
 
   std::shared_ptr<ProcessGroup> group_;
   OSSOptions options_;

@@ -40,6 +40,8 @@ class Partition {
   double imbalance() const;
 
  private:
+  void index_shards();  // shards_ from owner_
+
   int world_size_ = 1;
   std::vector<int> owner_;
   std::vector<std::vector<size_t>> shards_;
