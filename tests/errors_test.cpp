@@ -1,5 +1,5 @@
 // Bad input gets a clear error on every rank, never a hang or a silent wrong result.
-#include <shardopt/oss.h>
+#include <shardopt/optim/oss.h>
 
 #include "harness.h"
 #include "model.h"

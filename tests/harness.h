@@ -2,7 +2,7 @@
 // process groups: fast multi-rank tests.
 #pragma once
 
-#include <shardopt/comm.h>
+#include <shardopt/comm/process_group.h>
 
 #include <chrono>
 #include <functional>

@@ -2,7 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <shardopt/comm.h>
+#include <shardopt/comm/process_group.h>
 
 #include <vector>
 

@@ -3,8 +3,8 @@
 //   mp_worker oss_parity     OSS(Adam, SGD) vs the all-reduce reference, 10 steps
 //   mp_worker ddp_parity     OSS + ShardedDDP vs the all-reduce reference, with freezing
 //   mp_worker fail_rank R    rank R exits with code 3; the others wait in a collective
-#include <shardopt/oss.h>
-#include <shardopt/sharded_ddp.h>
+#include <shardopt/optim/oss.h>
+#include <shardopt/ddp/sharded_ddp.h>
 
 #include "model.h"
 

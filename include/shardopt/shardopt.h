@@ -1,9 +1,13 @@
-// The whole public surface of shardopt.
+// The whole public surface of shardopt, one folder per layer:
+//   comm/   process groups, collectives with timeouts
+//   optim/  OSS (sharded optimizer state) and the partition it uses
+//   ddp/    ShardedDDP (sharded gradients)
+//   data/   BalancedSampler and its torch::data adapter
 #pragma once
 
-#include <shardopt/comm.h>
-#include <shardopt/oss.h>
-#include <shardopt/data_sampler.h>
-#include <shardopt/partition.h>
-#include <shardopt/sampler.h>
-#include <shardopt/sharded_ddp.h>
+#include <shardopt/comm/process_group.h>
+#include <shardopt/optim/partition.h>
+#include <shardopt/optim/oss.h>
+#include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/data/sampler.h>
+#include <shardopt/data/data_sampler.h>

@@ -1,0 +1,439 @@
+#include <shardopt/comm/process_group.h>
+
+#include "comm/backends.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <cstdlib>
+#include <sstream>
+
+namespace shardopt {
+
+// ---- stats --------------------------------------------------------------------------------
+
+int64_t CommStats::total_calls() const {
+  int64_t n = 0;
+  for (auto c : calls) n += c;
+  return n;
+}
+
+int64_t CommStats::total_bytes() const {
+  int64_t n = 0;
+  for (auto b : bytes) n += b;
+  return n;
+}
+
+const char* CommStats::name(Kind kind) {
+  static const char* names[] = {"broadcast", "allreduce", "reduce", "allgather", "reduce_scatter",
+                                "send", "recv", "barrier"};
+  return names[kind];
+}
+
+std::string CommStats::to_string() const {
+  std::ostringstream out;
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (calls[k] == 0) continue;
+    out << name(static_cast<Kind>(k)) << ": " << calls[k] << " calls, " << bytes[k] << " bytes; ";
+  }
+  return out.str();
+}
+
+// ---- work ---------------------------------------------------------------------------------
+
+PendingWork::PendingWork(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank,
+                         std::chrono::milliseconds timeout)
+    : work_(std::move(work)), what_(std::move(what)), rank_(rank), timeout_(timeout) {}
+
+PendingWork::~PendingWork() = default;
+PendingWork::PendingWork(PendingWork&&) noexcept = default;
+PendingWork& PendingWork::operator=(PendingWork&&) noexcept = default;
+
+void PendingWork::wait() {
+  if (!work_) return;
+  auto work = std::move(work_);
+  try {
+    bool done = work->wait(timeout_);
+    TORCH_CHECK(done, "not completed");
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "shardopt: ", what_, " on rank ", rank_, " failed or timed out (timeout ",
+                timeout_.count(), " ms; a peer may have exited or not called it): ", e.what());
+  }
+  if (then_) {
+    auto then = std::move(then_);
+    then();
+  }
+}
+
+// ---- process group ------------------------------------------------------------------------
+
+namespace {
+
+c10d::ReduceOp to_c10d(Reduction op) {
+  switch (op) {
+    case Reduction::kSum: return c10d::ReduceOp::SUM;
+    case Reduction::kMax: return c10d::ReduceOp::MAX;
+    case Reduction::kMin: return c10d::ReduceOp::MIN;
+  }
+  TORCH_CHECK(false, "shardopt: unknown reduction");
+}
+
+int64_t nbytes(const at::Tensor& t) {
+  return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+}
+
+}  // namespace
+
+ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout)
+    : backend_(std::move(backend)), timeout_(timeout) {
+  TORCH_CHECK(backend_, "shardopt: ProcessGroup needs a c10d backend, got null");
+  TORCH_CHECK(timeout_.count() > 0, "shardopt: ProcessGroup timeout must be positive, got ",
+              timeout_.count(), " ms");
+  backend_name_ = backend_->getBackendName();
+  rank_ = backend_->getRank();
+  size_ = backend_->getSize();
+}
+
+ProcessGroup::~ProcessGroup() = default;
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroup::native() const {
+  return backend_;
+}
+
+PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work) {
+  stats_.calls[kind] += 1;
+  stats_.bytes[kind] += bytes;
+  return PendingWork(std::move(work), CommStats::name(kind), rank_, timeout_);
+}
+
+PendingWork ProcessGroup::broadcast_async(at::Tensor& tensor, int root) {
+  TORCH_CHECK(root >= 0 && root < size_, "shardopt: broadcast root ", root, " is outside [0, ", size_, ")");
+  std::vector<at::Tensor> ts{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  opts.timeout = timeout_;
+  return track(CommStats::kBroadcast, nbytes(tensor), backend_->broadcast(ts, opts));
+}
+
+void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
+  broadcast_async(tensor, root).wait();
+}
+
+PendingWork ProcessGroup::allreduce_async(at::Tensor& tensor, Reduction op) {
+  std::vector<at::Tensor> ts{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  opts.timeout = timeout_;
+  return track(CommStats::kAllreduce, nbytes(tensor), backend_->allreduce(ts, opts));
+}
+
+void ProcessGroup::allreduce(at::Tensor& tensor, Reduction op) {
+  allreduce_async(tensor, op).wait();
+}
+
+// Note [Reduce between two ranks]
+// Gloo's reduce is ring-based: between two ranks it sends 1.5x the buffer (a reduce-scatter,
+// then the second half to the root). A reduce of two ranks is one transfer: the other rank sends
+// its buffer, the root receives it into a scratch tensor and adds it when the work is waited on.
+// Tags come from a per-group sequence, the same on every rank because every rank issues its
+// collectives in the same order; they start above the tags callers of send/recv use.
+PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction op) {
+  TORCH_CHECK(root >= 0 && root < size_, "shardopt: reduce root ", root, " is outside [0, ", size_, ")");
+  if (size_ == 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {
+    constexpr uint32_t kFirstTag = 1u << 24;
+    const int tag = static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
+    if (rank_ != root) {
+      std::vector<at::Tensor> ts{tensor};
+      return track(CommStats::kReduce, nbytes(tensor), backend_->send(ts, root, tag));
+    }
+    std::vector<at::Tensor> ts{at::empty_like(tensor)};
+    auto work = track(CommStats::kReduce, nbytes(tensor), backend_->recv(ts, 1 - rank_, tag));
+    work.set_then([tensor, incoming = ts[0]]() mutable { tensor.add_(incoming); });
+    return work;
+  }
+  std::vector<at::Tensor> ts{tensor};
+  c10d::ReduceOptions opts;
+  opts.rootRank = root;
+  opts.reduceOp = to_c10d(op);
+  opts.timeout = timeout_;
+  return track(CommStats::kReduce, nbytes(tensor), backend_->reduce(ts, opts));
+}
+
+void ProcessGroup::reduce(at::Tensor& tensor, int root, Reduction op) {
+  reduce_async(tensor, root, op).wait();
+}
+
+void ProcessGroup::allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input) {
+  TORCH_CHECK(static_cast<int>(outputs.size()) == size_, "shardopt: allgather needs ", size_,
+              " outputs, got ", outputs.size());
+  std::vector<std::vector<at::Tensor>> out{outputs};
+  std::vector<at::Tensor> in{input};
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;
+  int64_t bytes = 0;
+  for (const auto& o : outputs) bytes += nbytes(o);
+  track(CommStats::kAllgather, bytes, backend_->allgather(out, in, opts)).wait();
+}
+
+void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK(static_cast<int>(inputs.size()) == size_, "shardopt: reduce_scatter needs ", size_,
+              " inputs, got ", inputs.size());
+  std::vector<at::Tensor> out{output};
+  std::vector<std::vector<at::Tensor>> in{inputs};
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.timeout = timeout_;
+  int64_t bytes = 0;
+  for (const auto& i : inputs) bytes += nbytes(i);
+  track(CommStats::kReduceScatter, bytes, backend_->reduce_scatter(out, in, opts)).wait();
+}
+
+void ProcessGroup::send(at::Tensor& tensor, int dst, int tag) {
+  TORCH_CHECK(dst >= 0 && dst < size_ && dst != rank_, "shardopt: send to rank ", dst,
+              " from rank ", rank_, " of ", size_, " is invalid");
+  std::vector<at::Tensor> ts{tensor};
+  track(CommStats::kSend, nbytes(tensor), backend_->send(ts, dst, tag)).wait();
+}
+
+void ProcessGroup::recv(at::Tensor& tensor, int src, int tag) {
+  TORCH_CHECK(src >= 0 && src < size_ && src != rank_, "shardopt: recv from rank ", src,
+              " on rank ", rank_, " of ", size_, " is invalid");
+  std::vector<at::Tensor> ts{tensor};
+  track(CommStats::kRecv, nbytes(tensor), backend_->recv(ts, src, tag)).wait();
+}
+
+void ProcessGroup::send_bytes(const std::vector<char>& bytes, int dst, int tag) {
+  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  send(size, dst, tag);
+  if (bytes.empty()) return;
+  at::Tensor payload = at::from_blob(const_cast<char*>(bytes.data()), {static_cast<int64_t>(bytes.size())}, at::kByte);
+  send(payload, dst, tag);
+}
+
+std::vector<char> ProcessGroup::recv_bytes(int src, int tag) {
+  at::Tensor size = at::empty({1}, at::kLong);
+  recv(size, src, tag);
+  const int64_t n = size.item<int64_t>();
+  TORCH_CHECK(n >= 0, "shardopt: recv_bytes from rank ", src, " got a negative length ", n);
+  std::vector<char> bytes(n);
+  if (n == 0) return bytes;
+  at::Tensor payload = at::from_blob(bytes.data(), {n}, at::kByte);
+  recv(payload, src, tag);
+  return bytes;
+}
+
+void ProcessGroup::barrier() {
+  c10d::BarrierOptions opts;
+  opts.timeout = timeout_;
+  track(CommStats::kBarrier, 0, backend_->barrier(opts)).wait();
+}
+
+std::vector<std::vector<int64_t>> ProcessGroup::allgather_ints(const std::vector<int64_t>& values) {
+  std::vector<std::vector<int64_t>> result(size_);
+  if (size_ == 1) {
+    result[0] = values;
+    return result;
+  }
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor len = at::full({1}, static_cast<int64_t>(values.size()), opts);
+  std::vector<at::Tensor> lens;
+  for (int r = 0; r < size_; ++r) lens.push_back(at::empty({1}, opts));
+  allgather(lens, len);
+  int64_t max_len = 0;
+  for (auto& l : lens) max_len = std::max(max_len, l.item<int64_t>());
+  at::Tensor mine = at::zeros({std::max<int64_t>(max_len, 1)}, opts);
+  std::copy(values.begin(), values.end(), mine.data_ptr<int64_t>());
+  std::vector<at::Tensor> all;
+  for (int r = 0; r < size_; ++r) all.push_back(at::empty_like(mine));
+  allgather(all, mine);
+  for (int r = 0; r < size_; ++r) {
+    const int64_t* p = all[r].data_ptr<int64_t>();
+    result[r].assign(p, p + lens[r].item<int64_t>());
+  }
+  return result;
+}
+
+void ProcessGroup::check_same_on_all_ranks(const std::vector<int64_t>& values, const std::string& what) {
+  auto all = allgather_ints(values);
+  for (int r = 1; r < size_; ++r) {
+    if (all[r] == all[0]) continue;
+    size_t i = 0;
+    while (i < all[0].size() && i < all[r].size() && all[0][i] == all[r][i]) ++i;
+    auto at = [](const std::vector<int64_t>& v, size_t i) {
+      return i < v.size() ? std::to_string(v[i]) : std::string("<missing>");
+    };
+    TORCH_CHECK(false, "shardopt: ranks disagree on ", what, ": position ", i, " is ", at(all[0], i),
+                " on rank 0 but ", at(all[r], i), " on rank ", r);
+  }
+}
+
+// ---- creation -----------------------------------------------------------------------------
+
+namespace {
+
+const char* getenv_or_null(const char* name) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? v : nullptr;
+}
+
+int parse_int(const std::string& text, const std::string& what) {
+  try {
+    size_t pos = 0;
+    int v = std::stoi(text, &pos);
+    TORCH_CHECK(pos == text.size(), "trailing characters");
+    return v;
+  } catch (const std::exception&) {
+    TORCH_CHECK(false, "shardopt: ", what, " must be an integer, got '", text, "'");
+  }
+}
+
+// Reads rank and world size from the first launcher convention present in the environment.
+void rank_from_env(InitOptions& options) {
+  static const std::pair<const char*, const char*> conventions[] = {
+      {"RANK", "WORLD_SIZE"},
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+      {"PMI_RANK", "PMI_SIZE"},
+      {"SLURM_PROCID", "SLURM_NTASKS"}};
+  for (auto [rank_var, size_var] : conventions) {
+    const char* r = getenv_or_null(rank_var);
+    const char* s = getenv_or_null(size_var);
+    if (!r || !s) continue;
+    if (options.rank() < 0) options.rank(parse_int(r, rank_var));
+    if (options.world_size() < 0) options.world_size(parse_int(s, size_var));
+    return;
+  }
+  TORCH_CHECK(options.rank() >= 0 && options.world_size() >= 0,
+              "shardopt: init_process_group could not find the rank and world size: set "
+              "InitOptions rank/world_size or RANK/WORLD_SIZE (also read: OMPI_COMM_WORLD_*, "
+              "PMI_*, SLURM_PROCID/SLURM_NTASKS)");
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+std::string resolve_backend(const std::string& requested) {
+  TORCH_CHECK(requested == "auto" || requested == "gloo" || requested == "nccl",
+              "shardopt: unknown backend '", requested, "' (expected \"gloo\", \"nccl\" or \"auto\")");
+  if (requested == "nccl") {
+    TORCH_CHECK(detail::nccl_compiled(), "shardopt: backend 'nccl' was requested but this build has no NCCL "
+                "backend; use \"gloo\" (CPU tensors)");
+    TORCH_CHECK(detail::nccl_usable(), "shardopt: backend 'nccl' was requested but no CUDA device is visible");
+    return "nccl";
+  }
+  if (requested == "auto" && detail::nccl_usable()) return "nccl";
+  return "gloo";
+}
+
+std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                         const InitOptions& options, const std::string& host) {
+  if (resolve_backend(options.backend()) == "nccl") {
+    try {
+      auto pg = detail::make_nccl_backend(store, options.rank(), options.world_size(), options.timeout());
+      return std::make_shared<ProcessGroup>(pg, options.timeout());
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "shardopt: rank ", options.rank(), " of ", options.world_size(),
+                  " could not create its NCCL group within ", options.timeout().count(), " ms: ", e.what());
+    }
+  }
+  auto gloo_opts = c10d::ProcessGroupGloo::Options::create(options.timeout());
+  gloo_opts->devices.push_back(host.empty() || is_loopback(host)
+                                   ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                   : c10d::ProcessGroupGloo::createDefaultDevice());
+  gloo_opts->threads = 1;
+  try {
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, options.rank(), options.world_size(), gloo_opts);
+    return std::make_shared<ProcessGroup>(pg, options.timeout());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "shardopt: rank ", options.rank(), " of ", options.world_size(),
+                " could not connect to its peers within ", options.timeout().count(),
+                " ms (init_method '", options.init_method(), "'; a rank may not have started): ", e.what());
+  }
+}
+
+void check_rank(const InitOptions& options) {
+  TORCH_CHECK(options.world_size() >= 1, "shardopt: world_size must be at least 1, got ", options.world_size());
+  TORCH_CHECK(options.rank() >= 0 && options.rank() < options.world_size(), "shardopt: rank ",
+              options.rank(), " is outside [0, ", options.world_size(), ")");
+  TORCH_CHECK(options.timeout().count() > 0, "shardopt: timeout must be positive, got ",
+              options.timeout().count(), " ms");
+}
+
+c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, const InitOptions& options) {
+  TORCH_CHECK(port > 0 && port < 65536, "shardopt: port ", port, " is outside (0, 65536)");
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(port);
+  opts.isServer = options.rank() == 0;
+  opts.numWorkers = options.world_size();
+  opts.waitWorkers = false;
+  opts.timeout = options.timeout();
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, opts);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "shardopt: rank ", options.rank(), " could not reach the store at ", host, ":",
+                port, " within ", options.timeout().count(), " ms: ", e.what());
+  }
+}
+
+}  // namespace
+
+// Note [Several ranks in one process]
+// c10d's FlightRecorder (a process-wide debugging ring buffer of recent collectives) updates a
+// shared map without a lock when several Gloo groups of one process start collectives at once,
+// and crashes. Ranks sharing a store in one process are exactly that case, so the recorder is
+// turned off here unless the user configured it (TORCH_FR_BUFFER_SIZE).
+std::shared_ptr<ProcessGroup> init_process_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                 InitOptions options) {
+  TORCH_CHECK(store, "shardopt: init_process_group got a null store");
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+  check_rank(options);
+  resolve_backend(options.backend());
+  store->setTimeout(options.timeout());
+  return make_group(store, options, "");
+}
+
+std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
+  const std::string method = options.init_method();
+  resolve_backend(options.backend());
+  if (method == "env://") {
+    rank_from_env(options);
+    check_rank(options);
+    const char* addr = getenv_or_null("MASTER_ADDR");
+    const char* port = getenv_or_null("MASTER_PORT");
+    TORCH_CHECK(addr, "shardopt: init_method env:// needs MASTER_ADDR in the environment");
+    TORCH_CHECK(port, "shardopt: init_method env:// needs MASTER_PORT in the environment");
+    auto store = tcp_store(addr, parse_int(port, "MASTER_PORT"), options);
+    return make_group(store, options, addr);
+  }
+  if (method.rfind("tcp://", 0) == 0) {
+    std::string rest = method.substr(6);
+    auto colon = rest.rfind(':');
+    TORCH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < rest.size(),
+                "shardopt: malformed init_method '", method, "' (expected tcp://HOST:PORT)");
+    std::string host = rest.substr(0, colon);
+    int port = parse_int(rest.substr(colon + 1), "the port of init_method '" + method + "'");
+    if (options.rank() < 0 || options.world_size() < 0) rank_from_env(options);
+    check_rank(options);
+    return make_group(tcp_store(host, port, options), options, host);
+  }
+  if (method.rfind("file://", 0) == 0) {
+    std::string path = method.substr(7);
+    TORCH_CHECK(!path.empty() && path[0] == '/', "shardopt: malformed init_method '", method,
+                "' (expected file:///ABSOLUTE/PATH)");
+    if (options.rank() < 0 || options.world_size() < 0) rank_from_env(options);
+    check_rank(options);
+    auto store = c10::make_intrusive<c10d::FileStore>(path, options.world_size());
+    store->setTimeout(options.timeout());
+    return make_group(store, options, "");
+  }
+  TORCH_CHECK(false, "shardopt: malformed init_method '", method,
+              "' (expected \"env://\", \"tcp://HOST:PORT\" or \"file:///PATH\")");
+}
+
+}  // namespace shardopt

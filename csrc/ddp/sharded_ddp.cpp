@@ -1,0 +1,419 @@
+#include <shardopt/ddp/sharded_ddp.h>
+
+#include "optim/trainable.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <map>
+#include <unordered_map>
+
+namespace shardopt {
+
+struct ShardedDDP::Entry {
+  size_t param = 0;    // index into params_
+  size_t bucket = 0;
+  int64_t offset = 0;  // first element of its gradient in the bucket
+  int64_t flag = 0;    // element that counts the ranks that produced a gradient
+  bool ready = false;
+};
+
+struct ShardedDDP::Bucket {
+  int owner = 0;
+  std::vector<size_t> entries;
+  int64_t numel = 0;   // gradient elements; one flag per entry follows them
+  at::TensorOptions options;
+  at::Tensor buffer;   // allocated when its first gradient arrives, released after the reduce
+  // An owner's bucket is kept between steps and reused as `buffer` once nothing refers to it
+  // (the gradients that were views of it are cleared): its memory is the owner's gradients,
+  // which it holds after every backward anyway, and reusing it spares the allocator.
+  at::Tensor storage;
+  size_t pending = 0;  // entries not yet copied in
+  PendingWork work;
+};
+
+namespace {
+
+// Runs after AccumulateGrad has accumulated a parameter's gradient.
+class GradReadyHook : public torch::autograd::PostAccumulateGradHook {
+ public:
+  GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  void operator()(const torch::autograd::Variable&) override { fn_(); }
+
+ private:
+  std::function<void()> fn_;
+};
+
+}  // namespace
+
+// ---- NoSync ------------------------------------------------------------------------------------
+
+NoSync::NoSync(ShardedDDP& ddp) : ddp_(&ddp) {
+  TORCH_CHECK(!ddp.no_sync_, "shardopt: no_sync() is already active on this ShardedDDP");
+  ddp.no_sync_ = true;
+}
+NoSync::NoSync(NoSync&& other) noexcept : ddp_(other.ddp_) {
+  other.ddp_ = nullptr;
+}
+NoSync::~NoSync() {
+  if (ddp_) ddp_->no_sync_ = false;
+}
+
+NoSync ShardedDDP::no_sync() {
+  return NoSync(*this);
+}
+
+// ---- construction --------------------------------------------------------------------------------
+
+ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OSS*> optimizers,
+                       ShardedDDPOptions options, std::shared_ptr<torch::nn::AnyModule> callable)
+    : module_(std::move(module)), callable_(std::move(callable)), optimizers_(std::move(optimizers)), options_(options) {
+  TORCH_CHECK(module_, "shardopt: ShardedDDP needs a module, got null");
+  TORCH_CHECK(!optimizers_.empty(), "shardopt: ShardedDDP needs at least one OSS optimizer");
+  TORCH_CHECK(options_.reduce_bucket_bytes() >= 0, "shardopt: reduce_bucket_bytes must be >= 0, got ",
+              options_.reduce_bucket_bytes());
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    TORCH_CHECK(optimizers_[k], "shardopt: ShardedDDP optimizer ", k, " is null");
+    TORCH_CHECK(&optimizers_[k]->process_group() == &optimizers_[0]->process_group(),
+                "shardopt: ShardedDDP optimizers 0 and ", k, " use different process groups");
+  }
+  group_ = std::shared_ptr<ProcessGroup>(&optimizers_[0]->process_group(), [](ProcessGroup*) {});
+
+  std::unordered_map<const void*, std::pair<size_t, size_t>> place;  // -> (optimizer, position)
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    const auto& ps = optimizers_[k]->all_params();
+    for (size_t i = 0; i < ps.size(); ++i) place[ps[i].unsafeGetTensorImpl()] = {k, i};
+  }
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    auto it = place.find(item.value().unsafeGetTensorImpl());
+    TORCH_CHECK(it != place.end(), "shardopt: parameter '", item.key(),
+                "' of the module is in none of the OSS optimizers given to ShardedDDP");
+    names_.push_back(item.key());
+    params_.push_back(item.value());
+    place_.push_back(it->second);
+  }
+  TORCH_CHECK(!params_.empty(), "shardopt: ShardedDDP: the module has no parameters");
+  refresh_owners();
+
+  if (options_.sync_models_at_startup() && group_->size() > 1) {
+    at::NoGradGuard no_grad;
+    for (auto& p : params_) {
+      at::Tensor data = p.detach();
+      group_->broadcast(data, 0);
+    }
+    for (auto& b : module_->buffers()) group_->broadcast(b, 0);
+  }
+  auto mask = detail::trainable_mask(params_);
+  detail::agree_on_mask(*group_, mask, /*exhaustive=*/true, [this](size_t i) { return "parameter '" + names_[i] + "'"; });
+  // forward() checks the trainable set; the step need not check it again.
+  if (options_.auto_refresh_trainable()) {
+    for (OSS* opt : optimizers_) opt->set_check_trainable_every_step(false);
+  }
+  build(mask);
+  balanced_for_ = mask_;
+}
+
+void ShardedDDP::refresh_owners() {
+  owner_.clear();
+  for (const auto& [k, i] : place_) owner_.push_back(optimizers_[k]->partition().owner(i));
+  partition_versions_.clear();
+  for (OSS* opt : optimizers_) partition_versions_.push_back(opt->partition_version());
+}
+
+// After an agreed change of the trainable set, each optimizer may re-partition (Note [Rebalance
+// after a freeze]); the buckets then follow the new owners, for the same trainable set.
+void ShardedDDP::follow_partition(bool agreed_mask_changed) {
+  if (agreed_mask_changed) {
+    for (size_t k = 0; k < optimizers_.size(); ++k) {
+      std::vector<uint8_t> mask = optimizers_[k]->trainable_mask();  // parameters outside the module
+      for (size_t m = 0; m < params_.size(); ++m) {
+        if (place_[m].first == k) mask[place_[m].second] = mask_[m];
+      }
+      optimizers_[k]->rebalance(mask);
+    }
+    balanced_for_ = mask_;
+  }
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    if (optimizers_[k]->partition_version() != partition_versions_[k]) {
+      refresh_owners();
+      build(mask_);
+      // The re-partition gave each moved gradient to its new owner; the old one lets go of it,
+      // unless it is a local gradient still waiting to be reduced (no_sync).
+      if (!unreduced_local_grads_) {
+        for (size_t m = 0; m < params_.size(); ++m) {
+          if (owner_[m] != group_->rank()) params_[m].mutable_grad().reset();
+        }
+      }
+      return;
+    }
+  }
+}
+
+ShardedDDP::~ShardedDDP() {
+  remove_hooks();
+}
+
+void ShardedDDP::remove_hooks() {
+  for (auto& p : params_) {
+    if (torch::autograd::impl::post_acc_grad_hooks(p)) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+  }
+}
+
+// Note [Bucket order]
+// Gloo (and NCCL) need every rank to issue collectives in the same order. Buckets are built from
+// the trainable parameters in reverse module order (roughly the order backward produces their
+// gradients), one open bucket per (owner, device, dtype), closed when the next gradient would
+// exceed reduce_bucket_bytes. They are launched strictly in that order: a bucket that fills early
+// waits for the ones before it. Every rank builds the same list from the same module, so the
+// order is identical everywhere, whatever order the hooks fire in.
+void ShardedDDP::build(std::vector<uint8_t> mask) {
+  remove_hooks();
+  mask_ = std::move(mask);
+  entries_.clear();
+  buckets_.clear();
+  next_launch_ = 0;
+  std::map<std::tuple<int, int, int>, size_t> open;  // (owner, device, dtype) -> bucket
+  const int64_t cap = options_.reduce_bucket_bytes();
+  for (size_t k = params_.size(); k-- > 0;) {
+    if (!mask_[k]) continue;
+    const auto& p = params_[k];
+    const auto key = std::make_tuple(owner_[k], static_cast<int>(p.device().type()) * 1000 + p.device().index(),
+                                     static_cast<int>(p.scalar_type()));
+    auto it = open.find(key);
+    const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+    if (it != open.end()) {
+      const auto& b = buckets_[it->second];
+      if (cap == 0 || (b.numel * static_cast<int64_t>(p.element_size()) + bytes > cap)) open.erase(it), it = open.end();
+    }
+    if (it == open.end()) {
+      Bucket b;
+      b.owner = owner_[k];
+      b.options = p.options().requires_grad(false);
+      buckets_.push_back(std::move(b));
+      it = open.emplace(key, buckets_.size() - 1).first;
+    }
+    Entry e;
+    e.param = k;
+    e.bucket = it->second;
+    e.offset = buckets_[it->second].numel;
+    buckets_[it->second].numel += p.numel();
+    buckets_[it->second].entries.push_back(entries_.size());
+    entries_.push_back(e);
+  }
+  for (auto& b : buckets_) {
+    b.pending = b.entries.size();
+    for (size_t k = 0; k < b.entries.size(); ++k) entries_[b.entries[k]].flag = b.numel + static_cast<int64_t>(k);
+  }
+  for (size_t e = 0; e < entries_.size(); ++e) {
+    torch::autograd::impl::set_post_acc_grad_hooks(
+        params_[entries_[e].param], std::make_unique<GradReadyHook>([this, e] { on_grad_ready(e); }));
+  }
+  ++rebuilds_;
+}
+
+// ---- forward ------------------------------------------------------------------------------------
+
+void ShardedDDP::pre_forward() {
+  if (options_.auto_refresh_trainable()) {
+    await_mask_check();  // from here on mask_ is known to be the same on every rank
+    follow_partition(mask_ != balanced_for_);
+    auto mask = detail::trainable_mask(params_);
+    if (mask != mask_) {
+      TORCH_CHECK(!unreduced_local_grads_, "shardopt: the trainable set changed while no_sync() gradients are "
+                  "waiting to be reduced; call reduce() (or run a backward outside no_sync) first");
+      build(std::move(mask));
+    }
+    start_mask_check();
+  } else {
+    follow_partition(false);  // each OSS re-partitions in its step, after its own check
+  }
+  if (options_.broadcast_buffers() && group_->size() > 1) {
+    at::NoGradGuard no_grad;
+    for (auto& b : module_->buffers()) group_->broadcast(b, 0);
+  }
+}
+
+// Note [Overlapped trainability check]
+// Each forward() starts an all-reduce of (h, -h) under MAX, h a hash of the trainable mask the
+// buckets were built for; max(h) == -max(-h) exactly when all ranks agree. Backward waits for it
+// before its first reduction, so the check costs no time beside the forward; on disagreement
+// every rank, at the same point, all-gathers the masks and raises an error naming the parameter.
+void ShardedDDP::start_mask_check() {
+  if (group_->size() == 1) return;
+  checked_mask_ = mask_;
+  const auto v = static_cast<int64_t>(detail::mask_hash(mask_) >> 1);
+  mask_check_buffer_ = at::tensor({v, -v}, at::kLong);
+  mask_check_ = group_->allreduce_async(mask_check_buffer_, Reduction::kMax);
+}
+
+void ShardedDDP::await_mask_check() {
+  if (!mask_check_.valid()) return;
+  mask_check_.wait();
+  if (mask_check_buffer_[0].item<int64_t>() == -mask_check_buffer_[1].item<int64_t>()) return;
+  detail::agree_on_mask(*group_, checked_mask_, /*exhaustive=*/true,
+                        [this](size_t i) { return "parameter '" + names_[i] + "'"; });
+}
+
+void ShardedDDP::refresh_trainable() {
+  await_mask_check();
+  TORCH_CHECK(!unreduced_local_grads_, "shardopt: refresh_trainable() while no_sync() gradients are waiting to be "
+              "reduced; call reduce() (or run a backward outside no_sync) first");
+  auto mask = detail::trainable_mask(params_);
+  detail::agree_on_mask(*group_, mask, /*exhaustive=*/false, [this](size_t i) { return "parameter '" + names_[i] + "'"; });
+  build(std::move(mask));
+  follow_partition(mask_ != balanced_for_);
+}
+
+// ---- backward -----------------------------------------------------------------------------------
+
+void ShardedDDP::on_grad_ready(size_t e) {
+  if (no_sync_) {
+    unreduced_local_grads_ = true;
+    return;
+  }
+  if (!in_backward_) {
+    await_mask_check();
+    in_backward_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_reduction(); });
+  }
+  fill_entry(e);
+  launch_ready_buckets();
+}
+
+void ShardedDDP::fill_entry(size_t e) {
+  Entry& entry = entries_[e];
+  if (entry.ready) return;
+  Bucket& b = buckets_[entry.bucket];
+  at::NoGradGuard no_grad;
+  if (!b.buffer.defined()) {
+    // Only the flags start at zero: every gradient slot is written below (copied or zeroed).
+    if (b.storage.defined() && b.storage.storage().use_count() == 1) {
+      b.buffer = b.storage;
+    } else {
+      b.buffer = at::empty({b.numel + static_cast<int64_t>(b.entries.size())}, b.options);
+      if (b.owner == group_->rank()) b.storage = b.buffer;
+    }
+    b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).zero_();
+  }
+  at::Tensor& p = params_[entry.param];
+  at::Tensor slot = b.buffer.narrow(0, entry.offset, p.numel());
+  if (p.grad().defined()) {
+    if (p.grad().data_ptr() != slot.data_ptr()) slot.copy_(p.grad().reshape(-1));
+    b.buffer[entry.flag].fill_(1);
+    // The local gradient is released as soon as it is in the bucket: a non-owner drops it, the
+    // owner's becomes a view of its slot, which the reduction then overwrites with the sum.
+    if (b.owner != group_->rank()) {
+      p.mutable_grad().reset();
+    } else {
+      p.mutable_grad() = slot.view(p.sizes());
+    }
+  } else {
+    slot.zero_();
+  }
+  entry.ready = true;
+  --b.pending;
+}
+
+void ShardedDDP::launch_ready_buckets() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    Bucket& b = buckets_[next_launch_++];
+    b.work = group_->reduce_async(b.buffer, b.owner);
+  }
+}
+
+void ShardedDDP::finish_reduction() {
+  in_backward_ = false;
+  // Parameters that got no gradient in this backward still take part, so every rank launches
+  // the same buckets; their flags say whether any rank had a gradient (from this backward or
+  // accumulated under no_sync).
+  for (size_t e = 0; e < entries_.size(); ++e) fill_entry(e);
+  launch_ready_buckets();
+  for (auto& b : buckets_) b.work.wait();
+
+  // A parameter that became trainable without a rebuild has a local, unreduced gradient.
+  for (size_t k = 0; k < params_.size(); ++k) {
+    TORCH_CHECK(mask_[k] || !params_[k].grad().defined() || !params_[k].requires_grad(),
+                "shardopt: parameter '", names_[k], "' became trainable after the last rebuild; call "
+                "refresh_trainable() (or keep auto_refresh_trainable on and call forward())");
+  }
+  double divisor = 1.0;
+  switch (options_.grad_scaling()) {
+    case GradScaling::kMean: divisor = group_->size(); break;
+    case GradScaling::kSum: break;
+    case GradScaling::kGlobalSamples:
+      TORCH_CHECK(global_samples_ > 0, "shardopt: grad_scaling kGlobalSamples needs set_global_samples(n > 0) "
+                  "before each backward (got ", global_samples_, ")");
+      divisor = static_cast<double>(global_samples_);
+      break;
+  }
+  const int rank = group_->rank();
+  at::NoGradGuard no_grad;
+  for (auto& b : buckets_) {
+    if (b.owner == rank) {
+      at::Tensor grads = b.buffer.narrow(0, 0, b.numel);
+      if (divisor != 1.0) grads.div_(divisor);
+      // The flags of the whole bucket, read in one go (one copy off the device, if any).
+      const at::Tensor flags = b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size()))
+                                   .to(at::kCPU, at::kDouble);
+      const double* flag = flags.data_ptr<double>();
+      for (size_t k = 0; k < b.entries.size(); ++k) {
+        const Entry& entry = entries_[b.entries[k]];
+        at::Tensor& p = params_[entry.param];
+        if (flag[k] > 0) {
+          // The owner's gradient becomes a view of the reduced bucket: no second copy.
+          p.mutable_grad() = b.buffer.narrow(0, entry.offset, p.numel()).view(p.sizes());
+        } else {
+          p.mutable_grad().reset();
+        }
+      }
+    }
+    b.buffer = at::Tensor();
+    b.pending = b.entries.size();
+  }
+  for (auto& entry : entries_) entry.ready = false;
+  next_launch_ = 0;
+  unreduced_local_grads_ = false;
+  global_samples_ = -1;
+}
+
+void ShardedDDP::reduce() {
+  TORCH_CHECK(!in_backward_, "shardopt: reduce() called during backward");
+  TORCH_CHECK(!no_sync_, "shardopt: reduce() called inside no_sync()");
+  await_mask_check();
+  finish_reduction();
+}
+
+void ShardedDDP::set_global_samples(int64_t real_samples) {
+  TORCH_CHECK(real_samples > 0, "shardopt: set_global_samples needs a positive count, got ", real_samples);
+  global_samples_ = real_samples;
+}
+
+void ShardedDDP::zero_grad(bool set_to_none) {
+  for (auto& p : params_) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none) {
+      p.mutable_grad().reset();
+    } else {
+      p.mutable_grad().detach_();
+      p.mutable_grad().zero_();
+    }
+  }
+}
+
+size_t ShardedDDP::num_buckets() const {
+  return buckets_.size();
+}
+
+int64_t ShardedDDP::local_grad_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& p : params_) {
+    if (p.grad().defined()) bytes += static_cast<int64_t>(p.grad().nbytes());
+  }
+  return bytes;
+}
+
+}  // namespace shardopt

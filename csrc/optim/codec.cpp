@@ -1,0 +1,288 @@
+#include "optim/codec.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/api/include/torch/optim/adagrad.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/api/include/torch/optim/rmsprop.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
+
+#include <typeinfo>
+
+namespace shardopt::detail {
+
+namespace optim = torch::optim;
+
+GenericDict make_string_dict() {
+  return GenericDict(c10::StringType::get(), c10::AnyType::get());
+}
+
+namespace {
+
+double get_double(const GenericDict& d, const char* key, double fallback) {
+  if (!d.contains(key)) return fallback;
+  const auto& v = d.at(key);
+  TORCH_CHECK(v.isDouble() || v.isInt(), "shardopt: state_dict option '", key, "' must be a number, got ", v.tagKind());
+  return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+}
+
+bool get_bool(const GenericDict& d, const char* key, bool fallback) {
+  if (!d.contains(key)) return fallback;
+  const auto& v = d.at(key);
+  TORCH_CHECK(v.isBool(), "shardopt: state_dict option '", key, "' must be a bool, got ", v.tagKind());
+  return v.toBool();
+}
+
+std::tuple<double, double> get_betas(const GenericDict& d, std::tuple<double, double> fallback) {
+  if (!d.contains("betas")) return fallback;
+  const auto& v = d.at("betas");
+  std::vector<c10::IValue> items;
+  if (v.isTuple()) {
+    items = v.toTupleRef().elements().vec();
+  } else if (v.isList()) {
+    items = v.toListRef().vec();
+  }
+  TORCH_CHECK(items.size() == 2, "shardopt: state_dict option 'betas' must hold two numbers");
+  auto num = [](const c10::IValue& x) { return x.isDouble() ? x.toDouble() : static_cast<double>(x.toInt()); };
+  return {num(items[0]), num(items[1])};
+}
+
+at::Tensor get_tensor(const GenericDict& d, const char* key) {
+  if (!d.contains(key)) return at::Tensor();
+  const auto& v = d.at(key);
+  if (v.isNone()) return at::Tensor();
+  TORCH_CHECK(v.isTensor(), "shardopt: state entry '", key, "' must be a tensor, got ", v.tagKind());
+  return v.toTensor().clone();
+}
+
+// PyTorch keeps "step" as a float32 scalar tensor; older files and LibTorch use an integer.
+int64_t get_step(const GenericDict& d) {
+  if (!d.contains("step")) return 0;
+  const auto& v = d.at("step");
+  if (v.isTensor()) return static_cast<int64_t>(v.toTensor().item<double>());
+  if (v.isDouble()) return static_cast<int64_t>(v.toDouble());
+  TORCH_CHECK(v.isInt(), "shardopt: state entry 'step' must be a number or a tensor, got ", v.tagKind());
+  return v.toInt();
+}
+
+c10::IValue step_value(int64_t step) {
+  return at::scalar_tensor(static_cast<double>(step), at::kFloat);
+}
+
+void put_tensor(GenericDict& d, const char* key, const at::Tensor& t) {
+  if (t.defined()) d.insert(key, t);
+}
+
+// Keys PyTorch's optimizers carry that have no LibTorch counterpart, at their default values,
+// so that torch.optim's load_state_dict sees a complete group.
+void put_python_defaults(GenericDict& d, bool has_capturable, bool has_fused) {
+  d.insert("maximize", false);
+  d.insert("foreach", c10::IValue());
+  d.insert("differentiable", false);
+  if (has_capturable) d.insert("capturable", false);
+  if (has_fused) d.insert("fused", c10::IValue());
+}
+
+// ---- Adam and AdamW share everything but the class and decoupled_weight_decay ------------
+
+template <class Options, class State, bool kDecoupled>
+struct AdamLike {
+  static GenericDict encode_options(const optim::OptimizerOptions& base) {
+    const auto& o = static_cast<const Options&>(base);
+    auto d = make_string_dict();
+    d.insert("lr", o.lr());
+    d.insert("betas", c10::ivalue::Tuple::create({std::get<0>(o.betas()), std::get<1>(o.betas())}));
+    d.insert("eps", o.eps());
+    d.insert("weight_decay", o.weight_decay());
+    d.insert("amsgrad", o.amsgrad());
+    d.insert("decoupled_weight_decay", kDecoupled);
+    put_python_defaults(d, true, true);
+    return d;
+  }
+  static std::unique_ptr<optim::OptimizerOptions> decode_options(const GenericDict& d,
+                                                                 const optim::OptimizerOptions& base) {
+    auto o = std::make_unique<Options>(static_cast<const Options&>(base));
+    o->lr(get_double(d, "lr", o->lr()));
+    o->betas(get_betas(d, o->betas()));
+    o->eps(get_double(d, "eps", o->eps()));
+    o->weight_decay(get_double(d, "weight_decay", o->weight_decay()));
+    o->amsgrad(get_bool(d, "amsgrad", o->amsgrad()));
+    TORCH_CHECK(get_bool(d, "decoupled_weight_decay", kDecoupled) == kDecoupled,
+                "shardopt: the state_dict was saved with decoupled_weight_decay=", !kDecoupled,
+                ", which this optimizer does not implement");
+    return o;
+  }
+  static GenericDict encode_state(const optim::OptimizerParamState& base) {
+    const auto& s = static_cast<const State&>(base);
+    auto d = make_string_dict();
+    d.insert("step", step_value(s.step()));
+    put_tensor(d, "exp_avg", s.exp_avg());
+    put_tensor(d, "exp_avg_sq", s.exp_avg_sq());
+    put_tensor(d, "max_exp_avg_sq", s.max_exp_avg_sq());
+    return d;
+  }
+  static std::unique_ptr<optim::OptimizerParamState> decode_state(const GenericDict& d) {
+    auto s = std::make_unique<State>();
+    s->step(get_step(d));
+    s->exp_avg(get_tensor(d, "exp_avg"));
+    s->exp_avg_sq(get_tensor(d, "exp_avg_sq"));
+    s->max_exp_avg_sq(get_tensor(d, "max_exp_avg_sq"));
+    return s;
+  }
+};
+
+struct SGDCodec {
+  static GenericDict encode_options(const optim::OptimizerOptions& base) {
+    const auto& o = static_cast<const optim::SGDOptions&>(base);
+    auto d = make_string_dict();
+    d.insert("lr", o.lr());
+    d.insert("momentum", o.momentum());
+    d.insert("dampening", o.dampening());
+    d.insert("weight_decay", o.weight_decay());
+    d.insert("nesterov", o.nesterov());
+    put_python_defaults(d, false, true);
+    return d;
+  }
+  static std::unique_ptr<optim::OptimizerOptions> decode_options(const GenericDict& d,
+                                                                 const optim::OptimizerOptions& base) {
+    auto o = std::make_unique<optim::SGDOptions>(static_cast<const optim::SGDOptions&>(base));
+    o->lr(get_double(d, "lr", o->lr()));
+    o->momentum(get_double(d, "momentum", o->momentum()));
+    o->dampening(get_double(d, "dampening", o->dampening()));
+    o->weight_decay(get_double(d, "weight_decay", o->weight_decay()));
+    o->nesterov(get_bool(d, "nesterov", o->nesterov()));
+    return o;
+  }
+  static GenericDict encode_state(const optim::OptimizerParamState& base) {
+    const auto& s = static_cast<const optim::SGDParamState&>(base);
+    auto d = make_string_dict();
+    put_tensor(d, "momentum_buffer", s.momentum_buffer());
+    return d;
+  }
+  static std::unique_ptr<optim::OptimizerParamState> decode_state(const GenericDict& d) {
+    auto s = std::make_unique<optim::SGDParamState>();
+    s->momentum_buffer(get_tensor(d, "momentum_buffer"));
+    return s;
+  }
+};
+
+struct RMSpropCodec {
+  static GenericDict encode_options(const optim::OptimizerOptions& base) {
+    const auto& o = static_cast<const optim::RMSpropOptions&>(base);
+    auto d = make_string_dict();
+    d.insert("lr", o.lr());
+    d.insert("alpha", o.alpha());
+    d.insert("eps", o.eps());
+    d.insert("weight_decay", o.weight_decay());
+    d.insert("momentum", o.momentum());
+    d.insert("centered", o.centered());
+    put_python_defaults(d, true, false);
+    return d;
+  }
+  static std::unique_ptr<optim::OptimizerOptions> decode_options(const GenericDict& d,
+                                                                 const optim::OptimizerOptions& base) {
+    auto o = std::make_unique<optim::RMSpropOptions>(static_cast<const optim::RMSpropOptions&>(base));
+    o->lr(get_double(d, "lr", o->lr()));
+    o->alpha(get_double(d, "alpha", o->alpha()));
+    o->eps(get_double(d, "eps", o->eps()));
+    o->weight_decay(get_double(d, "weight_decay", o->weight_decay()));
+    o->momentum(get_double(d, "momentum", o->momentum()));
+    o->centered(get_bool(d, "centered", o->centered()));
+    return o;
+  }
+  static GenericDict encode_state(const optim::OptimizerParamState& base) {
+    const auto& s = static_cast<const optim::RMSpropParamState&>(base);
+    auto d = make_string_dict();
+    d.insert("step", step_value(s.step()));
+    put_tensor(d, "square_avg", s.square_avg());
+    put_tensor(d, "momentum_buffer", s.momentum_buffer());
+    put_tensor(d, "grad_avg", s.grad_avg());
+    return d;
+  }
+  static std::unique_ptr<optim::OptimizerParamState> decode_state(const GenericDict& d) {
+    auto s = std::make_unique<optim::RMSpropParamState>();
+    s->step(get_step(d));
+    s->square_avg(get_tensor(d, "square_avg"));
+    s->momentum_buffer(get_tensor(d, "momentum_buffer"));
+    s->grad_avg(get_tensor(d, "grad_avg"));
+    return s;
+  }
+};
+
+struct AdagradCodec {
+  static GenericDict encode_options(const optim::OptimizerOptions& base) {
+    const auto& o = static_cast<const optim::AdagradOptions&>(base);
+    auto d = make_string_dict();
+    d.insert("lr", o.lr());
+    d.insert("lr_decay", o.lr_decay());
+    d.insert("weight_decay", o.weight_decay());
+    d.insert("initial_accumulator_value", o.initial_accumulator_value());
+    d.insert("eps", o.eps());
+    put_python_defaults(d, false, true);
+    return d;
+  }
+  static std::unique_ptr<optim::OptimizerOptions> decode_options(const GenericDict& d,
+                                                                 const optim::OptimizerOptions& base) {
+    auto o = std::make_unique<optim::AdagradOptions>(static_cast<const optim::AdagradOptions&>(base));
+    o->lr(get_double(d, "lr", o->lr()));
+    o->lr_decay(get_double(d, "lr_decay", o->lr_decay()));
+    o->weight_decay(get_double(d, "weight_decay", o->weight_decay()));
+    o->initial_accumulator_value(get_double(d, "initial_accumulator_value", o->initial_accumulator_value()));
+    o->eps(get_double(d, "eps", o->eps()));
+    return o;
+  }
+  static GenericDict encode_state(const optim::OptimizerParamState& base) {
+    const auto& s = static_cast<const optim::AdagradParamState&>(base);
+    auto d = make_string_dict();
+    d.insert("step", step_value(s.step()));
+    put_tensor(d, "sum", s.sum());
+    return d;
+  }
+  static std::unique_ptr<optim::OptimizerParamState> decode_state(const GenericDict& d) {
+    auto s = std::make_unique<optim::AdagradParamState>();
+    s->step(get_step(d));
+    s->sum(get_tensor(d, "sum"));
+    return s;
+  }
+};
+
+template <class C>
+OptimizerCodec make_codec(const char* name) {
+  return {name, &C::encode_options, &C::decode_options, &C::encode_state, &C::decode_state};
+}
+
+}  // namespace
+
+const OptimizerCodec* find_codec(const optim::Optimizer& optimizer) {
+  using AdamCodec = AdamLike<optim::AdamOptions, optim::AdamParamState, false>;
+  using AdamWCodec = AdamLike<optim::AdamWOptions, optim::AdamWParamState, true>;
+  static const OptimizerCodec adam = make_codec<AdamCodec>("Adam");
+  static const OptimizerCodec adamw = make_codec<AdamWCodec>("AdamW");
+  static const OptimizerCodec sgd = make_codec<SGDCodec>("SGD");
+  static const OptimizerCodec rmsprop = make_codec<RMSpropCodec>("RMSprop");
+  static const OptimizerCodec adagrad = make_codec<AdagradCodec>("Adagrad");
+  const auto& type = typeid(optimizer);
+  if (type == typeid(optim::Adam)) return &adam;
+  if (type == typeid(optim::AdamW)) return &adamw;
+  if (type == typeid(optim::SGD)) return &sgd;
+  if (type == typeid(optim::RMSprop)) return &rmsprop;
+  if (type == typeid(optim::Adagrad)) return &adagrad;
+  return nullptr;
+}
+
+const OptimizerCodec& codec_for(const optim::Optimizer& optimizer) {
+  const OptimizerCodec* codec = find_codec(optimizer);
+  TORCH_CHECK(codec, "shardopt: state_dict() supports Adam, AdamW, SGD, RMSprop and Adagrad; the wrapped "
+              "optimizer is ", typeid(optimizer).name());
+  return *codec;
+}
+
+int64_t state_tensor_bytes(const GenericDict& state) {
+  int64_t bytes = 0;
+  for (const auto& v : state) {
+    if (v.value().isTensor() && v.key().toStringRef() != "step") bytes += v.value().toTensor().nbytes();
+  }
+  return bytes;
+}
+
+}  // namespace shardopt::detail

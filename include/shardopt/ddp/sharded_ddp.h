@@ -1,0 +1,165 @@
+// ShardedDDP: gradient sharding (ZeRO stage 2) on top of OSS.
+//
+// During backward, a hook after each parameter's gradient accumulation copies the gradient into
+// a bucket of its owner rank (buckets hold up to reduce_bucket_bytes; 0 = one per parameter);
+// a full bucket is reduced to its owner at once, in an order identical on every rank
+// (Note [Bucket order]), overlapping the rest of backward. The end of backward flushes the
+// remaining buckets and waits. Afterwards a rank holds gradients only for the parameters it
+// owns; OSS::step() then updates the owned shard and makes every copy current.
+//
+//   auto group = shardopt::init_process_group();
+//   shardopt::OSS opt(model->parameters(), shardopt::optimizer<torch::optim::Adam>(...), group);
+//   shardopt::ShardedDDP ddp(model, opt);
+//   auto loss = loss_fn(ddp.forward(x), y);   // forward() notices freezing/unfreezing
+//   loss.backward();                          // gradients reduced to their owners
+//   opt.step();
+//
+// Trainability: with auto_refresh_trainable, every forward() rebuilds buckets and hooks when the
+// local trainable set changed, and starts a 16-byte all-reduce that checks all ranks have the
+// same set; backward waits for it before its first reduction (the check overlaps the forward),
+// and ranks that disagree all get an error naming the parameter. Once the new set is agreed
+// on (at the next forward()), each OSS may re-partition to balance the trainable work (see
+// OSSOptions::rebalance) and the buckets follow the new owners; a frozen parameter's optimizer
+// state is kept for when it is unfrozen.
+//
+// forward() calls the module's own forward through torch::nn::AnyModule, so the module needs a
+// (non-template) forward method; for other modules call pre_forward() and then the module.
+#pragma once
+
+#include <shardopt/comm/process_group.h>
+#include <shardopt/optim/oss.h>
+
+#include <torch/csrc/api/include/torch/nn/module.h>
+#include <torch/csrc/api/include/torch/detail/static.h>
+#include <torch/csrc/api/include/torch/nn/modules/container/any.h>
+
+#include <memory>
+#include <vector>
+
+namespace shardopt {
+
+enum class GradScaling {
+  kMean,           // divide the summed gradient by the world size, like DDP
+  kSum,            // keep the sum over ranks
+  kGlobalSamples,  // divide by set_global_samples(): each rank's loss is a sum over its real samples
+};
+
+struct ShardedDDPOptions {
+  TORCH_ARG(int64_t, reduce_bucket_bytes) = 8 << 20;
+  TORCH_ARG(bool, auto_refresh_trainable) = true;
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  TORCH_ARG(bool, sync_models_at_startup) = true;
+  TORCH_ARG(GradScaling, grad_scaling) = GradScaling::kMean;
+};
+
+class ShardedDDP;
+
+// While alive, backward accumulates gradients locally (no communication).
+class NoSync {
+ public:
+  explicit NoSync(ShardedDDP& ddp);
+  ~NoSync();
+  NoSync(const NoSync&) = delete;
+  NoSync& operator=(const NoSync&) = delete;
+  NoSync(NoSync&& other) noexcept;
+
+ private:
+  ShardedDDP* ddp_;
+};
+
+class ShardedDDP {
+ public:
+  template <class M>
+  ShardedDDP(std::shared_ptr<M> module, OSS& optimizer, ShardedDDPOptions options = {})
+      : ShardedDDP(module, std::vector<OSS*>{&optimizer}, options) {}
+
+  template <class M>
+  ShardedDDP(std::shared_ptr<M> module, std::vector<OSS*> optimizers, ShardedDDPOptions options = {})
+      : ShardedDDP(std::static_pointer_cast<torch::nn::Module>(module), std::move(optimizers), options,
+                   make_any(module)) {}
+
+  ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OSS*> optimizers, ShardedDDPOptions options,
+             std::shared_ptr<torch::nn::AnyModule> callable);
+  ~ShardedDDP();
+  ShardedDDP(const ShardedDDP&) = delete;
+  ShardedDDP& operator=(const ShardedDDP&) = delete;
+
+  template <class R = torch::Tensor, class... Args>
+  R forward(Args&&... args) {
+    TORCH_CHECK(callable_, "shardopt: ShardedDDP::forward needs a module with a forward() method; call "
+                "pre_forward() and then the module yourself");
+    pre_forward();
+    return callable_->forward<R>(std::forward<Args>(args)...);
+  }
+
+  // What forward() does before calling the module: trainability check (and rebuild), buffer
+  // broadcast. Collective.
+  void pre_forward();
+  void zero_grad(bool set_to_none);
+  // Agrees across ranks on the trainable set and rebuilds buckets and hooks. Collective.
+  void refresh_trainable();
+  NoSync no_sync();
+  // Reduces what no_sync() accumulated, now. Collective.
+  void reduce();
+  // For kGlobalSamples: the number of real samples in this global step, before backward.
+  void set_global_samples(int64_t real_samples);
+  std::shared_ptr<torch::nn::Module> module() const { return module_; }
+
+  // ---- introspection ----
+  // Bytes of gradients this rank holds now.
+  int64_t local_grad_bytes() const;
+  size_t num_buckets() const;
+  int64_t rebuild_count() const { return rebuilds_; }
+
+ private:
+  friend class NoSync;
+  struct Entry;
+  struct Bucket;
+
+  template <class M>
+  static std::shared_ptr<torch::nn::AnyModule> make_any(const std::shared_ptr<M>& module) {
+    if constexpr (torch::detail::has_forward<M>::value) {
+      return std::make_shared<torch::nn::AnyModule>(module);
+    } else {
+      return nullptr;
+    }
+  }
+
+  void build(std::vector<uint8_t> mask);
+  void refresh_owners();
+  void follow_partition(bool agreed_mask_changed);
+  void remove_hooks();
+  void on_grad_ready(size_t entry);
+  void launch_ready_buckets();
+  void finish_reduction();
+  void fill_entry(size_t entry);
+  void start_mask_check();
+  void await_mask_check();
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<torch::nn::AnyModule> callable_;
+  std::vector<OSS*> optimizers_;
+  std::shared_ptr<ProcessGroup> group_;
+  ShardedDDPOptions options_;
+
+  std::vector<at::Tensor> params_;  // the module's parameters, in module order
+  std::vector<std::string> names_;
+  std::vector<std::pair<size_t, size_t>> place_;  // per module parameter: (optimizer, its position there)
+  std::vector<int> owner_;          // per module parameter
+  std::vector<int64_t> partition_versions_;  // of each optimizer, when owner_ was read
+  std::vector<uint8_t> mask_;       // trainable mask the buckets were built for
+  std::vector<uint8_t> balanced_for_;  // the agreed mask the optimizers last re-partitioned for
+  std::vector<Entry> entries_;      // trainable parameters, in bucket order
+  std::vector<Bucket> buckets_;
+  size_t next_launch_ = 0;
+  bool in_backward_ = false;
+  bool no_sync_ = false;
+  bool unreduced_local_grads_ = false;
+  int64_t global_samples_ = -1;
+  PendingWork mask_check_;
+  at::Tensor mask_check_buffer_;
+  std::vector<uint8_t> checked_mask_;
+  int64_t rebuilds_ = 0;
+};
+
+}  // namespace shardopt

@@ -1,0 +1,182 @@
+// OSS: an optimizer that shards its state across data-parallel ranks (ZeRO stage 1).
+//
+// Each rank keeps optimizer state only for the parameters it owns (see partition.h) and steps
+// only those; after step() every rank holds identical, updated parameters. Wraps any
+// torch::optim optimizer through a factory:
+//
+//   shardopt::OSS opt(model->parameters(), shardopt::optimizer<torch::optim::AdamW>(
+//                         torch::optim::AdamWOptions(1e-3)), group);
+//   loss.backward();  allreduce the gradients (or use ShardedDDP);  opt.step();
+//
+// Parameters become views into flat buffers, one per (device, dtype) laid out owner by owner
+// and padded to equal shards, so that making every copy current after the step is one
+// collective per owner segment (see Note [Parameter sync]). The parameter tensors keep their identity
+// (set_data), so the user's module, optimizer state keys and hooks all stay valid; moving the
+// module to another device after construction is not supported.
+//
+// param_groups() are the global groups: option changes there (learning-rate schedulers) take
+// effect at the next step(). Trainability may change at any time: a parameter whose
+// requires_grad is false is not stepped (its state is kept for when it is unfrozen), every
+// step() checks with one tiny collective that all ranks agree on the trainable set, and when the
+// set changed so that the trainable work is lopsided, the step re-partitions and moves the
+// optimizer state of the parameters that change owner (OSSOptions::rebalance).
+#pragma once
+
+#include <shardopt/comm/process_group.h>
+#include <shardopt/compat.h>
+#include <shardopt/optim/partition.h>
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/api/include/torch/types.h>
+#include <torch/csrc/api/include/torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+namespace shardopt {
+
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
+    std::vector<torch::optim::OptimizerParamGroup>)>;
+
+// A factory for `Opt` with `defaults`, e.g. optimizer<torch::optim::AdamW>(AdamWOptions(1e-3)).
+template <class Opt, class Options>
+OptimizerFactory optimizer(Options defaults) {
+  return [defaults](std::vector<torch::optim::OptimizerParamGroup> groups)
+             -> std::unique_ptr<torch::optim::Optimizer> { return std::make_unique<Opt>(groups, defaults); };
+}
+
+// How every rank's copy of the parameters is made current after the owners stepped.
+// Measured on Gloo/CPU (docs/benchmarks.md): per-owner broadcasts, all in flight at once, are
+// about 2.5x faster than one all-gather (which Gloo stages through a temporary), so they are
+// the default.
+enum class ParamSync {
+  kBroadcast,  // one broadcast per owner and flat buffer
+  kAllgather,  // one all-gather of equal padded shards per flat buffer
+};
+
+struct OSSOptions {
+  TORCH_ARG(ParamSync, sync) = ParamSync::kBroadcast;
+  // Check at every step() that all ranks agree on the trainable set (one 16-byte all-reduce).
+  // ShardedDDP turns this off because its forward() does the same check.
+  TORCH_ARG(bool, check_trainable_every_step) = true;
+  // After the trainable set changes, re-partition when the trainable work on some rank is more
+  // than `rebalance_threshold` above the mean, moving optimizer state to the new owners (Note
+  // [Rebalance after a freeze]). Needs one of the optimizers state_dict() supports.
+  TORCH_ARG(bool, rebalance) = true;
+  TORCH_ARG(double, rebalance_threshold) = 0.1;
+};
+
+// What the last re-partition did on this rank.
+struct RebalanceStats {
+  int64_t params_moved = 0;       // parameters whose owner changed (all ranks)
+  int64_t state_bytes_sent = 0;   // optimizer-state tensor bytes this rank sent away
+  int64_t state_bytes_received = 0;
+  double imbalance_before = 0.0;  // trainable-work imbalance under the old and the new partition
+  double imbalance_after = 0.0;
+};
+
+class OSS : public torch::optim::Optimizer {
+ public:
+  OSS(std::vector<torch::Tensor> params, OptimizerFactory factory, std::shared_ptr<ProcessGroup> group,
+      OSSOptions options = {});
+  OSS(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory,
+      std::shared_ptr<ProcessGroup> group, OSSOptions options = {});
+  ~OSS() override;
+
+  // Steps the owned shard with the wrapped optimizer, then makes every rank's copy current.
+  // Collective.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+  // Clears the gradients of all parameters (not only the owned ones), like the base class.
+  void zero_grad(bool set_to_none);
+
+  // Clips the gradients as if torch::nn::utils::clip_grad_norm_ saw the full gradient of all
+  // trainable parameters; returns that global norm. Collective. Only owned gradients are scaled
+  // (the only ones the step reads).
+  double clip_grad_norm(double max_norm, double norm_type = 2.0);
+
+  // Agrees across ranks on the trainable set now (step() also does this). Collective; ranks
+  // that disagree all get an error naming the first differing parameter.
+  void refresh_trainable();
+
+  // Re-partitions for the trainable set `trainable` (one flag per parameter, in all_params()
+  // order) if it differs from the set the partition was last decided for and the options ask
+  // for it; returns whether the partition changed. Collective: every rank passes the same mask.
+  // step() calls it after the step when it checks the trainable set itself; ShardedDDP calls it
+  // after its own check.
+  bool rebalance(const std::vector<uint8_t>& trainable);
+
+  // The rank that owns `param`'s optimizer state.
+  int owner(const torch::Tensor& param) const;
+
+  // Streams every rank's shard to `recipient`, one shard at a time. Collective.
+  void consolidate_state_dict(int recipient = 0);
+  // PyTorch's layout: {"state": {index: {...}}, "param_groups": [{..., "params": [indices]}]}.
+  // Only on the recipient of the last consolidate_state_dict().
+  torch::IValue state_dict() const;
+  // Loads a full state dict (from any world size) on this rank: every rank calls it.
+  void load_state_dict(const torch::IValue& state);
+
+  // Writes the consolidated state (on the recipient); load() reads it on any world size.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  // ---- introspection ----
+  ProcessGroup& process_group() const { return *group_; }
+  const Partition& partition() const { return partition_; }
+  // All parameters, in global order (groups concatenated).
+  const std::vector<torch::Tensor>& all_params() const { return params_; }
+  size_t index_of(const torch::Tensor& param) const;
+  const std::vector<uint8_t>& trainable_mask() const { return trainable_; }
+  torch::optim::Optimizer& local_optimizer() { return *local_; }
+  // Bytes of optimizer-state tensors this rank holds.
+  int64_t local_state_bytes() const;
+  // Makes every rank's copy of the parameters equal to the owner's. Collective.
+  void sync_params();
+  // ShardedDDP checks the trainable set at every forward and turns the step's check off.
+  void set_check_trainable_every_step(bool on) { options_.check_trainable_every_step(on); }
+  // Counts re-partitions: owner() answers differently after it changed.
+  int64_t partition_version() const { return partition_version_; }
+  const RebalanceStats& last_rebalance() const { return last_rebalance_; }
+
+ private:
+  struct FlatBuffer {
+    at::Tensor data;          // world_size segments of `segment_numel` elements
+    int64_t segment_numel = 0;
+  };
+
+  void init(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory);
+  void check_params_across_ranks();
+  void flatten_params();
+  void sync_options_to_local();
+  bool trainable_mask_changed() const;
+  void agree_on_trainable(bool force);
+  void migrate_state(const Partition& next);
+  void set_local_groups();
+  at::TensorOptions placed_like(size_t param) const;
+  // An encoded state (state_dict layout) decoded with its tensors next to `param`, in its dtype.
+  std::unique_ptr<torch::optim::OptimizerParamState> decode_placed(const c10::Dict<c10::IValue, c10::IValue>& encoded,
+                                                                   size_t param) const;
+
+  std::shared_ptr<ProcessGroup> group_;
+  OSSOptions options_;
+  std::vector<torch::Tensor> params_;
+  std::vector<size_t> group_of_;
+  std::vector<size_t> group_sizes_;
+  std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> position in params_
+  Partition partition_;
+  std::vector<FlatBuffer> buffers_;
+  std::unique_ptr<torch::optim::Optimizer> local_;
+  std::vector<uint8_t> trainable_;
+  std::vector<int64_t> weights_;        // bytes of each parameter, what the partition balances
+  std::vector<uint8_t> balanced_for_;   // the trainable set the partition was last decided for
+  int64_t partition_version_ = 0;
+  RebalanceStats last_rebalance_;
+  std::optional<torch::IValue> consolidated_;
+  int last_recipient_ = -1;
+};
+
+}  // namespace shardopt

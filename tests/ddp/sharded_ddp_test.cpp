@@ -1,0 +1,394 @@
+#include <shardopt/ddp/sharded_ddp.h>
+
+#include "harness.h"
+#include "model.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/nn/module.h>
+#include <torch/csrc/api/include/torch/nn/utils/clip_grad.h>
+#include <torch/csrc/api/include/torch/optim.h>
+
+namespace shardopt {
+namespace {
+
+namespace optim = torch::optim;
+using testing::run_ranks;
+using testing::run_ranks_collect_errors;
+using Params = std::vector<at::Tensor>;
+
+// The test model as a module: parameters w1, b1, w2, b2, s and one buffer.
+struct TinyNet : torch::nn::Module {
+  TinyNet() {
+    auto p = testing::make_params();
+    const char* names[] = {"w1", "b1", "w2", "b2", "s"};
+    for (size_t i = 0; i < p.size(); ++i) params.push_back(register_parameter(names[i], p[i]));
+    stat = register_buffer("stat", at::zeros({2}));
+  }
+  // Two inputs: the second decides whether the last parameter takes part.
+  at::Tensor forward(at::Tensor x, bool use_scale) { return testing::output(params, x, use_scale); }
+  Params params;
+  at::Tensor stat;
+};
+
+struct DdpParity {
+  int world = 2;
+  int steps = 7;
+  int per_rank = 4;
+  int64_t bucket_bytes = 0;
+  bool accumulate = false;
+  bool change_trainability = false;
+  bool clip = false;
+  bool skip_scale_on_odd_steps = false;
+  bool two_optimizers = false;
+  OptimizerFactory factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+  // Replaces change_trainability's pattern: sets requires_grad on both models before a step.
+  std::function<void(int step, Params& mine, Params& ref)> trainability;
+  // Runs after each step's backward (before the optimizer step), and after the step.
+  std::function<void(int step, ShardedDDP& ddp, OSS& oss, ProcessGroup& g)> after_backward, after_step;
+
+  std::string name() const {
+    return "world " + std::to_string(world) + " buckets " + std::to_string(bucket_bytes) + " accumulate " +
+           std::to_string(accumulate) + " trainability " + std::to_string(change_trainability) + " clip " +
+           std::to_string(clip);
+  }
+
+  void run() const {
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<TinyNet>();
+      Params ref = testing::clone_params(net->params);
+      auto ref_opt = factory({optim::OptimizerParamGroup(ref)});
+      std::unique_ptr<OSS> oss_a, oss_b;
+      std::vector<OSS*> opts;
+      if (two_optimizers) {
+        oss_a = std::make_unique<OSS>(Params{net->params[0], net->params[1]}, factory, g);
+        oss_b = std::make_unique<OSS>(Params{net->params[2], net->params[3], net->params[4]}, factory, g);
+        opts = {oss_a.get(), oss_b.get()};
+      } else {
+        oss_a = std::make_unique<OSS>(net->parameters(), factory, g);
+        opts = {oss_a.get()};
+      }
+      ShardedDDP ddp(net, opts, ShardedDDPOptions().reduce_bucket_bytes(bucket_bytes));
+      if (change_trainability) {
+        net->params[0].requires_grad_(false);
+        ref[0].requires_grad_(false);
+      }
+      const int micro = accumulate ? 2 : 1;
+      for (int step = 0; step < steps; ++step) {
+        if (trainability) trainability(step, net->params, ref);
+        if (change_trainability) {
+          if (step == 2) net->params[0].requires_grad_(true), ref[0].requires_grad_(true);
+          const bool layer_frozen = step >= 4 && step < 6;
+          for (int i : {2, 3}) net->params[i].requires_grad_(!layer_frozen), ref[i].requires_grad_(!layer_frozen);
+        }
+        const bool use_scale = !(skip_scale_on_odd_steps && step % 2 == 1);
+        ref_opt->zero_grad(true);
+        ddp.zero_grad(true);
+        for (int m = 0; m < micro; ++m) {
+          auto data = testing::rank_data(step * micro + m, g->rank(), per_rank);
+          if (step == 0 && m == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g)) << "data must differ";
+          testing::loss(ref, data, per_rank, use_scale).backward();
+          at::Tensor out = ddp.forward(data.x, use_scale);
+          if (m + 1 < micro) {
+            auto guard = ddp.no_sync();
+            testing::loss_of(out, data, per_rank).backward();
+          } else {
+            testing::loss_of(out, data, per_rank).backward();
+          }
+        }
+        testing::allreduce_grads(ref, *g);
+        // After backward a rank holds gradients only for parameters it owns.
+        for (size_t i = 0; i < ref.size(); ++i) {
+          if (opts.size() == 1 && oss_a->owner(net->params[i]) != g->rank()) {
+            ASSERT_FALSE(net->params[i].grad().defined()) << "non-owner kept the gradient of parameter " << i;
+          }
+        }
+        if (clip) {
+          Params with_grad;
+          for (auto& p : ref) if (p.requires_grad() && p.grad().defined()) with_grad.push_back(p);
+          double expected = torch::nn::utils::clip_grad_norm_(with_grad, 0.5);
+          ASSERT_EQ(opts.size(), 1u);
+          double got = oss_a->clip_grad_norm(0.5);
+          ASSERT_NEAR(got, expected, 1e-5 * std::max(1.0, expected)) << "clip norm at step " << step << ", " << name();
+        }
+        if (after_backward) after_backward(step, ddp, *oss_a, *g);
+        ref_opt->step();
+        for (OSS* o : opts) o->step();
+        for (size_t i = 0; i < ref.size(); ++i) {
+          ASSERT_LE(testing::rel_diff(net->params[i], ref[i]), 1e-5) << "parameter " << i << " after step " << step << ", " << name();
+        }
+        ASSERT_TRUE(testing::same_on_all_ranks(net->params, *g)) << "ranks diverged after step " << step;
+        if (after_step) after_step(step, ddp, *oss_a, *g);
+      }
+      if (change_trainability) EXPECT_GE(ddp.rebuild_count(), 4);
+    });
+  }
+};
+
+// Freezing w1 and w2 (82% of the model) leaves one rank with all the trainable work. The forward
+// after the first step with the new set re-partitions (the set is agreed on by then), the buckets
+// follow the new owners, each rank then holds only its balanced share of the gradients, and
+// unfreezing does the same again; parity with the reference holds throughout.
+TEST(ShardedDDP, FreezingRebalancesOwnersAndBuckets) {
+  for (int world : {2, 3}) {
+    for (int64_t bucket_bytes : {int64_t{0}, int64_t{160}}) {
+      DdpParity p;
+      p.world = world;
+      p.steps = 9;
+      p.bucket_bytes = bucket_bytes;
+      p.trainability = [](int step, Params& mine, Params& ref) {
+        for (Params* q : {&mine, &ref}) {
+          for (int i : {0, 2}) (*q)[i].requires_grad_(!(step >= 2 && step < 6));
+        }
+      };
+      p.after_backward = [](int step, ShardedDDP& ddp, OSS& oss, ProcessGroup& g) {
+        const int64_t expected_version = step < 3 ? 0 : step < 7 ? 1 : 2;
+        ASSERT_EQ(oss.partition_version(), expected_version) << "step " << step;
+        if (step < 3 || step >= 6) return;
+        // Frozen: b1, b2 and s are trainable; their gradients are split as evenly as tensors allow.
+        std::vector<int64_t> weights;
+        std::vector<uint8_t> mask;
+        int64_t trainable_bytes = 0;
+        for (const auto& q : oss.all_params()) {
+          weights.push_back(q.numel() * 4);
+          mask.push_back(q.requires_grad());
+          if (q.requires_grad()) trainable_bytes += q.numel() * 4;
+        }
+        const double best = Partition::balance(weights, g.size(), mask).imbalance();
+        EXPECT_NEAR(oss.partition().imbalance(weights, mask), best, 1e-12);
+        EXPECT_LE(ddp.local_grad_bytes(), trainable_bytes * (1 + best) / g.size() + 1e-9) << "step " << step;
+      };
+      SCOPED_TRACE("world " + std::to_string(world) + " buckets " + std::to_string(bucket_bytes));
+      p.run();
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST(ShardedDDP, ParityMatrix) {
+  for (int world : {2, 3}) {
+    for (int64_t bucket_bytes : {int64_t{0}, int64_t{160}}) {
+      for (bool accumulate : {false, true}) {
+        for (bool trainability : {false, true}) {
+          for (bool clip : {false, true}) {
+            for (int opt = 0; opt < 2; ++opt) {
+              DdpParity p;
+              p.world = world;
+              p.bucket_bytes = bucket_bytes;
+              p.accumulate = accumulate;
+              p.change_trainability = trainability;
+              p.clip = clip;
+              if (opt == 1) p.factory = optimizer<optim::SGD>(optim::SGDOptions(0.05).momentum(0.9));
+              SCOPED_TRACE(p.name() + (opt ? " SGD" : " Adam"));
+              p.run();
+              if (::testing::Test::HasFatalFailure()) return;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(ShardedDDP, ParitySubsetAtWorldFour) {
+  DdpParity p;
+  p.world = 4;
+  p.bucket_bytes = 160;
+  p.accumulate = true;
+  p.change_trainability = true;
+  p.run();
+}
+
+TEST(ShardedDDP, ParameterWithoutGradientInSomeStepsAndTwoOptimizers) {
+  DdpParity p;
+  p.world = 3;
+  p.bucket_bytes = 1 << 20;
+  p.skip_scale_on_odd_steps = true;
+  p.two_optimizers = true;
+  p.run();
+}
+
+TEST(ShardedDDP, GlobalSamplesScalingEqualsSingleProcessOnRealSamples) {
+  // Rank 0 has 4 real samples, rank 1 has 2 real samples and 2 padding entries.
+  const std::vector<std::vector<uint8_t>> real = {{1, 1, 1, 1}, {1, 0, 1, 0}};
+  const int total_real = 6;
+  Params expected = testing::make_params();
+  {
+    optim::SGD opt(expected, optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < 4; ++step) {
+      opt.zero_grad();
+      std::vector<at::Tensor> xs, ys;
+      for (int r = 0; r < 2; ++r) {
+        auto d = testing::rank_data(step, r, 4);
+        for (int i = 0; i < 4; ++i) {
+          if (real[r][i]) xs.push_back(d.x[i].unsqueeze(0)), ys.push_back(d.y[i].unsqueeze(0));
+        }
+      }
+      testing::loss(expected, {at::cat(xs), at::cat(ys)}, total_real).backward();
+      opt.step();
+    }
+  }
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<TinyNet>();
+    OSS oss(net->parameters(), optimizer<optim::SGD>(optim::SGDOptions(0.1).momentum(0.9)), g);
+    ShardedDDP ddp(net, oss, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples).reduce_bucket_bytes(64));
+    for (int step = 0; step < 4; ++step) {
+      ddp.zero_grad(true);
+      auto d = testing::rank_data(step, g->rank(), 4);
+      at::Tensor mask = at::tensor(std::vector<float>(real[g->rank()].begin(), real[g->rank()].end())).unsqueeze(1);
+      ddp.set_global_samples(total_real);
+      at::Tensor out = ddp.forward(d.x, true);
+      ((out - d.y).pow(2) * mask).sum().backward();  // each rank's loss: the sum over its real samples
+      oss.step();
+    }
+    for (size_t i = 0; i < expected.size(); ++i) EXPECT_LE(testing::rel_diff(net->params[i], expected[i]), 1e-5) << i;
+  });
+}
+
+// A model of 8 equal tensors: each rank ends a backward with only its own gradients.
+struct Wide : torch::nn::Module {
+  Wide() {
+    for (int i = 0; i < 8; ++i) ps.push_back(register_parameter("p" + std::to_string(i), at::randn({1000}) * 0.1));
+  }
+  at::Tensor forward(at::Tensor x) {
+    at::Tensor acc = at::zeros({});
+    for (auto& p : ps) acc = acc + (p * x).sum();
+    return acc;
+  }
+  Params ps;
+};
+
+TEST(ShardedDDP, GradientMemoryAndCommunicationVolume) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    at::manual_seed(0);
+    auto net = std::make_shared<Wide>();
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    const int64_t cap = 8000;  // two parameters per bucket
+    ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(cap));
+    const int64_t total = 8 * 1000 * 4;
+    g->reset_stats();
+    at::Tensor x = at::randn({1000}) + g->rank();
+    ddp.forward(x).backward();
+    const int64_t mine = ddp.local_grad_bytes();
+    EXPECT_GT(mine, 0);
+    EXPECT_LE(mine, total / 2 * (1 + oss.partition().imbalance()) + cap) << "gradient bytes on rank " << g->rank();
+    // One step moves each gradient once (reduce to its owner) and each parameter once (broadcast
+    // from its owner): the 2 x parameter bytes of plain data parallel, plus one flag per parameter.
+    const auto reduced = g->stats().bytes[CommStats::kReduce];
+    EXPECT_EQ(reduced, total + 8 * 4);
+    oss.step();
+    const auto broadcast = g->stats().bytes[CommStats::kBroadcast];
+    EXPECT_EQ(broadcast, total) << "balanced shards need no padding here";
+    EXPECT_LE(reduced + broadcast, 2 * total + 8 * 4);
+  });
+}
+
+TEST(ShardedDDP, RanksWithDifferentTrainableSetsFailOnEveryRank) {
+  auto errors = run_ranks_collect_errors(
+      3,
+      [](std::shared_ptr<ProcessGroup> g) {
+        auto net = std::make_shared<TinyNet>();
+        OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+        ShardedDDP ddp(net, oss);
+        if (g->rank() == 2) net->params[3].requires_grad_(false);
+        // The check started by forward() is settled before backward's first reduction.
+        ddp.forward(at::ones({2, 5}), true).sum().backward();
+      },
+      std::chrono::seconds(20));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(errors[r].find("parameter 'b2'"), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("on rank 2"), std::string::npos) << errors[r];
+  }
+}
+
+TEST(ShardedDDP, RefreshWhileNoSyncGradientsWaitIsAnError) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<TinyNet>();
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    ShardedDDP ddp(net, oss, ShardedDDPOptions().auto_refresh_trainable(false));
+    {
+      auto guard = ddp.no_sync();
+      ddp.forward(at::ones({2, 5}), true).sum().backward();
+    }
+    net->params[0].requires_grad_(false);
+    try {
+      ddp.refresh_trainable();
+      ADD_FAILURE() << "refresh with unreduced no_sync gradients must throw";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("no_sync() gradients are waiting"), std::string::npos) << e.what();
+    }
+    ddp.reduce();
+    ddp.refresh_trainable();
+    EXPECT_FALSE(net->params[0].grad().defined() && oss.owner(net->params[0]) != g->rank());
+  });
+}
+
+// A re-partition between backward and step (refresh_trainable by hand) hands each moved,
+// already reduced gradient to its new owner, so the step still applies it.
+TEST(ShardedDDP, RepartitionBetweenBackwardAndStepMovesTheReducedGradients) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<TinyNet>();
+    Params ref = testing::clone_params(net->params);
+    optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
+    ShardedDDP ddp(net, oss, ShardedDDPOptions().auto_refresh_trainable(false));
+    for (int step = 0; step < 3; ++step) {
+      auto data = testing::rank_data(step, g->rank(), 4);
+      if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+      ref_opt.zero_grad(true);
+      ddp.zero_grad(true);
+      testing::loss(ref, data, 4).backward();
+      testing::allreduce_grads(ref, *g);
+      testing::loss_of(ddp.forward(data.x, true), data, 4).backward();
+      if (step == 1) {
+        for (Params* q : {&net->params, &ref}) (*q)[0].requires_grad_(false), (*q)[2].requires_grad_(false);
+        ref[0].mutable_grad().reset();  // OSS never moves a frozen parameter; plain Adam would
+        ref[2].mutable_grad().reset();
+        std::vector<int> owners_before;
+        for (auto& p : net->params) owners_before.push_back(oss.owner(p));
+        ddp.refresh_trainable();
+        ASSERT_EQ(oss.partition_version(), 1);
+        int moved_trainable = 0;
+        for (int i : {1, 3, 4}) moved_trainable += oss.owner(net->params[i]) != owners_before[i];
+        ASSERT_GT(moved_trainable, 0) << "the test needs a trainable parameter that changes owner";
+      }
+      for (auto& p : net->params) {
+        if (oss.owner(p) != g->rank()) EXPECT_FALSE(p.grad().defined()) << "a non-owner holds a gradient";
+      }
+      ref_opt.step();
+      oss.step();
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_LE(testing::rel_diff(net->params[i], ref[i]), 1e-5) << "parameter " << i << " after step " << step;
+      }
+      ASSERT_TRUE(testing::same_on_all_ranks(net->params, *g));
+    }
+  });
+}
+
+TEST(ShardedDDP, TrainEvalIsNotATrainabilityChangeAndBuffersFollowRankZero) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<TinyNet>();
+    // Different starting values on each rank: sync_models_at_startup makes them rank 0's.
+    {
+      at::NoGradGuard no_grad;
+      net->params[0].add_(g->rank());
+      net->stat.fill_(g->rank() + 1);
+    }
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    ShardedDDP ddp(net, oss);
+    EXPECT_TRUE(testing::same_on_all_ranks(net->params, *g));
+    const auto rebuilds = ddp.rebuild_count();
+    net->eval();
+    ddp.forward(at::ones({2, 5}), true);
+    net->train();
+    {
+      at::NoGradGuard no_grad;
+      net->stat.fill_(10 + g->rank());
+    }
+    ddp.forward(at::ones({2, 5}), true);
+    EXPECT_EQ(ddp.rebuild_count(), rebuilds);
+    EXPECT_TRUE(net->stat.equal(at::full({2}, 10.0f))) << "buffers follow rank 0";
+  });
+}
+
+}  // namespace
+}  // namespace shardopt

@@ -1,0 +1,347 @@
+#include <shardopt/optim/oss.h>
+
+#include "harness.h"
+#include "model.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/nn/utils/clip_grad.h>
+#include <torch/csrc/api/include/torch/optim.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <fstream>
+
+namespace shardopt {
+namespace {
+
+namespace optim = torch::optim;
+using testing::run_ranks;
+using Params = std::vector<at::Tensor>;
+using GroupsFn = std::function<std::vector<optim::OptimizerParamGroup>(const Params&)>;
+
+std::vector<optim::OptimizerParamGroup> one_group(const Params& p) {
+  return {optim::OptimizerParamGroup(p)};
+}
+
+// Runs `steps` of OSS and of the all-reduce reference on `world` ranks and checks, after every
+// step: OSS parameters equal the reference's (1e-6 relative), and are bitwise equal across ranks.
+struct Parity {
+  int world = 2;
+  int steps = 10;
+  int per_rank = 4;
+  OptimizerFactory factory;
+  GroupsFn groups = one_group;
+  Params (*params)() = [] { return testing::make_params(); };
+  // Called before each step's backward on both models (freeze, unfreeze, ...).
+  std::function<void(int step, Params& ref, Params& mine)> before_backward;
+  // How the OSS side clears its gradients before backward (default: zero_grad(true)).
+  std::function<void(OSS& oss, Params& mine)> clear;
+  std::optional<double> clip_norm_type;
+  bool with_scheduler = false;
+  // Called after each step (and its checks) with this rank's optimizer.
+  std::function<void(int step, OSS& oss, ProcessGroup& group)> after_step;
+  OSSOptions options;
+
+  void run() const {
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      Params init = params();
+      Params ref = testing::clone_params(init), mine = testing::clone_params(init);
+      auto ref_opt = factory(groups(ref));
+      OSS oss(groups(mine), factory, g, options);
+      std::unique_ptr<optim::StepLR> ref_sched, oss_sched;
+      if (with_scheduler) {
+        ref_sched = std::make_unique<optim::StepLR>(*ref_opt, 3, 0.5);
+        oss_sched = std::make_unique<optim::StepLR>(oss, 3, 0.5);
+      }
+      std::vector<at::Tensor> frozen_before(mine.size());
+      for (int step = 0; step < steps; ++step) {
+        auto data = testing::rank_data(step, g->rank(), per_rank);
+        if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g)) << "each rank's data must differ";
+        ref_opt->zero_grad(true);
+        if (clear) {
+          clear(oss, mine);
+        } else {
+          oss.zero_grad(true);
+        }
+        if (before_backward) before_backward(step, ref, mine);
+        for (size_t i = 0; i < mine.size(); ++i) frozen_before[i] = mine[i].requires_grad() ? at::Tensor() : mine[i].detach().clone();
+
+        testing::loss(ref, data, per_rank).backward();
+        testing::loss(mine, data, per_rank).backward();
+        testing::allreduce_grads(ref, *g);
+        testing::allreduce_grads(mine, *g);
+        if (clip_norm_type) {
+          Params with_grad;
+          for (auto& p : ref) if (p.grad().defined() && p.requires_grad()) with_grad.push_back(p);
+          double expected = torch::nn::utils::clip_grad_norm_(with_grad, 0.5, *clip_norm_type);
+          double got = oss.clip_grad_norm(0.5, *clip_norm_type);
+          ASSERT_NEAR(got, expected, 1e-6 * std::max(1.0, expected)) << "step " << step;
+        }
+        ref_opt->step();
+        oss.step();
+        if (ref_sched) ref_sched->step(), oss_sched->step();
+
+        for (size_t i = 0; i < mine.size(); ++i) {
+          ASSERT_LE(testing::rel_diff(mine[i], ref[i]), 1e-6) << "parameter " << i << " after step " << step;
+          if (frozen_before[i].defined()) {
+            ASSERT_TRUE(mine[i].detach().equal(frozen_before[i])) << "frozen parameter " << i << " moved at step " << step;
+          }
+        }
+        ASSERT_TRUE(testing::same_on_all_ranks(mine, *g)) << "ranks diverged after step " << step;
+        if (after_step) after_step(step, oss, *g);
+      }
+    });
+  }
+};
+
+struct NamedFactory {
+  const char* name;
+  OptimizerFactory factory;
+};
+
+std::vector<NamedFactory> all_optimizers() {
+  return {
+      {"Adam", optimizer<optim::Adam>(optim::AdamOptions(1e-2))},
+      {"AdamW", optimizer<optim::AdamW>(optim::AdamWOptions(1e-2).weight_decay(0.1))},
+      {"SGD-momentum", optimizer<optim::SGD>(optim::SGDOptions(0.05).momentum(0.9).nesterov(true))},
+      {"RMSprop", optimizer<optim::RMSprop>(optim::RMSpropOptions(1e-2).momentum(0.5).centered(true))},
+      {"Adagrad", optimizer<optim::Adagrad>(optim::AdagradOptions(0.1).lr_decay(0.01))},
+  };
+}
+
+class OSSParity : public ::testing::TestWithParam<int> {};
+
+TEST_P(OSSParity, MatchesAllReduceReferenceForEveryOptimizer) {
+  for (const auto& opt : all_optimizers()) {
+    SCOPED_TRACE(opt.name);
+    Parity p;
+    p.world = GetParam();
+    p.factory = opt.factory;
+    p.run();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, OSSParity, ::testing::Values(1, 2, 3, 4));
+
+TEST(OSS, ParamGroupsWithDifferentOptionsAndScheduler) {
+  Parity p;
+  p.world = 3;
+  p.factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+  p.groups = [](const Params& q) {
+    return std::vector<optim::OptimizerParamGroup>{
+        optim::OptimizerParamGroup({q[0], q[1]}),
+        optim::OptimizerParamGroup({q[2], q[3], q[4]},
+                                   std::make_unique<optim::AdamOptions>(optim::AdamOptions(3e-2).weight_decay(0.1)))};
+  };
+  p.with_scheduler = true;
+  p.run();
+}
+
+TEST(OSS, MoreRanksThanParameters) {
+  Parity p;
+  p.world = 4;
+  p.params = [] {
+    Params q = testing::make_params();
+    return Params{q[0], q[1], q[2]};
+  };
+  // A model of three tensors: fold the missing ones into constants.
+  p.groups = one_group;
+  p.factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+  p.before_backward = nullptr;
+  // The loss needs five tensors: build it from three parameters and two constants.
+  Params (*full)(const Params&) = nullptr;
+  (void)full;
+  run_ranks(4, [&](std::shared_ptr<ProcessGroup> g) {
+    Params init = p.params();
+    Params ref = testing::clone_params(init), mine = testing::clone_params(init);
+    optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+    OSS oss(mine, p.factory, g);
+    int owned = static_cast<int>(oss.partition().shard(g->rank()).size());
+    at::Tensor counts = at::full({1}, owned, at::kLong);
+    g->allreduce(counts);
+    ASSERT_EQ(counts.item<int64_t>(), 3);
+    at::Tensor empty = at::full({1}, owned == 0 ? 1 : 0, at::kLong);
+    g->allreduce(empty);
+    ASSERT_GE(empty.item<int64_t>(), 1) << "some rank must own nothing";
+    const at::Tensor b2 = at::zeros({3}), s = at::ones({3});
+    for (int step = 0; step < 5; ++step) {
+      auto data = testing::rank_data(step, g->rank(), 4);
+      for (Params* q : {&ref, &mine}) {
+        testing::loss({(*q)[0], (*q)[1], (*q)[2], b2, s}, data, 4).backward();
+        testing::allreduce_grads(*q, *g);
+      }
+      ref_opt.step();
+      oss.step();
+      ref_opt.zero_grad(true);
+      oss.zero_grad(true);
+      for (size_t i = 0; i < mine.size(); ++i) ASSERT_LE(testing::rel_diff(mine[i], ref[i]), 1e-6);
+      ASSERT_TRUE(testing::same_on_all_ranks(mine, *g));
+    }
+  });
+}
+
+TEST(OSS, FrozenParameterFromTheStart) {
+  Parity p;
+  p.world = 2;
+  p.factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+  p.params = [] {
+    Params q = testing::make_params();
+    q[2].requires_grad_(false);
+    return q;
+  };
+  p.run();
+}
+
+TEST(OSS, FreezeAndUnfreezeBetweenSteps) {
+  for (const auto& opt : all_optimizers()) {
+    SCOPED_TRACE(opt.name);
+    Parity p;
+    p.world = 3;
+    p.factory = opt.factory;
+    p.before_backward = [](int step, Params& ref, Params& mine) {
+      const bool frozen_w1 = step >= 2 && step < 5, frozen_s = step >= 4 && step < 8;
+      for (Params* q : {&ref, &mine}) {
+        (*q)[0].requires_grad_(!frozen_w1);
+        (*q)[4].requires_grad_(!frozen_s);
+      }
+    };
+    // Stale zero gradients stay on frozen parameters: they still must not move.
+    p.clear = [](OSS& oss, Params&) { oss.zero_grad(false); };
+    p.run();
+  }
+}
+
+// The trainable work each rank steps under the optimizer's partition (max / mean - 1), and the
+// best any whole-tensor partition achieves for the current trainable set.
+double trainable_imbalance(const OSS& oss, bool best = false) {
+  std::vector<int64_t> weights;
+  for (const auto& p : oss.all_params()) weights.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
+  std::vector<uint8_t> mask;
+  for (const auto& p : oss.all_params()) mask.push_back(p.requires_grad());
+  if (best) return Partition::balance(weights, oss.partition().world_size(), mask).imbalance();
+  return oss.partition().imbalance(weights, mask);
+}
+
+// Freezing w1 and w2 (82% of the model) leaves all trainable work on one rank; the step after
+// the freeze re-partitions and moves optimizer state, unfreezing does it again, and training
+// stays equal to the reference throughout (so the moved state, the frozen tensors' included, is
+// exact).
+TEST(OSS, FreezingRebalancesTheWorkAndMovesTheState) {
+  for (int world : {2, 3}) {
+    for (const auto& opt : all_optimizers()) {
+      SCOPED_TRACE(std::string(opt.name) + " world " + std::to_string(world));
+      Parity p;
+      p.world = world;
+      p.steps = 9;
+      p.factory = opt.factory;
+      p.before_backward = [](int step, Params& ref, Params& mine) {
+        for (Params* q : {&ref, &mine}) {
+          for (int i : {0, 2}) (*q)[i].requires_grad_(!(step >= 2 && step < 6));
+        }
+      };
+      p.after_step = [](int step, OSS& oss, ProcessGroup& g) {
+        if (step == 1) {
+          ASSERT_EQ(oss.partition_version(), 0);
+        }
+        if (step == 2) {
+          ASSERT_EQ(oss.partition_version(), 1) << "the freeze must re-partition";
+          const auto& st = oss.last_rebalance();
+          EXPECT_GT(st.imbalance_before, 0.5);
+          EXPECT_LT(st.imbalance_after, st.imbalance_before);
+          EXPECT_NEAR(trainable_imbalance(oss), st.imbalance_after, 1e-12);
+          EXPECT_GT(st.params_moved, 0);
+          at::Tensor moved = at::tensor({st.state_bytes_sent, st.state_bytes_received}, at::kLong);
+          g.allreduce(moved);
+          EXPECT_GT(moved[0].item<int64_t>(), 0) << "optimizer state must move with its parameters";
+          EXPECT_EQ(moved[0].item<int64_t>(), moved[1].item<int64_t>()) << "every byte sent is received";
+        }
+        if (step == 6) EXPECT_EQ(oss.partition_version(), 2) << "unfreezing re-partitions again";
+        if (step >= 2) EXPECT_NEAR(trainable_imbalance(oss), trainable_imbalance(oss, true), 1e-12) << "step " << step;
+      };
+      p.run();
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST(OSS, RebalanceOffKeepsThePartition) {
+  Parity p;
+  p.steps = 4;
+  p.factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+  p.options.rebalance(false);
+  p.before_backward = [](int step, Params& ref, Params& mine) {
+    for (Params* q : {&ref, &mine}) (*q)[0].requires_grad_(step < 2);
+  };
+  p.after_step = [](int step, OSS& oss, ProcessGroup&) {
+    EXPECT_EQ(oss.partition_version(), 0);
+    if (step >= 2) EXPECT_GT(trainable_imbalance(oss), 0.5) << "frozen w1's rank has nothing to step";
+  };
+  p.run();
+}
+
+TEST(OSS, EveryWayOfClearingGradientsKeepsParity) {
+  std::vector<std::pair<const char*, std::function<void(OSS&, Params&)>>> ways = {
+      {"zero_grad(true)", [](OSS& o, Params&) { o.zero_grad(true); }},
+      {"zero_grad(false)", [](OSS& o, Params&) { o.zero_grad(false); }},
+      {"Optimizer::zero_grad()", [](OSS& o, Params&) { static_cast<optim::Optimizer&>(o).zero_grad(); }},
+      {"Optimizer::zero_grad(false)", [](OSS& o, Params&) { static_cast<optim::Optimizer&>(o).zero_grad(false); }},
+      {"reset mutable_grad", [](OSS&, Params& q) { for (auto& t : q) t.mutable_grad().reset(); }},
+      {"grad().zero_()", [](OSS&, Params& q) { for (auto& t : q) if (t.grad().defined()) t.grad().zero_(); }},
+  };
+  for (auto& [name, way] : ways) {
+    SCOPED_TRACE(name);
+    Parity p;
+    p.world = 2;
+    p.steps = 4;
+    p.factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+    p.clear = way;
+    p.run();
+  }
+}
+
+TEST(OSS, ClipGradNormEqualsFullGradientClipping) {
+  for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(norm_type);
+    Parity p;
+    p.world = 3;
+    p.steps = 5;
+    p.factory = optimizer<optim::SGD>(optim::SGDOptions(0.1).momentum(0.9));
+    p.clip_norm_type = norm_type;
+    p.run();
+  }
+}
+
+TEST(OSS, ClipRightAfterUnfreezeCountsTheUnfrozenParameter) {
+  Parity p;
+  p.world = 2;
+  p.steps = 5;
+  p.factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+  p.clip_norm_type = 2.0;
+  // Parameter 0 is frozen during steps 1 and 2 and unfrozen before step 3's backward, after the
+  // last step() saw it frozen.
+  p.before_backward = [](int step, Params& ref, Params& mine) {
+    const bool frozen = step == 1 || step == 2;
+    ref[0].requires_grad_(!frozen);
+    mine[0].requires_grad_(!frozen);
+  };
+  p.run();
+}
+
+TEST(OSS, StateBytesAreSharded) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    Params q;
+    for (int i = 0; i < 8; ++i) q.push_back(at::zeros({100 + i}).requires_grad_());
+    OSS oss(q, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    for (auto& t : q) t.mutable_grad() = at::ones_like(t);
+    oss.step();
+    int64_t total = 0;
+    for (auto& t : q) total += 2 * t.numel() * 4;  // exp_avg + exp_avg_sq
+    at::Tensor mine = at::full({1}, oss.local_state_bytes(), at::kLong);
+    at::Tensor sum = mine.clone();
+    g->allreduce(sum);
+    EXPECT_EQ(sum.item<int64_t>(), total);
+    EXPECT_NEAR(static_cast<double>(mine.item<int64_t>()), total / 2.0, total * 0.03);
+  });
+}
+
+}  // namespace
+}  // namespace shardopt
