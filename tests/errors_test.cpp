@@ -73,7 +73,7 @@ TEST(Errors, RanksWithDifferentParameterCountShapeOrDtype) {
     });
   };
   expect_all_ranks_fail(differ([](Params& p) { p.push_back(at::zeros({2}).requires_grad_()); }),
-                        {"rank 0 has 5 parameters but rank 1 has 6"});
+                        {"ranks disagree on the number of parameters: 5 on rank 0 but 6 on rank 1"});
   expect_all_ranks_fail(differ([](Params& p) { p[2] = at::zeros({3, 9}).requires_grad_(); }),
                         {"parameter 2", "[3, 8]", "rank 0", "[3, 9]", "rank 1"});
   expect_all_ranks_fail(differ([](Params& p) { p[1] = at::zeros({8}, at::kDouble).requires_grad_(); }),

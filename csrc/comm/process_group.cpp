@@ -1,4 +1,6 @@
 #include <shardopt/comm/process_group.h>
+#include <shardopt/check.h>
+#include <shardopt/comm/agree.h>
 
 #include "comm/backends.h"
 
@@ -62,7 +64,7 @@ void PendingWork::wait() {
     bool done = work->wait(timeout_);
     TORCH_CHECK(done, "not completed");
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "shardopt: ", what_, " on rank ", rank_, " failed or timed out (timeout ",
+    SHARDOPT_CHECK(false, "", what_, " on rank ", rank_, " failed or timed out (timeout ",
                 timeout_.count(), " ms; a peer may have exited or not called it): ", e.what());
   }
   if (then_) {
@@ -81,7 +83,7 @@ c10d::ReduceOp to_c10d(Reduction op) {
     case Reduction::kMax: return c10d::ReduceOp::MAX;
     case Reduction::kMin: return c10d::ReduceOp::MIN;
   }
-  TORCH_CHECK(false, "shardopt: unknown reduction");
+  SHARDOPT_CHECK(false, "unknown reduction");
 }
 
 int64_t nbytes(const at::Tensor& t) {
@@ -92,8 +94,8 @@ int64_t nbytes(const at::Tensor& t) {
 
 ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout)
     : backend_(std::move(backend)), timeout_(timeout) {
-  TORCH_CHECK(backend_, "shardopt: ProcessGroup needs a c10d backend, got null");
-  TORCH_CHECK(timeout_.count() > 0, "shardopt: ProcessGroup timeout must be positive, got ",
+  SHARDOPT_CHECK(backend_, "ProcessGroup needs a c10d backend, got null");
+  SHARDOPT_CHECK(timeout_.count() > 0, "ProcessGroup timeout must be positive, got ",
               timeout_.count(), " ms");
   backend_name_ = backend_->getBackendName();
   rank_ = backend_->getRank();
@@ -113,7 +115,7 @@ PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes, c10::intrus
 }
 
 PendingWork ProcessGroup::broadcast_async(at::Tensor& tensor, int root) {
-  TORCH_CHECK(root >= 0 && root < size_, "shardopt: broadcast root ", root, " is outside [0, ", size_, ")");
+  SHARDOPT_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is outside [0, ", size_, ")");
   std::vector<at::Tensor> ts{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -144,7 +146,7 @@ void ProcessGroup::allreduce(at::Tensor& tensor, Reduction op) {
 // Tags come from a per-group sequence, the same on every rank because every rank issues its
 // collectives in the same order; they start above the tags callers of send/recv use.
 PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction op) {
-  TORCH_CHECK(root >= 0 && root < size_, "shardopt: reduce root ", root, " is outside [0, ", size_, ")");
+  SHARDOPT_CHECK(root >= 0 && root < size_, "reduce root ", root, " is outside [0, ", size_, ")");
   if (size_ == 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {
     constexpr uint32_t kFirstTag = 1u << 24;
     const int tag = static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
@@ -170,7 +172,7 @@ void ProcessGroup::reduce(at::Tensor& tensor, int root, Reduction op) {
 }
 
 void ProcessGroup::allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input) {
-  TORCH_CHECK(static_cast<int>(outputs.size()) == size_, "shardopt: allgather needs ", size_,
+  SHARDOPT_CHECK(static_cast<int>(outputs.size()) == size_, "allgather needs ", size_,
               " outputs, got ", outputs.size());
   std::vector<std::vector<at::Tensor>> out{outputs};
   std::vector<at::Tensor> in{input};
@@ -182,7 +184,7 @@ void ProcessGroup::allgather(std::vector<at::Tensor>& outputs, const at::Tensor&
 }
 
 void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs) {
-  TORCH_CHECK(static_cast<int>(inputs.size()) == size_, "shardopt: reduce_scatter needs ", size_,
+  SHARDOPT_CHECK(static_cast<int>(inputs.size()) == size_, "reduce_scatter needs ", size_,
               " inputs, got ", inputs.size());
   std::vector<at::Tensor> out{output};
   std::vector<std::vector<at::Tensor>> in{inputs};
@@ -195,14 +197,14 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& i
 }
 
 void ProcessGroup::send(at::Tensor& tensor, int dst, int tag) {
-  TORCH_CHECK(dst >= 0 && dst < size_ && dst != rank_, "shardopt: send to rank ", dst,
+  SHARDOPT_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send to rank ", dst,
               " from rank ", rank_, " of ", size_, " is invalid");
   std::vector<at::Tensor> ts{tensor};
   track(CommStats::kSend, nbytes(tensor), backend_->send(ts, dst, tag)).wait();
 }
 
 void ProcessGroup::recv(at::Tensor& tensor, int src, int tag) {
-  TORCH_CHECK(src >= 0 && src < size_ && src != rank_, "shardopt: recv from rank ", src,
+  SHARDOPT_CHECK(src >= 0 && src < size_ && src != rank_, "recv from rank ", src,
               " on rank ", rank_, " of ", size_, " is invalid");
   std::vector<at::Tensor> ts{tensor};
   track(CommStats::kRecv, nbytes(tensor), backend_->recv(ts, src, tag)).wait();
@@ -220,7 +222,7 @@ std::vector<char> ProcessGroup::recv_bytes(int src, int tag) {
   at::Tensor size = at::empty({1}, at::kLong);
   recv(size, src, tag);
   const int64_t n = size.item<int64_t>();
-  TORCH_CHECK(n >= 0, "shardopt: recv_bytes from rank ", src, " got a negative length ", n);
+  SHARDOPT_CHECK(n >= 0, "recv_bytes from rank ", src, " got a negative length ", n);
   std::vector<char> bytes(n);
   if (n == 0) return bytes;
   at::Tensor payload = at::from_blob(bytes.data(), {n}, at::kByte);
@@ -259,20 +261,6 @@ std::vector<std::vector<int64_t>> ProcessGroup::allgather_ints(const std::vector
   return result;
 }
 
-void ProcessGroup::check_same_on_all_ranks(const std::vector<int64_t>& values, const std::string& what) {
-  auto all = allgather_ints(values);
-  for (int r = 1; r < size_; ++r) {
-    if (all[r] == all[0]) continue;
-    size_t i = 0;
-    while (i < all[0].size() && i < all[r].size() && all[0][i] == all[r][i]) ++i;
-    auto at = [](const std::vector<int64_t>& v, size_t i) {
-      return i < v.size() ? std::to_string(v[i]) : std::string("<missing>");
-    };
-    TORCH_CHECK(false, "shardopt: ranks disagree on ", what, ": position ", i, " is ", at(all[0], i),
-                " on rank 0 but ", at(all[r], i), " on rank ", r);
-  }
-}
-
 // ---- creation -----------------------------------------------------------------------------
 
 namespace {
@@ -289,7 +277,7 @@ int parse_int(const std::string& text, const std::string& what) {
     TORCH_CHECK(pos == text.size(), "trailing characters");
     return v;
   } catch (const std::exception&) {
-    TORCH_CHECK(false, "shardopt: ", what, " must be an integer, got '", text, "'");
+    SHARDOPT_CHECK(false, "", what, " must be an integer, got '", text, "'");
   }
 }
 
@@ -308,8 +296,8 @@ void rank_from_env(InitOptions& options) {
     if (options.world_size() < 0) options.world_size(parse_int(s, size_var));
     return;
   }
-  TORCH_CHECK(options.rank() >= 0 && options.world_size() >= 0,
-              "shardopt: init_process_group could not find the rank and world size: set "
+  SHARDOPT_CHECK(options.rank() >= 0 && options.world_size() >= 0,
+              "init_process_group could not find the rank and world size: set "
               "InitOptions rank/world_size or RANK/WORLD_SIZE (also read: OMPI_COMM_WORLD_*, "
               "PMI_*, SLURM_PROCID/SLURM_NTASKS)");
 }
@@ -319,26 +307,40 @@ bool is_loopback(const std::string& host) {
 }
 
 std::string resolve_backend(const std::string& requested) {
-  TORCH_CHECK(requested == "auto" || requested == "gloo" || requested == "nccl",
-              "shardopt: unknown backend '", requested, "' (expected \"gloo\", \"nccl\" or \"auto\")");
+  SHARDOPT_CHECK(requested == "auto" || requested == "gloo" || requested == "nccl",
+              "unknown backend '", requested, "' (expected \"gloo\", \"nccl\" or \"auto\")");
   if (requested == "nccl") {
-    TORCH_CHECK(detail::nccl_compiled(), "shardopt: backend 'nccl' was requested but this build has no NCCL "
+    SHARDOPT_CHECK(detail::nccl_compiled(), "backend 'nccl' was requested but this build has no NCCL "
                 "backend; use \"gloo\" (CPU tensors)");
-    TORCH_CHECK(detail::nccl_usable(), "shardopt: backend 'nccl' was requested but no CUDA device is visible");
+    SHARDOPT_CHECK(detail::nccl_usable(), "backend 'nccl' was requested but no CUDA device is visible");
     return "nccl";
   }
   if (requested == "auto" && detail::nccl_usable()) return "nccl";
   return "gloo";
 }
 
+// Every rank learns, before any backend connects, whether the ranks were started alike: a rank
+// that chose another backend or world size would otherwise leave the others waiting.
+void agree_on_init(c10d::Store& store, const InitOptions& options, const std::string& backend) {
+  Agreement("init_process_group")
+      .field("world_size", options.world_size())
+      .field("backend", backend == "nccl" ? 1 : 0,
+             [](const std::vector<int64_t>& v) { return std::string(v[0] ? "nccl" : "gloo"); })
+      .field("timeout (ms)", static_cast<int64_t>(options.timeout().count()))
+      .hint("start every rank with the same options")
+      .check(store, "init_process_group", options.rank(), options.world_size());
+}
+
 std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store,
                                          const InitOptions& options, const std::string& host) {
-  if (resolve_backend(options.backend()) == "nccl") {
+  const std::string backend = resolve_backend(options.backend());
+  agree_on_init(*store, options, backend);
+  if (backend == "nccl") {
     try {
       auto pg = detail::make_nccl_backend(store, options.rank(), options.world_size(), options.timeout());
       return std::make_shared<ProcessGroup>(pg, options.timeout());
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "shardopt: rank ", options.rank(), " of ", options.world_size(),
+      SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),
                   " could not create its NCCL group within ", options.timeout().count(), " ms: ", e.what());
     }
   }
@@ -351,22 +353,22 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, options.rank(), options.world_size(), gloo_opts);
     return std::make_shared<ProcessGroup>(pg, options.timeout());
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "shardopt: rank ", options.rank(), " of ", options.world_size(),
+    SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),
                 " could not connect to its peers within ", options.timeout().count(),
                 " ms (init_method '", options.init_method(), "'; a rank may not have started): ", e.what());
   }
 }
 
 void check_rank(const InitOptions& options) {
-  TORCH_CHECK(options.world_size() >= 1, "shardopt: world_size must be at least 1, got ", options.world_size());
-  TORCH_CHECK(options.rank() >= 0 && options.rank() < options.world_size(), "shardopt: rank ",
+  SHARDOPT_CHECK(options.world_size() >= 1, "world_size must be at least 1, got ", options.world_size());
+  SHARDOPT_CHECK(options.rank() >= 0 && options.rank() < options.world_size(), "rank ",
               options.rank(), " is outside [0, ", options.world_size(), ")");
-  TORCH_CHECK(options.timeout().count() > 0, "shardopt: timeout must be positive, got ",
+  SHARDOPT_CHECK(options.timeout().count() > 0, "timeout must be positive, got ",
               options.timeout().count(), " ms");
 }
 
 c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, const InitOptions& options) {
-  TORCH_CHECK(port > 0 && port < 65536, "shardopt: port ", port, " is outside (0, 65536)");
+  SHARDOPT_CHECK(port > 0 && port < 65536, "port ", port, " is outside (0, 65536)");
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<uint16_t>(port);
   opts.isServer = options.rank() == 0;
@@ -376,7 +378,7 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
   try {
     return c10::make_intrusive<c10d::TCPStore>(host, opts);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "shardopt: rank ", options.rank(), " could not reach the store at ", host, ":",
+    SHARDOPT_CHECK(false, "rank ", options.rank(), " could not reach the store at ", host, ":",
                 port, " within ", options.timeout().count(), " ms: ", e.what());
   }
 }
@@ -390,7 +392,7 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
 // turned off here unless the user configured it (TORCH_FR_BUFFER_SIZE).
 std::shared_ptr<ProcessGroup> init_process_group(const c10::intrusive_ptr<c10d::Store>& store,
                                                  InitOptions options) {
-  TORCH_CHECK(store, "shardopt: init_process_group got a null store");
+  SHARDOPT_CHECK(store, "init_process_group got a null store");
   setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
   check_rank(options);
   resolve_backend(options.backend());
@@ -406,16 +408,16 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
     check_rank(options);
     const char* addr = getenv_or_null("MASTER_ADDR");
     const char* port = getenv_or_null("MASTER_PORT");
-    TORCH_CHECK(addr, "shardopt: init_method env:// needs MASTER_ADDR in the environment");
-    TORCH_CHECK(port, "shardopt: init_method env:// needs MASTER_PORT in the environment");
+    SHARDOPT_CHECK(addr, "init_method env:// needs MASTER_ADDR in the environment");
+    SHARDOPT_CHECK(port, "init_method env:// needs MASTER_PORT in the environment");
     auto store = tcp_store(addr, parse_int(port, "MASTER_PORT"), options);
     return make_group(store, options, addr);
   }
   if (method.rfind("tcp://", 0) == 0) {
     std::string rest = method.substr(6);
     auto colon = rest.rfind(':');
-    TORCH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < rest.size(),
-                "shardopt: malformed init_method '", method, "' (expected tcp://HOST:PORT)");
+    SHARDOPT_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < rest.size(),
+                "malformed init_method '", method, "' (expected tcp://HOST:PORT)");
     std::string host = rest.substr(0, colon);
     int port = parse_int(rest.substr(colon + 1), "the port of init_method '" + method + "'");
     if (options.rank() < 0 || options.world_size() < 0) rank_from_env(options);
@@ -424,7 +426,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
   }
   if (method.rfind("file://", 0) == 0) {
     std::string path = method.substr(7);
-    TORCH_CHECK(!path.empty() && path[0] == '/', "shardopt: malformed init_method '", method,
+    SHARDOPT_CHECK(!path.empty() && path[0] == '/', "malformed init_method '", method,
                 "' (expected file:///ABSOLUTE/PATH)");
     if (options.rank() < 0 || options.world_size() < 0) rank_from_env(options);
     check_rank(options);
@@ -432,7 +434,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
     store->setTimeout(options.timeout());
     return make_group(store, options, "");
   }
-  TORCH_CHECK(false, "shardopt: malformed init_method '", method,
+  SHARDOPT_CHECK(false, "malformed init_method '", method,
               "' (expected \"env://\", \"tcp://HOST:PORT\" or \"file:///PATH\")");
 }
 

@@ -1,4 +1,5 @@
 #include <shardopt/data/data_sampler.h>
+#include <shardopt/check.h>
 
 #include <c10/util/Exception.h>
 #include <torch/serialize/input-archive.h>
@@ -84,7 +85,7 @@ void DataSampler::restore(const SamplerState& state) {
 void DataSampler::reset(std::optional<size_t> new_size) {
   std::lock_guard<std::mutex> lock(shared_->mutex);
   const int64_t size = shared_->sampler.dataset_size();
-  TORCH_CHECK(!new_size || static_cast<int64_t>(*new_size) == size, "shardopt: DataSampler::reset: the dataset ",
+  SHARDOPT_CHECK(!new_size || static_cast<int64_t>(*new_size) == size, "DataSampler::reset: the dataset ",
               "size is fixed at ", size, ", got a new size of ", *new_size, "; build a new sampler instead");
   if (!shared_->resume_pending) shared_->first_step = 0;
   shared_->resume_pending = false;
@@ -94,8 +95,8 @@ void DataSampler::reset(std::optional<size_t> new_size) {
 std::optional<std::vector<size_t>> DataSampler::next(size_t batch_size) {
   std::lock_guard<std::mutex> lock(shared_->mutex);
   const auto& sampler = shared_->sampler;
-  TORCH_CHECK(static_cast<int64_t>(batch_size) == sampler.options().batch_size(),
-              "shardopt: DataSampler::next: ", "asked for ", batch_size, " indices but the sampler's batch_size is ",
+  SHARDOPT_CHECK(static_cast<int64_t>(batch_size) == sampler.options().batch_size(),
+              "DataSampler::next: ", "asked for ", batch_size, " indices but the sampler's batch_size is ",
               sampler.options().batch_size(), "; give the data loader DataLoaderOptions(",
               sampler.options().batch_size(), ")");
   if (shared_->cursor >= sampler.steps_per_epoch()) return std::nullopt;
@@ -115,7 +116,7 @@ void DataSampler::load(torch::serialize::InputArchive& archive) {
   int64_t values[std::size(kFields)];
   for (size_t i = 0; i < std::size(kFields); ++i) {
     c10::IValue v;
-    TORCH_CHECK(archive.try_read(key(kFields[i]), v) && v.isInt(), "shardopt: DataSampler::load: the archive ",
+    SHARDOPT_CHECK(archive.try_read(key(kFields[i]), v) && v.isInt(), "DataSampler::load: the archive ",
                 "has no integer '", key(kFields[i]), "'; it was not written by DataSampler::save");
     values[i] = v.toInt();
   }

@@ -1,5 +1,7 @@
 #include <shardopt/data/sampler.h>
+#include <shardopt/check.h>
 
+#include <shardopt/comm/agree.h>
 #include <shardopt/comm/process_group.h>
 
 #include <c10/util/Exception.h>
@@ -144,29 +146,18 @@ SamplerOptions agreed_options(int64_t dataset_size, const ProcessGroup& const_gr
   auto& group = const_cast<ProcessGroup&>(const_group);
   uint64_t chunk_hash = 0;
   for (int64_t s : options.chunk_sizes()) chunk_hash = mix64(chunk_hash ^ static_cast<uint64_t>(s));
-  const std::vector<int64_t> mine = {
-      dataset_size,
-      options.batch_size(),
-      options.shuffle() ? 1 : 0,
-      static_cast<int64_t>(options.seed()),
-      options.tail() == Tail::kPad ? 0 : 1,
-      options.window_chunks(),
-      static_cast<int64_t>(options.chunk_sizes().size()),
-      static_cast<int64_t>(chunk_hash),
-  };
-  const char* names[] = {
-      "dataset_size",          "batch_size",        "shuffle", "seed", "tail (0 = kPad, 1 = kDrop)", "window_chunks",
-      "number of chunk_sizes", "chunk_sizes (hash)"};
-  const auto all = group.allgather_ints(mine);
-  for (size_t r = 1; r < all.size(); ++r) {
-    TORCH_CHECK(all[r].size() == mine.size(), "shardopt: BalancedSampler: rank ", r, " sent ", all[r].size(),
-                " option values, expected ", mine.size());
-    for (size_t i = 0; i < mine.size(); ++i) {
-      TORCH_CHECK(all[r][i] == all[0][i], "shardopt: BalancedSampler: ranks disagree on ", names[i], ": ", all[0][i],
-                  " on rank 0 but ", all[r][i], " on rank ", r,
-                  "; every rank must pass the same dataset size and options");
-    }
-  }
+  Agreement("BalancedSampler")
+      .field("dataset_size", dataset_size)
+      .field("batch_size", options.batch_size())
+      .field("shuffle", options.shuffle() ? 1 : 0)
+      .field("seed", static_cast<int64_t>(options.seed()))
+      .field("tail", options.tail() == Tail::kPad ? 0 : 1,
+             [](const std::vector<int64_t>& v) { return std::string(tail_name(v[0] ? Tail::kDrop : Tail::kPad)); })
+      .field("window_chunks", options.window_chunks())
+      .field("the number of chunk_sizes", static_cast<int64_t>(options.chunk_sizes().size()))
+      .field("chunk_sizes (hash)", static_cast<int64_t>(chunk_hash))
+      .hint("every rank must pass the same dataset size and options")
+      .check(group);
   return options;
 }
 
@@ -217,17 +208,17 @@ struct BalancedSampler::Cursor {
 
 BalancedSampler::BalancedSampler(int64_t dataset_size, int rank, int world_size, SamplerOptions options)
     : dataset_size_(dataset_size), rank_(rank), world_size_(world_size), options_(std::move(options)) {
-  TORCH_CHECK(dataset_size >= 0, "shardopt: BalancedSampler: dataset_size must be >= 0, got ", dataset_size);
-  TORCH_CHECK(dataset_size <= kMaxSize, "shardopt: BalancedSampler: dataset_size must be at most 2^62 = ", kMaxSize,
+  SHARDOPT_CHECK(dataset_size >= 0, "BalancedSampler: dataset_size must be >= 0, got ", dataset_size);
+  SHARDOPT_CHECK(dataset_size <= kMaxSize, "BalancedSampler: dataset_size must be at most 2^62 = ", kMaxSize,
               ", got ", dataset_size);
-  TORCH_CHECK(world_size >= 1, "shardopt: BalancedSampler: world_size must be >= 1, got ", world_size);
-  TORCH_CHECK(rank >= 0 && rank < world_size,
-              "shardopt: BalancedSampler: rank must be in [0, world_size = ", world_size, "), got ", rank);
+  SHARDOPT_CHECK(world_size >= 1, "BalancedSampler: world_size must be >= 1, got ", world_size);
+  SHARDOPT_CHECK(rank >= 0 && rank < world_size,
+              "BalancedSampler: rank must be in [0, world_size = ", world_size, "), got ", rank);
   const int64_t b = options_.batch_size();
-  TORCH_CHECK(b >= 1, "shardopt: BalancedSampler: batch_size must be >= 1, got ", b);
-  TORCH_CHECK(b <= kMaxSize / world_size, "shardopt: BalancedSampler: world_size * batch_size = ", world_size, " * ", b,
+  SHARDOPT_CHECK(b >= 1, "BalancedSampler: batch_size must be >= 1, got ", b);
+  SHARDOPT_CHECK(b <= kMaxSize / world_size, "BalancedSampler: world_size * batch_size = ", world_size, " * ", b,
               " exceeds 2^62");
-  TORCH_CHECK(options_.window_chunks() >= 1, "shardopt: BalancedSampler: window_chunks must be >= 1, got ",
+  SHARDOPT_CHECK(options_.window_chunks() >= 1, "BalancedSampler: window_chunks must be >= 1, got ",
               options_.window_chunks());
 
   const auto& sizes = options_.chunk_sizes();
@@ -235,13 +226,13 @@ BalancedSampler::BalancedSampler(int64_t dataset_size, int rank, int world_size,
     chunk_begin_.resize(sizes.size() + 1);
     chunk_begin_[0] = 0;
     for (size_t c = 0; c < sizes.size(); ++c) {
-      TORCH_CHECK(sizes[c] >= 1, "shardopt: BalancedSampler: chunk_sizes[", c, "] must be >= 1 (no empty or ",
+      SHARDOPT_CHECK(sizes[c] >= 1, "BalancedSampler: chunk_sizes[", c, "] must be >= 1 (no empty or ",
                   "negative chunks), got ", sizes[c]);
-      TORCH_CHECK(sizes[c] <= kMaxSize - chunk_begin_[c],
-                  "shardopt: BalancedSampler: chunk_sizes sum to more than 2^62");
+      SHARDOPT_CHECK(sizes[c] <= kMaxSize - chunk_begin_[c],
+                  "BalancedSampler: chunk_sizes sum to more than 2^62");
       chunk_begin_[c + 1] = chunk_begin_[c] + sizes[c];
     }
-    TORCH_CHECK(chunk_begin_.back() == dataset_size, "shardopt: BalancedSampler: chunk_sizes (", sizes.size(),
+    SHARDOPT_CHECK(chunk_begin_.back() == dataset_size, "BalancedSampler: chunk_sizes (", sizes.size(),
                 " chunks) sum to ", chunk_begin_.back(), " but dataset_size is ", dataset_size);
   }
 
@@ -261,7 +252,7 @@ int64_t BalancedSampler::steps_per_epoch() const {
 }
 
 void BalancedSampler::set_epoch(int64_t epoch) {
-  TORCH_CHECK(epoch >= 0, "shardopt: BalancedSampler: epoch must be >= 0, got ", epoch);
+  SHARDOPT_CHECK(epoch >= 0, "BalancedSampler: epoch must be >= 0, got ", epoch);
   epoch_ = epoch;
   epoch_key_ = derive(derive(options_.seed(), kTagEpoch), static_cast<uint64_t>(epoch));
   if (chunk_begin_.empty()) return;
@@ -286,7 +277,7 @@ void BalancedSampler::set_epoch(int64_t epoch) {
 }
 
 Batch BalancedSampler::batch(int64_t step) const {
-  TORCH_CHECK(step >= 0 && step < steps_, "shardopt: BalancedSampler: step ", step,
+  SHARDOPT_CHECK(step >= 0 && step < steps_, "BalancedSampler: step ", step,
               " is outside the epoch: steps_per_epoch() is ", steps_, " (dataset_size ", dataset_size_,
               ", world_size * batch_size = ", global_batch_, ", tail ", tail_name(options_.tail()), ")");
   const int64_t b = options_.batch_size();
@@ -311,7 +302,7 @@ Batch BalancedSampler::batch(int64_t step) const {
 }
 
 SamplerState BalancedSampler::state(int64_t next_step) const {
-  TORCH_CHECK(next_step >= 0 && next_step <= steps_, "shardopt: BalancedSampler::state: next_step must be in [0, ",
+  SHARDOPT_CHECK(next_step >= 0 && next_step <= steps_, "BalancedSampler::state: next_step must be in [0, ",
               steps_, "] (steps_per_epoch()), got ", next_step);
   SamplerState s;
   s.fingerprint = fingerprint_;
@@ -323,17 +314,17 @@ SamplerState BalancedSampler::state(int64_t next_step) const {
 }
 
 void BalancedSampler::restore(const SamplerState& s) {
-  TORCH_CHECK(s.version == SamplerState::kVersion, "shardopt: BalancedSampler::restore: state format version ",
+  SHARDOPT_CHECK(s.version == SamplerState::kVersion, "BalancedSampler::restore: state format version ",
               s.version, " is not supported (this build reads version ", SamplerState::kVersion, ")");
-  TORCH_CHECK(s.dataset_size == dataset_size_, "shardopt: BalancedSampler::restore: the state is for a dataset of ",
+  SHARDOPT_CHECK(s.dataset_size == dataset_size_, "BalancedSampler::restore: the state is for a dataset of ",
               s.dataset_size, " samples, this sampler has ", dataset_size_);
-  TORCH_CHECK(s.fingerprint == fingerprint_, "shardopt: BalancedSampler::restore: the state's fingerprint ",
+  SHARDOPT_CHECK(s.fingerprint == fingerprint_, "BalancedSampler::restore: the state's fingerprint ",
               s.fingerprint, " does not match this sampler's ", fingerprint_,
               ": the dataset (chunk_sizes) or the options (shuffle, seed, tail, window_chunks) differ");
-  TORCH_CHECK(s.global_batch_size == global_batch_, "shardopt: BalancedSampler::restore: the state was taken at ",
+  SHARDOPT_CHECK(s.global_batch_size == global_batch_, "BalancedSampler::restore: the state was taken at ",
               "world_size * batch_size = ", s.global_batch_size, ", this sampler has ", world_size_, " * ",
               options_.batch_size(), " = ", global_batch_, "; resuming needs the same global batch size");
-  TORCH_CHECK(s.next_step >= 0 && s.next_step <= steps_, "shardopt: BalancedSampler::restore: next_step ", s.next_step,
+  SHARDOPT_CHECK(s.next_step >= 0 && s.next_step <= steps_, "BalancedSampler::restore: next_step ", s.next_step,
               " is outside [0, ", steps_, "]");
   set_epoch(s.epoch);
 }

@@ -1,4 +1,5 @@
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/check.h>
 
 #include "optim/trainable.h"
 
@@ -53,7 +54,7 @@ class GradReadyHook : public torch::autograd::PostAccumulateGradHook {
 // ---- NoSync ------------------------------------------------------------------------------------
 
 NoSync::NoSync(ShardedDDP& ddp) : ddp_(&ddp) {
-  TORCH_CHECK(!ddp.no_sync_, "shardopt: no_sync() is already active on this ShardedDDP");
+  SHARDOPT_CHECK(!ddp.no_sync_, "no_sync() is already active on this ShardedDDP");
   ddp.no_sync_ = true;
 }
 NoSync::NoSync(NoSync&& other) noexcept : ddp_(other.ddp_) {
@@ -72,14 +73,14 @@ NoSync ShardedDDP::no_sync() {
 ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OSS*> optimizers,
                        ShardedDDPOptions options, std::shared_ptr<torch::nn::AnyModule> callable)
     : module_(std::move(module)), callable_(std::move(callable)), optimizers_(std::move(optimizers)), options_(options) {
-  TORCH_CHECK(module_, "shardopt: ShardedDDP needs a module, got null");
-  TORCH_CHECK(!optimizers_.empty(), "shardopt: ShardedDDP needs at least one OSS optimizer");
-  TORCH_CHECK(options_.reduce_bucket_bytes() >= 0, "shardopt: reduce_bucket_bytes must be >= 0, got ",
+  SHARDOPT_CHECK(module_, "ShardedDDP needs a module, got null");
+  SHARDOPT_CHECK(!optimizers_.empty(), "ShardedDDP needs at least one OSS optimizer");
+  SHARDOPT_CHECK(options_.reduce_bucket_bytes() >= 0, "reduce_bucket_bytes must be >= 0, got ",
               options_.reduce_bucket_bytes());
   for (size_t k = 0; k < optimizers_.size(); ++k) {
-    TORCH_CHECK(optimizers_[k], "shardopt: ShardedDDP optimizer ", k, " is null");
-    TORCH_CHECK(&optimizers_[k]->process_group() == &optimizers_[0]->process_group(),
-                "shardopt: ShardedDDP optimizers 0 and ", k, " use different process groups");
+    SHARDOPT_CHECK(optimizers_[k], "ShardedDDP optimizer ", k, " is null");
+    SHARDOPT_CHECK(&optimizers_[k]->process_group() == &optimizers_[0]->process_group(),
+                "ShardedDDP optimizers 0 and ", k, " use different process groups");
   }
   group_ = std::shared_ptr<ProcessGroup>(&optimizers_[0]->process_group(), [](ProcessGroup*) {});
 
@@ -90,13 +91,13 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   }
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     auto it = place.find(item.value().unsafeGetTensorImpl());
-    TORCH_CHECK(it != place.end(), "shardopt: parameter '", item.key(),
+    SHARDOPT_CHECK(it != place.end(), "parameter '", item.key(),
                 "' of the module is in none of the OSS optimizers given to ShardedDDP");
     names_.push_back(item.key());
     params_.push_back(item.value());
     place_.push_back(it->second);
   }
-  TORCH_CHECK(!params_.empty(), "shardopt: ShardedDDP: the module has no parameters");
+  SHARDOPT_CHECK(!params_.empty(), "ShardedDDP: the module has no parameters");
   refresh_owners();
 
   if (options_.sync_models_at_startup() && group_->size() > 1) {
@@ -108,7 +109,7 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
     for (auto& b : module_->buffers()) group_->broadcast(b, 0);
   }
   auto mask = detail::trainable_mask(params_);
-  detail::agree_on_mask(*group_, mask, /*exhaustive=*/true, [this](size_t i) { return "parameter '" + names_[i] + "'"; });
+  detail::agree_on_mask(*group_, mask, /*exhaustive=*/true, [this](size_t i) { return name(i); });
   // forward() checks the trainable set; the step need not check it again.
   if (options_.auto_refresh_trainable()) {
     for (OSS* opt : optimizers_) opt->set_check_trainable_every_step(false);
@@ -223,7 +224,7 @@ void ShardedDDP::pre_forward() {
     follow_partition(mask_ != balanced_for_);
     auto mask = detail::trainable_mask(params_);
     if (mask != mask_) {
-      TORCH_CHECK(!unreduced_local_grads_, "shardopt: the trainable set changed while no_sync() gradients are "
+      SHARDOPT_CHECK(!unreduced_local_grads_, "the trainable set changed while no_sync() gradients are "
                   "waiting to be reduced; call reduce() (or run a backward outside no_sync) first");
       build(std::move(mask));
     }
@@ -245,7 +246,7 @@ void ShardedDDP::pre_forward() {
 void ShardedDDP::start_mask_check() {
   if (group_->size() == 1) return;
   checked_mask_ = mask_;
-  const auto v = static_cast<int64_t>(detail::mask_hash(mask_) >> 1);
+  const auto v = static_cast<int64_t>(detail::mask_agreement(mask_, [this](size_t i) { return name(i); }).hash() >> 1);
   mask_check_buffer_ = at::tensor({v, -v}, at::kLong);
   mask_check_ = group_->allreduce_async(mask_check_buffer_, Reduction::kMax);
 }
@@ -255,15 +256,15 @@ void ShardedDDP::await_mask_check() {
   mask_check_.wait();
   if (mask_check_buffer_[0].item<int64_t>() == -mask_check_buffer_[1].item<int64_t>()) return;
   detail::agree_on_mask(*group_, checked_mask_, /*exhaustive=*/true,
-                        [this](size_t i) { return "parameter '" + names_[i] + "'"; });
+                        [this](size_t i) { return name(i); });
 }
 
 void ShardedDDP::refresh_trainable() {
   await_mask_check();
-  TORCH_CHECK(!unreduced_local_grads_, "shardopt: refresh_trainable() while no_sync() gradients are waiting to be "
+  SHARDOPT_CHECK(!unreduced_local_grads_, "refresh_trainable() while no_sync() gradients are waiting to be "
               "reduced; call reduce() (or run a backward outside no_sync) first");
   auto mask = detail::trainable_mask(params_);
-  detail::agree_on_mask(*group_, mask, /*exhaustive=*/false, [this](size_t i) { return "parameter '" + names_[i] + "'"; });
+  detail::agree_on_mask(*group_, mask, /*exhaustive=*/false, [this](size_t i) { return name(i); });
   build(std::move(mask));
   follow_partition(mask_ != balanced_for_);
 }
@@ -336,8 +337,8 @@ void ShardedDDP::finish_reduction() {
 
   // A parameter that became trainable without a rebuild has a local, unreduced gradient.
   for (size_t k = 0; k < params_.size(); ++k) {
-    TORCH_CHECK(mask_[k] || !params_[k].grad().defined() || !params_[k].requires_grad(),
-                "shardopt: parameter '", names_[k], "' became trainable after the last rebuild; call "
+    SHARDOPT_CHECK(mask_[k] || !params_[k].grad().defined() || !params_[k].requires_grad(),
+                "parameter '", names_[k], "' became trainable after the last rebuild; call "
                 "refresh_trainable() (or keep auto_refresh_trainable on and call forward())");
   }
   double divisor = 1.0;
@@ -345,7 +346,7 @@ void ShardedDDP::finish_reduction() {
     case GradScaling::kMean: divisor = group_->size(); break;
     case GradScaling::kSum: break;
     case GradScaling::kGlobalSamples:
-      TORCH_CHECK(global_samples_ > 0, "shardopt: grad_scaling kGlobalSamples needs set_global_samples(n > 0) "
+      SHARDOPT_CHECK(global_samples_ > 0, "grad_scaling kGlobalSamples needs set_global_samples(n > 0) "
                   "before each backward (got ", global_samples_, ")");
       divisor = static_cast<double>(global_samples_);
       break;
@@ -381,14 +382,14 @@ void ShardedDDP::finish_reduction() {
 }
 
 void ShardedDDP::reduce() {
-  TORCH_CHECK(!in_backward_, "shardopt: reduce() called during backward");
-  TORCH_CHECK(!no_sync_, "shardopt: reduce() called inside no_sync()");
+  SHARDOPT_CHECK(!in_backward_, "reduce() called during backward");
+  SHARDOPT_CHECK(!no_sync_, "reduce() called inside no_sync()");
   await_mask_check();
   finish_reduction();
 }
 
 void ShardedDDP::set_global_samples(int64_t real_samples) {
-  TORCH_CHECK(real_samples > 0, "shardopt: set_global_samples needs a positive count, got ", real_samples);
+  SHARDOPT_CHECK(real_samples > 0, "set_global_samples needs a positive count, got ", real_samples);
   global_samples_ = real_samples;
 }
 
@@ -402,6 +403,10 @@ void ShardedDDP::zero_grad(bool set_to_none) {
       p.mutable_grad().zero_();
     }
   }
+}
+
+std::string ShardedDDP::name(size_t param) const {
+  return "parameter '" + names_[param] + "'";
 }
 
 size_t ShardedDDP::num_buckets() const {

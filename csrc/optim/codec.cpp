@@ -1,5 +1,7 @@
 #include "optim/codec.h"
 
+#include <shardopt/check.h>
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/optim/adagrad.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
@@ -22,14 +24,14 @@ namespace {
 double get_double(const GenericDict& d, const char* key, double fallback) {
   if (!d.contains(key)) return fallback;
   const auto& v = d.at(key);
-  TORCH_CHECK(v.isDouble() || v.isInt(), "shardopt: state_dict option '", key, "' must be a number, got ", v.tagKind());
+  SHARDOPT_CHECK(v.isDouble() || v.isInt(), "state_dict option '", key, "' must be a number, got ", v.tagKind());
   return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
 }
 
 bool get_bool(const GenericDict& d, const char* key, bool fallback) {
   if (!d.contains(key)) return fallback;
   const auto& v = d.at(key);
-  TORCH_CHECK(v.isBool(), "shardopt: state_dict option '", key, "' must be a bool, got ", v.tagKind());
+  SHARDOPT_CHECK(v.isBool(), "state_dict option '", key, "' must be a bool, got ", v.tagKind());
   return v.toBool();
 }
 
@@ -42,7 +44,7 @@ std::tuple<double, double> get_betas(const GenericDict& d, std::tuple<double, do
   } else if (v.isList()) {
     items = v.toListRef().vec();
   }
-  TORCH_CHECK(items.size() == 2, "shardopt: state_dict option 'betas' must hold two numbers");
+  SHARDOPT_CHECK(items.size() == 2, "state_dict option 'betas' must hold two numbers");
   auto num = [](const c10::IValue& x) { return x.isDouble() ? x.toDouble() : static_cast<double>(x.toInt()); };
   return {num(items[0]), num(items[1])};
 }
@@ -51,7 +53,7 @@ at::Tensor get_tensor(const GenericDict& d, const char* key) {
   if (!d.contains(key)) return at::Tensor();
   const auto& v = d.at(key);
   if (v.isNone()) return at::Tensor();
-  TORCH_CHECK(v.isTensor(), "shardopt: state entry '", key, "' must be a tensor, got ", v.tagKind());
+  SHARDOPT_CHECK(v.isTensor(), "state entry '", key, "' must be a tensor, got ", v.tagKind());
   return v.toTensor().clone();
 }
 
@@ -61,7 +63,7 @@ int64_t get_step(const GenericDict& d) {
   const auto& v = d.at("step");
   if (v.isTensor()) return static_cast<int64_t>(v.toTensor().item<double>());
   if (v.isDouble()) return static_cast<int64_t>(v.toDouble());
-  TORCH_CHECK(v.isInt(), "shardopt: state entry 'step' must be a number or a tensor, got ", v.tagKind());
+  SHARDOPT_CHECK(v.isInt(), "state entry 'step' must be a number or a tensor, got ", v.tagKind());
   return v.toInt();
 }
 
@@ -107,8 +109,8 @@ struct AdamLike {
     o->eps(get_double(d, "eps", o->eps()));
     o->weight_decay(get_double(d, "weight_decay", o->weight_decay()));
     o->amsgrad(get_bool(d, "amsgrad", o->amsgrad()));
-    TORCH_CHECK(get_bool(d, "decoupled_weight_decay", kDecoupled) == kDecoupled,
-                "shardopt: the state_dict was saved with decoupled_weight_decay=", !kDecoupled,
+    SHARDOPT_CHECK(get_bool(d, "decoupled_weight_decay", kDecoupled) == kDecoupled,
+                "the state_dict was saved with decoupled_weight_decay=", !kDecoupled,
                 ", which this optimizer does not implement");
     return o;
   }
@@ -272,7 +274,7 @@ const OptimizerCodec* find_codec(const optim::Optimizer& optimizer) {
 
 const OptimizerCodec& codec_for(const optim::Optimizer& optimizer) {
   const OptimizerCodec* codec = find_codec(optimizer);
-  TORCH_CHECK(codec, "shardopt: state_dict() supports Adam, AdamW, SGD, RMSprop and Adagrad; the wrapped "
+  SHARDOPT_CHECK(codec, "state_dict() supports Adam, AdamW, SGD, RMSprop and Adagrad; the wrapped "
               "optimizer is ", typeid(optimizer).name());
   return *codec;
 }

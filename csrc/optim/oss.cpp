@@ -1,4 +1,7 @@
 #include <shardopt/optim/oss.h>
+#include <shardopt/check.h>
+
+#include <shardopt/comm/agree.h>
 
 #include "optim/codec.h"
 #include "optim/trainable.h"
@@ -21,9 +24,9 @@ using detail::GenericDict;
 namespace {
 
 std::unique_ptr<optim::OptimizerOptions> probe_defaults(const OptimizerFactory& factory) {
-  TORCH_CHECK(factory, "shardopt: OSS needs an optimizer factory, got an empty one");
+  SHARDOPT_CHECK(factory, "OSS needs an optimizer factory, got an empty one");
   auto probe = factory({optim::OptimizerParamGroup({at::zeros({1}).requires_grad_()})});
-  TORCH_CHECK(probe, "shardopt: the optimizer factory returned null");
+  SHARDOPT_CHECK(probe, "the optimizer factory returned null");
   return probe->defaults().clone();
 }
 
@@ -62,7 +65,6 @@ std::string decode_text(const std::vector<int64_t>& v) {
 
 // What the ranks must agree on about one parameter: dtype, device type, trainability, group,
 // shape.
-constexpr size_t kDescriptorLen = 13;
 std::vector<int64_t> describe(const at::Tensor& p, size_t group) {
   std::vector<int64_t> d{static_cast<int64_t>(p.scalar_type()), static_cast<int64_t>(p.device().type()),
                          p.requires_grad() ? 1 : 0, static_cast<int64_t>(group), p.dim()};
@@ -93,7 +95,7 @@ OSS::OSS(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory factor
     : optim::Optimizer(std::vector<optim::OptimizerParamGroup>{}, probe_defaults(factory)),
       group_(std::move(group)),
       options_(options) {
-  TORCH_CHECK(group_, "shardopt: OSS needs a process group, got null");
+  SHARDOPT_CHECK(group_, "OSS needs a process group, got null");
   init(std::move(groups), std::move(factory));
 }
 
@@ -104,7 +106,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   const std::string problem = local_param_problem(groups);
   auto problems = group_->allgather_ints(encode_text(problem));
   for (int r = 0; r < group_->size(); ++r) {
-    TORCH_CHECK(problems[r].empty(), "shardopt: OSS on rank ", r, ": ", decode_text(problems[r]));
+    SHARDOPT_CHECK(problems[r].empty(), "OSS on rank ", r, ": ", decode_text(problems[r]));
   }
 
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -132,27 +134,17 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   }
   for (size_t i : partition_.shard(group_->rank())) local_groups[group_of_[i]].params().push_back(params_[i]);
   local_ = factory(std::move(local_groups));
-  TORCH_CHECK(local_, "shardopt: the optimizer factory returned null");
+  SHARDOPT_CHECK(local_, "the optimizer factory returned null");
 }
 
 void OSS::check_params_across_ranks() {
-  std::vector<int64_t> mine;
+  Agreement agreement("OSS");
+  agreement.field("the number of parameters", static_cast<int64_t>(params_.size()));
   for (size_t i = 0; i < params_.size(); ++i) {
-    auto d = describe(params_[i], group_of_[i]);
-    mine.insert(mine.end(), d.begin(), d.end());
+    agreement.field("parameter " + std::to_string(i), describe(params_[i], group_of_[i]),
+                    [](const std::vector<int64_t>& d) { return descriptor_text(d.data()); });
   }
-  auto all = group_->allgather_ints(mine);
-  for (int r = 1; r < group_->size(); ++r) {
-    const size_t n0 = all[0].size() / kDescriptorLen, nr = all[r].size() / kDescriptorLen;
-    for (size_t i = 0; i < std::min(n0, nr); ++i) {
-      const int64_t* a = all[0].data() + i * kDescriptorLen;
-      const int64_t* b = all[r].data() + i * kDescriptorLen;
-      TORCH_CHECK(std::equal(a, a + kDescriptorLen, b), "shardopt: OSS parameters differ across ranks: parameter ", i,
-                  " is ", descriptor_text(a), " on rank 0 but ", descriptor_text(b), " on rank ", r);
-    }
-    TORCH_CHECK(n0 == nr, "shardopt: OSS parameters differ across ranks: rank 0 has ", n0,
-                " parameters but rank ", r, " has ", nr);
-  }
+  agreement.hint("every rank must pass the same parameters, in the same order and groups").check(*group_);
 }
 
 // Note [Parameter sync]
@@ -165,7 +157,7 @@ void OSS::flatten_params() {
   std::map<std::pair<int, int>, std::vector<size_t>> by_kind;  // (device, dtype) -> params
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
-    TORCH_CHECK(p.device().is_cpu() || p.device().is_cuda(), "shardopt: parameter ", i, " is on ", p.device(),
+    SHARDOPT_CHECK(p.device().is_cpu() || p.device().is_cuda(), "parameter ", i, " is on ", p.device(),
                 "; OSS supports CPU and CUDA parameters");
     by_kind[{static_cast<int>(p.device().type()) * 1000 + p.device().index(), static_cast<int>(p.scalar_type())}]
         .push_back(i);
@@ -195,11 +187,11 @@ void OSS::flatten_params() {
 // ---- stepping -------------------------------------------------------------------------------
 
 void OSS::sync_options_to_local() {
-  TORCH_CHECK(param_groups_.size() == group_sizes_.size(),
-              "shardopt: OSS param groups changed after construction (", group_sizes_.size(), " -> ",
+  SHARDOPT_CHECK(param_groups_.size() == group_sizes_.size(),
+              "OSS param groups changed after construction (", group_sizes_.size(), " -> ",
               param_groups_.size(), "); add_param_group is not supported, build a new OSS");
   for (size_t g = 0; g < param_groups_.size(); ++g) {
-    TORCH_CHECK(param_groups_[g].params().size() == group_sizes_[g], "shardopt: OSS param group ", g,
+    SHARDOPT_CHECK(param_groups_[g].params().size() == group_sizes_[g], "OSS param group ", g,
                 " changed size after construction (", group_sizes_[g], " -> ", param_groups_[g].params().size(),
                 " parameters)");
     local_->param_groups()[g].set_options(param_groups_[g].options().clone());
@@ -277,7 +269,7 @@ torch::Tensor OSS::step(LossClosure closure) {
 // communicating. The step in which the set changed still runs on the old partition; the
 // re-partition follows it.
 bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
-  TORCH_CHECK(trainable.size() == params_.size(), "shardopt: OSS::rebalance got ", trainable.size(),
+  SHARDOPT_CHECK(trainable.size() == params_.size(), "OSS::rebalance got ", trainable.size(),
               " trainable flags for ", params_.size(), " parameters");
   if (trainable == balanced_for_) return false;
   balanced_for_ = trainable;
@@ -406,8 +398,8 @@ void OSS::zero_grad(bool set_to_none) {
 }
 
 double OSS::clip_grad_norm(double max_norm, double norm_type) {
-  TORCH_CHECK(max_norm >= 0, "shardopt: clip_grad_norm max_norm must be >= 0, got ", max_norm);
-  TORCH_CHECK(norm_type > 0, "shardopt: clip_grad_norm norm_type must be > 0 (or inf), got ", norm_type);
+  SHARDOPT_CHECK(max_norm >= 0, "clip_grad_norm max_norm must be >= 0, got ", max_norm);
+  SHARDOPT_CHECK(norm_type > 0, "clip_grad_norm norm_type must be > 0 (or inf), got ", norm_type);
   const bool inf = std::isinf(norm_type);
   std::vector<at::Tensor> grads;
   for (size_t i : partition_.shard(group_->rank())) {
@@ -437,7 +429,7 @@ size_t OSS::index_of(const torch::Tensor& param) const {
     auto it = index_of_.find(param.unsafeGetTensorImpl());
     if (it != index_of_.end()) return it->second;
   }
-  TORCH_CHECK(false, "shardopt: the tensor", (param.defined() ? " of shape " + c10::str(param.sizes()) : std::string()),
+  SHARDOPT_CHECK(false, "the tensor", (param.defined() ? " of shape " + c10::str(param.sizes()) : std::string()),
               " is not a parameter of this OSS");
 }
 
@@ -455,8 +447,8 @@ int64_t OSS::local_state_bytes() const {
 // ---- state dict -----------------------------------------------------------------------------
 
 void OSS::consolidate_state_dict(int recipient) {
-  group_->check_same_on_all_ranks({recipient}, "the recipient of consolidate_state_dict");
-  TORCH_CHECK(recipient >= 0 && recipient < group_->size(), "shardopt: consolidate_state_dict recipient ",
+  Agreement().field("the recipient of consolidate_state_dict", recipient).check(*group_);
+  SHARDOPT_CHECK(recipient >= 0 && recipient < group_->size(), "consolidate_state_dict recipient ",
               recipient, " is outside [0, ", group_->size(), ")");
   const auto& codec = detail::codec_for(*local_);
   const int rank = group_->rank();
@@ -508,7 +500,7 @@ void OSS::consolidate_state_dict(int recipient) {
 }
 
 torch::IValue OSS::state_dict() const {
-  TORCH_CHECK(consolidated_.has_value(), "shardopt: OSS::state_dict() on rank ", group_->rank(),
+  SHARDOPT_CHECK(consolidated_.has_value(), "OSS::state_dict() on rank ", group_->rank(),
               ": there is no consolidated state here; call consolidate_state_dict(recipient) on every rank first, "
               "then state_dict() on the recipient",
               (last_recipient_ >= 0 ? " (the last recipient was rank " + std::to_string(last_recipient_) + ")"
@@ -517,21 +509,21 @@ torch::IValue OSS::state_dict() const {
 }
 
 void OSS::load_state_dict(const torch::IValue& sd) {
-  TORCH_CHECK(sd.isGenericDict(), "shardopt: load_state_dict expects a dict, got ", sd.tagKind());
+  SHARDOPT_CHECK(sd.isGenericDict(), "load_state_dict expects a dict, got ", sd.tagKind());
   const auto dict = sd.toGenericDict();
-  TORCH_CHECK(dict.contains("state") && dict.contains("param_groups"),
-              "shardopt: load_state_dict expects the keys \"state\" and \"param_groups\"");
+  SHARDOPT_CHECK(dict.contains("state") && dict.contains("param_groups"),
+              "load_state_dict expects the keys \"state\" and \"param_groups\"");
   const auto saved_groups = dict.at("param_groups").toListRef();
-  TORCH_CHECK(saved_groups.size() == param_groups_.size(), "shardopt: load_state_dict: the state has ",
+  SHARDOPT_CHECK(saved_groups.size() == param_groups_.size(), "load_state_dict: the state has ",
               saved_groups.size(), " param groups, this optimizer has ", param_groups_.size());
   // Saved ids map to our parameters by position, group by group, as in torch.optim.
   std::unordered_map<int64_t, size_t> id_to_param;
   size_t index = 0;
   for (size_t g = 0; g < saved_groups.size(); ++g) {
     const auto group = saved_groups[g].toGenericDict();
-    TORCH_CHECK(group.contains("params"), "shardopt: load_state_dict: param group ", g, " has no \"params\"");
+    SHARDOPT_CHECK(group.contains("params"), "load_state_dict: param group ", g, " has no \"params\"");
     const auto ids = group.at("params").toListRef();
-    TORCH_CHECK(ids.size() == group_sizes_[g], "shardopt: load_state_dict: param group ", g, " has ", ids.size(),
+    SHARDOPT_CHECK(ids.size() == group_sizes_[g], "load_state_dict: param group ", g, " has ", ids.size(),
                 " parameters in the state but ", group_sizes_[g], " in this optimizer");
     for (const auto& id : ids) id_to_param[id.toInt()] = index++;
   }
@@ -541,14 +533,14 @@ void OSS::load_state_dict(const torch::IValue& sd) {
   for (const auto& entry : state) {
     const int64_t id = entry.key().toInt();
     auto it = id_to_param.find(id);
-    TORCH_CHECK(it != id_to_param.end(), "shardopt: load_state_dict: state entry ", id,
+    SHARDOPT_CHECK(it != id_to_param.end(), "load_state_dict: state entry ", id,
                 " belongs to no parameter of any group");
     const size_t i = it->second;
     const auto values = entry.value().toGenericDict();
     for (const auto& v : values) {
       if (!v.value().isTensor() || v.key().toStringRef() == "step") continue;
       const auto& t = v.value().toTensor();
-      TORCH_CHECK(t.sizes() == params_[i].sizes(), "shardopt: load_state_dict: state '", v.key().toStringRef(),
+      SHARDOPT_CHECK(t.sizes() == params_[i].sizes(), "load_state_dict: state '", v.key().toStringRef(),
                   "' of parameter ", i, " has shape ", t.sizes(), " but the parameter has shape ", params_[i].sizes());
     }
     entries.emplace(i, values);
@@ -577,8 +569,8 @@ void OSS::save(torch::serialize::OutputArchive& archive) const {
 
 void OSS::load(torch::serialize::InputArchive& archive) {
   torch::IValue value;
-  TORCH_CHECK(archive.try_read("shardopt_oss_state_dict", value),
-              "shardopt: OSS::load: the archive holds no OSS state (written by OSS::save?)");
+  SHARDOPT_CHECK(archive.try_read("shardopt_oss_state_dict", value),
+              "OSS::load: the archive holds no OSS state (written by OSS::save?)");
   load_state_dict(value);
 }
 

@@ -1,4 +1,5 @@
 #include <shardopt/optim/partition.h>
+#include <shardopt/check.h>
 
 #include <c10/util/Exception.h>
 
@@ -67,9 +68,9 @@ void Partition::index_shards() {
 }
 
 Partition Partition::balance(const std::vector<int64_t>& weights, int world_size) {
-  TORCH_CHECK(world_size >= 1, "shardopt: Partition needs world_size >= 1, got ", world_size);
+  SHARDOPT_CHECK(world_size >= 1, "Partition needs world_size >= 1, got ", world_size);
   for (size_t i = 0; i < weights.size(); ++i) {
-    TORCH_CHECK(weights[i] >= 0, "shardopt: Partition weight of parameter ", i, " is negative (", weights[i], ")");
+    SHARDOPT_CHECK(weights[i] >= 0, "Partition weight of parameter ", i, " is negative (", weights[i], ")");
   }
   Partition p;
   p.world_size_ = world_size;
@@ -92,7 +93,7 @@ Partition Partition::balance(const std::vector<int64_t>& weights, int world_size
 
 Partition Partition::balance(const std::vector<int64_t>& weights, int world_size,
                              const std::vector<uint8_t>& trainable) {
-  TORCH_CHECK(trainable.size() == weights.size(), "shardopt: Partition got ", weights.size(), " weights but ",
+  SHARDOPT_CHECK(trainable.size() == weights.size(), "Partition got ", weights.size(), " weights but ",
               trainable.size(), " trainable flags");
   std::vector<int64_t> active(weights.size(), 0);
   std::vector<size_t> frozen;
@@ -118,8 +119,8 @@ Partition Partition::balance(const std::vector<int64_t>& weights, int world_size
 
 Partition Partition::rebalance(const Partition& from, const std::vector<int64_t>& weights,
                                const std::vector<uint8_t>& trainable) {
-  TORCH_CHECK(weights.size() == from.owner_.size() && trainable.size() == from.owner_.size(),
-              "shardopt: Partition of ", from.owner_.size(), " parameters asked to rebalance ", weights.size(),
+  SHARDOPT_CHECK(weights.size() == from.owner_.size() && trainable.size() == from.owner_.size(),
+              "Partition of ", from.owner_.size(), " parameters asked to rebalance ", weights.size(),
               " weights and ", trainable.size(), " flags");
   // improve() only looks at the parameters it may move; frozen ones weigh nothing here, and a
   // zero weight is never moved (a move must lower the larger load).
@@ -136,7 +137,7 @@ Partition Partition::rebalance(const Partition& from, const std::vector<int64_t>
 }
 
 double Partition::imbalance(const std::vector<int64_t>& weights, const std::vector<uint8_t>& trainable) const {
-  TORCH_CHECK(weights.size() == owner_.size() && trainable.size() == owner_.size(), "shardopt: Partition of ",
+  SHARDOPT_CHECK(weights.size() == owner_.size() && trainable.size() == owner_.size(), "Partition of ",
               owner_.size(), " parameters asked about ", weights.size(), " weights and ", trainable.size(), " flags");
   std::vector<int64_t> loads(world_size_, 0);
   int64_t sum = 0;

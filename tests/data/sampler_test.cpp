@@ -597,7 +597,7 @@ TEST(BalancedSampler, GroupConstructorChecksAgreement) {
     BalancedSampler(50, *group, SamplerOptions(4).seed(group->rank() == 2 ? 7 : 6));
   });
   for (const auto& e : seeds)
-    EXPECT_NE(e.find("ranks disagree on seed: 6 on rank 0 but 7 on rank 2"), std::string::npos) << e;
+    EXPECT_NE(e.find("ranks disagree on seed: 6 on ranks 0, 1 but 7 on rank 2"), std::string::npos) << e;
   auto sizes = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> group) {
     BalancedSampler(group->rank() == 0 ? 50 : 51, *group, SamplerOptions(4));
   });

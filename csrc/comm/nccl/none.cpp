@@ -1,4 +1,5 @@
 // Stand-in when this build has no NCCL backend (no NCCL headers or CUDA toolkit found).
+#include <shardopt/check.h>
 #include "comm/backends.h"
 
 #include <c10/util/Exception.h>
@@ -15,7 +16,7 @@ bool nccl_usable() {
 
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>&, int, int,
                                                     std::chrono::milliseconds) {
-  TORCH_CHECK(false, "shardopt: this build has no NCCL backend (NCCL headers or the CUDA toolkit were not found)");
+  SHARDOPT_CHECK(false, "this build has no NCCL backend (NCCL headers or the CUDA toolkit were not found)");
 }
 
 }  // namespace shardopt::detail

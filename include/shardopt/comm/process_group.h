@@ -113,9 +113,7 @@ class ProcessGroup {
   // Small control messages: every rank's vector of integers (lengths may differ).
   std::vector<std::vector<int64_t>> allgather_ints(const std::vector<int64_t>& values);
 
-  // Throws on every rank when the ranks' `values` differ, naming `what`, the first differing
-  // position (described by `describe(position)`), and the two ranks.
-  void check_same_on_all_ranks(const std::vector<int64_t>& values, const std::string& what);
+  // (Agreement, in agree.h, checks that all ranks hold the same values.)
 
  private:
   PendingWork track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work);

@@ -26,6 +26,7 @@
 // (non-template) forward method; for other modules call pre_forward() and then the module.
 #pragma once
 
+#include <shardopt/check.h>
 #include <shardopt/comm/process_group.h>
 #include <shardopt/optim/oss.h>
 
@@ -86,7 +87,7 @@ class ShardedDDP {
 
   template <class R = torch::Tensor, class... Args>
   R forward(Args&&... args) {
-    TORCH_CHECK(callable_, "shardopt: ShardedDDP::forward needs a module with a forward() method; call "
+    SHARDOPT_CHECK(callable_, "ShardedDDP::forward needs a module with a forward() method; call "
                 "pre_forward() and then the module yourself");
     pre_forward();
     return callable_->forward<R>(std::forward<Args>(args)...);
@@ -135,6 +136,7 @@ class ShardedDDP {
   void fill_entry(size_t entry);
   void start_mask_check();
   void await_mask_check();
+  std::string name(size_t param) const;  // "parameter 'fc.weight'", for messages
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<torch::nn::AnyModule> callable_;
