@@ -4,13 +4,13 @@
 #include <shardopt/comm/agree.h>
 
 #include "optim/codec.h"
+#include "optim/param_buffers.h"
+#include "optim/state_migration.h"
 #include "optim/trainable.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/api/include/torch/serialize/archive.h>
 #include <torch/csrc/autograd/grad_mode.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <map>
 #include <sstream>
@@ -126,7 +126,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   trainable_ = detail::trainable_mask(params_);
   balanced_for_ = trainable_;
   partition_ = Partition::balance(weights_, group_->size(), trainable_);
-  flatten_params();
+  lay_out(trainable_);
 
   std::vector<optim::OptimizerParamGroup> local_groups;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
@@ -147,41 +147,41 @@ void OSS::check_params_across_ranks() {
   agreement.hint("every rank must pass the same parameters, in the same order and groups").check(*group_);
 }
 
-// Note [Parameter sync]
-// Parameters of one (device, dtype) live in one flat buffer, laid out owner by owner; each
-// owner's segment is padded to the longest, so the buffer is world_size equal shards. After the
-// owners stepped, one broadcast per owner segment (or one all-gather of the shards) makes every
-// copy current. set_data() keeps each parameter's TensorImpl, so optimizer state keys stay valid.
-void OSS::flatten_params() {
-  buffers_.clear();  // on a re-partition the parameters still hold the old buffers' data
-  std::map<std::pair<int, int>, std::vector<size_t>> by_kind;  // (device, dtype) -> params
+void OSS::lay_out(const std::vector<uint8_t>& trainable) {
+  std::vector<LayoutParam> specs;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
     SHARDOPT_CHECK(p.device().is_cpu() || p.device().is_cuda(), "parameter ", i, " is on ", p.device(),
-                "; OSS supports CPU and CUDA parameters");
-    by_kind[{static_cast<int>(p.device().type()) * 1000 + p.device().index(), static_cast<int>(p.scalar_type())}]
-        .push_back(i);
+                   "; OSS supports CPU and CUDA parameters");
+    specs.push_back(LayoutParam::of(p, partition_.owner(i), trainable[i] != 0));
   }
-  const int world = group_->size();
-  at::NoGradGuard no_grad;
-  for (auto& [kind, members] : by_kind) {
-    std::vector<int64_t> seg(world, 0);
-    for (size_t i : members) seg[partition_.owner(i)] += params_[i].numel();
-    FlatBuffer buf;
-    buf.segment_numel = std::max<int64_t>(1, *std::max_element(seg.begin(), seg.end()));
-    buf.data = at::zeros({buf.segment_numel * world}, params_[members[0]].options().requires_grad(false));
-    std::vector<int64_t> offset(world);
-    for (int r = 0; r < world; ++r) offset[r] = r * buf.segment_numel;
-    for (size_t i : members) {  // ascending global order within each owner's segment
-      auto& p = params_[i];
-      int r = partition_.owner(i);
-      at::Tensor view = buf.data.narrow(0, offset[r], p.numel()).view(p.sizes());
-      view.copy_(p.detach());
-      p.set_data(view);
-      offset[r] += p.numel();
-    }
-    buffers_.push_back(std::move(buf));
+  layout_ = FlatLayout::plan(specs, group_->size(), options_.layout());
+  laid_out_for_ = trainable;
+  buffers_.clear();  // the parameters still hold the old buffers' data until they are copied out
+  buffers_ = detail::lay_out_params(layout_, params_);
+  ++layout_version_;
+}
+
+bool OSS::lay_out_for(const std::vector<uint8_t>& trainable) {
+  SHARDOPT_CHECK(trainable.size() == params_.size(), "OSS::lay_out_for got ", trainable.size(),
+                 " trainable flags for ", params_.size(), " parameters");
+  if (trainable == laid_out_for_) return false;
+  lay_out(trainable);
+  return true;
+}
+
+void OSS::set_bucket_bytes(int64_t bytes) {
+  SHARDOPT_CHECK(bytes >= 0, "bucket bytes must be >= 0, got ", bytes);
+  if (bytes == options_.layout().bucket_bytes()) return;
+  options_.layout().bucket_bytes(bytes);
+  std::vector<LayoutParam> specs;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    specs.push_back(LayoutParam::of(params_[i], partition_.owner(i), laid_out_for_[i] != 0));
   }
+  FlatLayout next = FlatLayout::plan(specs, group_->size(), options_.layout());
+  TORCH_INTERNAL_ASSERT(next.same_placement(layout_), "new bucket cuts moved parameters in the flat buffers");
+  layout_ = std::move(next);
+  ++layout_version_;
 }
 
 // ---- stepping -------------------------------------------------------------------------------
@@ -223,7 +223,9 @@ torch::Tensor OSS::step(LossClosure closure) {
   }
   if (options_.check_trainable_every_step()) {
     agree_on_trainable(false);
+    lay_out_for(trainable_);  // agreed: every rank lays out alike
   } else if (trainable_mask_changed()) {
+    // ShardedDDP lays out at its forward, after its own check.
     trainable_ = detail::trainable_mask(params_);
   }
   sync_options_to_local();
@@ -283,76 +285,12 @@ bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
   last_rebalance_ = RebalanceStats();
   last_rebalance_.imbalance_before = before;
   last_rebalance_.imbalance_after = after;
-  migrate_state(next);
+  detail::migrate_state(*group_, *local_, params_, partition_, next, last_rebalance_);
   partition_ = std::move(next);
   ++partition_version_;
-  flatten_params();
+  lay_out(trainable);
   set_local_groups();
   return true;
-}
-
-at::TensorOptions OSS::placed_like(size_t param) const {
-  return params_[param].options().requires_grad(false);
-}
-
-std::unique_ptr<optim::OptimizerParamState> OSS::decode_placed(const GenericDict& encoded, size_t param) const {
-  GenericDict placed = detail::make_string_dict();
-  for (const auto& v : encoded) {
-    if (v.value().isTensor() && v.key().toStringRef() != "step") {
-      placed.insert(v.key(), v.value().toTensor().to(placed_like(param)));
-    } else {
-      placed.insert(v.key(), v.value());
-    }
-  }
-  return detail::codec_for(*local_).decode_state(placed);
-}
-
-void OSS::migrate_state(const Partition& next) {
-  const int rank = group_->rank(), world = group_->size();
-  const auto& codec = detail::codec_for(*local_);
-  auto& state = local_->state();
-  // moving[s][d]: does any parameter go from rank s to rank d?
-  std::vector<std::vector<uint8_t>> moving(world, std::vector<uint8_t>(world, 0));
-  std::vector<GenericDict> outgoing;
-  for (int d = 0; d < world; ++d) outgoing.emplace_back(c10::IntType::get(), c10::AnyType::get());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const int s = partition_.owner(i), d = next.owner(i);
-    if (s == d) continue;
-    moving[s][d] = 1;
-    ++last_rebalance_.params_moved;
-    if (s != rank) continue;
-    GenericDict entry = detail::make_string_dict();
-    auto it = state.find(compat::state_key(params_[i]));
-    if (it != state.end()) {  // no state yet (never stepped): nothing to move
-      GenericDict encoded = codec.encode_state(*it->second);
-      last_rebalance_.state_bytes_sent += detail::state_tensor_bytes(encoded);
-      entry.insert("state", encoded);
-      state.erase(it);
-    }
-    // A gradient only the old owner holds (ShardedDDP reduced it there) goes along, so a step
-    // right after the re-partition still sees it. clone(): a view would carry its whole base.
-    if (params_[i].grad().defined()) entry.insert("grad", params_[i].grad().detach().clone());
-    if (!entry.empty()) outgoing[d].insert(static_cast<int64_t>(i), entry);
-  }
-  // One pair of ranks at a time, in the same order everywhere: no two transfers wait on each other.
-  for (int s = 0; s < world; ++s) {
-    for (int d = 0; d < world; ++d) {
-      if (!moving[s][d]) continue;
-      if (rank == s) group_->send_bytes(torch::pickle_save(outgoing[d]), d, s);
-      if (rank != d) continue;
-      for (const auto& item : torch::pickle_load(group_->recv_bytes(s, s)).toGenericDict()) {
-        const size_t i = static_cast<size_t>(item.key().toInt());
-        const auto entry = item.value().toGenericDict();
-        if (entry.contains("grad") && !params_[i].grad().defined()) {
-          params_[i].mutable_grad() = entry.at("grad").toTensor().to(placed_like(i));
-        }
-        if (!entry.contains("state")) continue;
-        const auto encoded = entry.at("state").toGenericDict();
-        last_rebalance_.state_bytes_received += detail::state_tensor_bytes(encoded);
-        state[compat::state_key(params_[i])] = decode_placed(encoded, i);
-      }
-    }
-  }
 }
 
 void OSS::set_local_groups() {
@@ -362,27 +300,7 @@ void OSS::set_local_groups() {
 }
 
 void OSS::sync_params() {
-  const int world = group_->size();
-  if (world == 1) return;
-  at::NoGradGuard no_grad;
-  if (options_.sync() == ParamSync::kBroadcast) {
-    std::vector<PendingWork> pending;
-    for (auto& buf : buffers_) {
-      for (int r = 0; r < world; ++r) {
-        at::Tensor segment = buf.data.narrow(0, r * buf.segment_numel, buf.segment_numel);
-        pending.push_back(group_->broadcast_async(segment, r));
-      }
-    }
-    for (auto& w : pending) w.wait();
-    return;
-  }
-  for (auto& buf : buffers_) {
-    std::vector<at::Tensor> segments;
-    for (int r = 0; r < world; ++r) segments.push_back(buf.data.narrow(0, r * buf.segment_numel, buf.segment_numel));
-    // The input is copied: it must not alias the output it is gathered into.
-    at::Tensor mine = segments[group_->rank()].clone();
-    group_->allgather(segments, mine);
-  }
+  detail::sync_params(*group_, layout_, buffers_, options_.sync());
 }
 
 void OSS::zero_grad(bool set_to_none) {
@@ -442,136 +360,6 @@ int64_t OSS::local_state_bytes() const {
   const auto& codec = detail::codec_for(*local_);
   for (const auto& [key, state] : local_->state()) bytes += detail::state_tensor_bytes(codec.encode_state(*state));
   return bytes;
-}
-
-// ---- state dict -----------------------------------------------------------------------------
-
-void OSS::consolidate_state_dict(int recipient) {
-  Agreement().field("the recipient of consolidate_state_dict", recipient).check(*group_);
-  SHARDOPT_CHECK(recipient >= 0 && recipient < group_->size(), "consolidate_state_dict recipient ",
-              recipient, " is outside [0, ", group_->size(), ")");
-  const auto& codec = detail::codec_for(*local_);
-  const int rank = group_->rank();
-  consolidated_.reset();
-  last_recipient_ = recipient;
-
-  auto own_shard = [&] {
-    GenericDict shard(c10::IntType::get(), c10::AnyType::get());
-    for (size_t i : partition_.shard(rank)) {
-      auto it = local_->state().find(compat::state_key(params_[i]));
-      if (it != local_->state().end()) shard.insert(static_cast<int64_t>(i), codec.encode_state(*it->second));
-    }
-    return shard;
-  };
-
-  GenericDict state(c10::IntType::get(), c10::AnyType::get());
-  auto merge = [&](const GenericDict& shard) {
-    for (const auto& entry : shard) state.insert(entry.key(), entry.value());
-  };
-  // One shard in flight at a time: the recipient holds the full state plus at most one
-  // serialized shard.
-  for (int r = 0; r < group_->size(); ++r) {
-    if (r == recipient) {
-      if (rank == recipient) merge(own_shard());
-      continue;
-    }
-    if (rank == r) {
-      group_->send_bytes(torch::pickle_save(own_shard()), recipient, r);
-    } else if (rank == recipient) {
-      merge(torch::pickle_load(group_->recv_bytes(r, r)).toGenericDict());
-    }
-  }
-  if (rank != recipient) return;
-
-  c10::impl::GenericList groups(c10::AnyType::get());
-  size_t index = 0;
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    GenericDict d = codec.encode_options(param_groups_[g].options());
-    // A generic list: Python's safe loader accepts it without extra allow-listed globals.
-    c10::impl::GenericList ids(c10::AnyType::get());
-    for (size_t k = 0; k < group_sizes_[g]; ++k) ids.push_back(static_cast<int64_t>(index++));
-    d.insert("params", ids);
-    groups.push_back(d);
-  }
-  GenericDict result = detail::make_string_dict();
-  result.insert("state", state);
-  result.insert("param_groups", groups);
-  consolidated_ = result;
-}
-
-torch::IValue OSS::state_dict() const {
-  SHARDOPT_CHECK(consolidated_.has_value(), "OSS::state_dict() on rank ", group_->rank(),
-              ": there is no consolidated state here; call consolidate_state_dict(recipient) on every rank first, "
-              "then state_dict() on the recipient",
-              (last_recipient_ >= 0 ? " (the last recipient was rank " + std::to_string(last_recipient_) + ")"
-                                    : std::string()));
-  return *consolidated_;
-}
-
-void OSS::load_state_dict(const torch::IValue& sd) {
-  SHARDOPT_CHECK(sd.isGenericDict(), "load_state_dict expects a dict, got ", sd.tagKind());
-  const auto dict = sd.toGenericDict();
-  SHARDOPT_CHECK(dict.contains("state") && dict.contains("param_groups"),
-              "load_state_dict expects the keys \"state\" and \"param_groups\"");
-  const auto saved_groups = dict.at("param_groups").toListRef();
-  SHARDOPT_CHECK(saved_groups.size() == param_groups_.size(), "load_state_dict: the state has ",
-              saved_groups.size(), " param groups, this optimizer has ", param_groups_.size());
-  // Saved ids map to our parameters by position, group by group, as in torch.optim.
-  std::unordered_map<int64_t, size_t> id_to_param;
-  size_t index = 0;
-  for (size_t g = 0; g < saved_groups.size(); ++g) {
-    const auto group = saved_groups[g].toGenericDict();
-    SHARDOPT_CHECK(group.contains("params"), "load_state_dict: param group ", g, " has no \"params\"");
-    const auto ids = group.at("params").toListRef();
-    SHARDOPT_CHECK(ids.size() == group_sizes_[g], "load_state_dict: param group ", g, " has ", ids.size(),
-                " parameters in the state but ", group_sizes_[g], " in this optimizer");
-    for (const auto& id : ids) id_to_param[id.toInt()] = index++;
-  }
-  const auto& codec = detail::codec_for(*local_);
-  const auto state = dict.at("state").toGenericDict();
-  std::unordered_map<size_t, GenericDict> entries;
-  for (const auto& entry : state) {
-    const int64_t id = entry.key().toInt();
-    auto it = id_to_param.find(id);
-    SHARDOPT_CHECK(it != id_to_param.end(), "load_state_dict: state entry ", id,
-                " belongs to no parameter of any group");
-    const size_t i = it->second;
-    const auto values = entry.value().toGenericDict();
-    for (const auto& v : values) {
-      if (!v.value().isTensor() || v.key().toStringRef() == "step") continue;
-      const auto& t = v.value().toTensor();
-      SHARDOPT_CHECK(t.sizes() == params_[i].sizes(), "load_state_dict: state '", v.key().toStringRef(),
-                  "' of parameter ", i, " has shape ", t.sizes(), " but the parameter has shape ", params_[i].sizes());
-    }
-    entries.emplace(i, values);
-  }
-
-  for (size_t g = 0; g < saved_groups.size(); ++g) {
-    param_groups_[g].set_options(codec.decode_options(saved_groups[g].toGenericDict(), param_groups_[g].options()));
-  }
-  sync_options_to_local();
-  auto& local_state = local_->state();
-  for (size_t i : partition_.shard(group_->rank())) {
-    const auto key = compat::state_key(params_[i]);
-    auto it = entries.find(i);
-    if (it == entries.end()) {
-      // Adagrad creates its state at construction and expects it to stay.
-      if (codec.name != "Adagrad") local_state.erase(key);
-      continue;
-    }
-    local_state[key] = decode_placed(codec.encode_state(*codec.decode_state(it->second)), i);
-  }
-}
-
-void OSS::save(torch::serialize::OutputArchive& archive) const {
-  archive.write("shardopt_oss_state_dict", state_dict());
-}
-
-void OSS::load(torch::serialize::InputArchive& archive) {
-  torch::IValue value;
-  SHARDOPT_CHECK(archive.try_read("shardopt_oss_state_dict", value),
-              "OSS::load: the archive holds no OSS state (written by OSS::save?)");
-  load_state_dict(value);
 }
 
 }  // namespace shardopt

@@ -8,11 +8,13 @@
 //                         torch::optim::AdamWOptions(1e-3)), group);
 //   loss.backward();  allreduce the gradients (or use ShardedDDP);  opt.step();
 //
-// Parameters become views into flat buffers, one per (device, dtype) laid out owner by owner
-// and padded to equal shards, so that making every copy current after the step is one
-// collective per owner segment (see Note [Parameter sync]). The parameter tensors keep their identity
-// (set_data), so the user's module, optimizer state keys and hooks all stay valid; moving the
-// module to another device after construction is not supported.
+// Parameters become views into flat buffers laid out by a FlatLayout (flat_layout.h): one buffer
+// per (device, dtype), cut into equal shards, one per owner, so that making every copy current
+// after the step is one collective per owner shard (Note [Parameter sync]). The same layout
+// gives ShardedDDP its gradient buckets. The parameter tensors keep their identity (set_data),
+// so the user's module, optimizer state keys and hooks all stay valid; moving the module to
+// another device after construction is not supported. A change of the trainable set or of the
+// owners lays the buffers out again (layout_version() counts it).
 //
 // param_groups() are the global groups: option changes there (learning-rate schedulers) take
 // effect at the next step(). Trainability may change at any time: a parameter whose
@@ -24,6 +26,7 @@
 
 #include <shardopt/comm/process_group.h>
 #include <shardopt/compat.h>
+#include <shardopt/optim/flat_layout.h>
 #include <shardopt/optim/partition.h>
 
 #include <ATen/core/ivalue.h>
@@ -67,6 +70,8 @@ struct OSSOptions {
   // [Rebalance after a freeze]). Needs one of the optimizers state_dict() supports.
   TORCH_ARG(bool, rebalance) = true;
   TORCH_ARG(double, rebalance_threshold) = 0.1;
+  // How the flat buffers are laid out (ShardedDDP sets bucket_bytes from its own options).
+  TORCH_ARG(LayoutOptions, layout) = {};
 };
 
 // What the last re-partition did on this rank.
@@ -127,6 +132,17 @@ class OSS : public torch::optim::Optimizer {
   // ---- introspection ----
   ProcessGroup& process_group() const { return *group_; }
   const Partition& partition() const { return partition_; }
+  // Where each parameter lives in the flat buffers, and the gradient buckets.
+  const FlatLayout& layout() const { return layout_; }
+  // Counts new layouts (trainable set, owners or bucket cuts changed).
+  int64_t layout_version() const { return layout_version_; }
+  // Lays the buffers out for the trainable set `trainable` (one flag per parameter, in
+  // all_params() order) if it differs from the one the layout was made for; returns whether
+  // it did. Local: every rank must pass the same mask before the next collective that uses
+  // the layout (ShardedDDP checks it before the first reduction).
+  bool lay_out_for(const std::vector<uint8_t>& trainable);
+  // Re-cuts the gradient buckets at `bytes` (0: one per parameter); no data moves.
+  void set_bucket_bytes(int64_t bytes);
   // All parameters, in global order (groups concatenated).
   const std::vector<torch::Tensor>& all_params() const { return params_; }
   size_t index_of(const torch::Tensor& param) const;
@@ -143,23 +159,14 @@ class OSS : public torch::optim::Optimizer {
   const RebalanceStats& last_rebalance() const { return last_rebalance_; }
 
  private:
-  struct FlatBuffer {
-    at::Tensor data;          // world_size segments of `segment_numel` elements
-    int64_t segment_numel = 0;
-  };
-
   void init(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory);
   void check_params_across_ranks();
-  void flatten_params();
+  // Plans the layout for the partition and `trainable`, and moves the parameters into it.
+  void lay_out(const std::vector<uint8_t>& trainable);
   void sync_options_to_local();
   bool trainable_mask_changed() const;
   void agree_on_trainable(bool force);
-  void migrate_state(const Partition& next);
   void set_local_groups();
-  at::TensorOptions placed_like(size_t param) const;
-  // An encoded state (state_dict layout) decoded with its tensors next to `param`, in its dtype.
-  std::unique_ptr<torch::optim::OptimizerParamState> decode_placed(const c10::Dict<c10::IValue, c10::IValue>& encoded,
-                                                                   size_t param) const;
 
   std::shared_ptr<ProcessGroup> group_;
   OSSOptions options_;
@@ -168,7 +175,10 @@ class OSS : public torch::optim::Optimizer {
   std::vector<size_t> group_sizes_;
   std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> position in params_
   Partition partition_;
-  std::vector<FlatBuffer> buffers_;
+  FlatLayout layout_;
+  std::vector<uint8_t> laid_out_for_;   // the trainable set layout_ was planned for
+  std::vector<at::Tensor> buffers_;     // one per layout group; the parameters are views of them
+  int64_t layout_version_ = 0;
   std::unique_ptr<torch::optim::Optimizer> local_;
   std::vector<uint8_t> trainable_;
   std::vector<int64_t> weights_;        // bytes of each parameter, what the partition balances

@@ -1,0 +1,150 @@
+// OSS's state dict: consolidation on one rank, PyTorch's layout, loading on any world size.
+#include <shardopt/optim/oss.h>
+#include <shardopt/check.h>
+#include <shardopt/comm/agree.h>
+
+#include "optim/codec.h"
+#include "optim/state_migration.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/api/include/torch/serialize/archive.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <unordered_map>
+
+namespace shardopt {
+
+namespace optim = torch::optim;
+using detail::GenericDict;
+
+// ---- state dict -----------------------------------------------------------------------------
+
+void OSS::consolidate_state_dict(int recipient) {
+  Agreement().field("the recipient of consolidate_state_dict", recipient).check(*group_);
+  SHARDOPT_CHECK(recipient >= 0 && recipient < group_->size(), "consolidate_state_dict recipient ",
+              recipient, " is outside [0, ", group_->size(), ")");
+  const auto& codec = detail::codec_for(*local_);
+  const int rank = group_->rank();
+  consolidated_.reset();
+  last_recipient_ = recipient;
+
+  auto own_shard = [&] {
+    GenericDict shard(c10::IntType::get(), c10::AnyType::get());
+    for (size_t i : partition_.shard(rank)) {
+      auto it = local_->state().find(compat::state_key(params_[i]));
+      if (it != local_->state().end()) shard.insert(static_cast<int64_t>(i), codec.encode_state(*it->second));
+    }
+    return shard;
+  };
+
+  GenericDict state(c10::IntType::get(), c10::AnyType::get());
+  auto merge = [&](const GenericDict& shard) {
+    for (const auto& entry : shard) state.insert(entry.key(), entry.value());
+  };
+  // One shard in flight at a time: the recipient holds the full state plus at most one
+  // serialized shard.
+  for (int r = 0; r < group_->size(); ++r) {
+    if (r == recipient) {
+      if (rank == recipient) merge(own_shard());
+      continue;
+    }
+    if (rank == r) {
+      group_->send_bytes(torch::pickle_save(own_shard()), recipient, r);
+    } else if (rank == recipient) {
+      merge(torch::pickle_load(group_->recv_bytes(r, r)).toGenericDict());
+    }
+  }
+  if (rank != recipient) return;
+
+  c10::impl::GenericList groups(c10::AnyType::get());
+  size_t index = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    GenericDict d = codec.encode_options(param_groups_[g].options());
+    // A generic list: Python's safe loader accepts it without extra allow-listed globals.
+    c10::impl::GenericList ids(c10::AnyType::get());
+    for (size_t k = 0; k < group_sizes_[g]; ++k) ids.push_back(static_cast<int64_t>(index++));
+    d.insert("params", ids);
+    groups.push_back(d);
+  }
+  GenericDict result = detail::make_string_dict();
+  result.insert("state", state);
+  result.insert("param_groups", groups);
+  consolidated_ = result;
+}
+
+torch::IValue OSS::state_dict() const {
+  SHARDOPT_CHECK(consolidated_.has_value(), "OSS::state_dict() on rank ", group_->rank(),
+              ": there is no consolidated state here; call consolidate_state_dict(recipient) on every rank first, "
+              "then state_dict() on the recipient",
+              (last_recipient_ >= 0 ? " (the last recipient was rank " + std::to_string(last_recipient_) + ")"
+                                    : std::string()));
+  return *consolidated_;
+}
+
+void OSS::load_state_dict(const torch::IValue& sd) {
+  SHARDOPT_CHECK(sd.isGenericDict(), "load_state_dict expects a dict, got ", sd.tagKind());
+  const auto dict = sd.toGenericDict();
+  SHARDOPT_CHECK(dict.contains("state") && dict.contains("param_groups"),
+              "load_state_dict expects the keys \"state\" and \"param_groups\"");
+  const auto saved_groups = dict.at("param_groups").toListRef();
+  SHARDOPT_CHECK(saved_groups.size() == param_groups_.size(), "load_state_dict: the state has ",
+              saved_groups.size(), " param groups, this optimizer has ", param_groups_.size());
+  // Saved ids map to our parameters by position, group by group, as in torch.optim.
+  std::unordered_map<int64_t, size_t> id_to_param;
+  size_t index = 0;
+  for (size_t g = 0; g < saved_groups.size(); ++g) {
+    const auto group = saved_groups[g].toGenericDict();
+    SHARDOPT_CHECK(group.contains("params"), "load_state_dict: param group ", g, " has no \"params\"");
+    const auto ids = group.at("params").toListRef();
+    SHARDOPT_CHECK(ids.size() == group_sizes_[g], "load_state_dict: param group ", g, " has ", ids.size(),
+                " parameters in the state but ", group_sizes_[g], " in this optimizer");
+    for (const auto& id : ids) id_to_param[id.toInt()] = index++;
+  }
+  const auto& codec = detail::codec_for(*local_);
+  const auto state = dict.at("state").toGenericDict();
+  std::unordered_map<size_t, GenericDict> entries;
+  for (const auto& entry : state) {
+    const int64_t id = entry.key().toInt();
+    auto it = id_to_param.find(id);
+    SHARDOPT_CHECK(it != id_to_param.end(), "load_state_dict: state entry ", id,
+                " belongs to no parameter of any group");
+    const size_t i = it->second;
+    const auto values = entry.value().toGenericDict();
+    for (const auto& v : values) {
+      if (!v.value().isTensor() || v.key().toStringRef() == "step") continue;
+      const auto& t = v.value().toTensor();
+      SHARDOPT_CHECK(t.sizes() == params_[i].sizes(), "load_state_dict: state '", v.key().toStringRef(),
+                  "' of parameter ", i, " has shape ", t.sizes(), " but the parameter has shape ", params_[i].sizes());
+    }
+    entries.emplace(i, values);
+  }
+
+  for (size_t g = 0; g < saved_groups.size(); ++g) {
+    param_groups_[g].set_options(codec.decode_options(saved_groups[g].toGenericDict(), param_groups_[g].options()));
+  }
+  sync_options_to_local();
+  auto& local_state = local_->state();
+  for (size_t i : partition_.shard(group_->rank())) {
+    const auto key = compat::state_key(params_[i]);
+    auto it = entries.find(i);
+    if (it == entries.end()) {
+      // Adagrad creates its state at construction and expects it to stay.
+      if (codec.name != "Adagrad") local_state.erase(key);
+      continue;
+    }
+    local_state[key] = detail::decode_state_like(codec, codec.encode_state(*codec.decode_state(it->second)), params_[i]);
+  }
+}
+
+void OSS::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("shardopt_oss_state_dict", state_dict());
+}
+
+void OSS::load(torch::serialize::InputArchive& archive) {
+  torch::IValue value;
+  SHARDOPT_CHECK(archive.try_read("shardopt_oss_state_dict", value),
+              "OSS::load: the archive holds no OSS state (written by OSS::save?)");
+  load_state_dict(value);
+}
+
+}  // namespace shardopt

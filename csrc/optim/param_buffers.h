@@ -1,0 +1,30 @@
+// The flat parameter buffers of a FlatLayout, and the parameter sync after the step.
+// Internal to shardopt: OSS composes them.
+#pragma once
+
+#include <shardopt/comm/process_group.h>
+#include <shardopt/optim/flat_layout.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace shardopt {
+enum class ParamSync;
+}
+
+namespace shardopt::detail {
+
+// Allocates one buffer per group of `layout` and makes each parameter a view of its range,
+// copying its values in. set_data() keeps every parameter's TensorImpl, so the module, optimizer
+// state keys and hooks stay valid. The old buffers are released once nothing else refers to
+// them.
+std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at::Tensor>& params);
+
+// Note [Parameter sync]
+// After the owners stepped, every rank's copy of each buffer is made equal to the owners': one
+// broadcast per owner shard, all in flight at once (kBroadcast), or one all-gather of the equal
+// shards per buffer (kAllgather). Collective.
+void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::Tensor>& buffers, ParamSync mode);
+
+}  // namespace shardopt::detail

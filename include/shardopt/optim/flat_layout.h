@@ -1,0 +1,130 @@
+// FlatLayout: where every parameter's elements live in the flat buffers, decided once.
+//
+// One layout covers the parameters of one OSS. For each (device, dtype) group it cuts a flat
+// buffer into world_size equal shards, one per owner rank; each parameter is placed in its
+// owner's shard, and the trainable parameters of each shard are cut into gradient buckets. The
+// same map serves every buffer indexed by it: the parameter buffer OSS syncs after the step (the
+// parameters are views of it), the gradient buckets ShardedDDP reduces to their owners, and any
+// per-shard buffer an owner keeps (optimizer state, master weights).
+//
+// Frames. Every offset says what it is relative to, in its name:
+//   in_param   elements of the parameter (its flattened view)
+//   in_shard   the owner's shard of the group
+//   in_bucket  the bucket
+//   in_buffer  the group's whole flat buffer: owner * shard_numel + in_shard
+//
+// Order (Note [Bucket order]). Within a shard the trainable parameters come first, in reverse
+// parameter order (roughly the order backward produces their gradients), then the frozen ones.
+// Buckets are made walking the trainable parameters in reverse order, one open bucket per
+// (group, owner); a bucket closes before it would pass `bucket_bytes`. Their order in buckets()
+// is the order every rank launches them in. Each parameter starts at a multiple of `align`
+// elements of its shard; the gaps belong to the bucket they fall in.
+//
+// Pieces. A parameter is placed as pieces, each a contiguous range of its elements with one
+// owner. Whole-parameter ownership gives one piece per parameter; the types are ready for a
+// parameter cut across owners.
+//
+// plan() is a pure function of its inputs: every rank computes the same layout. A change of the
+// trainable set or of the owners produces a new layout; nothing patches an old one.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace at {
+class Tensor;
+}
+
+namespace shardopt {
+
+// Elements [begin, end) of some frame (see above: the field name says which).
+struct Range {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t size() const { return end - begin; }
+  bool operator==(const Range& other) const { return begin == other.begin && end == other.end; }
+  bool operator!=(const Range& other) const { return !(*this == other); }
+};
+
+// What the layout needs to know of one parameter.
+struct LayoutParam {
+  c10::Device device = c10::Device(c10::kCPU);
+  c10::ScalarType dtype = c10::kFloat;
+  int64_t numel = 0;
+  int owner = 0;           // rank that owns it (from the partition)
+  bool trainable = true;   // only trainable parameters are bucketed
+  static LayoutParam of(const at::Tensor& param, int owner, bool trainable);
+};
+
+struct LayoutOptions {
+  // A bucket closes before it would pass this many bytes; 0 = one bucket per parameter.
+  TORCH_ARG(int64_t, bucket_bytes) = 0;
+  // Every parameter starts at a multiple of this many elements of its shard.
+  TORCH_ARG(int64_t, align) = 1;
+};
+
+// A contiguous range of one parameter's elements, with one owner.
+struct Piece {
+  size_t param = 0;
+  Range in_param;
+  size_t group = 0;
+  int owner = 0;
+  Range in_shard;
+  int64_t bucket = -1;   // -1: a frozen parameter, in no bucket
+  Range in_bucket;       // with `bucket`
+};
+
+// One (device, dtype) group: its flat buffer is world_size shards of shard_numel elements.
+struct FlatGroup {
+  c10::Device device = c10::Device(c10::kCPU);
+  c10::ScalarType dtype = c10::kFloat;
+  int64_t shard_numel = 1;        // the longest owner's shard, rounded up to `align`; >= 1
+  std::vector<int64_t> used;      // per owner: elements its pieces occupy (gaps included)
+  Range shard_in_buffer(int owner) const { return {owner * shard_numel, (owner + 1) * shard_numel}; }
+};
+
+// The gradients one collective moves to their owner.
+struct FlatBucket {
+  size_t group = 0;
+  int owner = 0;
+  Range in_shard;                 // the bucket's elements in its owner's shard
+  std::vector<size_t> pieces;     // indices into FlatLayout::pieces(), in bucket order
+  int64_t numel() const { return in_shard.size(); }
+};
+
+class FlatLayout {
+ public:
+  FlatLayout() = default;
+  static FlatLayout plan(const std::vector<LayoutParam>& params, int world_size, LayoutOptions options = {});
+
+  int world_size() const { return world_size_; }
+  const LayoutOptions& options() const { return options_; }
+  size_t num_params() const { return pieces_of_.size(); }
+  const std::vector<FlatGroup>& groups() const { return groups_; }
+  const std::vector<FlatBucket>& buckets() const { return buckets_; }
+  const std::vector<Piece>& pieces() const { return pieces_; }
+  // Indices into pieces() of `param`'s pieces, in parameter order.
+  const std::vector<size_t>& pieces_of(size_t param) const { return pieces_of_.at(param); }
+  // A piece's elements in its group's flat buffer.
+  Range in_buffer(const Piece& piece) const;
+  // True when every piece has the same group, owner and shard range in both layouts: the data
+  // in the flat buffers stays where it is (only the bucket cuts may differ).
+  bool same_placement(const FlatLayout& other) const;
+  // One line per group and bucket, for logs and error messages.
+  std::string describe() const;
+
+ private:
+  int world_size_ = 1;
+  LayoutOptions options_;
+  std::vector<FlatGroup> groups_;
+  std::vector<FlatBucket> buckets_;
+  std::vector<Piece> pieces_;
+  std::vector<std::vector<size_t>> pieces_of_;
+};
+
+}  // namespace shardopt

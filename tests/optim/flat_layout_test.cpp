@@ -1,0 +1,207 @@
+#include <shardopt/optim/flat_layout.h>
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace shardopt {
+namespace {
+
+LayoutParam param(int64_t numel, int owner, bool trainable = true, c10::ScalarType dtype = c10::kFloat) {
+  LayoutParam p;
+  p.numel = numel;
+  p.owner = owner;
+  p.trainable = trainable;
+  p.dtype = dtype;
+  return p;
+}
+
+const Piece& piece_of(const FlatLayout& layout, size_t param) {
+  return layout.pieces()[layout.pieces_of(param).at(0)];
+}
+
+std::vector<size_t> params_of_bucket(const FlatLayout& layout, size_t bucket) {
+  std::vector<size_t> out;
+  for (size_t k : layout.buckets()[bucket].pieces) out.push_back(layout.pieces()[k].param);
+  return out;
+}
+
+TEST(FlatLayout, ShardsHoldTheirOwnersParametersInReverseOrder) {
+  const auto layout = FlatLayout::plan({param(4, 0), param(3, 1), param(2, 0), param(5, 1), param(1, 0)}, 2);
+  ASSERT_EQ(layout.groups().size(), 1u);
+  EXPECT_EQ(layout.groups()[0].used, (std::vector<int64_t>{7, 8}));
+  EXPECT_EQ(layout.groups()[0].shard_numel, 8);
+  // Owner 0: parameters 4, 2, 0; owner 1: parameters 3, 1.
+  EXPECT_EQ(piece_of(layout, 4).in_shard, (Range{0, 1}));
+  EXPECT_EQ(piece_of(layout, 2).in_shard, (Range{1, 3}));
+  EXPECT_EQ(piece_of(layout, 0).in_shard, (Range{3, 7}));
+  EXPECT_EQ(piece_of(layout, 3).in_shard, (Range{0, 5}));
+  EXPECT_EQ(piece_of(layout, 1).in_shard, (Range{5, 8}));
+  // The buffer is the owners' shards side by side.
+  EXPECT_EQ(layout.in_buffer(piece_of(layout, 1)), (Range{13, 16}));
+  EXPECT_EQ(layout.in_buffer(piece_of(layout, 0)), (Range{3, 7}));
+  // bucket_bytes 0: one bucket per parameter, launched in reverse parameter order.
+  ASSERT_EQ(layout.buckets().size(), 5u);
+  for (size_t b = 0; b < 5; ++b) {
+    EXPECT_EQ(params_of_bucket(layout, b), std::vector<size_t>{4 - b});
+    EXPECT_EQ(layout.buckets()[b].owner, piece_of(layout, 4 - b).owner);
+    EXPECT_EQ(piece_of(layout, 4 - b).in_bucket, (Range{0, piece_of(layout, 4 - b).in_param.size()}));
+  }
+}
+
+TEST(FlatLayout, BucketsCloseBeforeTheyPassTheCap) {
+  std::vector<LayoutParam> params(6, param(10, 0));
+  params[2].numel = 30;  // larger than the cap on its own
+  const auto layout = FlatLayout::plan(params, 1, LayoutOptions().bucket_bytes(80));  // 20 floats
+  ASSERT_EQ(layout.buckets().size(), 4u);
+  EXPECT_EQ(params_of_bucket(layout, 0), (std::vector<size_t>{5, 4}));
+  EXPECT_EQ(params_of_bucket(layout, 1), (std::vector<size_t>{3}));
+  EXPECT_EQ(params_of_bucket(layout, 2), (std::vector<size_t>{2}));
+  EXPECT_EQ(params_of_bucket(layout, 3), (std::vector<size_t>{1, 0}));
+  // Buckets tile the shard in order; offsets inside a bucket are relative to the bucket.
+  EXPECT_EQ(layout.buckets()[0].in_shard, (Range{0, 20}));
+  EXPECT_EQ(layout.buckets()[1].in_shard, (Range{20, 30}));
+  EXPECT_EQ(layout.buckets()[2].in_shard, (Range{30, 60}));
+  EXPECT_EQ(layout.buckets()[3].in_shard, (Range{60, 80}));
+  EXPECT_EQ(piece_of(layout, 0).in_bucket, (Range{10, 20}));
+  EXPECT_EQ(piece_of(layout, 0).bucket, 3);
+  // The cap counts bytes: doubles fill a bucket twice as fast.
+  std::vector<LayoutParam> doubles(4, param(10, 0, true, c10::kDouble));
+  EXPECT_EQ(FlatLayout::plan(doubles, 1, LayoutOptions().bucket_bytes(160)).buckets().size(), 2u);
+}
+
+TEST(FlatLayout, AlignmentPadsEveryParameterAndTheShard) {
+  const auto layout = FlatLayout::plan({param(3, 0), param(5, 0), param(2, 0)}, 1,
+                                       LayoutOptions().align(4).bucket_bytes(1 << 20));
+  EXPECT_EQ(piece_of(layout, 2).in_shard, (Range{0, 2}));
+  EXPECT_EQ(piece_of(layout, 1).in_shard, (Range{4, 9}));
+  EXPECT_EQ(piece_of(layout, 0).in_shard, (Range{12, 15}));
+  EXPECT_EQ(layout.groups()[0].shard_numel, 16);
+  ASSERT_EQ(layout.buckets().size(), 1u);
+  // The gaps inside a bucket belong to it.
+  EXPECT_EQ(layout.buckets()[0].in_shard, (Range{0, 15}));
+  EXPECT_EQ(piece_of(layout, 1).in_bucket, (Range{4, 9}));
+}
+
+TEST(FlatLayout, DeviceAndDtypeGroupsNeverShareABufferOrABucket) {
+  const auto layout = FlatLayout::plan(
+      {param(4, 0, true, c10::kDouble), param(4, 0), param(6, 1, true, c10::kDouble), param(2, 1)}, 2,
+      LayoutOptions().bucket_bytes(1 << 20));
+  ASSERT_EQ(layout.groups().size(), 2u);
+  EXPECT_EQ(layout.groups()[0].dtype, c10::kDouble);  // order of first appearance
+  EXPECT_EQ(layout.groups()[1].dtype, c10::kFloat);
+  EXPECT_EQ(piece_of(layout, 0).group, 0u);
+  EXPECT_EQ(piece_of(layout, 1).group, 1u);
+  EXPECT_EQ(layout.groups()[0].shard_numel, 6);
+  EXPECT_EQ(layout.groups()[1].shard_numel, 4);
+  EXPECT_EQ(layout.in_buffer(piece_of(layout, 3)), (Range{4, 6}));
+  ASSERT_EQ(layout.buckets().size(), 4u);  // (group, owner) pairs
+  for (const auto& b : layout.buckets()) {
+    for (size_t k : b.pieces) {
+      EXPECT_EQ(layout.pieces()[k].group, b.group);
+      EXPECT_EQ(layout.pieces()[k].owner, b.owner);
+    }
+  }
+}
+
+TEST(FlatLayout, AfterAFreezeFrozenParametersLeaveTheBucketsAndMoveBehindTheTrainableOnes) {
+  std::vector<LayoutParam> params = {param(4, 0), param(3, 0), param(2, 0), param(5, 0)};
+  const auto before = FlatLayout::plan(params, 1, LayoutOptions().bucket_bytes(1 << 20));
+  params[2].trainable = false;
+  const auto after = FlatLayout::plan(params, 1, LayoutOptions().bucket_bytes(1 << 20));
+  EXPECT_FALSE(after.same_placement(before));
+  EXPECT_EQ(piece_of(after, 2).bucket, -1);
+  ASSERT_EQ(after.buckets().size(), 1u);
+  EXPECT_EQ(params_of_bucket(after, 0), (std::vector<size_t>{3, 1, 0}));
+  EXPECT_EQ(after.buckets()[0].in_shard, (Range{0, 12}));
+  EXPECT_EQ(piece_of(after, 2).in_shard, (Range{12, 14}));
+  EXPECT_EQ(after.groups()[0].shard_numel, before.groups()[0].shard_numel);
+  // Everything frozen: no buckets at all, every parameter still placed.
+  for (auto& p : params) p.trainable = false;
+  const auto frozen = FlatLayout::plan(params, 1);
+  EXPECT_TRUE(frozen.buckets().empty());
+  EXPECT_EQ(frozen.groups()[0].used[0], 14);
+}
+
+TEST(FlatLayout, AfterARebalancePiecesFollowTheirNewOwners) {
+  std::vector<LayoutParam> params = {param(8, 0), param(8, 0), param(2, 1), param(2, 1)};
+  const auto before = FlatLayout::plan(params, 2);
+  params[1].owner = 1;
+  const auto after = FlatLayout::plan(params, 2);
+  EXPECT_FALSE(after.same_placement(before));
+  EXPECT_EQ(after.groups()[0].used, (std::vector<int64_t>{8, 12}));
+  EXPECT_EQ(piece_of(after, 1).owner, 1);
+  EXPECT_EQ(piece_of(after, 1).in_shard, (Range{4, 12}));  // behind 3 and 2: reverse order
+  EXPECT_EQ(after.in_buffer(piece_of(after, 1)), (Range{16, 24}));
+  // Other bucket cuts over the same owners move no data.
+  EXPECT_TRUE(FlatLayout::plan(params, 2, LayoutOptions().bucket_bytes(1 << 20)).same_placement(after));
+}
+
+TEST(FlatLayout, IsAPureFunctionOfItsInputs) {
+  std::vector<LayoutParam> params;
+  for (int i = 0; i < 20; ++i) params.push_back(param(1 + (i * 7) % 13, i % 3, i % 5 != 0));
+  const auto a = FlatLayout::plan(params, 3, LayoutOptions().bucket_bytes(64).align(4));
+  const auto b = FlatLayout::plan(params, 3, LayoutOptions().bucket_bytes(64).align(4));
+  EXPECT_EQ(a.describe(), b.describe());
+  EXPECT_TRUE(a.same_placement(b));
+}
+
+// Every configuration: pieces disjoint and inside their shards, buckets tile their owner's
+// trainable region in order and respect the cap, each trainable parameter in exactly one bucket.
+TEST(FlatLayout, InvariantsHoldForManyConfigurations) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int world = 1 + static_cast<int>(rng() % 5);
+    const int64_t align = int64_t{1} << (rng() % 4);
+    const int64_t cap = (rng() % 4 == 0) ? 0 : static_cast<int64_t>(rng() % 400);
+    std::vector<LayoutParam> params;
+    const int n = 1 + static_cast<int>(rng() % 30);
+    for (int i = 0; i < n; ++i) {
+      params.push_back(param(static_cast<int64_t>(rng() % 50), static_cast<int>(rng() % world), rng() % 4 != 0,
+                             rng() % 3 == 0 ? c10::kDouble : c10::kFloat));
+    }
+    const auto layout = FlatLayout::plan(params, world, LayoutOptions().bucket_bytes(cap).align(align));
+    std::vector<std::vector<std::vector<int>>> used(layout.groups().size());
+    for (size_t g = 0; g < layout.groups().size(); ++g) {
+      used[g].assign(world, std::vector<int>(layout.groups()[g].shard_numel, 0));
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Piece& p = piece_of(layout, i);
+      ASSERT_EQ(p.param, i);
+      ASSERT_EQ(p.in_param.size(), params[i].numel);
+      ASSERT_EQ(p.owner, params[i].owner);
+      ASSERT_EQ(p.in_shard.begin % align, 0);
+      ASSERT_EQ(p.bucket >= 0, params[i].trainable);
+      for (int64_t e = p.in_shard.begin; e < p.in_shard.end; ++e) ASSERT_EQ(used[p.group][p.owner][e]++, 0);
+    }
+    std::vector<std::vector<int64_t>> last_end(layout.groups().size(), std::vector<int64_t>(world, 0));
+    for (size_t b = 0; b < layout.buckets().size(); ++b) {
+      const auto& bucket = layout.buckets()[b];
+      ASSERT_GE(bucket.in_shard.begin, last_end[bucket.group][bucket.owner]);
+      last_end[bucket.group][bucket.owner] = bucket.in_shard.end;
+      const int64_t bytes = bucket.numel() * static_cast<int64_t>(c10::elementSize(layout.groups()[bucket.group].dtype));
+      if (bucket.pieces.size() > 1) ASSERT_LE(bytes, cap);
+      for (size_t k : bucket.pieces) {
+        const Piece& p = layout.pieces()[k];
+        ASSERT_EQ(p.bucket, static_cast<int64_t>(b));
+        ASSERT_EQ(p.in_bucket.begin + bucket.in_shard.begin, p.in_shard.begin);
+        ASSERT_LE(p.in_bucket.end, bucket.numel());
+      }
+    }
+  }
+}
+
+TEST(FlatLayout, BadInputIsNamed) {
+  try {
+    FlatLayout::plan({param(4, 0), param(4, 3)}, 2);
+    ADD_FAILURE() << "owner 3 of 2 must throw";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter 1 has owner 3, outside [0, 2)"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(FlatLayout::plan({param(4, 0)}, 1, LayoutOptions().align(0)), c10::Error);
+  EXPECT_THROW(FlatLayout::plan({param(4, 0)}, 0), c10::Error);
+}
+
+}  // namespace
+}  // namespace shardopt
