@@ -15,18 +15,22 @@
 
 namespace shardopt {
 
+// One trainable parameter's place in a bucket (from its OSS's FlatLayout, bucket frame).
 struct ShardedDDP::Entry {
-  size_t param = 0;    // index into params_
+  at::Tensor param;
   size_t bucket = 0;
-  int64_t offset = 0;  // first element of its gradient in the bucket
-  int64_t flag = 0;    // element that counts the ranks that produced a gradient
+  int64_t offset = 0;   // first element of its gradient in the bucket
+  int64_t numel = 0;
+  int64_t slot_end = 0; // end of its slot: the alignment gap up to the next gradient included
+  int64_t flag = 0;     // element that counts the ranks that produced a gradient
   bool ready = false;
 };
 
+// One layout bucket, as the executor runs it.
 struct ShardedDDP::Bucket {
   int owner = 0;
   std::vector<size_t> entries;
-  int64_t numel = 0;   // gradient elements; one flag per entry follows them
+  int64_t numel = 0;   // gradient elements (gaps included); one flag per entry follows them
   at::TensorOptions options;
   at::Tensor buffer;   // allocated when its first gradient arrives, released after the reduce
   // An owner's bucket is kept between steps and reused as `buffer` once nothing refers to it
@@ -87,7 +91,11 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   std::unordered_map<const void*, std::pair<size_t, size_t>> place;  // -> (optimizer, position)
   for (size_t k = 0; k < optimizers_.size(); ++k) {
     const auto& ps = optimizers_[k]->all_params();
-    for (size_t i = 0; i < ps.size(); ++i) place[ps[i].unsafeGetTensorImpl()] = {k, i};
+    for (size_t i = 0; i < ps.size(); ++i) {
+      auto [it, fresh] = place.emplace(ps[i].unsafeGetTensorImpl(), std::make_pair(k, i));
+      SHARDOPT_CHECK(fresh, "ShardedDDP: parameter ", i, " of optimizer ", k, " is also parameter ", it->second.second,
+                     " of optimizer ", it->second.first, "; give each parameter to one OSS only");
+    }
   }
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     auto it = place.find(item.value().unsafeGetTensorImpl());
@@ -98,6 +106,7 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
     place_.push_back(it->second);
   }
   SHARDOPT_CHECK(!params_.empty(), "ShardedDDP: the module has no parameters");
+  for (size_t m = 0; m < params_.size(); ++m) module_index_[params_[m].unsafeGetTensorImpl()] = m;
   refresh_owners();
 
   if (options_.sync_models_at_startup() && group_->size() > 1) {
@@ -114,7 +123,10 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   if (options_.auto_refresh_trainable()) {
     for (OSS* opt : optimizers_) opt->set_check_trainable_every_step(false);
   }
-  build(mask);
+  for (OSS* opt : optimizers_) opt->set_bucket_bytes(options_.reduce_bucket_bytes());
+  mask_ = std::move(mask);
+  lay_out();
+  build();
   balanced_for_ = mask_;
 }
 
@@ -125,31 +137,43 @@ void ShardedDDP::refresh_owners() {
   for (OSS* opt : optimizers_) partition_versions_.push_back(opt->partition_version());
 }
 
-// After an agreed change of the trainable set, each optimizer may re-partition (Note [Rebalance
-// after a freeze]); the buckets then follow the new owners, for the same trainable set.
-void ShardedDDP::follow_partition(bool agreed_mask_changed) {
-  if (agreed_mask_changed) {
-    for (size_t k = 0; k < optimizers_.size(); ++k) {
-      std::vector<uint8_t> mask = optimizers_[k]->trainable_mask();  // parameters outside the module
-      for (size_t m = 0; m < params_.size(); ++m) {
-        if (place_[m].first == k) mask[place_[m].second] = mask_[m];
-      }
-      optimizers_[k]->rebalance(mask);
-    }
-    balanced_for_ = mask_;
+std::vector<uint8_t> ShardedDDP::mask_for(size_t k) const {
+  std::vector<uint8_t> mask = optimizers_[k]->trainable_mask();  // parameters outside the module
+  for (size_t m = 0; m < params_.size(); ++m) {
+    if (place_[m].first == k) mask[place_[m].second] = mask_[m];
   }
+  return mask;
+}
+
+void ShardedDDP::lay_out() {
+  for (size_t k = 0; k < optimizers_.size(); ++k) optimizers_[k]->lay_out_for(mask_for(k));
+}
+
+// After an agreed change of the trainable set, each optimizer may re-partition (Note [Rebalance
+// after a freeze]), which lays its buffers out again for the new owners.
+void ShardedDDP::follow_partition(bool agreed_mask_changed) {
+  if (!agreed_mask_changed) return;
+  for (size_t k = 0; k < optimizers_.size(); ++k) optimizers_[k]->rebalance(mask_for(k));
+  balanced_for_ = mask_;
+}
+
+// Rebuilds the buckets when any optimizer has a new layout (its trainable set, owners or bucket
+// cuts changed, by this ShardedDDP or by the optimizer's own step).
+void ShardedDDP::follow_layouts() {
+  bool changed = false;
+  for (size_t k = 0; k < optimizers_.size(); ++k) changed |= optimizers_[k]->layout_version() != layout_versions_[k];
+  if (!changed) return;
+  bool owners_changed = false;
   for (size_t k = 0; k < optimizers_.size(); ++k) {
-    if (optimizers_[k]->partition_version() != partition_versions_[k]) {
-      refresh_owners();
-      build(mask_);
-      // The re-partition gave each moved gradient to its new owner; the old one lets go of it,
-      // unless it is a local gradient still waiting to be reduced (no_sync).
-      if (!unreduced_local_grads_) {
-        for (size_t m = 0; m < params_.size(); ++m) {
-          if (owner_[m] != group_->rank()) params_[m].mutable_grad().reset();
-        }
-      }
-      return;
+    owners_changed |= optimizers_[k]->partition_version() != partition_versions_[k];
+  }
+  refresh_owners();
+  build();
+  // A re-partition gave each moved gradient to its new owner; the old one lets go of it, unless
+  // it is a local gradient still waiting to be reduced (no_sync).
+  if (owners_changed && !unreduced_local_grads_) {
+    for (size_t m = 0; m < params_.size(); ++m) {
+      if (owner_[m] != group_->rank()) params_[m].mutable_grad().reset();
     }
   }
 }
@@ -159,60 +183,87 @@ ShardedDDP::~ShardedDDP() {
 }
 
 void ShardedDDP::remove_hooks() {
-  for (auto& p : params_) {
+  for (auto& p : hooked_) {
     if (torch::autograd::impl::post_acc_grad_hooks(p)) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
   }
+  hooked_.clear();
 }
 
 // Note [Bucket order]
-// Gloo (and NCCL) need every rank to issue collectives in the same order. Buckets are built from
-// the trainable parameters in reverse module order (roughly the order backward produces their
-// gradients), one open bucket per (owner, device, dtype), closed when the next gradient would
-// exceed reduce_bucket_bytes. They are launched strictly in that order: a bucket that fills early
-// waits for the ones before it. Every rank builds the same list from the same module, so the
-// order is identical everywhere, whatever order the hooks fire in.
-void ShardedDDP::build(std::vector<uint8_t> mask) {
+// Gloo (and NCCL) need every rank to issue collectives in the same order. The buckets are those
+// of each optimizer's FlatLayout: trainable parameters in reverse order (roughly the order
+// backward produces their gradients), one open bucket per (owner, device, dtype), closed before
+// it would pass reduce_bucket_bytes. With several optimizers, their buckets are merged by the
+// latest module position each holds. They are launched strictly in that order: a bucket that
+// fills early waits for the ones before it. Every rank computes the same layouts from the same
+// parameters, so the order is identical everywhere, whatever order the hooks fire in.
+void ShardedDDP::build() {
   remove_hooks();
-  mask_ = std::move(mask);
   entries_.clear();
   buckets_.clear();
   next_launch_ = 0;
-  std::map<std::tuple<int, int, int>, size_t> open;  // (owner, device, dtype) -> bucket
-  const int64_t cap = options_.reduce_bucket_bytes();
-  for (size_t k = params_.size(); k-- > 0;) {
-    if (!mask_[k]) continue;
-    const auto& p = params_[k];
-    const auto key = std::make_tuple(owner_[k], static_cast<int>(p.device().type()) * 1000 + p.device().index(),
-                                     static_cast<int>(p.scalar_type()));
-    auto it = open.find(key);
-    const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
-    if (it != open.end()) {
-      const auto& b = buckets_[it->second];
-      if (cap == 0 || (b.numel * static_cast<int64_t>(p.element_size()) + bytes > cap)) open.erase(it), it = open.end();
+  struct Source {
+    size_t optimizer, bucket;
+    int64_t position;  // the latest module position in the bucket; -1 for none
+  };
+  std::vector<Source> sources;
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    const auto& layout = optimizers_[k]->layout();
+    const auto& ps = optimizers_[k]->all_params();
+    for (size_t b = 0; b < layout.buckets().size(); ++b) {
+      int64_t position = -1;
+      for (size_t piece : layout.buckets()[b].pieces) {
+        auto it = module_index_.find(ps[layout.pieces()[piece].param].unsafeGetTensorImpl());
+        if (it != module_index_.end()) position = std::max(position, static_cast<int64_t>(it->second));
+      }
+      sources.push_back({k, b, position});
     }
-    if (it == open.end()) {
-      Bucket b;
-      b.owner = owner_[k];
-      b.options = p.options().requires_grad(false);
-      buckets_.push_back(std::move(b));
-      it = open.emplace(key, buckets_.size() - 1).first;
-    }
-    Entry e;
-    e.param = k;
-    e.bucket = it->second;
-    e.offset = buckets_[it->second].numel;
-    buckets_[it->second].numel += p.numel();
-    buckets_[it->second].entries.push_back(entries_.size());
-    entries_.push_back(e);
   }
-  for (auto& b : buckets_) {
+  if (optimizers_.size() > 1) {
+    std::stable_sort(sources.begin(), sources.end(),
+                     [](const Source& a, const Source& b) { return a.position > b.position; });
+  }
+  for (const auto& src : sources) {
+    const auto& layout = optimizers_[src.optimizer]->layout();
+    const auto& ps = optimizers_[src.optimizer]->all_params();
+    const FlatBucket& lb = layout.buckets()[src.bucket];
+    const FlatGroup& group = layout.groups()[lb.group];
+    Bucket b;
+    b.owner = lb.owner;
+    b.numel = lb.numel();
+    b.options = at::TensorOptions().dtype(group.dtype).device(group.device);
+    for (size_t k = 0; k < lb.pieces.size(); ++k) {
+      const Piece& piece = layout.pieces()[lb.pieces[k]];
+      TORCH_INTERNAL_ASSERT(piece.in_param.size() == ps[piece.param].numel(), "bucket ", src.bucket,
+                            " holds part of a parameter; ShardedDDP reduces whole parameters");
+      Entry e;
+      e.param = ps[piece.param];
+      e.bucket = buckets_.size();
+      e.offset = piece.in_bucket.begin;
+      e.numel = piece.in_bucket.size();
+      e.slot_end = k + 1 < lb.pieces.size() ? layout.pieces()[lb.pieces[k + 1]].in_bucket.begin : b.numel;
+      e.flag = b.numel + static_cast<int64_t>(k);
+      TORCH_INTERNAL_ASSERT(e.offset >= 0 && e.offset + e.numel <= e.slot_end && e.slot_end <= b.numel,
+                            "gradient slot [", e.offset, ", ", e.slot_end, ") outside its bucket of ", b.numel);
+      b.entries.push_back(entries_.size());
+      entries_.push_back(std::move(e));
+    }
     b.pending = b.entries.size();
-    for (size_t k = 0; k < b.entries.size(); ++k) entries_[b.entries[k]].flag = b.numel + static_cast<int64_t>(k);
+    buckets_.push_back(std::move(b));
   }
   for (size_t e = 0; e < entries_.size(); ++e) {
-    torch::autograd::impl::set_post_acc_grad_hooks(
-        params_[entries_[e].param], std::make_unique<GradReadyHook>([this, e] { on_grad_ready(e); }));
+    hooked_.push_back(entries_[e].param);
+    torch::autograd::impl::set_post_acc_grad_hooks(entries_[e].param,
+                                                   std::make_unique<GradReadyHook>([this, e] { on_grad_ready(e); }));
   }
+  // The trainable set the buckets hold, per module parameter.
+  for (size_t m = 0; m < params_.size(); ++m) {
+    const auto& [k, i] = place_[m];
+    const auto& layout = optimizers_[k]->layout();
+    mask_[m] = layout.pieces()[layout.pieces_of(i).front()].bucket >= 0;
+  }
+  layout_versions_.clear();
+  for (OSS* opt : optimizers_) layout_versions_.push_back(opt->layout_version());
   ++rebuilds_;
 }
 
@@ -226,11 +277,13 @@ void ShardedDDP::pre_forward() {
     if (mask != mask_) {
       SHARDOPT_CHECK(!unreduced_local_grads_, "the trainable set changed while no_sync() gradients are "
                   "waiting to be reduced; call reduce() (or run a backward outside no_sync) first");
-      build(std::move(mask));
+      mask_ = std::move(mask);
+      lay_out();
     }
+    follow_layouts();
     start_mask_check();
   } else {
-    follow_partition(false);  // each OSS re-partitions in its step, after its own check
+    follow_layouts();  // each OSS checks, lays out and re-partitions in its step
   }
   if (options_.broadcast_buffers() && group_->size() > 1) {
     at::NoGradGuard no_grad;
@@ -265,8 +318,10 @@ void ShardedDDP::refresh_trainable() {
               "reduced; call reduce() (or run a backward outside no_sync) first");
   auto mask = detail::trainable_mask(params_);
   detail::agree_on_mask(*group_, mask, /*exhaustive=*/false, [this](size_t i) { return name(i); });
-  build(std::move(mask));
+  mask_ = std::move(mask);
+  lay_out();
   follow_partition(mask_ != balanced_for_);
+  follow_layouts();
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -300,8 +355,11 @@ void ShardedDDP::fill_entry(size_t e) {
     }
     b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).zero_();
   }
-  at::Tensor& p = params_[entry.param];
-  at::Tensor slot = b.buffer.narrow(0, entry.offset, p.numel());
+  at::Tensor& p = entry.param;
+  at::Tensor slot = b.buffer.narrow(0, entry.offset, entry.numel);
+  if (entry.slot_end > entry.offset + entry.numel) {
+    b.buffer.narrow(0, entry.offset + entry.numel, entry.slot_end - entry.offset - entry.numel).zero_();
+  }
   if (p.grad().defined()) {
     if (p.grad().data_ptr() != slot.data_ptr()) slot.copy_(p.grad().reshape(-1));
     b.buffer[entry.flag].fill_(1);
@@ -362,11 +420,11 @@ void ShardedDDP::finish_reduction() {
                                    .to(at::kCPU, at::kDouble);
       const double* flag = flags.data_ptr<double>();
       for (size_t k = 0; k < b.entries.size(); ++k) {
-        const Entry& entry = entries_[b.entries[k]];
-        at::Tensor& p = params_[entry.param];
+        Entry& entry = entries_[b.entries[k]];
+        at::Tensor& p = entry.param;
         if (flag[k] > 0) {
           // The owner's gradient becomes a view of the reduced bucket: no second copy.
-          p.mutable_grad() = b.buffer.narrow(0, entry.offset, p.numel()).view(p.sizes());
+          p.mutable_grad() = b.buffer.narrow(0, entry.offset, entry.numel).view(p.sizes());
         } else {
           p.mutable_grad().reset();
         }

@@ -35,6 +35,7 @@ struct DdpParity {
   int steps = 7;
   int per_rank = 4;
   int64_t bucket_bytes = 0;
+  int64_t align = 1;  // elements; every parameter starts at a multiple of it in the flat layout
   bool accumulate = false;
   bool change_trainability = false;
   bool clip = false;
@@ -49,7 +50,8 @@ struct DdpParity {
   std::string name() const {
     return "world " + std::to_string(world) + " buckets " + std::to_string(bucket_bytes) + " accumulate " +
            std::to_string(accumulate) + " trainability " + std::to_string(change_trainability) + " clip " +
-           std::to_string(clip);
+           std::to_string(clip) + " align " + std::to_string(align) + " two optimizers " +
+           std::to_string(two_optimizers);
   }
 
   void run() const {
@@ -59,12 +61,13 @@ struct DdpParity {
       auto ref_opt = factory({optim::OptimizerParamGroup(ref)});
       std::unique_ptr<OSS> oss_a, oss_b;
       std::vector<OSS*> opts;
+      const auto oss_options = OSSOptions().layout(LayoutOptions().align(align));
       if (two_optimizers) {
-        oss_a = std::make_unique<OSS>(Params{net->params[0], net->params[1]}, factory, g);
-        oss_b = std::make_unique<OSS>(Params{net->params[2], net->params[3], net->params[4]}, factory, g);
+        oss_a = std::make_unique<OSS>(Params{net->params[0], net->params[1]}, factory, g, oss_options);
+        oss_b = std::make_unique<OSS>(Params{net->params[2], net->params[3], net->params[4]}, factory, g, oss_options);
         opts = {oss_a.get(), oss_b.get()};
       } else {
-        oss_a = std::make_unique<OSS>(net->parameters(), factory, g);
+        oss_a = std::make_unique<OSS>(net->parameters(), factory, g, oss_options);
         opts = {oss_a.get()};
       }
       ShardedDDP ddp(net, opts, ShardedDDPOptions().reduce_bucket_bytes(bucket_bytes));
@@ -387,6 +390,67 @@ TEST(ShardedDDP, TrainEvalIsNotATrainabilityChangeAndBuffersFollowRankZero) {
     ddp.forward(at::ones({2, 5}), true);
     EXPECT_EQ(ddp.rebuild_count(), rebuilds);
     EXPECT_TRUE(net->stat.equal(at::full({2}, 10.0f))) << "buffers follow rank 0";
+  });
+}
+
+// With parameters aligned in the flat layout, bucket slots have gaps; the gaps are zeroed, never
+// read as gradients, and parity holds through freezing, accumulation and two optimizers.
+TEST(ShardedDDP, AlignedLayoutKeepsParity) {
+  for (int64_t align : {int64_t{16}, int64_t{64}}) {
+    for (int64_t bucket_bytes : {int64_t{0}, int64_t{160}, int64_t{1} << 20}) {
+      for (bool two : {false, true}) {
+        DdpParity p;
+        p.align = align;
+        p.bucket_bytes = bucket_bytes;
+        p.change_trainability = true;
+        p.accumulate = bucket_bytes == 160;
+        p.two_optimizers = two;
+        SCOPED_TRACE(p.name());
+        p.run();
+      }
+    }
+  }
+}
+
+// ShardedDDP reduces exactly the buckets of the optimizer's layout: after a freeze the frozen
+// parameters are in no bucket, and after a rebalance the buckets follow the new owners.
+TEST(ShardedDDP, BucketsAreTheOptimizersLayoutBuckets) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<TinyNet>();
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(0));
+    auto run_step = [&](int step) {
+      auto data = testing::rank_data(step, g->rank(), 4);
+      ddp.zero_grad(true);
+      testing::loss_of(ddp.forward(data.x, true), data, 4).backward();
+      oss.step();
+    };
+    run_step(0);
+    EXPECT_EQ(ddp.num_buckets(), oss.layout().buckets().size());
+    EXPECT_EQ(ddp.num_buckets(), net->params.size());  // bucket_bytes 0: one per parameter
+    const auto version = oss.layout_version();
+    net->params[0].requires_grad_(false);
+    net->params[2].requires_grad_(false);
+    run_step(1);  // the forward lays out for the new set
+    EXPECT_GT(oss.layout_version(), version);
+    EXPECT_EQ(ddp.num_buckets(), net->params.size() - 2);
+    EXPECT_EQ(ddp.num_buckets(), oss.layout().buckets().size());
+    for (size_t i : {0u, 2u}) EXPECT_EQ(oss.layout().pieces()[oss.layout().pieces_of(i)[0]].bucket, -1);
+    run_step(2);  // the next forward re-partitions for the agreed set
+    for (const auto& b : oss.layout().buckets()) {
+      for (size_t k : b.pieces) EXPECT_EQ(oss.owner(net->params[oss.layout().pieces()[k].param]), b.owner);
+    }
+    // The parameters are views of the layout's buffer, at the ranges it gives.
+    for (size_t i = 0; i < net->params.size(); ++i) {
+      const Piece& piece = oss.layout().pieces()[oss.layout().pieces_of(i)[0]];
+      const at::Tensor& first = net->params[0];
+      const auto* base = static_cast<const char*>(net->params[i].data_ptr()) -
+                         oss.layout().in_buffer(piece).begin * static_cast<int64_t>(first.element_size());
+      const Piece& p0 = oss.layout().pieces()[oss.layout().pieces_of(0)[0]];
+      EXPECT_EQ(base, static_cast<const char*>(first.data_ptr()) -
+                          oss.layout().in_buffer(p0).begin * static_cast<int64_t>(first.element_size()))
+          << "parameter " << i << " is not where the layout puts it";
+    }
   });
 }
 

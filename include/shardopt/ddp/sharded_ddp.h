@@ -35,6 +35,7 @@
 #include <torch/csrc/api/include/torch/nn/modules/container/any.h>
 
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 namespace shardopt {
@@ -126,9 +127,15 @@ class ShardedDDP {
     }
   }
 
-  void build(std::vector<uint8_t> mask);
+  // Buckets, entries and hooks from the optimizers' layouts.
+  void build();
   void refresh_owners();
+  // The trainable flags of optimizer k's parameters: mask_ for the module's, its own otherwise.
+  std::vector<uint8_t> mask_for(size_t k) const;
+  // Has every optimizer lay its buffers out for mask_.
+  void lay_out();
   void follow_partition(bool agreed_mask_changed);
+  void follow_layouts();
   void remove_hooks();
   void on_grad_ready(size_t entry);
   void launch_ready_buckets();
@@ -148,7 +155,10 @@ class ShardedDDP {
   std::vector<std::string> names_;
   std::vector<std::pair<size_t, size_t>> place_;  // per module parameter: (optimizer, its position there)
   std::vector<int> owner_;          // per module parameter
+  std::unordered_map<const void*, size_t> module_index_;  // TensorImpl -> position in params_
   std::vector<int64_t> partition_versions_;  // of each optimizer, when owner_ was read
+  std::vector<int64_t> layout_versions_;     // of each optimizer, when the buckets were built
+  std::vector<at::Tensor> hooked_;           // parameters that carry our post-accumulation hook
   std::vector<uint8_t> mask_;       // trainable mask the buckets were built for
   std::vector<uint8_t> balanced_for_;  // the agreed mask the optimizers last re-partitioned for
   std::vector<Entry> entries_;      // trainable parameters, in bucket order
