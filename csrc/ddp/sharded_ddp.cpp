@@ -197,16 +197,22 @@ void ShardedDDP::remove_hooks() {
 // latest module position each holds. They are launched strictly in that order: a bucket that
 // fills early waits for the ones before it. Every rank computes the same layouts from the same
 // parameters, so the order is identical everywhere, whatever order the hooks fire in.
+namespace {
+
+// A layout bucket of one optimizer, with the latest module position it holds (-1: none).
+struct BucketSource {
+  size_t optimizer, bucket;
+  int64_t position;
+};
+
+}  // namespace
+
 void ShardedDDP::build() {
   remove_hooks();
   entries_.clear();
   buckets_.clear();
   next_launch_ = 0;
-  struct Source {
-    size_t optimizer, bucket;
-    int64_t position;  // the latest module position in the bucket; -1 for none
-  };
-  std::vector<Source> sources;
+  std::vector<BucketSource> sources;
   for (size_t k = 0; k < optimizers_.size(); ++k) {
     const auto& layout = optimizers_[k]->layout();
     const auto& ps = optimizers_[k]->all_params();
@@ -221,36 +227,9 @@ void ShardedDDP::build() {
   }
   if (optimizers_.size() > 1) {
     std::stable_sort(sources.begin(), sources.end(),
-                     [](const Source& a, const Source& b) { return a.position > b.position; });
+                     [](const BucketSource& a, const BucketSource& b) { return a.position > b.position; });
   }
-  for (const auto& src : sources) {
-    const auto& layout = optimizers_[src.optimizer]->layout();
-    const auto& ps = optimizers_[src.optimizer]->all_params();
-    const FlatBucket& lb = layout.buckets()[src.bucket];
-    const FlatGroup& group = layout.groups()[lb.group];
-    Bucket b;
-    b.owner = lb.owner;
-    b.numel = lb.numel();
-    b.options = at::TensorOptions().dtype(group.dtype).device(group.device);
-    for (size_t k = 0; k < lb.pieces.size(); ++k) {
-      const Piece& piece = layout.pieces()[lb.pieces[k]];
-      TORCH_INTERNAL_ASSERT(piece.in_param.size() == ps[piece.param].numel(), "bucket ", src.bucket,
-                            " holds part of a parameter; ShardedDDP reduces whole parameters");
-      Entry e;
-      e.param = ps[piece.param];
-      e.bucket = buckets_.size();
-      e.offset = piece.in_bucket.begin;
-      e.numel = piece.in_bucket.size();
-      e.slot_end = k + 1 < lb.pieces.size() ? layout.pieces()[lb.pieces[k + 1]].in_bucket.begin : b.numel;
-      e.flag = b.numel + static_cast<int64_t>(k);
-      TORCH_INTERNAL_ASSERT(e.offset >= 0 && e.offset + e.numel <= e.slot_end && e.slot_end <= b.numel,
-                            "gradient slot [", e.offset, ", ", e.slot_end, ") outside its bucket of ", b.numel);
-      b.entries.push_back(entries_.size());
-      entries_.push_back(std::move(e));
-    }
-    b.pending = b.entries.size();
-    buckets_.push_back(std::move(b));
-  }
+  for (const auto& src : sources) add_bucket(*optimizers_[src.optimizer], src.bucket);
   for (size_t e = 0; e < entries_.size(); ++e) {
     hooked_.push_back(entries_[e].param);
     torch::autograd::impl::set_post_acc_grad_hooks(entries_[e].param,
@@ -265,6 +244,35 @@ void ShardedDDP::build() {
   layout_versions_.clear();
   for (OSS* opt : optimizers_) layout_versions_.push_back(opt->layout_version());
   ++rebuilds_;
+}
+
+void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
+  const auto& layout = optimizer.layout();
+  const auto& ps = optimizer.all_params();
+  const FlatBucket& lb = layout.buckets()[index];
+  const FlatGroup& group = layout.groups()[lb.group];
+  Bucket b;
+  b.owner = lb.owner;
+  b.numel = lb.numel();
+  b.options = at::TensorOptions().dtype(group.dtype).device(group.device);
+  for (size_t k = 0; k < lb.pieces.size(); ++k) {
+    const Piece& piece = layout.pieces()[lb.pieces[k]];
+    TORCH_INTERNAL_ASSERT(piece.in_param.size() == ps[piece.param].numel(), "bucket ", index,
+                          " holds part of a parameter; ShardedDDP reduces whole parameters");
+    Entry e;
+    e.param = ps[piece.param];
+    e.bucket = buckets_.size();
+    e.offset = piece.in_bucket.begin;
+    e.numel = piece.in_bucket.size();
+    e.slot_end = k + 1 < lb.pieces.size() ? layout.pieces()[lb.pieces[k + 1]].in_bucket.begin : b.numel;
+    e.flag = b.numel + static_cast<int64_t>(k);
+    TORCH_INTERNAL_ASSERT(e.offset >= 0 && e.offset + e.numel <= e.slot_end && e.slot_end <= b.numel,
+                          "gradient slot [", e.offset, ", ", e.slot_end, ") outside its bucket of ", b.numel);
+    b.entries.push_back(entries_.size());
+    entries_.push_back(std::move(e));
+  }
+  b.pending = b.entries.size();
+  buckets_.push_back(std::move(b));
 }
 
 // ---- forward ------------------------------------------------------------------------------------
@@ -374,6 +382,7 @@ void ShardedDDP::fill_entry(size_t e) {
     slot.zero_();
   }
   entry.ready = true;
+  TORCH_INTERNAL_ASSERT(b.pending > 0, "bucket ", entry.bucket, " filled more often than it has entries");
   --b.pending;
 }
 

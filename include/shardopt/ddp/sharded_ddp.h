@@ -1,9 +1,11 @@
 // ShardedDDP: gradient sharding (ZeRO stage 2) on top of OSS.
 //
 // During backward, a hook after each parameter's gradient accumulation copies the gradient into
-// a bucket of its owner rank (buckets hold up to reduce_bucket_bytes; 0 = one per parameter);
-// a full bucket is reduced to its owner at once, in an order identical on every rank
-// (Note [Bucket order]), overlapping the rest of backward. The end of backward flushes the
+// its bucket (buckets hold up to reduce_bucket_bytes; 0 = one per parameter). The buckets are
+// those of each OSS's FlatLayout (shardopt/optim/flat_layout.h), the map that also places the
+// parameters: a bucket is a range of its owner's shard. A full bucket is reduced to its owner at
+// once, in an order identical on every rank (Note [Bucket order]), overlapping the rest of
+// backward. The end of backward flushes the
 // remaining buckets and waits. Afterwards a rank holds gradients only for the parameters it
 // owns; OSS::step() then updates the owned shard and makes every copy current.
 //
@@ -129,6 +131,8 @@ class ShardedDDP {
 
   // Buckets, entries and hooks from the optimizers' layouts.
   void build();
+  // Appends the executor's bucket and entries for bucket `index` of `optimizer`'s layout.
+  void add_bucket(const OSS& optimizer, size_t index);
   void refresh_owners();
   // The trainable flags of optimizer k's parameters: mask_ for the module's, its own otherwise.
   std::vector<uint8_t> mask_for(size_t k) const;

@@ -119,6 +119,12 @@ class FlatLayout {
   std::string describe() const;
 
  private:
+  // The steps of plan(), in order.
+  std::vector<size_t> make_groups(const std::vector<LayoutParam>& params);  // group of each parameter
+  void place_pieces(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of);
+  void cut_buckets(const std::vector<LayoutParam>& params);
+  void check_invariants() const;
+
   int world_size_ = 1;
   LayoutOptions options_;
   std::vector<FlatGroup> groups_;
