@@ -33,7 +33,9 @@ FlatLayout FlatLayout::plan(const std::vector<LayoutParam>& params, int world_si
   FlatLayout layout;
   layout.world_size_ = world_size;
   layout.options_ = options;
-  layout.place_pieces(params, layout.make_groups(params));
+  const auto group_of = layout.make_groups(params);
+  layout.place_pieces(params, group_of);
+  layout.place_frozen(params, group_of);
   layout.cut_buckets(params);
   layout.check_invariants();
   return layout;
@@ -52,6 +54,7 @@ std::vector<size_t> FlatLayout::make_groups(const std::vector<LayoutParam>& para
       FlatGroup group;
       group.device = p.device;
       group.dtype = p.dtype;
+      group.world_size = world_size_;
       group.used.assign(world_size_, 0);
       groups_.push_back(std::move(group));
     }
@@ -60,31 +63,77 @@ std::vector<size_t> FlatLayout::make_groups(const std::vector<LayoutParam>& para
   return group_of;
 }
 
-// Trainable parameters first, then frozen ones; each in reverse parameter order.
+// The trainable run, in reverse parameter order: per owner (whole parameters) or cut into equal
+// ranges (split).
 void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of) {
   pieces_of_.assign(params.size(), {});
-  auto place = [&](size_t i) {
+  const int64_t align = options_.align();
+  auto add = [&](size_t i, Range in_param, int owner, Range in_shard) {
     Piece piece;
     piece.param = i;
-    piece.in_param = {0, params[i].numel};
+    piece.param_numel = params[i].numel;
+    piece.in_param = in_param;
     piece.group = group_of[i];
-    piece.owner = params[i].owner;
-    int64_t& used = groups_[piece.group].used[piece.owner];
-    piece.in_shard.begin = align_up(used, options_.align());
-    piece.in_shard.end = piece.in_shard.begin + params[i].numel;
-    used = piece.in_shard.end;
+    piece.owner = owner;
+    piece.in_shard = in_shard;
     pieces_of_[i].push_back(pieces_.size());
     pieces_.push_back(piece);
   };
+  if (!options_.split()) {
+    for (size_t i = params.size(); i-- > 0;) {
+      if (!params[i].trainable) continue;
+      int64_t& used = groups_[group_of[i]].used[params[i].owner];
+      const int64_t begin = align_up(used, align);
+      add(i, {0, params[i].numel}, params[i].owner, {begin, begin + params[i].numel});
+      used = begin + params[i].numel;
+    }
+    for (auto& group : groups_) {
+      const int64_t longest = *std::max_element(group.used.begin(), group.used.end());
+      group.shard_numel = align_up(std::max<int64_t>(1, longest), align);
+    }
+    return;
+  }
+  // Split: where each parameter starts in its group's run, then equal shards of the run.
+  std::vector<int64_t> run(groups_.size(), 0), start(params.size(), 0);
   for (size_t i = params.size(); i-- > 0;) {
-    if (params[i].trainable) place(i);
+    if (!params[i].trainable) continue;
+    start[i] = align_up(run[group_of[i]], align);
+    run[group_of[i]] = start[i] + params[i].numel;
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const int64_t per_rank = (run[g] + world_size_ - 1) / world_size_;
+    groups_[g].shard_numel = align_up(std::max<int64_t>(1, per_rank), align);
   }
   for (size_t i = params.size(); i-- > 0;) {
-    if (!params[i].trainable) place(i);
+    if (!params[i].trainable) continue;
+    const int64_t shard = groups_[group_of[i]].shard_numel;
+    for (int64_t at = start[i], end = start[i] + params[i].numel; at < end || (at == end && at == start[i]);) {
+      const int owner = static_cast<int>(std::min<int64_t>(at / shard, world_size_ - 1));
+      const int64_t cut = std::min(end, (owner + 1) * shard);
+      add(i, {at - start[i], cut - start[i]}, owner, {at - owner * shard, cut - owner * shard});
+      groups_[group_of[i]].used[owner] = cut - owner * shard;
+      if (cut == at) break;  // an empty parameter: one empty piece
+      at = cut;
+    }
   }
-  for (auto& group : groups_) {
-    const int64_t longest = *std::max_element(group.used.begin(), group.used.end());
-    group.shard_numel = std::max<int64_t>(1, align_up(longest, options_.align()));
+}
+
+// Frozen parameters, in reverse parameter order, after the shards: they never change, so they
+// are neither bucketed nor synced.
+void FlatLayout::place_frozen(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of) {
+  for (size_t i = params.size(); i-- > 0;) {
+    if (params[i].trainable) continue;
+    Piece piece;
+    piece.param = i;
+    piece.param_numel = params[i].numel;
+    piece.in_param = {0, params[i].numel};
+    piece.group = group_of[i];
+    int64_t& used = groups_[piece.group].frozen_numel;
+    piece.in_frozen.begin = align_up(used, options_.align());
+    piece.in_frozen.end = piece.in_frozen.begin + params[i].numel;
+    used = piece.in_frozen.end;
+    pieces_of_[i].push_back(pieces_.size());
+    pieces_.push_back(piece);
   }
 }
 
@@ -93,51 +142,99 @@ void FlatLayout::cut_buckets(const std::vector<LayoutParam>& params) {
   std::vector<std::vector<int64_t>> open(groups_.size(), std::vector<int64_t>(world_size_, -1));
   for (size_t i = params.size(); i-- > 0;) {
     if (!params[i].trainable) continue;
-    const size_t index = pieces_of_[i].front();
-    Piece& piece = pieces_[index];
-    int64_t& b = open[piece.group][piece.owner];
     const int64_t element_size = static_cast<int64_t>(c10::elementSize(params[i].dtype));
-    if (b >= 0) {
-      const int64_t bytes = (piece.in_shard.end - buckets_[b].in_shard.begin) * element_size;
-      if (options_.bucket_bytes() == 0 || bytes > options_.bucket_bytes()) b = -1;
+    for (size_t index : pieces_of_[i]) {
+      Piece& piece = pieces_[index];
+      int64_t& b = open[piece.group][piece.owner];
+      if (b >= 0) {
+        const int64_t bytes = (piece.in_shard.end - buckets_[b].in_shard.begin) * element_size;
+        if (options_.bucket_bytes() == 0 || bytes > options_.bucket_bytes()) b = -1;
+      }
+      if (b < 0) {
+        FlatBucket bucket;
+        bucket.group = piece.group;
+        bucket.owner = piece.owner;
+        bucket.in_shard = {piece.in_shard.begin, piece.in_shard.begin};
+        b = static_cast<int64_t>(buckets_.size());
+        buckets_.push_back(std::move(bucket));
+      }
+      FlatBucket& bucket = buckets_[b];
+      TORCH_INTERNAL_ASSERT(piece.in_shard.begin >= bucket.in_shard.end, "bucket ", b, " would overlap itself");
+      bucket.in_shard.end = piece.in_shard.end;
+      bucket.pieces.push_back(index);
+      piece.bucket = b;
+      piece.in_bucket = {piece.in_shard.begin - bucket.in_shard.begin, piece.in_shard.end - bucket.in_shard.begin};
     }
-    if (b < 0) {
-      FlatBucket bucket;
-      bucket.group = piece.group;
-      bucket.owner = piece.owner;
-      bucket.in_shard = {piece.in_shard.begin, piece.in_shard.begin};
-      b = static_cast<int64_t>(buckets_.size());
-      buckets_.push_back(std::move(bucket));
-    }
-    FlatBucket& bucket = buckets_[b];
-    TORCH_INTERNAL_ASSERT(piece.in_shard.begin >= bucket.in_shard.end, "bucket ", b, " would overlap itself");
-    bucket.in_shard.end = piece.in_shard.end;
-    bucket.pieces.push_back(index);
-    piece.bucket = b;
-    piece.in_bucket = {piece.in_shard.begin - bucket.in_shard.begin, piece.in_shard.end - bucket.in_shard.begin};
   }
 }
 
 void FlatLayout::check_invariants() const {
   for (const auto& piece : pieces_) {
     const auto& group = groups_[piece.group];
+    if (piece.owner < 0) {
+      TORCH_INTERNAL_ASSERT(piece.bucket < 0 && piece.in_frozen.end <= group.frozen_numel, "frozen piece of parameter ",
+                            piece.param, " lies outside the frozen region");
+      continue;
+    }
     TORCH_INTERNAL_ASSERT(piece.in_shard.begin >= 0 && piece.in_shard.end <= group.shard_numel,
                           "piece of parameter ", piece.param, " lies outside its shard");
-    TORCH_INTERNAL_ASSERT(piece.in_shard.begin % options_.align() == 0, "piece of parameter ", piece.param,
-                          " is not aligned");
-    if (piece.bucket >= 0) {
-      const auto& bucket = buckets_[piece.bucket];
-      TORCH_INTERNAL_ASSERT(bucket.owner == piece.owner && bucket.group == piece.group &&
-                                piece.in_bucket.begin + bucket.in_shard.begin == piece.in_shard.begin &&
-                                piece.in_bucket.end <= bucket.numel(),
-                            "piece of parameter ", piece.param, " does not lie in its bucket ", piece.bucket);
+    TORCH_INTERNAL_ASSERT(piece.bucket >= 0, "trainable piece of parameter ", piece.param, " is in no bucket");
+    const auto& bucket = buckets_[piece.bucket];
+    TORCH_INTERNAL_ASSERT(bucket.owner == piece.owner && bucket.group == piece.group &&
+                              piece.in_bucket.begin + bucket.in_shard.begin == piece.in_shard.begin &&
+                              piece.in_bucket.end <= bucket.numel(),
+                          "piece of parameter ", piece.param, " does not lie in its bucket ", piece.bucket);
+  }
+  for (size_t i = 0; i < pieces_of_.size(); ++i) {
+    const auto& list = pieces_of_[i];
+    TORCH_INTERNAL_ASSERT(!list.empty(), "parameter ", i, " has no piece");
+    TORCH_INTERNAL_ASSERT(pieces_[list.front()].in_param.begin == 0 &&
+                              pieces_[list.back()].in_param.end == pieces_[list.front()].param_numel,
+                          "the pieces of parameter ", i, " do not cover it");
+    const Range first = in_buffer(pieces_[list.front()]);
+    TORCH_INTERNAL_ASSERT(first.begin % options_.align() == 0, "parameter ", i, " is not aligned");
+    for (size_t k = 1; k < list.size(); ++k) {
+      TORCH_INTERNAL_ASSERT(pieces_[list[k]].in_param.begin == pieces_[list[k - 1]].in_param.end &&
+                                in_buffer(pieces_[list[k]]).begin == in_buffer(pieces_[list[k - 1]]).end,
+                            "the pieces of parameter ", i, " are not adjacent");
     }
   }
 }
 
 Range FlatLayout::in_buffer(const Piece& piece) const {
-  const int64_t base = groups_.at(piece.group).shard_in_buffer(piece.owner).begin;
+  const auto& group = groups_.at(piece.group);
+  if (piece.owner < 0) {
+    const int64_t base = group.shards_in_buffer().end;
+    return {base + piece.in_frozen.begin, base + piece.in_frozen.end};
+  }
+  const int64_t base = group.shard_in_buffer(piece.owner).begin;
   return {base + piece.in_shard.begin, base + piece.in_shard.end};
+}
+
+Range FlatLayout::param_in_buffer(size_t param) const {
+  const auto& list = pieces_of_.at(param);
+  return {in_buffer(pieces_[list.front()]).begin, in_buffer(pieces_[list.back()]).end};
+}
+
+std::vector<int> FlatLayout::owners_of(size_t param) const {
+  std::vector<int> owners;
+  for (size_t k : pieces_of_.at(param)) {
+    if (pieces_[k].owner >= 0) owners.push_back(pieces_[k].owner);
+  }
+  return owners;
+}
+
+double FlatLayout::imbalance() const {
+  std::vector<int64_t> bytes(world_size_, 0);
+  int64_t total = 0;
+  for (const auto& piece : pieces_) {
+    if (piece.owner < 0) continue;
+    const int64_t b = piece.in_param.size() * static_cast<int64_t>(c10::elementSize(groups_[piece.group].dtype));
+    bytes[piece.owner] += b;
+    total += b;
+  }
+  if (total == 0) return 0.0;
+  return static_cast<double>(*std::max_element(bytes.begin(), bytes.end())) * world_size_ / total - 1.0;
 }
 
 bool FlatLayout::same_placement(const FlatLayout& other) const {
@@ -147,12 +244,15 @@ bool FlatLayout::same_placement(const FlatLayout& other) const {
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
     const auto &a = groups_[g], &b = other.groups_[g];
-    if (a.device != b.device || a.dtype != b.dtype || a.shard_numel != b.shard_numel) return false;
+    if (a.device != b.device || a.dtype != b.dtype || a.shard_numel != b.shard_numel ||
+        a.frozen_numel != b.frozen_numel) {
+      return false;
+    }
   }
   for (size_t k = 0; k < pieces_.size(); ++k) {
     const auto &a = pieces_[k], &b = other.pieces_[k];
     if (a.param != b.param || a.in_param != b.in_param || a.group != b.group || a.owner != b.owner ||
-        a.in_shard != b.in_shard) {
+        a.in_shard != b.in_shard || a.in_frozen != b.in_frozen) {
       return false;
     }
   }
@@ -163,10 +263,11 @@ std::string FlatLayout::describe() const {
   std::ostringstream out;
   for (size_t g = 0; g < groups_.size(); ++g) {
     const auto& group = groups_[g];
-    out << "group " << g << " (" << group.device << ", " << group.dtype << "): " << world_size_ << " shards of "
-        << group.shard_numel << " elements, used";
+    out << "group " << g << " (" << group.device << ", " << group.dtype << "): " << world_size_
+        << (options_.split() ? " equal ranges" : " whole-parameter shards") << " of " << group.shard_numel
+        << " elements, used";
     for (int64_t u : group.used) out << " " << u;
-    out << "\n";
+    out << "; frozen " << group.frozen_numel << "\n";
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const auto& bucket = buckets_[b];

@@ -14,7 +14,7 @@ std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at:
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> buffers;
   for (const auto& group : layout.groups()) {
-    buffers.push_back(at::zeros({group.shard_numel * layout.world_size()},
+    buffers.push_back(at::zeros({group.buffer_numel()},
                                 at::TensorOptions().dtype(group.dtype).device(group.device)));
   }
   for (size_t i = 0; i < params.size(); ++i) {

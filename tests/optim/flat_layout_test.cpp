@@ -105,23 +105,86 @@ TEST(FlatLayout, DeviceAndDtypeGroupsNeverShareABufferOrABucket) {
   }
 }
 
-TEST(FlatLayout, AfterAFreezeFrozenParametersLeaveTheBucketsAndMoveBehindTheTrainableOnes) {
+TEST(FlatLayout, AfterAFreezeFrozenParametersLeaveTheShardsAndTheBuckets) {
   std::vector<LayoutParam> params = {param(4, 0), param(3, 0), param(2, 0), param(5, 0)};
   const auto before = FlatLayout::plan(params, 1, LayoutOptions().bucket_bytes(1 << 20));
   params[2].trainable = false;
   const auto after = FlatLayout::plan(params, 1, LayoutOptions().bucket_bytes(1 << 20));
   EXPECT_FALSE(after.same_placement(before));
   EXPECT_EQ(piece_of(after, 2).bucket, -1);
+  EXPECT_EQ(piece_of(after, 2).owner, -1);
+  EXPECT_TRUE(after.owners_of(2).empty());
   ASSERT_EQ(after.buckets().size(), 1u);
   EXPECT_EQ(params_of_bucket(after, 0), (std::vector<size_t>{3, 1, 0}));
   EXPECT_EQ(after.buckets()[0].in_shard, (Range{0, 12}));
-  EXPECT_EQ(piece_of(after, 2).in_shard, (Range{12, 14}));
-  EXPECT_EQ(after.groups()[0].shard_numel, before.groups()[0].shard_numel);
+  // Frozen parameters never change: they live after the shards, which are all that is synced.
+  EXPECT_EQ(after.groups()[0].shard_numel, 12);
+  EXPECT_EQ(after.groups()[0].frozen_numel, 2);
+  EXPECT_EQ(piece_of(after, 2).in_frozen, (Range{0, 2}));
+  EXPECT_EQ(after.in_buffer(piece_of(after, 2)), (Range{12, 14}));
+  EXPECT_EQ(after.groups()[0].buffer_numel(), 14);
   // Everything frozen: no buckets at all, every parameter still placed.
   for (auto& p : params) p.trainable = false;
   const auto frozen = FlatLayout::plan(params, 1);
   EXPECT_TRUE(frozen.buckets().empty());
-  EXPECT_EQ(frozen.groups()[0].used[0], 14);
+  EXPECT_EQ(frozen.groups()[0].frozen_numel, 14);
+  EXPECT_EQ(frozen.groups()[0].shard_numel, 1);
+}
+
+TEST(FlatLayout, SplitCutsTheTrainableRunIntoEqualRangesAcrossParameterBoundaries) {
+  // Reverse order: 2 (10), 1 (4), 0 (16) = 30 elements; 3 ranks of 10.
+  const auto layout = FlatLayout::plan({param(16, 0), param(4, 0), param(10, 0), param(6, 0, false)}, 3,
+                                       LayoutOptions().split(true).bucket_bytes(1 << 20));
+  const auto& group = layout.groups()[0];
+  EXPECT_EQ(group.shard_numel, 10);
+  EXPECT_EQ(group.used, (std::vector<int64_t>{10, 10, 10}));
+  EXPECT_EQ(layout.owners_of(2), std::vector<int>{0});
+  EXPECT_EQ(layout.owners_of(1), std::vector<int>{1});
+  EXPECT_EQ(layout.owners_of(0), (std::vector<int>{1, 2}));  // 6 elements on rank 1, 10 on rank 2
+  ASSERT_EQ(layout.pieces_of(0).size(), 2u);
+  const Piece& head = layout.pieces()[layout.pieces_of(0)[0]];
+  const Piece& tail = layout.pieces()[layout.pieces_of(0)[1]];
+  EXPECT_EQ(head.in_param, (Range{0, 6}));
+  EXPECT_EQ(head.in_shard, (Range{4, 10}));
+  EXPECT_EQ(tail.in_param, (Range{6, 16}));
+  EXPECT_EQ(tail.in_shard, (Range{0, 10}));
+  EXPECT_FALSE(head.whole());
+  EXPECT_TRUE(layout.pieces()[layout.pieces_of(1)[0]].whole());
+  // A split parameter stays one contiguous view of the buffer.
+  EXPECT_EQ(layout.param_in_buffer(0), (Range{14, 30}));
+  EXPECT_EQ(layout.param_in_buffer(3), (Range{30, 36}));  // frozen, after the shards
+  EXPECT_DOUBLE_EQ(layout.imbalance(), 0.0);
+  // One bucket per owner: each a range of its shard, holding pieces.
+  ASSERT_EQ(layout.buckets().size(), 3u);
+  EXPECT_EQ(layout.buckets()[1].owner, 1);
+  EXPECT_EQ(params_of_bucket(layout, 1), (std::vector<size_t>{1, 0}));
+  EXPECT_EQ(head.in_bucket, (Range{4, 10}));
+}
+
+TEST(FlatLayout, SplitGivesEveryRankItsShareWhateverOneTensorWeighs) {
+  // One tensor holds over 90% of the elements; whole parameters leave one rank with it.
+  std::vector<LayoutParam> params = {param(1000, 0), param(30, 1), param(20, 1), param(10, 1)};
+  for (int world : {2, 3, 4, 8}) {
+    const auto whole = FlatLayout::plan(params, world);
+    const auto split = FlatLayout::plan(params, world, LayoutOptions().split(true));
+    EXPECT_GT(whole.imbalance(), 0.8) << "world " << world;
+    EXPECT_LT(split.imbalance(), 0.03) << "world " << world;
+    EXPECT_GE(split.owners_of(0).size(), static_cast<size_t>(world - 1)) << "world " << world;
+  }
+  // Three owners share one parameter, and a rank may own no whole parameter at all.
+  const auto three = FlatLayout::plan({param(9, 0), param(30, 0)}, 4, LayoutOptions().split(true));
+  EXPECT_EQ(three.owners_of(1), (std::vector<int>{0, 1, 2}));
+  for (size_t k : three.pieces_of(1)) EXPECT_FALSE(three.pieces()[k].whole());
+}
+
+TEST(FlatLayout, SplitRangesAreAlignedAndEmptyParametersArePlaced) {
+  const auto layout = FlatLayout::plan({param(5, 0), param(0, 0), param(7, 0)}, 2,
+                                       LayoutOptions().split(true).align(4).bucket_bytes(0));
+  // Run: 2 at [0, 7), 1 (empty) at [8, 8), 0 at [8, 13): 13 -> shards of 8.
+  EXPECT_EQ(layout.groups()[0].shard_numel, 8);
+  EXPECT_EQ(layout.param_in_buffer(0), (Range{8, 13}));
+  ASSERT_EQ(layout.pieces_of(1).size(), 1u);
+  EXPECT_EQ(layout.pieces()[layout.pieces_of(1)[0]].in_param.size(), 0);
 }
 
 TEST(FlatLayout, AfterARebalancePiecesFollowTheirNewOwners) {
@@ -161,19 +224,38 @@ TEST(FlatLayout, InvariantsHoldForManyConfigurations) {
       params.push_back(param(static_cast<int64_t>(rng() % 50), static_cast<int>(rng() % world), rng() % 4 != 0,
                              rng() % 3 == 0 ? c10::kDouble : c10::kFloat));
     }
-    const auto layout = FlatLayout::plan(params, world, LayoutOptions().bucket_bytes(cap).align(align));
+    const bool split = rng() % 2 == 0;
+    const auto layout = FlatLayout::plan(params, world, LayoutOptions().bucket_bytes(cap).align(align).split(split));
     std::vector<std::vector<std::vector<int>>> used(layout.groups().size());
     for (size_t g = 0; g < layout.groups().size(); ++g) {
       used[g].assign(world, std::vector<int>(layout.groups()[g].shard_numel, 0));
     }
     for (size_t i = 0; i < params.size(); ++i) {
-      const Piece& p = piece_of(layout, i);
-      ASSERT_EQ(p.param, i);
-      ASSERT_EQ(p.in_param.size(), params[i].numel);
-      ASSERT_EQ(p.owner, params[i].owner);
-      ASSERT_EQ(p.in_shard.begin % align, 0);
-      ASSERT_EQ(p.bucket >= 0, params[i].trainable);
-      for (int64_t e = p.in_shard.begin; e < p.in_shard.end; ++e) ASSERT_EQ(used[p.group][p.owner][e]++, 0);
+      int64_t covered = 0;
+      for (size_t k : layout.pieces_of(i)) {
+        const Piece& p = layout.pieces()[k];
+        ASSERT_EQ(p.param, i);
+        ASSERT_EQ(p.in_param.begin, covered);
+        covered = p.in_param.end;
+        ASSERT_EQ(p.bucket >= 0, params[i].trainable);
+        if (!params[i].trainable) {
+          ASSERT_EQ(p.owner, -1);
+          continue;
+        }
+        if (!split) ASSERT_EQ(p.owner, params[i].owner);
+        for (int64_t e = p.in_shard.begin; e < p.in_shard.end; ++e) ASSERT_EQ(used[p.group][p.owner][e]++, 0);
+      }
+      ASSERT_EQ(covered, params[i].numel);
+      ASSERT_EQ(layout.param_in_buffer(i).begin % align, 0);
+      ASSERT_EQ(layout.param_in_buffer(i).size(), params[i].numel);
+    }
+    if (split) {
+      // Every rank's shard is the same size, and none holds more than its share plus padding.
+      for (const auto& g : layout.groups()) {
+        int64_t run = 0;
+        for (int64_t u : g.used) run = std::max(run, u);
+        ASSERT_LE(g.shard_numel, run + align);
+      }
     }
     std::vector<std::vector<int64_t>> last_end(layout.groups().size(), std::vector<int64_t>(world, 0));
     for (size_t b = 0; b < layout.buckets().size(); ++b) {

@@ -1,28 +1,39 @@
 // FlatLayout: where every parameter's elements live in the flat buffers, decided once.
 //
-// One layout covers the parameters of one OSS. For each (device, dtype) group it cuts a flat
-// buffer into world_size equal shards, one per owner rank; each parameter is placed in its
-// owner's shard, and the trainable parameters of each shard are cut into gradient buckets. The
-// same map serves every buffer indexed by it: the parameter buffer OSS syncs after the step (the
-// parameters are views of it), the gradient buckets ShardedDDP reduces to their owners, and any
-// per-shard buffer an owner keeps (optimizer state, master weights).
+// One layout covers the parameters of one OSS. Each (device, dtype) group has one flat buffer:
+// first its trainable run, cut into world_size equal shards, one per owner rank, then its
+// frozen region. The trainable parameters of each shard are cut into gradient buckets. The same
+// map serves every buffer indexed by it: the parameter buffer OSS syncs after the step (the
+// parameters are views of it; only the shards change, so only they are synced), the gradient
+// buckets ShardedDDP reduces to their owners, and any per-shard buffer an owner keeps
+// (optimizer state, master weights).
+//
+// Two ways to cut the trainable run into shards:
+//   whole parameters (default)  each parameter lies in the shard of its owner (LayoutParam::
+//                               owner, from the Partition); shards are padded to the longest.
+//   split (LayoutOptions::split) the run is cut into world_size ranges of equal size that
+//                               ignore parameter boundaries (DeepSpeed's flat partitions,
+//                               Megatron-Core's bucket ranges): a parameter may be cut into
+//                               pieces with different owners, and each rank owns 1/world_size
+//                               of the trainable elements. Only for element-wise optimizers.
 //
 // Frames. Every offset says what it is relative to, in its name:
 //   in_param   elements of the parameter (its flattened view)
 //   in_shard   the owner's shard of the group
 //   in_bucket  the bucket
-//   in_buffer  the group's whole flat buffer: owner * shard_numel + in_shard
+//   in_frozen  the group's frozen region (frozen parameters, owner -1)
+//   in_buffer  the group's whole flat buffer: owner * shard_numel + in_shard, or
+//              world_size * shard_numel + in_frozen
 //
-// Order (Note [Bucket order]). Within a shard the trainable parameters come first, in reverse
-// parameter order (roughly the order backward produces their gradients), then the frozen ones.
-// Buckets are made walking the trainable parameters in reverse order, one open bucket per
-// (group, owner); a bucket closes before it would pass `bucket_bytes`. Their order in buckets()
-// is the order every rank launches them in. Each parameter starts at a multiple of `align`
-// elements of its shard; the gaps belong to the bucket they fall in.
+// Order (Note [Bucket order]). The trainable run holds the trainable parameters in reverse
+// parameter order (roughly the order backward produces their gradients); whole-parameter shards
+// keep that order within each owner. Buckets are made walking the pieces of the trainable run in
+// that order, one open bucket per (group, owner); a bucket closes before it would pass
+// `bucket_bytes`. Their order in buckets() is the order every rank launches them in. Each
+// parameter starts at a multiple of `align` elements; the gaps belong to the bucket they fall in.
 //
 // Pieces. A parameter is placed as pieces, each a contiguous range of its elements with one
-// owner. Whole-parameter ownership gives one piece per parameter; the types are ready for a
-// parameter cut across owners.
+// owner; a parameter's pieces are adjacent in the buffer, so the parameter stays one view.
 //
 // plan() is a pure function of its inputs: every rank computes the same layout. A change of the
 // trainable set or of the owners produces a new layout; nothing patches an old one.
@@ -56,8 +67,8 @@ struct LayoutParam {
   c10::Device device = c10::Device(c10::kCPU);
   c10::ScalarType dtype = c10::kFloat;
   int64_t numel = 0;
-  int owner = 0;           // rank that owns it (from the partition)
-  bool trainable = true;   // only trainable parameters are bucketed
+  int owner = 0;           // rank that owns it (from the partition; unused when split)
+  bool trainable = true;   // only trainable parameters are in the shards and buckets
   static LayoutParam of(const at::Tensor& param, int owner, bool trainable);
 };
 
@@ -66,26 +77,35 @@ struct LayoutOptions {
   TORCH_ARG(int64_t, bucket_bytes) = 0;
   // Every parameter starts at a multiple of this many elements of its shard.
   TORCH_ARG(int64_t, align) = 1;
+  // Cut the trainable run into equal ranges, ignoring parameter boundaries (see above).
+  TORCH_ARG(bool, split) = false;
 };
 
-// A contiguous range of one parameter's elements, with one owner.
+// A contiguous range of one parameter's elements, with one owner (-1: a frozen parameter).
 struct Piece {
   size_t param = 0;
   Range in_param;
   size_t group = 0;
-  int owner = 0;
-  Range in_shard;
-  int64_t bucket = -1;   // -1: a frozen parameter, in no bucket
+  int owner = -1;
+  Range in_shard;        // with owner >= 0
+  Range in_frozen;       // with owner == -1
+  int64_t bucket = -1;   // -1: frozen, in no bucket
   Range in_bucket;       // with `bucket`
+  bool whole() const { return in_param.begin == 0 && in_param.size() == param_numel; }
+  int64_t param_numel = 0;
 };
 
 // One (device, dtype) group: its flat buffer is world_size shards of shard_numel elements.
 struct FlatGroup {
   c10::Device device = c10::Device(c10::kCPU);
   c10::ScalarType dtype = c10::kFloat;
-  int64_t shard_numel = 1;        // the longest owner's shard, rounded up to `align`; >= 1
+  int world_size = 1;
+  int64_t shard_numel = 1;        // every owner's shard: >= 1, a multiple of `align`
   std::vector<int64_t> used;      // per owner: elements its pieces occupy (gaps included)
+  int64_t frozen_numel = 0;       // the frozen region, after the shards
   Range shard_in_buffer(int owner) const { return {owner * shard_numel, (owner + 1) * shard_numel}; }
+  Range shards_in_buffer() const { return {0, world_size * shard_numel}; }
+  int64_t buffer_numel() const { return world_size * shard_numel + frozen_numel; }
 };
 
 // The gradients one collective moves to their owner.
@@ -112,6 +132,13 @@ class FlatLayout {
   const std::vector<size_t>& pieces_of(size_t param) const { return pieces_of_.at(param); }
   // A piece's elements in its group's flat buffer.
   Range in_buffer(const Piece& piece) const;
+  // All of a parameter's elements in its group's flat buffer (its pieces are adjacent).
+  Range param_in_buffer(size_t param) const;
+  // The owners of `param`'s pieces, in parameter order (empty for a frozen parameter).
+  std::vector<int> owners_of(size_t param) const;
+  // The largest elements any rank owns in any group, against the ideal 1/world_size of the
+  // trainable elements: max / ideal - 1 (0 = perfect; alignment padding counts against it).
+  double imbalance() const;
   // True when every piece has the same group, owner and shard range in both layouts: the data
   // in the flat buffers stays where it is (only the bucket cuts may differ).
   bool same_placement(const FlatLayout& other) const;
@@ -122,6 +149,7 @@ class FlatLayout {
   // The steps of plan(), in order.
   std::vector<size_t> make_groups(const std::vector<LayoutParam>& params);  // group of each parameter
   void place_pieces(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of);
+  void place_frozen(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of);
   void cut_buckets(const std::vector<LayoutParam>& params);
   void check_invariants() const;
 
