@@ -15,15 +15,24 @@
 
 namespace shardopt {
 
-// One trainable parameter's place in a bucket (from its OSS's FlatLayout, bucket frame).
+// One piece of a trainable parameter in a bucket (from its OSS's FlatLayout, bucket frame).
 struct ShardedDDP::Entry {
-  at::Tensor param;
+  size_t hooked = 0;    // index into hooked_: the parameter
+  Range in_param;       // the piece's elements of the parameter
+  bool whole = true;    // the piece is the whole parameter
+  at::Tensor target;    // on the bucket's owner: the tensor that receives the reduced gradient
   size_t bucket = 0;
   int64_t offset = 0;   // first element of its gradient in the bucket
   int64_t numel = 0;
   int64_t slot_end = 0; // end of its slot: the alignment gap up to the next gradient included
   int64_t flag = 0;     // element that counts the ranks that produced a gradient
   bool ready = false;
+};
+
+// A parameter with our post-accumulation hook, and its entries (one per piece).
+struct ShardedDDP::Hooked {
+  at::Tensor param;
+  std::vector<size_t> entries;
 };
 
 // One layout bucket, as the executor runs it.
@@ -132,7 +141,7 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
 
 void ShardedDDP::refresh_owners() {
   owner_.clear();
-  for (const auto& [k, i] : place_) owner_.push_back(optimizers_[k]->partition().owner(i));
+  for (const auto& [k, i] : place_) owner_.push_back(optimizers_[k]->owner(optimizers_[k]->all_params()[i]));
   partition_versions_.clear();
   for (OSS* opt : optimizers_) partition_versions_.push_back(opt->partition_version());
 }
@@ -183,8 +192,10 @@ ShardedDDP::~ShardedDDP() {
 }
 
 void ShardedDDP::remove_hooks() {
-  for (auto& p : hooked_) {
-    if (torch::autograd::impl::post_acc_grad_hooks(p)) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+  for (auto& h : hooked_) {
+    if (torch::autograd::impl::post_acc_grad_hooks(h.param)) {
+      torch::autograd::impl::set_post_acc_grad_hooks(h.param, nullptr);
+    }
   }
   hooked_.clear();
 }
@@ -211,6 +222,7 @@ void ShardedDDP::build() {
   remove_hooks();
   entries_.clear();
   buckets_.clear();
+  hooked_index_.clear();
   next_launch_ = 0;
   std::vector<BucketSource> sources;
   for (size_t k = 0; k < optimizers_.size(); ++k) {
@@ -230,10 +242,9 @@ void ShardedDDP::build() {
                      [](const BucketSource& a, const BucketSource& b) { return a.position > b.position; });
   }
   for (const auto& src : sources) add_bucket(*optimizers_[src.optimizer], src.bucket);
-  for (size_t e = 0; e < entries_.size(); ++e) {
-    hooked_.push_back(entries_[e].param);
-    torch::autograd::impl::set_post_acc_grad_hooks(entries_[e].param,
-                                                   std::make_unique<GradReadyHook>([this, e] { on_grad_ready(e); }));
+  for (size_t h = 0; h < hooked_.size(); ++h) {
+    torch::autograd::impl::set_post_acc_grad_hooks(hooked_[h].param,
+                                                   std::make_unique<GradReadyHook>([this, h] { on_grad_ready(h); }));
   }
   // The trainable set the buckets hold, per module parameter.
   for (size_t m = 0; m < params_.size(); ++m) {
@@ -256,11 +267,17 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
   b.numel = lb.numel();
   b.options = at::TensorOptions().dtype(group.dtype).device(group.device);
   for (size_t k = 0; k < lb.pieces.size(); ++k) {
-    const Piece& piece = layout.pieces()[lb.pieces[k]];
-    TORCH_INTERNAL_ASSERT(piece.in_param.size() == ps[piece.param].numel(), "bucket ", index,
-                          " holds part of a parameter; ShardedDDP reduces whole parameters");
+    const size_t piece_index = lb.pieces[k];
+    const Piece& piece = layout.pieces()[piece_index];
+    const at::Tensor& param = ps[piece.param];
+    auto [it, fresh] = hooked_index_.try_emplace(param.unsafeGetTensorImpl(), hooked_.size());
+    if (fresh) hooked_.push_back(Hooked{param, {}});
+    hooked_[it->second].entries.push_back(entries_.size());
     Entry e;
-    e.param = ps[piece.param];
+    e.hooked = it->second;
+    e.in_param = piece.in_param;
+    e.whole = piece.in_param.begin == 0 && piece.in_param.size() == param.numel();
+    if (b.owner == group_->rank()) e.target = optimizer.piece_tensor(piece_index);
     e.bucket = buckets_.size();
     e.offset = piece.in_bucket.begin;
     e.numel = piece.in_bucket.size();
@@ -334,7 +351,7 @@ void ShardedDDP::refresh_trainable() {
 
 // ---- backward -----------------------------------------------------------------------------------
 
-void ShardedDDP::on_grad_ready(size_t e) {
+void ShardedDDP::on_grad_ready(size_t h) {
   if (no_sync_) {
     unreduced_local_grads_ = true;
     return;
@@ -344,17 +361,13 @@ void ShardedDDP::on_grad_ready(size_t e) {
     in_backward_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_reduction(); });
   }
-  fill_entry(e);
+  fill_param(h);
   launch_ready_buckets();
 }
 
-void ShardedDDP::fill_entry(size_t e) {
-  Entry& entry = entries_[e];
-  if (entry.ready) return;
-  Bucket& b = buckets_[entry.bucket];
-  at::NoGradGuard no_grad;
+at::Tensor ShardedDDP::bucket_buffer(Bucket& b) {
   if (!b.buffer.defined()) {
-    // Only the flags start at zero: every gradient slot is written below (copied or zeroed).
+    // Only the flags start at zero: every gradient slot is written (copied or zeroed).
     if (b.storage.defined() && b.storage.storage().use_count() == 1) {
       b.buffer = b.storage;
     } else {
@@ -363,27 +376,48 @@ void ShardedDDP::fill_entry(size_t e) {
     }
     b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).zero_();
   }
-  at::Tensor& p = entry.param;
-  at::Tensor slot = b.buffer.narrow(0, entry.offset, entry.numel);
-  if (entry.slot_end > entry.offset + entry.numel) {
-    b.buffer.narrow(0, entry.offset + entry.numel, entry.slot_end - entry.offset - entry.numel).zero_();
-  }
-  if (p.grad().defined()) {
-    if (p.grad().data_ptr() != slot.data_ptr()) slot.copy_(p.grad().reshape(-1));
-    b.buffer[entry.flag].fill_(1);
-    // The local gradient is released as soon as it is in the bucket: a non-owner drops it, the
-    // owner's becomes a view of its slot, which the reduction then overwrites with the sum.
-    if (b.owner != group_->rank()) {
-      p.mutable_grad().reset();
-    } else {
-      p.mutable_grad() = slot.view(p.sizes());
+  return b.buffer;
+}
+
+void ShardedDDP::fill_param(size_t h) {
+  Hooked& hooked = hooked_[h];
+  at::Tensor& p = hooked.param;
+  at::NoGradGuard no_grad;
+  const bool has_grad = p.grad().defined();
+  at::Tensor owned_slot;  // the slot that becomes this rank's gradient of the whole parameter
+  for (size_t e : hooked.entries) {
+    Entry& entry = entries_[e];
+    if (entry.ready) continue;
+    Bucket& b = buckets_[entry.bucket];
+    at::Tensor buffer = bucket_buffer(b);
+    at::Tensor slot = buffer.narrow(0, entry.offset, entry.numel);
+    if (entry.slot_end > entry.offset + entry.numel) {
+      buffer.narrow(0, entry.offset + entry.numel, entry.slot_end - entry.offset - entry.numel).zero_();
     }
-  } else {
-    slot.zero_();
+    if (has_grad) {
+      const at::Tensor grad = p.grad();
+      if (grad.data_ptr() != slot.data_ptr()) {
+        slot.copy_(entry.whole ? grad.reshape(-1) : grad.reshape(-1).narrow(0, entry.in_param.begin, entry.numel));
+      }
+      buffer[entry.flag].fill_(1);
+      if (entry.whole && b.owner == group_->rank()) owned_slot = slot;
+    } else {
+      slot.zero_();
+    }
+    entry.ready = true;
+    TORCH_INTERNAL_ASSERT(b.pending > 0, "bucket ", entry.bucket, " filled more often than it has entries");
+    --b.pending;
   }
-  entry.ready = true;
-  TORCH_INTERNAL_ASSERT(b.pending > 0, "bucket ", entry.bucket, " filled more often than it has entries");
-  --b.pending;
+  // The local gradient is released as soon as it is in the buckets: the owner of the whole
+  // parameter keeps a view of its slot (the reduction overwrites it with the sum), every other
+  // rank drops it.
+  if (has_grad) {
+    if (owned_slot.defined()) {
+      p.mutable_grad() = owned_slot.view(p.sizes());
+    } else {
+      p.mutable_grad().reset();
+    }
+  }
 }
 
 void ShardedDDP::launch_ready_buckets() {
@@ -398,7 +432,7 @@ void ShardedDDP::finish_reduction() {
   // Parameters that got no gradient in this backward still take part, so every rank launches
   // the same buckets; their flags say whether any rank had a gradient (from this backward or
   // accumulated under no_sync).
-  for (size_t e = 0; e < entries_.size(); ++e) fill_entry(e);
+  for (size_t h = 0; h < hooked_.size(); ++h) fill_param(h);
   launch_ready_buckets();
   for (auto& b : buckets_) b.work.wait();
 
@@ -430,7 +464,7 @@ void ShardedDDP::finish_reduction() {
       const double* flag = flags.data_ptr<double>();
       for (size_t k = 0; k < b.entries.size(); ++k) {
         Entry& entry = entries_[b.entries[k]];
-        at::Tensor& p = entry.param;
+        at::Tensor& p = entry.target;  // the parameter, or the owner's tensor of its piece
         if (flag[k] > 0) {
           // The owner's gradient becomes a view of the reduced bucket: no second copy.
           p.mutable_grad() = b.buffer.narrow(0, entry.offset, entry.numel).view(p.sizes());
@@ -470,6 +504,7 @@ void ShardedDDP::zero_grad(bool set_to_none) {
       p.mutable_grad().zero_();
     }
   }
+  for (OSS* opt : optimizers_) opt->zero_grad(set_to_none);  // and the owners' pieces
 }
 
 std::string ShardedDDP::name(size_t param) const {
@@ -484,6 +519,9 @@ int64_t ShardedDDP::local_grad_bytes() const {
   int64_t bytes = 0;
   for (const auto& p : params_) {
     if (p.grad().defined()) bytes += static_cast<int64_t>(p.grad().nbytes());
+  }
+  for (const auto& e : entries_) {  // pieces of split parameters this rank owns
+    if (!e.whole && e.target.defined() && e.target.grad().defined()) bytes += static_cast<int64_t>(e.target.grad().nbytes());
   }
   return bytes;
 }

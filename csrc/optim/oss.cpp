@@ -65,7 +65,7 @@ std::string decode_text(const std::vector<int64_t>& v) {
 
 // What the ranks must agree on about one parameter: dtype, device type, trainability, group,
 // shape.
-std::vector<int64_t> describe(const at::Tensor& p, size_t group) {
+std::vector<int64_t> param_descriptor(const at::Tensor& p, size_t group) {
   std::vector<int64_t> d{static_cast<int64_t>(p.scalar_type()), static_cast<int64_t>(p.device().type()),
                          p.requires_grad() ? 1 : 0, static_cast<int64_t>(group), p.dim()};
   for (int64_t i = 0; i < 8; ++i) d.push_back(i < p.dim() ? p.size(i) : -1);
@@ -126,22 +126,60 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   trainable_ = detail::trainable_mask(params_);
   balanced_for_ = trainable_;
   partition_ = Partition::balance(weights_, group_->size(), trainable_);
+  choose_partition_mode(factory);
+  holdings_.assign(params_.size(), {});
+  if (split_) {
+    // A parameter frozen from the start keeps its state where it would be if all were trainable.
+    lay_out(std::vector<uint8_t>(params_.size(), 1));
+  }
   lay_out(trainable_);
+  settled_ = holdings_;
 
   std::vector<optim::OptimizerParamGroup> local_groups;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     local_groups.emplace_back(std::vector<at::Tensor>{}, param_groups_[g].options().clone());
   }
-  for (size_t i : partition_.shard(group_->rank())) local_groups[group_of_[i]].params().push_back(params_[i]);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& h : holdings_[i]) {
+      if (h.rank == group_->rank()) local_groups[group_of_[i]].params().push_back(h.tensor);
+    }
+  }
   local_ = factory(std::move(local_groups));
   SHARDOPT_CHECK(local_, "the optimizer factory returned null");
+}
+
+// Note [Split parameters]
+// With an element-wise optimizer (each element's update reads only that element's gradient and
+// state: Adam, AdamW, SGD, RMSprop, Adagrad) the trainable run of each flat group is cut into
+// world_size equal ranges (FlatLayout's split mode), so every rank owns 1/world_size of the
+// state however large one tensor is. A rank steps, for each range it owns, a tensor that views
+// those elements of the parameter (the parameter itself when it owns all of it); its state
+// lives under that tensor. The ranges follow the trainable set: a layout for a new set gives
+// new holdings at once (the buckets reduce to the new owners), and the state follows at the
+// next step(), or at the next collective that needs it (settle_state), when every rank is known
+// to hold the same set; only ranges that change rank move. A frozen parameter keeps its state
+// where it was. Other optimizers (LBFGS, a user's) keep whole parameters.
+void OSS::choose_partition_mode(const OptimizerFactory& factory) {
+  auto probe = factory({optim::OptimizerParamGroup({at::zeros({1}).requires_grad_()})});
+  SHARDOPT_CHECK(probe, "the optimizer factory returned null");
+  const bool element_wise = detail::find_codec(*probe) != nullptr;
+  switch (options_.partition()) {
+    case PartitionMode::kAuto: split_ = element_wise; break;
+    case PartitionMode::kWholeParameters: split_ = false; break;
+    case PartitionMode::kSplit:
+      SHARDOPT_CHECK(element_wise, "partition kSplit needs an element-wise optimizer shardopt can move state for "
+                     "(Adam, AdamW, SGD, RMSprop, Adagrad); use kWholeParameters or kAuto for this one");
+      split_ = true;
+      break;
+  }
+  options_.layout().split(split_);
 }
 
 void OSS::check_params_across_ranks() {
   Agreement agreement("OSS");
   agreement.field("the number of parameters", static_cast<int64_t>(params_.size()));
   for (size_t i = 0; i < params_.size(); ++i) {
-    agreement.field("parameter " + std::to_string(i), describe(params_[i], group_of_[i]),
+    agreement.field("parameter " + std::to_string(i), param_descriptor(params_[i], group_of_[i]),
                     [](const std::vector<int64_t>& d) { return descriptor_text(d.data()); });
   }
   agreement.hint("every rank must pass the same parameters, in the same order and groups").check(*group_);
@@ -159,7 +197,79 @@ void OSS::lay_out(const std::vector<uint8_t>& trainable) {
   laid_out_for_ = trainable;
   buffers_.clear();  // the parameters still hold the old buffers' data until they are copied out
   buffers_ = detail::lay_out_params(layout_, params_);
+  assign_holdings();
   ++layout_version_;
+}
+
+void OSS::assign_holdings() {
+  const int rank = group_->rank();
+  std::vector<std::vector<detail::Holding>> next(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!split_) {
+      next[i].push_back({partition_.owner(i), {0, params_[i].numel()}, at::Tensor()});
+    } else if (laid_out_for_[i]) {
+      for (size_t k : layout_.pieces_of(i)) {
+        const Piece& piece = layout_.pieces()[k];
+        next[i].push_back({piece.owner, piece.in_param, at::Tensor()});
+      }
+    } else {
+      next[i] = holdings_[i];  // a frozen parameter's state stays where it is
+    }
+    for (auto& h : next[i]) {
+      if (h.rank != rank) {
+        h.tensor = at::Tensor();
+        continue;
+      }
+      if (h.in_param.begin == 0 && h.in_param.size() == params_[i].numel()) {
+        h.tensor = params_[i];
+        continue;
+      }
+      at::Tensor view = params_[i].detach().reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()).detach();
+      h.tensor = at::Tensor();
+      for (const auto& old : holdings_[i]) {  // the same range keeps its tensor: its state key
+        if (old.rank == rank && old.in_param == h.in_param && old.tensor.defined()) h.tensor = old.tensor;
+      }
+      if (h.tensor.defined()) {
+        h.tensor.set_data(view);
+      } else {
+        h.tensor = view;
+      }
+    }
+  }
+  holdings_ = std::move(next);
+  piece_tensors_.assign(layout_.pieces().size(), at::Tensor());
+  for (size_t k = 0; k < layout_.pieces().size(); ++k) {
+    const Piece& piece = layout_.pieces()[k];
+    if (piece.owner != rank) continue;
+    for (const auto& h : holdings_[piece.param]) {
+      if (h.rank == rank && h.in_param == piece.in_param) piece_tensors_[k] = h.tensor;
+    }
+    TORCH_INTERNAL_ASSERT(piece_tensors_[k].defined(), "piece ", k, " of parameter ", piece.param,
+                          " is owned here but has no tensor");
+  }
+}
+
+void OSS::settle_state() {
+  bool changed = false;
+  for (size_t i = 0; i < params_.size() && !changed; ++i) changed = !detail::same_holdings(settled_[i], holdings_[i]);
+  if (changed) {
+    RebalanceStats stats;
+    stats.imbalance_before = last_rebalance_.imbalance_before;
+    stats.imbalance_after = last_rebalance_.imbalance_after;
+    detail::migrate_holdings(*group_, *local_, params_, settled_, holdings_, stats);
+    last_rebalance_ = stats;
+  }
+  settled_ = holdings_;
+  set_local_groups();
+}
+
+at::Tensor OSS::holding_grad(size_t i, const detail::Holding& h) const {
+  if (h.tensor.is_same(params_[i])) return params_[i].grad();
+  const at::Tensor& full = params_[i].grad();
+  if (full.defined() && full.numel() == params_[i].numel()) {
+    return full.reshape(-1).narrow(0, h.in_param.begin, h.in_param.size());
+  }
+  return h.tensor.grad();
 }
 
 bool OSS::lay_out_for(const std::vector<uint8_t>& trainable) {
@@ -228,25 +338,32 @@ torch::Tensor OSS::step(LossClosure closure) {
     // ShardedDDP lays out at its forward, after its own check.
     trainable_ = detail::trainable_mask(params_);
   }
+  settle_state();  // the set is agreed by now: every rank moves the same ranges
   sync_options_to_local();
 
   // A frozen parameter must not move, even if it still holds a gradient from before it was
-  // frozen: hide such gradients from the wrapped optimizer for the duration of its step.
-  std::vector<std::pair<at::Tensor, at::Tensor>> hidden;
-  for (size_t i : partition_.shard(group_->rank())) {
-    auto& p = params_[i];
-    if (!trainable_[i] && p.grad().defined()) {
-      hidden.emplace_back(p, p.grad());
-      p.mutable_grad() = at::Tensor();
+  // frozen: its gradient is hidden from the wrapped optimizer for the duration of its step. A
+  // range of a parameter gets its part of the parameter's full gradient when there is one.
+  std::vector<std::pair<at::Tensor, at::Tensor>> restore;  // (tensor, gradient it had)
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& h : holdings_[i]) {
+      if (h.rank != group_->rank()) continue;
+      if (!trainable_[i]) {
+        if (h.tensor.grad().defined()) restore.emplace_back(h.tensor, h.tensor.grad());
+        if (h.tensor.grad().defined()) h.tensor.mutable_grad() = at::Tensor();
+      } else if (!h.tensor.is_same(params_[i]) && params_[i].grad().defined()) {
+        restore.emplace_back(h.tensor, h.tensor.grad());
+        h.tensor.mutable_grad() = holding_grad(i, h);
+      }
     }
   }
   try {
     local_->step();
   } catch (...) {
-    for (auto& [p, g] : hidden) p.mutable_grad() = g;
+    for (auto& [t, g] : restore) t.mutable_grad() = g;
     throw;
   }
-  for (auto& [p, g] : hidden) p.mutable_grad() = g;
+  for (auto& [t, g] : restore) t.mutable_grad() = g;
 
   sync_params();
   // The set was just agreed on, so every rank takes the same decision.
@@ -275,28 +392,33 @@ bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
               " trainable flags for ", params_.size(), " parameters");
   if (trainable == balanced_for_) return false;
   balanced_for_ = trainable;
-  if (!options_.rebalance() || group_->size() == 1 || !detail::find_codec(*local_)) return false;
+  // Split ranges are equal for every trainable set (Note [Split parameters]).
+  if (split_ || !options_.rebalance() || group_->size() == 1 || !detail::find_codec(*local_)) return false;
   const double before = partition_.imbalance(weights_, trainable);
   if (before <= options_.rebalance_threshold()) return false;
   Partition next = Partition::rebalance(partition_, weights_, trainable);
   const double after = next.imbalance(weights_, trainable);
   if (after >= before) return false;
 
+  settle_state();  // state still owed from an earlier layout goes first
   last_rebalance_ = RebalanceStats();
   last_rebalance_.imbalance_before = before;
   last_rebalance_.imbalance_after = after;
-  detail::migrate_state(*group_, *local_, params_, partition_, next, last_rebalance_);
   partition_ = std::move(next);
   ++partition_version_;
   lay_out(trainable);
-  set_local_groups();
+  settle_state();
   return true;
 }
 
 void OSS::set_local_groups() {
   auto& groups = local_->param_groups();
   for (auto& g : groups) g.params().clear();
-  for (size_t i : partition_.shard(group_->rank())) groups[group_of_[i]].params().push_back(params_[i]);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& h : settled_[i]) {
+      if (h.rank == group_->rank()) groups[group_of_[i]].params().push_back(h.tensor);
+    }
+  }
 }
 
 void OSS::sync_params() {
@@ -304,14 +426,18 @@ void OSS::sync_params() {
 }
 
 void OSS::zero_grad(bool set_to_none) {
-  for (auto& p : params_) {
-    if (!p.grad().defined()) continue;
+  auto clear = [set_to_none](const at::Tensor& t) {
+    if (!t.grad().defined()) return;
     if (set_to_none) {
-      p.mutable_grad() = at::Tensor();
+      t.mutable_grad() = at::Tensor();
     } else {
-      p.mutable_grad().detach_();
-      p.mutable_grad().zero_();
+      t.mutable_grad().detach_();
+      t.mutable_grad().zero_();
     }
+  };
+  for (auto& p : params_) clear(p);
+  for (const auto& t : piece_tensors_) {
+    if (t.defined()) clear(t);
   }
 }
 
@@ -319,10 +445,22 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
   SHARDOPT_CHECK(max_norm >= 0, "clip_grad_norm max_norm must be >= 0, got ", max_norm);
   SHARDOPT_CHECK(norm_type > 0, "clip_grad_norm norm_type must be > 0 (or inf), got ", norm_type);
   const bool inf = std::isinf(norm_type);
-  std::vector<at::Tensor> grads;
-  for (size_t i : partition_.shard(group_->rank())) {
+  // Each element counted once: by the rank that owns its range. Every gradient this rank holds
+  // is scaled, not only the owned ones: a step that lays the buffers out for a new trainable set
+  // may hand a range to a rank that did not own it at the time of the clip.
+  std::vector<at::Tensor> grads, scaled;
+  for (size_t i = 0; i < params_.size(); ++i) {
     // The flags as they are now, not as of the last step(): unfreezing takes effect at once.
-    if (params_[i].requires_grad() && params_[i].grad().defined()) grads.push_back(params_[i].grad());
+    if (!params_[i].requires_grad()) continue;
+    const bool full = params_[i].grad().defined();
+    if (full) scaled.push_back(params_[i].grad());
+    for (const auto& h : holdings_[i]) {
+      if (h.rank != group_->rank()) continue;
+      at::Tensor g = holding_grad(i, h);
+      if (!g.defined()) continue;
+      grads.push_back(g);
+      if (!full) scaled.push_back(g);
+    }
   }
   double local = 0.0;
   for (const auto& g : grads) {
@@ -335,7 +473,7 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1.0) {
     at::NoGradGuard no_grad;
-    for (auto& g : grads) g.mul_(coef);
+    for (auto& g : scaled) g.mul_(coef);
   }
   return total;
 }
@@ -352,7 +490,27 @@ size_t OSS::index_of(const torch::Tensor& param) const {
 }
 
 int OSS::owner(const torch::Tensor& param) const {
-  return partition_.owner(index_of(param));
+  const auto& h = holdings_[index_of(param)];
+  if (h.size() == 1 && h[0].in_param.begin == 0 && h[0].in_param.size() == param.numel()) return h[0].rank;
+  return -1;
+}
+
+std::vector<int> OSS::owners(const torch::Tensor& param) const {
+  std::vector<int> ranks;
+  for (const auto& h : holdings_[index_of(param)]) ranks.push_back(h.rank);
+  return ranks;
+}
+
+std::string OSS::describe() const {
+  std::ostringstream out;
+  out << "OSS over " << group_->size() << " ranks: "
+      << (split_ ? "parameters split into equal ranges (element-wise optimizer)"
+                 : "whole parameters per owner")
+      << ", trainable imbalance " << imbalance() * 100.0 << "%";
+  if (!split_ && options_.partition() == PartitionMode::kAuto) {
+    out << " (the wrapped optimizer is not one shardopt knows to be element-wise)";
+  }
+  return out.str();
 }
 
 int64_t OSS::local_state_bytes() const {

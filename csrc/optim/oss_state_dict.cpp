@@ -10,6 +10,7 @@
 #include <torch/csrc/api/include/torch/serialize/archive.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <map>
 #include <unordered_map>
 
 namespace shardopt {
@@ -28,21 +29,51 @@ void OSS::consolidate_state_dict(int recipient) {
   consolidated_.reset();
   last_recipient_ = recipient;
 
+  settle_state();  // every rank's state where the current layout puts it
+
+  // This rank's ranges with state: [{"param", "begin", "end", "state"}, ...].
   auto own_shard = [&] {
-    GenericDict shard(c10::IntType::get(), c10::AnyType::get());
-    for (size_t i : partition_.shard(rank)) {
-      auto it = local_->state().find(compat::state_key(params_[i]));
-      if (it != local_->state().end()) shard.insert(static_cast<int64_t>(i), codec.encode_state(*it->second));
+    c10::impl::GenericList shard(c10::AnyType::get());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      for (const auto& h : holdings_[i]) {
+        if (h.rank != rank) continue;
+        auto it = local_->state().find(compat::state_key(h.tensor));
+        if (it == local_->state().end()) continue;
+        GenericDict d = detail::make_string_dict();
+        d.insert("param", static_cast<int64_t>(i));
+        d.insert("begin", h.in_param.begin);
+        d.insert("end", h.in_param.end);
+        d.insert("state", codec.encode_state(*it->second));
+        shard.push_back(d);
+      }
     }
     return shard;
   };
 
-  GenericDict state(c10::IntType::get(), c10::AnyType::get());
-  auto merge = [&](const GenericDict& shard) {
-    for (const auto& entry : shard) state.insert(entry.key(), entry.value());
+  // Ranges are stitched into whole-parameter state as they arrive: the recipient holds the full
+  // state plus at most one serialized shard.
+  std::map<size_t, std::pair<GenericDict, int64_t>> stitched;  // param -> (state, elements filled)
+  auto merge = [&](const c10::impl::GenericList& shard) {
+    for (const c10::IValue& item : shard.vec()) {
+      const auto d = item.toGenericDict();
+      const auto i = static_cast<size_t>(d.at("param").toInt());
+      const int64_t begin = d.at("begin").toInt(), end = d.at("end").toInt();
+      const auto part = d.at("state").toGenericDict();
+      auto [it, fresh] = stitched.try_emplace(i, detail::make_string_dict(), 0);
+      auto& [full, filled] = it->second;
+      for (const auto& v : part) {
+        const bool sliced = v.value().isTensor() && v.key().toStringRef() != "step";
+        if (!sliced) {
+          if (fresh) full.insert(v.key(), v.value());
+          continue;
+        }
+        const at::Tensor t = v.value().toTensor().reshape(-1);
+        if (fresh) full.insert(v.key(), at::empty({params_[i].numel()}, t.options()));
+        full.at(v.key()).toTensor().narrow(0, begin, end - begin).copy_(t);
+      }
+      filled += end - begin;
+    }
   };
-  // One shard in flight at a time: the recipient holds the full state plus at most one
-  // serialized shard.
   for (int r = 0; r < group_->size(); ++r) {
     if (r == recipient) {
       if (rank == recipient) merge(own_shard());
@@ -51,8 +82,20 @@ void OSS::consolidate_state_dict(int recipient) {
     if (rank == r) {
       group_->send_bytes(torch::pickle_save(own_shard()), recipient, r);
     } else if (rank == recipient) {
-      merge(torch::pickle_load(group_->recv_bytes(r, r)).toGenericDict());
+      merge(torch::pickle_load(group_->recv_bytes(r, r)).toList());
     }
+  }
+  GenericDict state(c10::IntType::get(), c10::AnyType::get());
+  for (auto& [i, entry] : stitched) {
+    auto& [full, filled] = entry;
+    TORCH_INTERNAL_ASSERT(filled == params_[i].numel(), "the state of parameter ", i, " covers ", filled, " of ",
+                          params_[i].numel(), " elements");
+    GenericDict shaped = detail::make_string_dict();
+    for (const auto& v : full) {
+      const bool sliced = v.value().isTensor() && v.key().toStringRef() != "step";
+      shaped.insert(v.key(), sliced ? c10::IValue(v.value().toTensor().view(params_[i].sizes())) : v.value());
+    }
+    state.insert(static_cast<int64_t>(i), shaped);
   }
   if (rank != recipient) return;
 
@@ -123,16 +166,32 @@ void OSS::load_state_dict(const torch::IValue& sd) {
     param_groups_[g].set_options(codec.decode_options(saved_groups[g].toGenericDict(), param_groups_[g].options()));
   }
   sync_options_to_local();
+  // The loaded state replaces whatever was owed to the current holdings.
   auto& local_state = local_->state();
-  for (size_t i : partition_.shard(group_->rank())) {
-    const auto key = compat::state_key(params_[i]);
-    auto it = entries.find(i);
-    if (it == entries.end()) {
-      // Adagrad creates its state at construction and expects it to stay.
-      if (codec.name != "Adagrad") local_state.erase(key);
-      continue;
+  const int rank = group_->rank();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& old : settled_[i]) {
+      bool kept = false;
+      for (const auto& h : holdings_[i]) kept |= h.tensor.defined() && h.tensor.is_same(old.tensor);
+      if (old.rank == rank && !kept) local_state.erase(compat::state_key(old.tensor));
     }
-    local_state[key] = detail::decode_state_like(codec, codec.encode_state(*codec.decode_state(it->second)), params_[i]);
+  }
+  settled_ = holdings_;
+  set_local_groups();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& h : holdings_[i]) {
+      if (h.rank != rank) continue;
+      const auto key = compat::state_key(h.tensor);
+      auto it = entries.find(i);
+      if (it == entries.end()) {
+        // Adagrad creates its state at construction and expects it to stay.
+        if (codec.name != "Adagrad") local_state.erase(key);
+        continue;
+      }
+      const GenericDict full = codec.encode_state(*codec.decode_state(it->second));
+      local_state[key] = detail::decode_state_like(codec, detail::slice_state(full, h.in_param.begin, h.in_param.end),
+                                                   h.tensor);
+    }
   }
 }
 

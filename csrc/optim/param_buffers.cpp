@@ -18,15 +18,13 @@ std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at:
                                 at::TensorOptions().dtype(group.dtype).device(group.device)));
   }
   for (size_t i = 0; i < params.size(); ++i) {
-    const auto& pieces = layout.pieces_of(i);
-    TORCH_INTERNAL_ASSERT(pieces.size() == 1, "parameter ", i, " is cut into ", pieces.size(),
-                          " pieces; its view needs one contiguous range");
-    const Piece& piece = layout.pieces()[pieces[0]];
     auto& p = params[i];
-    TORCH_INTERNAL_ASSERT(piece.in_param.size() == p.numel(), "piece of parameter ", i, " holds ",
-                          piece.in_param.size(), " of its ", p.numel(), " elements");
-    const Range at = layout.in_buffer(piece);
-    at::Tensor view = buffers[piece.group].narrow(0, at.begin, at.size()).view(p.sizes());
+    // A parameter's pieces are adjacent: it stays one view, whatever its owners.
+    const Range at = layout.param_in_buffer(i);
+    TORCH_INTERNAL_ASSERT(at.size() == p.numel(), "parameter ", i, " has ", p.numel(), " elements, its range ",
+                          at.size());
+    const size_t group = layout.pieces()[layout.pieces_of(i).front()].group;
+    at::Tensor view = buffers[group].narrow(0, at.begin, at.size()).view(p.sizes());
     view.copy_(p.detach());
     p.set_data(view);
   }

@@ -1,21 +1,83 @@
 #include "optim/state_migration.h"
 
+#include <shardopt/check.h>
 #include <shardopt/compat.h>
-#include <shardopt/optim/oss.h>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+
+#include <algorithm>
+#include <map>
 
 namespace shardopt::detail {
 
+namespace {
+
+bool is_sliced(const c10::impl::GenericDict::iterator::value_type& v) {
+  return v.value().isTensor() && v.key().toStringRef() != "step";
+}
+
+// One range of one parameter on its way to a new holding.
+struct Slice {
+  int64_t begin = 0, end = 0;  // parameter frame
+  std::optional<GenericDict> state;
+  at::Tensor grad;
+};
+
+GenericDict encode_slice(size_t param, const Slice& slice) {
+  GenericDict d = make_string_dict();
+  d.insert("param", static_cast<int64_t>(param));
+  d.insert("begin", slice.begin);
+  d.insert("end", slice.end);
+  if (slice.state) d.insert("state", *slice.state);
+  if (slice.grad.defined()) d.insert("grad", slice.grad);
+  return d;
+}
+
+// Stitches the slices of one new holding (sorted, covering it) and installs state and gradient.
+void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, const Holding& h, std::vector<Slice> slices) {
+  std::sort(slices.begin(), slices.end(), [](const Slice& a, const Slice& b) { return a.begin < b.begin; });
+  int64_t at = h.in_param.begin;
+  bool all_state = true, all_grad = true;
+  for (const auto& s : slices) {
+    TORCH_INTERNAL_ASSERT(s.begin == at, "state slices of a holding leave a gap at element ", at);
+    at = s.end;
+    all_state &= s.state.has_value();
+    all_grad &= s.grad.defined();
+  }
+  TORCH_INTERNAL_ASSERT(at == h.in_param.end, "state slices end at ", at, ", the holding at ", h.in_param.end);
+  if (all_state && !slices.empty()) {
+    GenericDict merged = make_string_dict();
+    for (const auto& v : *slices.front().state) {
+      if (!is_sliced(v)) {
+        merged.insert(v.key(), v.value());
+        continue;
+      }
+      std::vector<at::Tensor> parts;
+      for (const auto& s : slices) parts.push_back(s.state->at(v.key()).toTensor().reshape(-1));
+      merged.insert(v.key(), at::cat(parts).reshape(h.tensor.sizes()));
+    }
+    local.state()[compat::state_key(h.tensor)] = decode_state_like(codec, merged, h.tensor);
+  }
+  if (all_grad && !slices.empty() && !h.tensor.grad().defined()) {
+    std::vector<at::Tensor> parts;
+    for (const auto& s : slices) parts.push_back(s.grad.reshape(-1));
+    h.tensor.mutable_grad() = at::cat(parts).reshape(h.tensor.sizes()).to(h.tensor.options().requires_grad(false));
+  }
+}
+
+}  // namespace
+
 std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const OptimizerCodec& codec,
                                                                      const GenericDict& encoded,
-                                                                     const at::Tensor& param) {
-  const auto like = param.options().requires_grad(false);
+                                                                     const at::Tensor& like) {
+  const auto options = like.options().requires_grad(false);
   GenericDict placed = make_string_dict();
   for (const auto& v : encoded) {
-    if (v.value().isTensor() && v.key().toStringRef() != "step") {
-      placed.insert(v.key(), v.value().toTensor().to(like));
+    if (is_sliced(v)) {
+      const at::Tensor t = v.value().toTensor().to(options);
+      placed.insert(v.key(), t.numel() == like.numel() ? t.reshape(like.sizes()) : t);
     } else {
       placed.insert(v.key(), v.value());
     }
@@ -23,33 +85,75 @@ std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const Optim
   return codec.decode_state(placed);
 }
 
-void migrate_state(ProcessGroup& group, torch::optim::Optimizer& local, std::vector<at::Tensor>& params,
-                   const Partition& from, const Partition& to, RebalanceStats& stats) {
+GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end) {
+  GenericDict out = make_string_dict();
+  for (const auto& v : encoded) {
+    if (is_sliced(v)) {
+      out.insert(v.key(), v.value().toTensor().reshape(-1).narrow(0, begin, end - begin).clone());
+    } else {
+      out.insert(v.key(), v.value());
+    }
+  }
+  return out;
+}
+
+bool same_holdings(const std::vector<Holding>& a, const std::vector<Holding>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t k = 0; k < a.size(); ++k) {
+    if (a[k].rank != b[k].rank || a[k].in_param != b[k].in_param) return false;
+  }
+  return true;
+}
+
+void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const std::vector<at::Tensor>& params,
+                      const std::vector<std::vector<Holding>>& from, const std::vector<std::vector<Holding>>& to,
+                      RebalanceStats& stats) {
+  TORCH_INTERNAL_ASSERT(from.size() == params.size() && to.size() == params.size(), "holdings of ", from.size(),
+                        " and ", to.size(), " parameters for ", params.size());
   const int rank = group.rank(), world = group.size();
+  std::vector<size_t> changed;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!same_holdings(from[i], to[i])) changed.push_back(i);
+  }
+  if (changed.empty()) return;
   const auto& codec = codec_for(local);
   auto& state = local.state();
-  // moving[s][d]: does any parameter go from rank s to rank d?
+  at::NoGradGuard no_grad;
+  // moving[s][d]: does any range go from rank s to another rank d?
   std::vector<std::vector<uint8_t>> moving(world, std::vector<uint8_t>(world, 0));
-  std::vector<GenericDict> outgoing;
-  for (int d = 0; d < world; ++d) outgoing.emplace_back(c10::IntType::get(), c10::AnyType::get());
-  for (size_t i = 0; i < params.size(); ++i) {
-    const int s = from.owner(i), d = to.owner(i);
-    if (s == d) continue;
-    moving[s][d] = 1;
+  std::vector<c10::impl::GenericList> outgoing(world, c10::impl::GenericList(c10::AnyType::get()));
+  // incoming[(param, holding index)] -> slices
+  std::map<std::pair<size_t, size_t>, std::vector<Slice>> incoming;
+  for (size_t i : changed) {
     ++stats.params_moved;
-    if (s != rank) continue;
-    GenericDict entry = make_string_dict();
-    auto it = state.find(compat::state_key(params[i]));
-    if (it != state.end()) {  // no state yet (never stepped): nothing to move
-      GenericDict encoded = codec.encode_state(*it->second);
-      stats.state_bytes_sent += state_tensor_bytes(encoded);
-      entry.insert("state", encoded);
-      state.erase(it);
+    for (size_t k = 0; k < to[i].size(); ++k) {
+      const Holding& h = to[i][k];
+      for (const Holding& o : from[i]) {
+        const int64_t begin = std::max(h.in_param.begin, o.in_param.begin);
+        const int64_t end = std::min(h.in_param.end, o.in_param.end);
+        if (begin >= end && !(h.in_param.size() == 0 && o.in_param.size() == 0)) continue;
+        if (o.rank != h.rank) moving[o.rank][h.rank] = 1;
+        if (o.rank != rank) continue;
+        Slice slice{begin, end, std::nullopt, at::Tensor()};
+        auto it = state.find(compat::state_key(o.tensor));
+        if (it != state.end()) {
+          slice.state = slice_state(codec.encode_state(*it->second), begin - o.in_param.begin, end - o.in_param.begin);
+          if (h.rank != rank) stats.state_bytes_sent += state_tensor_bytes(*slice.state);
+        }
+        if (o.tensor.grad().defined()) {
+          slice.grad = o.tensor.grad().reshape(-1).narrow(0, begin - o.in_param.begin, end - begin).clone();
+        }
+        if (h.rank == rank) {
+          incoming[{i, k}].push_back(std::move(slice));
+        } else {
+          outgoing[h.rank].push_back(encode_slice(i, slice));
+        }
+      }
     }
-    // A gradient only the old owner holds (ShardedDDP reduced it there) goes along, so a step
-    // right after the re-partition still sees it. clone(): a view would carry its whole base.
-    if (params[i].grad().defined()) entry.insert("grad", params[i].grad().detach().clone());
-    if (!entry.empty()) outgoing[d].insert(static_cast<int64_t>(i), entry);
+    // The old holdings' state is now in the slices.
+    for (const Holding& o : from[i]) {
+      if (o.rank == rank) state.erase(compat::state_key(o.tensor));
+    }
   }
   // One pair of ranks at a time, in the same order everywhere: no two transfers wait on each other.
   for (int s = 0; s < world; ++s) {
@@ -57,22 +161,27 @@ void migrate_state(ProcessGroup& group, torch::optim::Optimizer& local, std::vec
       if (!moving[s][d]) continue;
       if (rank == s) group.send_bytes(torch::pickle_save(outgoing[d]), d, s);
       if (rank != d) continue;
-      for (const auto& item : torch::pickle_load(group.recv_bytes(s, s)).toGenericDict()) {
-        const size_t i = static_cast<size_t>(item.key().toInt());
-        TORCH_INTERNAL_ASSERT(i < params.size() && to.owner(i) == rank, "rank ", s, " sent state of parameter ", i,
-                              " to rank ", rank, ", which does not own it");
-        const auto entry = item.value().toGenericDict();
-        auto& p = params[i];
-        if (entry.contains("grad") && !p.grad().defined()) {
-          p.mutable_grad() = entry.at("grad").toTensor().to(p.options().requires_grad(false));
+      const c10::IValue received = torch::pickle_load(group.recv_bytes(s, s));
+      for (const auto& item : received.toListRef()) {
+        const auto d_item = item.toGenericDict();
+        const auto i = static_cast<size_t>(d_item.at("param").toInt());
+        Slice slice{d_item.at("begin").toInt(), d_item.at("end").toInt(), std::nullopt, at::Tensor()};
+        if (d_item.contains("state")) {
+          slice.state = d_item.at("state").toGenericDict();
+          stats.state_bytes_received += state_tensor_bytes(*slice.state);
         }
-        if (!entry.contains("state")) continue;
-        const auto encoded = entry.at("state").toGenericDict();
-        stats.state_bytes_received += state_tensor_bytes(encoded);
-        state[compat::state_key(p)] = decode_state_like(codec, encoded, p);
+        if (d_item.contains("grad")) slice.grad = d_item.at("grad").toTensor();
+        // The slice belongs to every holding of this rank that overlaps it.
+        for (size_t k = 0; k < to[i].size(); ++k) {
+          const Holding& h = to[i][k];
+          if (h.rank == rank && h.in_param.begin <= slice.begin && slice.end <= h.in_param.end) {
+            incoming[{i, k}].push_back(slice);
+          }
+        }
       }
     }
   }
+  for (auto& [where, slices] : incoming) install(codec, local, to[where.first][where.second], std::move(slices));
 }
 
 }  // namespace shardopt::detail

@@ -1,9 +1,10 @@
-// Moving optimizer state between owners when the partition changes (Note [Rebalance after a
-// freeze] in oss.cpp). Internal to shardopt.
+// Moving optimizer state between ranks when the holdings change: a re-partition of whole
+// parameters (Note [Rebalance after a freeze] in oss.cpp) or new equal ranges after a change of
+// the trainable set (Note [Split parameters]). Internal to shardopt.
 #pragma once
 
 #include <shardopt/comm/process_group.h>
-#include <shardopt/optim/partition.h>
+#include <shardopt/optim/oss.h>
 
 #include "optim/codec.h"
 
@@ -13,22 +14,27 @@
 #include <memory>
 #include <vector>
 
-namespace shardopt {
-struct RebalanceStats;
-}
-
 namespace shardopt::detail {
 
-// An encoded state (state_dict layout) decoded with its tensors next to `param`, in its dtype.
+// An encoded state (state_dict layout) decoded with its tensors next to `like`, in its dtype.
 std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const OptimizerCodec& codec,
                                                                      const GenericDict& encoded,
-                                                                     const at::Tensor& param);
+                                                                     const at::Tensor& like);
 
-// Each parameter whose owner differs between `from` and `to` takes its optimizer state in
-// `local` (the wrapped optimizer of this rank), and any gradient its old owner holds, to its new
-// owner: serialized with `local`'s codec, one pair of ranks at a time in the same order on every
-// rank. Counts what moved in `stats`. Collective.
-void migrate_state(ProcessGroup& group, torch::optim::Optimizer& local, std::vector<at::Tensor>& params,
-                   const Partition& from, const Partition& to, RebalanceStats& stats);
+// Elements [begin, end) of every state tensor of `encoded` (a state of `numel` elements), flat;
+// the other entries ("step", scalars) as they are.
+GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end);
+
+// Per parameter, whether `a` and `b` place its state identically (ranks and ranges).
+bool same_holdings(const std::vector<Holding>& a, const std::vector<Holding>& b);
+
+// For every parameter whose holdings differ between `from` and `to`, each new holding collects
+// the state (and any gradient) of its range from the old holdings that overlap it: serialized
+// with `local`'s codec, one pair of ranks at a time in the same order on every rank; what stays
+// on a rank is moved locally. State of ranges nobody held yet stays absent. Counts what moved in
+// `stats`. Collective (communicates only when a range changes rank).
+void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const std::vector<at::Tensor>& params,
+                      const std::vector<std::vector<Holding>>& from, const std::vector<std::vector<Holding>>& to,
+                      RebalanceStats& stats);
 
 }  // namespace shardopt::detail

@@ -36,6 +36,7 @@ struct DdpParity {
   int per_rank = 4;
   int64_t bucket_bytes = 0;
   int64_t align = 1;  // elements; every parameter starts at a multiple of it in the flat layout
+  PartitionMode partition = PartitionMode::kAuto;
   bool accumulate = false;
   bool change_trainability = false;
   bool clip = false;
@@ -61,7 +62,7 @@ struct DdpParity {
       auto ref_opt = factory({optim::OptimizerParamGroup(ref)});
       std::unique_ptr<OSS> oss_a, oss_b;
       std::vector<OSS*> opts;
-      const auto oss_options = OSSOptions().layout(LayoutOptions().align(align));
+      const auto oss_options = OSSOptions().layout(LayoutOptions().align(align)).partition(partition);
       if (two_optimizers) {
         oss_a = std::make_unique<OSS>(Params{net->params[0], net->params[1]}, factory, g, oss_options);
         oss_b = std::make_unique<OSS>(Params{net->params[2], net->params[3], net->params[4]}, factory, g, oss_options);
@@ -138,6 +139,7 @@ TEST(ShardedDDP, FreezingRebalancesOwnersAndBuckets) {
       p.world = world;
       p.steps = 9;
       p.bucket_bytes = bucket_bytes;
+      p.partition = PartitionMode::kWholeParameters;  // re-partitioning moves whole parameters
       p.trainability = [](int step, Params& mine, Params& ref) {
         for (Params* q : {&mine, &ref}) {
           for (int i : {0, 2}) (*q)[i].requires_grad_(!(step >= 2 && step < 6));
@@ -332,7 +334,8 @@ TEST(ShardedDDP, RepartitionBetweenBackwardAndStepMovesTheReducedGradients) {
     auto net = std::make_shared<TinyNet>();
     Params ref = testing::clone_params(net->params);
     optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
-    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
+            OSSOptions().partition(PartitionMode::kWholeParameters));
     ShardedDDP ddp(net, oss, ShardedDDPOptions().auto_refresh_trainable(false));
     for (int step = 0; step < 3; ++step) {
       auto data = testing::rank_data(step, g->rank(), 4);
@@ -417,7 +420,8 @@ TEST(ShardedDDP, AlignedLayoutKeepsParity) {
 TEST(ShardedDDP, BucketsAreTheOptimizersLayoutBuckets) {
   run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
     auto net = std::make_shared<TinyNet>();
-    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g,
+            OSSOptions().partition(PartitionMode::kWholeParameters));
     ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(0));
     auto run_step = [&](int step) {
       auto data = testing::rank_data(step, g->rank(), 4);

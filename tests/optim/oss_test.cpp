@@ -233,6 +233,7 @@ TEST(OSS, FreezingRebalancesTheWorkAndMovesTheState) {
       p.world = world;
       p.steps = 9;
       p.factory = opt.factory;
+      p.options.partition(PartitionMode::kWholeParameters);  // re-partitioning moves whole parameters
       p.before_backward = [](int step, Params& ref, Params& mine) {
         for (Params* q : {&ref, &mine}) {
           for (int i : {0, 2}) (*q)[i].requires_grad_(!(step >= 2 && step < 6));

@@ -119,6 +119,7 @@ class ShardedDDP {
   friend class NoSync;
   struct Entry;
   struct Bucket;
+  struct Hooked;
 
   template <class M>
   static std::shared_ptr<torch::nn::AnyModule> make_any(const std::shared_ptr<M>& module) {
@@ -141,10 +142,12 @@ class ShardedDDP {
   void follow_partition(bool agreed_mask_changed);
   void follow_layouts();
   void remove_hooks();
-  void on_grad_ready(size_t entry);
+  void on_grad_ready(size_t hooked);
   void launch_ready_buckets();
   void finish_reduction();
-  void fill_entry(size_t entry);
+  // Copies parameter hooked_[h]'s gradient into its slots (or zeroes them) and releases it.
+  void fill_param(size_t hooked);
+  at::Tensor bucket_buffer(Bucket& bucket);  // allocated (or reused) at its first gradient
   void start_mask_check();
   void await_mask_check();
   std::string name(size_t param) const;  // "parameter 'fc.weight'", for messages
@@ -162,7 +165,8 @@ class ShardedDDP {
   std::unordered_map<const void*, size_t> module_index_;  // TensorImpl -> position in params_
   std::vector<int64_t> partition_versions_;  // of each optimizer, when owner_ was read
   std::vector<int64_t> layout_versions_;     // of each optimizer, when the buckets were built
-  std::vector<at::Tensor> hooked_;           // parameters that carry our post-accumulation hook
+  std::vector<Hooked> hooked_;               // parameters that carry our post-accumulation hook
+  std::unordered_map<const void*, size_t> hooked_index_;  // TensorImpl -> position in hooked_
   std::vector<uint8_t> mask_;       // trainable mask the buckets were built for
   std::vector<uint8_t> balanced_for_;  // the agreed mask the optimizers last re-partitioned for
   std::vector<Entry> entries_;      // trainable parameters, in bucket order

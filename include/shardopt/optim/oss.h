@@ -36,10 +36,22 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 namespace shardopt {
+
+namespace detail {
+// A range of one parameter's elements whose optimizer state one rank holds; `tensor` (on that
+// rank only) is what the wrapped optimizer steps: the parameter itself for the whole range, a
+// view of its elements otherwise.
+struct Holding {
+  int rank = -1;
+  Range in_param;
+  at::Tensor tensor;
+};
+}  // namespace detail
 
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
     std::vector<torch::optim::OptimizerParamGroup>)>;
@@ -60,8 +72,17 @@ enum class ParamSync {
   kAllgather,  // one all-gather of equal padded shards per flat buffer
 };
 
+// Who owns what (Note [Split parameters]).
+enum class PartitionMode {
+  kAuto,             // kSplit for the element-wise optimizers shardopt knows (Adam, AdamW, SGD,
+                     // RMSprop, Adagrad), kWholeParameters for any other (LBFGS, user optimizers)
+  kWholeParameters,  // each parameter's state on one rank (fairscale OSS, ZeroRedundancyOptimizer)
+  kSplit,            // equal ranges of the trainable elements, cut across parameter boundaries
+};
+
 struct OSSOptions {
   TORCH_ARG(ParamSync, sync) = ParamSync::kBroadcast;
+  TORCH_ARG(PartitionMode, partition) = PartitionMode::kAuto;
   // Check at every step() that all ranks agree on the trainable set (one 16-byte all-reduce).
   // ShardedDDP turns this off because its forward() does the same check.
   TORCH_ARG(bool, check_trainable_every_step) = true;
@@ -99,8 +120,8 @@ class OSS : public torch::optim::Optimizer {
   void zero_grad(bool set_to_none);
 
   // Clips the gradients as if torch::nn::utils::clip_grad_norm_ saw the full gradient of all
-  // trainable parameters; returns that global norm. Collective. Only owned gradients are scaled
-  // (the only ones the step reads).
+  // trainable parameters; returns that global norm. Collective. Each rank counts the ranges it
+  // owns and scales every gradient it holds.
   double clip_grad_norm(double max_norm, double norm_type = 2.0);
 
   // Agrees across ranks on the trainable set now (step() also does this). Collective; ranks
@@ -114,8 +135,11 @@ class OSS : public torch::optim::Optimizer {
   // after its own check.
   bool rebalance(const std::vector<uint8_t>& trainable);
 
-  // The rank that owns `param`'s optimizer state.
+  // The rank that owns `param`'s optimizer state, or -1 when it is split across several ranks
+  // (owners() lists them) or frozen without state yet.
   int owner(const torch::Tensor& param) const;
+  // The ranks that hold pieces of `param`'s state, in element order.
+  std::vector<int> owners(const torch::Tensor& param) const;
 
   // Streams every rank's shard to `recipient`, one shard at a time. Collective.
   void consolidate_state_dict(int recipient = 0);
@@ -154,6 +178,16 @@ class OSS : public torch::optim::Optimizer {
   void sync_params();
   // ShardedDDP checks the trainable set at every forward and turns the step's check off.
   void set_check_trainable_every_step(bool on) { options_.check_trainable_every_step(on); }
+  // Whether parameters are split across owners (PartitionMode resolved).
+  bool split() const { return split_; }
+  // One line: the partition mode and why, the world size, the imbalance.
+  std::string describe() const;
+  // The trainable elements the busiest rank owns against 1/world_size: max / ideal - 1.
+  double imbalance() const { return layout_.imbalance(); }
+  // The tensor this rank steps for piece `piece` of layout(): the parameter itself for a whole
+  // piece, a view of the piece's elements otherwise; undefined when another rank owns it.
+  // ShardedDDP hands it the reduced gradient of its range.
+  const at::Tensor& piece_tensor(size_t piece) const { return piece_tensors_.at(piece); }
   // Counts re-partitions: owner() answers differently after it changed.
   int64_t partition_version() const { return partition_version_; }
   const RebalanceStats& last_rebalance() const { return last_rebalance_; }
@@ -161,12 +195,21 @@ class OSS : public torch::optim::Optimizer {
  private:
   void init(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory);
   void check_params_across_ranks();
+  void choose_partition_mode(const OptimizerFactory& factory);
   // Plans the layout for the partition and `trainable`, and moves the parameters into it.
   void lay_out(const std::vector<uint8_t>& trainable);
   void sync_options_to_local();
   bool trainable_mask_changed() const;
   void agree_on_trainable(bool force);
   void set_local_groups();
+  // Where each parameter's state lives for the current layout (the layout's pieces for a
+  // trainable parameter; a frozen one keeps its holdings).
+  void assign_holdings();
+  // Moves optimizer state (and owned gradients) from the settled holdings to the current ones.
+  // Collective; a no-op when nothing moved.
+  void settle_state();
+  // The gradient of holding h of parameter i on this rank, or undefined.
+  at::Tensor holding_grad(size_t i, const detail::Holding& h) const;
 
   std::shared_ptr<ProcessGroup> group_;
   OSSOptions options_;
@@ -179,6 +222,10 @@ class OSS : public torch::optim::Optimizer {
   std::vector<uint8_t> laid_out_for_;   // the trainable set layout_ was planned for
   std::vector<at::Tensor> buffers_;     // one per layout group; the parameters are views of them
   int64_t layout_version_ = 0;
+  bool split_ = false;
+  std::vector<std::vector<detail::Holding>> holdings_;  // per parameter: where its state lives now
+  std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
+  std::vector<at::Tensor> piece_tensors_;               // per layout piece, on its owner
   std::unique_ptr<torch::optim::Optimizer> local_;
   std::vector<uint8_t> trainable_;
   std::vector<int64_t> weights_;        // bytes of each parameter, what the partition balances
