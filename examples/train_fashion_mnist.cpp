@@ -117,7 +117,7 @@ int main(int argc, char** argv) {
                 "of %lld (%.1f%%); partition imbalance %.2f%%\n",
                 rank, (long long)mine.item<int64_t>(), (long long)total.item<int64_t>(),
                 100.0 * mine.item<int64_t>() / total.item<int64_t>(), (long long)grad_bytes, (long long)all_grad_bytes,
-                100.0 * grad_bytes / all_grad_bytes, 100.0 * opt.partition().imbalance());
+                100.0 * grad_bytes / all_grad_bytes, 100.0 * opt.imbalance());
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;

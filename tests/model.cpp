@@ -47,6 +47,19 @@ at::Tensor output(const std::vector<at::Tensor>& p, const at::Tensor& x, bool us
   return use_scale ? o * p[4] : o;
 }
 
+std::vector<at::Tensor> make_dominant_params(uint64_t seed) {
+  std::vector<std::vector<int64_t>> shapes{{5, 80}, {80, 80}, {80, 3}, {3}};
+  std::vector<at::Tensor> params;
+  for (size_t i = 0; i < shapes.size(); ++i) params.push_back((randn(shapes[i], seed * 1000 + i) * 0.3).requires_grad_());
+  return params;
+}
+
+at::Tensor dominant_output(const std::vector<at::Tensor>& p, const at::Tensor& x) {
+  at::Tensor h = at::tanh(at::mm(x, p[0]));
+  h = at::tanh(at::mm(h, p[1]) * 0.1);
+  return at::addmm(p[3], h, p[2]);
+}
+
 at::Tensor loss_of(const at::Tensor& out, const Data& d, double divisor) {
   return (out - d.y).pow(2).sum() / divisor;
 }

@@ -25,6 +25,11 @@ Data rank_data(int64_t step, int rank, int per_rank);
 // The model's output; without `use_scale` the last parameter gets no gradient.
 at::Tensor output(const std::vector<at::Tensor>& params, const at::Tensor& x, bool use_scale = true);
 
+// A model whose one tensor holds over 90% of the elements: x[B,5] -> tanh(x A)[B,80] ->
+// tanh(0.1 h D)[B,80] -> h C + b [B,3], with A [5,80], D [80,80] (6400 of 7043), C [80,3], b [3].
+std::vector<at::Tensor> make_dominant_params(uint64_t seed = 11);
+at::Tensor dominant_output(const std::vector<at::Tensor>& params, const at::Tensor& x);
+
 // Sum of squared errors over the batch, divided by `divisor`.
 at::Tensor loss(const std::vector<at::Tensor>& params, const Data& data, double divisor, bool use_scale = true);
 // The same for an output computed elsewhere.

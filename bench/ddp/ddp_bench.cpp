@@ -5,8 +5,11 @@
 //
 // impl: sharded   = OSS(Adam) + ShardedDDP (gradients reduced to owners during backward)
 //       allreduce = torch::optim::Adam, gradients all-reduced in 8 MB buckets after backward
-// model: gpt2  = ~24M parameters in GPT-2-like shapes (6 blocks, width 512, vocab 10000)
-//        small = 300 small tensors (150 layers of 16x16 + bias): overhead-bound
+// model: gpt2      = ~24M parameters in GPT-2-like shapes (6 blocks, width 512, vocab 10000)
+//        gpt2small = ~124M parameters in GPT-2-small shapes (12 blocks, width 768, vocab 50257;
+//                    the 38.6M-element embedding is 31% of the model)
+//        small     = 300 small tensors (150 layers of 16x16 + bias): overhead-bound
+// partition (sharded): auto (split ranges for Adam), split, whole (whole parameters per owner)
 // Prints one JSON line per rank: median step time, peak RSS and RSS added since start-up, and for
 // `sharded` the time pre_forward() blocks per step (the trainability check is started there and
 // awaited by backward after the forward), then a freeze (--freeze): the time of the rebuild, of
@@ -56,13 +59,14 @@ at::Tensor init(std::vector<int64_t> shape, double scale, at::Generator& gen) {
   return (at::randn(shape, gen) * scale).requires_grad_();
 }
 
-// Mirrors GPT2Like in bench/peers/ddp_peers.py.
+// Mirrors GPT2Like in bench/peers/ddp_peers.py (the default shape).
 struct GPT2Like : torch::nn::Module {
-  static constexpr int64_t kD = 512, kVocab = 10000, kCtx = 512, kLayers = 6;
+  int64_t kD = 512, kVocab = 10000, kCtx = 512, kLayers = 6;
   struct Block {
     at::Tensor ln1_w, ln1_b, attn_w, attn_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, out_w, out_b;
   };
-  GPT2Like() {
+  GPT2Like(int64_t d = 512, int64_t vocab = 10000, int64_t ctx = 512, int64_t layers = 6)
+      : kD(d), kVocab(vocab), kCtx(ctx), kLayers(layers) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
     wte = register_parameter("wte", init({kVocab, kD}, 0.02, gen));
     wpe = register_parameter("wpe", init({kCtx, kD}, 0.01, gen));
@@ -126,9 +130,11 @@ int main(int argc, char** argv) {
   std::string impl = "sharded", model_name = "gpt2";
   int steps = 12, warmup = 3, tokens = 16, freeze_steps = 8;
   bool rebalance = true;
-  std::string freeze = "embeddings";
+  std::string freeze = "embeddings", partition = "auto";
   app.add_option("--impl", impl)->check(CLI::IsMember({"sharded", "allreduce"}));
-  app.add_option("--model", model_name)->check(CLI::IsMember({"gpt2", "small"}));
+  app.add_option("--model", model_name)->check(CLI::IsMember({"gpt2", "gpt2small", "small"}));
+  app.add_option("--partition", partition, "OSSOptions::partition (sharded)")
+      ->check(CLI::IsMember({"auto", "split", "whole"}));
   app.add_option("--steps", steps)->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
   app.add_option("--tokens", tokens, "tokens (gpt2) or rows (small) per rank per step")->check(CLI::PositiveNumber);
@@ -146,11 +152,11 @@ int main(int argc, char** argv) {
     std::shared_ptr<torch::nn::Module> module;
     std::function<at::Tensor(int)> loss_fn;
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + group->rank());
-    if (model_name == "gpt2") {
-      auto m = std::make_shared<GPT2Like>();
+    if (model_name == "gpt2" || model_name == "gpt2small") {
+      auto m = model_name == "gpt2" ? std::make_shared<GPT2Like>() : std::make_shared<GPT2Like>(768, 50257, 1024, 12);
       module = m;
       loss_fn = [m, &gen, tokens](int) {
-        at::Tensor tok = at::randint(GPT2Like::kVocab, {tokens + 1}, gen);
+        at::Tensor tok = at::randint(m->kVocab, {tokens + 1}, gen);
         return torch::nn::functional::cross_entropy(m->forward(tok.narrow(0, 0, tokens)), tok.narrow(0, 1, tokens));
       };
     } else {
@@ -166,8 +172,11 @@ int main(int argc, char** argv) {
     std::unique_ptr<torch::optim::Adam> adam;
     auto factory = shardopt::optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-4));
     if (impl == "sharded") {
+      const auto mode = partition == "split"   ? shardopt::PartitionMode::kSplit
+                        : partition == "whole" ? shardopt::PartitionMode::kWholeParameters
+                                               : shardopt::PartitionMode::kAuto;
       oss = std::make_unique<shardopt::OSS>(module->parameters(), factory, group,
-                                            shardopt::OSSOptions().rebalance(rebalance));
+                                            shardopt::OSSOptions().rebalance(rebalance).partition(mode));
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss);
     } else {
       adam = std::make_unique<torch::optim::Adam>(module->parameters(), torch::optim::AdamOptions(1e-4));
@@ -242,14 +251,16 @@ int main(int argc, char** argv) {
 
     double check_ms = 0, rebuild_ms = 0, grad_fraction = 1, kept_imbalance = 0, freeze_imbalance = 0,
            rebalance_ms = 0, after_freeze_ms = 0;
-    int64_t moved_bytes = 0;
+    int64_t moved_bytes = 0, grad_bytes = 0, state_bytes = 0;
     if (ddp) {
       // Gradient bytes this rank holds after a backward, as a fraction of all gradients.
       ddp->zero_grad(true);
       ddp->pre_forward();
       loss_fn(0).backward();
-      grad_fraction = static_cast<double>(ddp->local_grad_bytes()) / (4.0 * nparams);
+      grad_bytes = ddp->local_grad_bytes();
+      grad_fraction = static_cast<double>(grad_bytes) / (4.0 * nparams);
       oss->step();
+      state_bytes = oss->local_state_bytes();
       ddp->zero_grad(true);
       // What the trainability check costs a step: pre_forward() only starts it (backward waits
       // for it after the forward has run), so this is its blocking time.
@@ -258,6 +269,7 @@ int main(int argc, char** argv) {
       // Freeze part of the model (--freeze). The next forward rebuilds the
       // buckets; the one after it, once the ranks have agreed on the new set, re-partitions.
       auto trainable_imbalance = [&] {
+        if (oss->split()) return oss->imbalance();  // equal ranges of the set laid out last
         std::vector<double> load(group->size(), 0.0);
         for (auto& p : params) {
           if (p.requires_grad()) load[oss->owner(p)] += p.numel();
@@ -302,11 +314,13 @@ int main(int argc, char** argv) {
                 "\"median_step_ms\": %.2f, \"peak_rss_mb\": %.1f, \"added_rss_mb\": %.1f, \"check_ms\": %.4f, "
                 "\"rebuild_ms\": %.3f, \"grad_fraction\": %.4f, \"imbalance\": %.4f, \"rebalance\": %s, "
                 "\"kept_imbalance\": %.4f, \"freeze_imbalance\": %.4f, \"rebalance_ms\": %.3f, "
-                "\"moved_state_bytes\": %lld, \"after_freeze_step_ms\": %.2f, \"peak_rss_with_freeze_mb\": %.1f}\n",
+                "\"moved_state_bytes\": %lld, \"after_freeze_step_ms\": %.2f, \"peak_rss_with_freeze_mb\": %.1f, "
+                "\"split\": %s, \"state_bytes\": %lld, \"grad_bytes\": %lld}\n",
                 impl.c_str(), model_name.c_str(), group->rank(), group->size(), (long long)nparams, step_ms,
                 train_peak_mb, train_peak_mb - rss_start, check_ms, rebuild_ms, grad_fraction,
-                oss ? oss->partition().imbalance() : 0.0, rebalance ? "true" : "false", kept_imbalance,
-                freeze_imbalance, rebalance_ms, (long long)moved_bytes, after_freeze_ms, peak_rss_mb());
+                oss ? oss->imbalance() : 0.0, rebalance ? "true" : "false", kept_imbalance,
+                freeze_imbalance, rebalance_ms, (long long)moved_bytes, after_freeze_ms, peak_rss_mb(),
+                oss && oss->split() ? "true" : "false", (long long)state_bytes, (long long)grad_bytes);
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;

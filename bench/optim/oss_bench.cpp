@@ -100,7 +100,7 @@ void BM_OSSAdam(benchmark::State& state) {
       const int64_t b = opt.local_state_bytes();
       max_bytes = std::max(max_bytes, b), min_bytes = std::min(min_bytes, b), total_bytes += b;
       n = numel(params);
-      imbalance = opt.partition().imbalance();
+      imbalance = opt.imbalance();
       if (g->rank() == 0) times = mine;
     });
     state.SetIterationTime(median(times));

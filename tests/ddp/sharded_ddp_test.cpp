@@ -30,6 +30,17 @@ struct TinyNet : torch::nn::Module {
   at::Tensor stat;
 };
 
+// The dominant-tensor model as a module: A, D (over 90% of the elements), C, b.
+struct DominantNet : torch::nn::Module {
+  DominantNet() {
+    auto p = testing::make_dominant_params();
+    const char* names[] = {"A", "D", "C", "b"};
+    for (size_t i = 0; i < p.size(); ++i) params.push_back(register_parameter(names[i], p[i]));
+  }
+  at::Tensor forward(at::Tensor x) { return testing::dominant_output(params, x); }
+  Params params;
+};
+
 struct DdpParity {
   int world = 2;
   int steps = 7;
@@ -455,6 +466,91 @@ TEST(ShardedDDP, BucketsAreTheOptimizersLayoutBuckets) {
                           oss.layout().in_buffer(p0).begin * static_cast<int64_t>(first.element_size()))
           << "parameter " << i << " is not where the layout puts it";
     }
+  });
+}
+
+// Split ranges under ShardedDDP: each rank reduces and keeps only its 1/world of the gradients,
+// pieces of one tensor go to several owners, and training matches DDP + Adam through freezing
+// and unfreezing the dominant tensor, clipping, accumulation under no_sync and every
+// set-to-none way of clearing.
+TEST(ShardedDDP, SplitRangesOfADominantTensorKeepParityAndHoldOneWorldthOfTheGradients) {
+  for (int world : {2, 3, 4}) {
+    for (int64_t bucket_bytes : {int64_t{0}, int64_t{8} << 20}) {
+      SCOPED_TRACE("world " + std::to_string(world) + " buckets " + std::to_string(bucket_bytes));
+      run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+        auto net = std::make_shared<DominantNet>();
+        Params ref = testing::clone_params(net->params);
+        optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+        OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
+        ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(bucket_bytes));
+        ASSERT_TRUE(oss.split());
+        ASSERT_EQ(oss.owners(net->params[1]).size(), static_cast<size_t>(world));
+        for (int step = 0; step < 7; ++step) {
+          for (Params* q : {&ref, &net->params}) {
+            (*q)[1].requires_grad_(step < 2 || step > 3);  // D frozen at steps 2 and 3
+            (*q)[0].requires_grad_(step != 5);
+          }
+          ref_opt.zero_grad(true);
+          if (step % 3 == 0) {
+            ddp.zero_grad(true);
+          } else if (step % 3 == 1) {
+            oss.zero_grad(true);
+          } else {
+            net->zero_grad(true);
+          }
+          for (int micro = 0; micro < 2; ++micro) {
+            auto data = testing::rank_data(2 * step + micro, g->rank(), 3);
+            if (step == 0 && micro == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+            testing::loss_of(testing::dominant_output(ref, data.x), data, 3).backward();
+            at::Tensor out = ddp.forward(data.x);
+            if (micro == 0) {
+              auto guard = ddp.no_sync();
+              testing::loss_of(out, data, 3).backward();
+            } else {
+              testing::loss_of(out, data, 3).backward();
+            }
+          }
+          testing::allreduce_grads(ref, *g);
+          int64_t trainable_bytes = 0;
+          Params with_grad;
+          for (auto& p : ref) {
+            if (!p.requires_grad()) continue;
+            trainable_bytes += p.numel() * 4;
+            with_grad.push_back(p);
+          }
+          const double ideal = static_cast<double>(trainable_bytes) / world;
+          EXPECT_LE(ddp.local_grad_bytes(), 1.03 * ideal) << "step " << step;
+          EXPECT_GE(ddp.local_grad_bytes(), 0.97 * ideal) << "step " << step;
+          const double expected = torch::nn::utils::clip_grad_norm_(with_grad, 0.5);
+          ASSERT_NEAR(oss.clip_grad_norm(0.5), expected, 1e-5 * std::max(1.0, expected)) << "step " << step;
+          for (auto& p : ref) {
+            if (!p.requires_grad()) p.mutable_grad().reset();
+          }
+          ref_opt.step();
+          oss.step();
+          for (size_t i = 0; i < ref.size(); ++i) {
+            ASSERT_LE(testing::rel_diff(net->params[i], ref[i]), 1e-5) << "parameter " << i << " after step " << step;
+          }
+          ASSERT_TRUE(testing::same_on_all_ranks(net->params, *g)) << "ranks diverged after step " << step;
+        }
+      });
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST(ShardedDDP, SplitGradientBytesAreOneWorldthAtWorldEight) {
+  run_ranks(8, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<DominantNet>();
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
+    ShardedDDP ddp(net, oss);
+    auto data = testing::rank_data(0, g->rank(), 2);
+    testing::loss_of(ddp.forward(data.x), data, 2).backward();
+    int64_t total = 0;
+    for (const auto& p : net->params) total += p.numel() * 4;
+    EXPECT_NEAR(static_cast<double>(ddp.local_grad_bytes()), total / 8.0, 0.03 * total / 8.0) << "rank " << g->rank();
+    oss.step();
+    EXPECT_NEAR(static_cast<double>(oss.local_state_bytes()), 2.0 * total / 8.0, 0.03 * 2.0 * total / 8.0);
   });
 }
 

@@ -121,6 +121,7 @@ TEST(OSSState, LoadsIntoPythonTorchOptimAdamAndTakesTheSameStep) {
   run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
     Params p = testing::make_params();
     OSS oss(p, adam(), g);
+    ASSERT_EQ(oss.owners(p[0]).size(), 2u) << "w1 is split across both ranks: the state dict stitches it";
     for (int s = 0; s < 3; ++s) {
       oss.zero_grad(true);
       backward_global(p, s, *g);

@@ -1,0 +1,218 @@
+// OSS with parameters split across owners (PartitionMode kSplit, the default for element-wise
+// optimizers), on a model whose one tensor holds over 90% of the elements.
+#include <shardopt/optim/oss.h>
+
+#include "harness.h"
+#include "model.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/nn/utils/clip_grad.h>
+#include <torch/csrc/api/include/torch/optim.h>
+
+#include <mutex>
+
+namespace shardopt {
+namespace {
+
+namespace optim = torch::optim;
+using testing::run_ranks;
+using Params = std::vector<at::Tensor>;
+
+constexpr size_t kA = 0, kD = 1;  // the dominant tensor is D
+
+// The four ways of clearing gradients, one per step in turn.
+void clear(int step, OSS& oss, Params& p) {
+  switch (step % 4) {
+    case 0: oss.zero_grad(true); break;
+    case 1: oss.zero_grad(false); break;
+    case 2: for (auto& t : p) t.mutable_grad().reset(); break;
+    default:
+      for (auto& t : p) {
+        if (t.grad().defined()) t.grad().zero_();
+      }
+  }
+}
+
+struct SplitParity {
+  int world = 2;
+  int steps = 8;
+  OptimizerFactory factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+
+  void run() const {
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      Params init = testing::make_dominant_params();
+      Params ref = testing::clone_params(init), mine = testing::clone_params(init);
+      auto ref_opt = factory({optim::OptimizerParamGroup(ref)});
+      OSS oss(mine, factory, g);
+      ASSERT_TRUE(oss.split()) << oss.describe();
+      EXPECT_EQ(oss.owners(mine[kD]).size(), static_cast<size_t>(world)) << "D spans every rank";
+      EXPECT_EQ(oss.owner(mine[kD]), -1);
+      if (world >= 3) {
+        // A rank in the middle of D owns no whole parameter.
+        for (const auto& p : mine) EXPECT_NE(oss.owner(p), 1);
+      }
+      for (int step = 0; step < steps; ++step) {
+        // D is frozen for steps 2 and 3, A at step 5.
+        for (Params* q : {&ref, &mine}) {
+          (*q)[kD].requires_grad_(step < 2 || step > 3);
+          (*q)[kA].requires_grad_(step != 5);
+        }
+        ref_opt->zero_grad(true);
+        clear(step, oss, mine);
+        for (int micro = 0; micro < 2; ++micro) {  // two backward passes accumulate
+          auto data = testing::rank_data(2 * step + micro, g->rank(), 3);
+          if (step == 0 && micro == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+          testing::loss_of(testing::dominant_output(ref, data.x), data, 3).backward();
+          testing::loss_of(testing::dominant_output(mine, data.x), data, 3).backward();
+        }
+        testing::allreduce_grads(ref, *g);
+        testing::allreduce_grads(mine, *g);
+        Params with_grad;
+        for (auto& p : ref) {
+          if (p.requires_grad()) with_grad.push_back(p);
+        }
+        const double expected = torch::nn::utils::clip_grad_norm_(with_grad, 0.5);
+        ASSERT_NEAR(oss.clip_grad_norm(0.5), expected, 1e-6 * std::max(1.0, expected)) << "step " << step;
+        for (auto& p : ref) {
+          if (!p.requires_grad()) p.mutable_grad().reset();  // a frozen parameter never moves
+        }
+        ref_opt->step();
+        oss.step();
+        for (size_t i = 0; i < ref.size(); ++i) {
+          ASSERT_LE(testing::rel_diff(mine[i], ref[i]), 1e-6) << "parameter " << i << " after step " << step;
+        }
+        ASSERT_TRUE(testing::same_on_all_ranks(mine, *g)) << "ranks diverged after step " << step;
+      }
+    });
+  }
+};
+
+TEST(Split, DominantTensorParityWithFreezingClippingClearingAndAccumulation) {
+  const std::vector<std::pair<const char*, OptimizerFactory>> optimizers = {
+      {"Adam", optimizer<optim::Adam>(optim::AdamOptions(1e-2).weight_decay(0.01).amsgrad(true))},
+      {"AdamW", optimizer<optim::AdamW>(optim::AdamWOptions(1e-2))},
+      {"SGD", optimizer<optim::SGD>(optim::SGDOptions(0.05).momentum(0.9).nesterov(true))},
+      {"Adagrad", optimizer<optim::Adagrad>(optim::AdagradOptions(0.05))},
+  };
+  for (int world : {2, 3, 4}) {
+    for (const auto& [name, factory] : optimizers) {
+      SCOPED_TRACE(std::string(name) + " world " + std::to_string(world));
+      SplitParity p;
+      p.world = world;
+      p.factory = factory;
+      p.run();
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+// Each rank holds 1/world of the optimizer state however large one tensor is.
+TEST(Split, StateBytesAreOneWorldthAtAnyWorldSize) {
+  Params init = testing::make_dominant_params();
+  int64_t numel = 0;
+  for (const auto& p : init) numel += p.numel();
+  const int64_t total = 2 * 4 * numel;  // exp_avg + exp_avg_sq
+  for (int world : {2, 3, 4, 8}) {
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      Params mine = testing::clone_params(init);
+      OSS oss(mine, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+      for (auto& t : mine) t.mutable_grad() = at::ones_like(t);
+      oss.step();
+      const double ideal = static_cast<double>(total) / world;
+      EXPECT_NEAR(static_cast<double>(oss.local_state_bytes()), ideal, 0.03 * ideal)
+          << "rank " << g->rank() << " of " << world;
+      EXPECT_LT(oss.imbalance(), 0.03);
+      at::Tensor sum = at::full({1}, oss.local_state_bytes(), at::kLong);
+      g->allreduce(sum);
+      EXPECT_EQ(sum.item<int64_t>(), total);
+    });
+  }
+}
+
+// The consolidated state is PyTorch's whole-parameter layout, stitched from the ranges, equal to
+// the state of an unsharded torch::optim::Adam; it loads on other world sizes and training goes on
+// as if uninterrupted.
+TEST(Split, ConsolidatedStateIsStitchedAndLoadsOnOtherWorldSizes) {
+  auto adam = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+  auto train = [](Params& p, optim::Optimizer& opt, OSS* oss, int from, int to, ProcessGroup* g) {
+    for (int s = from; s < to; ++s) {
+      opt.zero_grad(true);
+      const int world = g ? g->size() : 1, rank = g ? g->rank() : 0;
+      auto data = testing::global_data(s, rank * (12 / world), 12 / world);
+      testing::loss_of(testing::dominant_output(p, data.x), data, 12).backward();
+      if (g) testing::allreduce_grads(p, *g, /*average=*/false);
+      if (oss) {
+        oss->step();
+      } else {
+        opt.step();
+      }
+    }
+  };
+  Params ref = testing::make_dominant_params();
+  optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+  train(ref, ref_opt, nullptr, 0, 3, nullptr);
+
+  std::mutex mu;
+  c10::IValue saved;
+  Params handed_over;
+  run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+    Params p = testing::make_dominant_params();
+    OSS oss(p, adam, g);
+    train(p, oss, &oss, 0, 3, g.get());
+    oss.consolidate_state_dict(1);
+    if (g->rank() != 1) return;
+    const auto state = oss.state_dict().toGenericDict().at("state").toGenericDict();
+    ASSERT_EQ(state.size(), p.size());
+    for (size_t i = 0; i < p.size(); ++i) {
+      const auto entry = state.at(static_cast<int64_t>(i)).toGenericDict();
+      const auto& expected = static_cast<const optim::AdamParamState&>(*ref_opt.state().at(ref[i].unsafeGetTensorImpl()));
+      EXPECT_LE(testing::rel_diff(entry.at("exp_avg").toTensor(), expected.exp_avg()), 1e-5) << "parameter " << i;
+      EXPECT_LE(testing::rel_diff(entry.at("exp_avg_sq").toTensor(), expected.exp_avg_sq()), 1e-5) << "parameter " << i;
+      EXPECT_EQ(entry.at("step").toTensor().item<double>(), 3.0);
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    saved = oss.state_dict();
+    handed_over = testing::clone_params(p);
+  });
+  ASSERT_FALSE(handed_over.empty());
+  train(ref, ref_opt, nullptr, 3, 6, nullptr);
+  for (int world : {2, 4}) {
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      Params p = testing::clone_params(handed_over);
+      OSS oss(p, adam, g);
+      oss.load_state_dict(saved);
+      train(p, oss, &oss, 3, 6, g.get());
+      for (size_t i = 0; i < p.size(); ++i) {
+        EXPECT_LE(testing::rel_diff(p[i], ref[i]), 1e-5) << "parameter " << i << " at world " << world;
+      }
+    });
+  }
+}
+
+TEST(Split, OptimizersThatAreNotElementWiseKeepWholeParameters) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    Params p = testing::make_dominant_params();
+    OSS lbfgs(p, optimizer<optim::LBFGS>(optim::LBFGSOptions(0.1)), g);
+    EXPECT_FALSE(lbfgs.split());
+    EXPECT_NE(lbfgs.describe().find("whole parameters"), std::string::npos) << lbfgs.describe();
+    for (const auto& t : p) EXPECT_GE(lbfgs.owner(t), 0);
+    Params q = testing::make_dominant_params();
+    OSS forced(q, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g,
+               OSSOptions().partition(PartitionMode::kWholeParameters));
+    EXPECT_FALSE(forced.split());
+    EXPECT_GT(forced.imbalance(), 0.8) << "one rank holds the dominant tensor";
+  });
+  try {
+    run_ranks(1, [](std::shared_ptr<ProcessGroup> g) {
+      Params p = testing::make_dominant_params();
+      OSS oss(p, optimizer<optim::LBFGS>(optim::LBFGSOptions(0.1)), g, OSSOptions().partition(PartitionMode::kSplit));
+    });
+    ADD_FAILURE() << "kSplit with LBFGS must throw";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("partition kSplit needs an element-wise optimizer"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace shardopt
