@@ -252,6 +252,8 @@ int main(int argc, char** argv) {
     double check_ms = 0, rebuild_ms = 0, grad_fraction = 1, kept_imbalance = 0, freeze_imbalance = 0,
            rebalance_ms = 0, after_freeze_ms = 0;
     int64_t moved_bytes = 0, grad_bytes = 0, state_bytes = 0;
+    // The busiest rank's trainable elements against 1/world, as trained above (before the freeze).
+    const double imbalance = oss ? oss->imbalance() : 0.0;
     if (ddp) {
       // Gradient bytes this rank holds after a backward, as a fraction of all gradients.
       ddp->zero_grad(true);
@@ -318,7 +320,7 @@ int main(int argc, char** argv) {
                 "\"split\": %s, \"state_bytes\": %lld, \"grad_bytes\": %lld}\n",
                 impl.c_str(), model_name.c_str(), group->rank(), group->size(), (long long)nparams, step_ms,
                 train_peak_mb, train_peak_mb - rss_start, check_ms, rebuild_ms, grad_fraction,
-                oss ? oss->imbalance() : 0.0, rebalance ? "true" : "false", kept_imbalance,
+                imbalance, rebalance ? "true" : "false", kept_imbalance,
                 freeze_imbalance, rebalance_ms, (long long)moved_bytes, after_freeze_ms, peak_rss_mb(),
                 oss && oss->split() ? "true" : "false", (long long)state_bytes, (long long)grad_bytes);
     return 0;
