@@ -18,6 +18,81 @@ namespace shardopt {
 namespace optim = torch::optim;
 using detail::GenericDict;
 
+namespace {
+
+bool is_sliced(const GenericDict::iterator::value_type& v) {
+  return v.value().isTensor() && v.key().toStringRef() != "step";
+}
+
+// This rank's ranges with state: [{"param", "begin", "end", "state"}, ...].
+c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>& holdings, optim::Optimizer& local,
+                                 const detail::OptimizerCodec& codec, int rank) {
+  c10::impl::GenericList shard(c10::AnyType::get());
+  for (size_t i = 0; i < holdings.size(); ++i) {
+    for (const auto& h : holdings[i]) {
+      if (h.rank != rank) continue;
+      auto it = local.state().find(compat::state_key(h.tensor));
+      if (it == local.state().end()) continue;
+      GenericDict d = detail::make_string_dict();
+      d.insert("param", static_cast<int64_t>(i));
+      d.insert("begin", h.in_param.begin);
+      d.insert("end", h.in_param.end);
+      d.insert("state", codec.encode_state(*it->second));
+      shard.push_back(d);
+    }
+  }
+  return shard;
+}
+
+// Whole-parameter state stitched from ranges as they arrive, without holding more than the full
+// state and the shard being added.
+class Stitcher {
+ public:
+  explicit Stitcher(const std::vector<at::Tensor>& params) : params_(params) {}
+
+  void add(const c10::impl::GenericList& shard) {
+    for (const c10::IValue& item : shard.vec()) {
+      const auto d = item.toGenericDict();
+      const auto i = static_cast<size_t>(d.at("param").toInt());
+      const int64_t begin = d.at("begin").toInt(), end = d.at("end").toInt();
+      auto [it, fresh] = parts_.try_emplace(i, detail::make_string_dict(), 0);
+      auto& [full, filled] = it->second;
+      for (const auto& v : d.at("state").toGenericDict()) {
+        if (!is_sliced(v)) {
+          if (fresh) full.insert(v.key(), v.value());
+          continue;
+        }
+        const at::Tensor t = v.value().toTensor().reshape(-1);
+        if (fresh) full.insert(v.key(), at::empty({params_[i].numel()}, t.options()));
+        full.at(v.key()).toTensor().narrow(0, begin, end - begin).copy_(t);
+      }
+      filled += end - begin;
+    }
+  }
+
+  // {index: state} with every tensor in its parameter's shape.
+  GenericDict finish() const {
+    GenericDict state(c10::IntType::get(), c10::AnyType::get());
+    for (const auto& [i, entry] : parts_) {
+      const auto& [full, filled] = entry;
+      TORCH_INTERNAL_ASSERT(filled == params_[i].numel(), "the state of parameter ", i, " covers ", filled, " of ",
+                            params_[i].numel(), " elements");
+      GenericDict shaped = detail::make_string_dict();
+      for (const auto& v : full) {
+        shaped.insert(v.key(), is_sliced(v) ? c10::IValue(v.value().toTensor().view(params_[i].sizes())) : v.value());
+      }
+      state.insert(static_cast<int64_t>(i), shaped);
+    }
+    return state;
+  }
+
+ private:
+  const std::vector<at::Tensor>& params_;
+  std::map<size_t, std::pair<GenericDict, int64_t>> parts_;  // param -> (state, elements filled)
+};
+
+}  // namespace
+
 // ---- state dict -----------------------------------------------------------------------------
 
 void OSS::consolidate_state_dict(int recipient) {
@@ -31,72 +106,21 @@ void OSS::consolidate_state_dict(int recipient) {
 
   settle_state();  // every rank's state where the current layout puts it
 
-  // This rank's ranges with state: [{"param", "begin", "end", "state"}, ...].
-  auto own_shard = [&] {
-    c10::impl::GenericList shard(c10::AnyType::get());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      for (const auto& h : holdings_[i]) {
-        if (h.rank != rank) continue;
-        auto it = local_->state().find(compat::state_key(h.tensor));
-        if (it == local_->state().end()) continue;
-        GenericDict d = detail::make_string_dict();
-        d.insert("param", static_cast<int64_t>(i));
-        d.insert("begin", h.in_param.begin);
-        d.insert("end", h.in_param.end);
-        d.insert("state", codec.encode_state(*it->second));
-        shard.push_back(d);
-      }
-    }
-    return shard;
-  };
-
-  // Ranges are stitched into whole-parameter state as they arrive: the recipient holds the full
-  // state plus at most one serialized shard.
-  std::map<size_t, std::pair<GenericDict, int64_t>> stitched;  // param -> (state, elements filled)
-  auto merge = [&](const c10::impl::GenericList& shard) {
-    for (const c10::IValue& item : shard.vec()) {
-      const auto d = item.toGenericDict();
-      const auto i = static_cast<size_t>(d.at("param").toInt());
-      const int64_t begin = d.at("begin").toInt(), end = d.at("end").toInt();
-      const auto part = d.at("state").toGenericDict();
-      auto [it, fresh] = stitched.try_emplace(i, detail::make_string_dict(), 0);
-      auto& [full, filled] = it->second;
-      for (const auto& v : part) {
-        const bool sliced = v.value().isTensor() && v.key().toStringRef() != "step";
-        if (!sliced) {
-          if (fresh) full.insert(v.key(), v.value());
-          continue;
-        }
-        const at::Tensor t = v.value().toTensor().reshape(-1);
-        if (fresh) full.insert(v.key(), at::empty({params_[i].numel()}, t.options()));
-        full.at(v.key()).toTensor().narrow(0, begin, end - begin).copy_(t);
-      }
-      filled += end - begin;
-    }
-  };
+  // One shard in flight at a time: the recipient holds the full state plus at most one
+  // serialized shard.
+  Stitcher stitcher(params_);
   for (int r = 0; r < group_->size(); ++r) {
     if (r == recipient) {
-      if (rank == recipient) merge(own_shard());
+      if (rank == recipient) stitcher.add(own_shard(holdings_, *local_, codec, rank));
       continue;
     }
     if (rank == r) {
-      group_->send_bytes(torch::pickle_save(own_shard()), recipient, r);
+      group_->send_bytes(torch::pickle_save(own_shard(holdings_, *local_, codec, rank)), recipient, r);
     } else if (rank == recipient) {
-      merge(torch::pickle_load(group_->recv_bytes(r, r)).toList());
+      stitcher.add(torch::pickle_load(group_->recv_bytes(r, r)).toList());
     }
   }
-  GenericDict state(c10::IntType::get(), c10::AnyType::get());
-  for (auto& [i, entry] : stitched) {
-    auto& [full, filled] = entry;
-    TORCH_INTERNAL_ASSERT(filled == params_[i].numel(), "the state of parameter ", i, " covers ", filled, " of ",
-                          params_[i].numel(), " elements");
-    GenericDict shaped = detail::make_string_dict();
-    for (const auto& v : full) {
-      const bool sliced = v.value().isTensor() && v.key().toStringRef() != "step";
-      shaped.insert(v.key(), sliced ? c10::IValue(v.value().toTensor().view(params_[i].sizes())) : v.value());
-    }
-    state.insert(static_cast<int64_t>(i), shaped);
-  }
+  const GenericDict state = stitcher.finish();
   if (rank != recipient) return;
 
   c10::impl::GenericList groups(c10::AnyType::get());
@@ -124,14 +148,8 @@ torch::IValue OSS::state_dict() const {
   return *consolidated_;
 }
 
-void OSS::load_state_dict(const torch::IValue& sd) {
-  SHARDOPT_CHECK(sd.isGenericDict(), "load_state_dict expects a dict, got ", sd.tagKind());
-  const auto dict = sd.toGenericDict();
-  SHARDOPT_CHECK(dict.contains("state") && dict.contains("param_groups"),
-              "load_state_dict expects the keys \"state\" and \"param_groups\"");
+std::unordered_map<size_t, GenericDict> OSS::saved_entries(const GenericDict& dict) const {
   const auto saved_groups = dict.at("param_groups").toListRef();
-  SHARDOPT_CHECK(saved_groups.size() == param_groups_.size(), "load_state_dict: the state has ",
-              saved_groups.size(), " param groups, this optimizer has ", param_groups_.size());
   // Saved ids map to our parameters by position, group by group, as in torch.optim.
   std::unordered_map<int64_t, size_t> id_to_param;
   size_t index = 0;
@@ -143,10 +161,8 @@ void OSS::load_state_dict(const torch::IValue& sd) {
                 " parameters in the state but ", group_sizes_[g], " in this optimizer");
     for (const auto& id : ids) id_to_param[id.toInt()] = index++;
   }
-  const auto& codec = detail::codec_for(*local_);
-  const auto state = dict.at("state").toGenericDict();
   std::unordered_map<size_t, GenericDict> entries;
-  for (const auto& entry : state) {
+  for (const auto& entry : dict.at("state").toGenericDict()) {
     const int64_t id = entry.key().toInt();
     auto it = id_to_param.find(id);
     SHARDOPT_CHECK(it != id_to_param.end(), "load_state_dict: state entry ", id,
@@ -154,14 +170,26 @@ void OSS::load_state_dict(const torch::IValue& sd) {
     const size_t i = it->second;
     const auto values = entry.value().toGenericDict();
     for (const auto& v : values) {
-      if (!v.value().isTensor() || v.key().toStringRef() == "step") continue;
+      if (!is_sliced(v)) continue;
       const auto& t = v.value().toTensor();
       SHARDOPT_CHECK(t.sizes() == params_[i].sizes(), "load_state_dict: state '", v.key().toStringRef(),
                   "' of parameter ", i, " has shape ", t.sizes(), " but the parameter has shape ", params_[i].sizes());
     }
     entries.emplace(i, values);
   }
+  return entries;
+}
 
+void OSS::load_state_dict(const torch::IValue& sd) {
+  SHARDOPT_CHECK(sd.isGenericDict(), "load_state_dict expects a dict, got ", sd.tagKind());
+  const auto dict = sd.toGenericDict();
+  SHARDOPT_CHECK(dict.contains("state") && dict.contains("param_groups"),
+              "load_state_dict expects the keys \"state\" and \"param_groups\"");
+  const auto saved_groups = dict.at("param_groups").toListRef();
+  SHARDOPT_CHECK(saved_groups.size() == param_groups_.size(), "load_state_dict: the state has ",
+              saved_groups.size(), " param groups, this optimizer has ", param_groups_.size());
+  const auto entries = saved_entries(dict);
+  const auto& codec = detail::codec_for(*local_);
   for (size_t g = 0; g < saved_groups.size(); ++g) {
     param_groups_[g].set_options(codec.decode_options(saved_groups[g].toGenericDict(), param_groups_[g].options()));
   }

@@ -208,6 +208,8 @@ class OSS : public torch::optim::Optimizer {
   // Moves optimizer state (and owned gradients) from the settled holdings to the current ones.
   // Collective; a no-op when nothing moved.
   void settle_state();
+  // The saved state entries of a state dict, by parameter index (shapes checked).
+  std::unordered_map<size_t, c10::impl::GenericDict> saved_entries(const c10::impl::GenericDict& dict) const;
   // The gradient of holding h of parameter i on this rank, or undefined.
   at::Tensor holding_grad(size_t i, const detail::Holding& h) const;
 
