@@ -121,7 +121,9 @@ void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const
   at::NoGradGuard no_grad;
   // moving[s][d]: does any range go from rank s to another rank d?
   std::vector<std::vector<uint8_t>> moving(world, std::vector<uint8_t>(world, 0));
-  std::vector<c10::impl::GenericList> outgoing(world, c10::impl::GenericList(c10::AnyType::get()));
+  // One list per destination (a GenericList is a shared handle: copies would alias one list).
+  std::vector<c10::impl::GenericList> outgoing;
+  for (int d = 0; d < world; ++d) outgoing.emplace_back(c10::AnyType::get());
   // incoming[(param, holding index)] -> slices
   std::map<std::pair<size_t, size_t>, std::vector<Slice>> incoming;
   for (size_t i : changed) {

@@ -82,6 +82,16 @@ struct SplitParity {
           ASSERT_LE(testing::rel_diff(mine[i], ref[i]), 1e-6) << "parameter " << i << " after step " << step;
         }
         ASSERT_TRUE(testing::same_on_all_ranks(mine, *g)) << "ranks diverged after step " << step;
+        if (step == 2 || step == 4) {
+          // Freezing and unfreezing D cut the ranges again; the state of the ranges that changed
+          // rank moved, and every byte sent was received.
+          const auto& moved = oss.last_rebalance();
+          EXPECT_GT(moved.params_moved, 0) << "step " << step;
+          at::Tensor bytes = at::tensor({moved.state_bytes_sent, moved.state_bytes_received}, at::kLong);
+          g->allreduce(bytes);
+          EXPECT_GT(bytes[0].item<int64_t>(), 0) << "step " << step;
+          EXPECT_EQ(bytes[0].item<int64_t>(), bytes[1].item<int64_t>()) << "step " << step;
+        }
       }
     });
   }
