@@ -27,6 +27,7 @@ struct ShardedDDP::Entry {
   int64_t slot_end = 0; // end of its slot: the alignment gap up to the next gradient included
   int64_t flag = 0;     // element that counts the ranks that produced a gradient
   bool ready = false;
+  at::Tensor carried;   // on the owner: the reduced gradient of earlier backward passes
 };
 
 // A parameter with our post-accumulation hook, and its entries (one per piece).
@@ -51,6 +52,14 @@ struct ShardedDDP::Bucket {
 };
 
 namespace {
+
+// A tensor that shares `view`'s memory without being an autograd view of it, so that
+// detach_() (Module::zero_grad(false), Optimizer::zero_grad(false)) works on a gradient that
+// lives in a bucket, and zero_() keeps it there.
+at::Tensor alias_of(const at::Tensor& view, at::IntArrayRef sizes) {
+  at::Tensor shaped = view.view(sizes);
+  return at::empty({0}, shaped.options()).set_(shaped.storage(), shaped.storage_offset(), shaped.sizes(), shaped.strides());
+}
 
 // Runs after AccumulateGrad has accumulated a parameter's gradient.
 class GradReadyHook : public torch::autograd::PostAccumulateGradHook {
@@ -294,6 +303,24 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
 
 // ---- forward ------------------------------------------------------------------------------------
 
+// Note [Accumulating across reductions]
+// DDP's result for two backward passes without clearing is the first averaged gradient plus the
+// second. A non-owner drops its gradient once it is reduced, so the sum cannot be formed by
+// reducing what autograd accumulated (the owner's reduced gradient would be divided by the world
+// size again). Instead, at the next forward, an owner's reduced gradient that is still there
+// (not cleared, or zeroed in place) is set aside, the backward reduces fresh gradients, and the
+// two are added. Local gradients accumulated under no_sync are not set aside: they still have
+// to be reduced. This holds for parameters an owner holds whole; a split parameter's pieces
+// (OSS PartitionMode kSplit) always hold the last reduction alone.
+void ShardedDDP::carry_reduced_grads() {
+  if (unreduced_local_grads_) return;
+  for (auto& e : entries_) {
+    if (!e.whole || !e.target.defined() || !e.target.grad().defined()) continue;
+    e.carried = e.carried.defined() ? e.carried.add_(e.target.grad()) : e.target.grad();
+    e.target.mutable_grad() = at::Tensor();
+  }
+}
+
 void ShardedDDP::pre_forward() {
   if (options_.auto_refresh_trainable()) {
     await_mask_check();  // from here on mask_ is known to be the same on every rank
@@ -306,9 +333,11 @@ void ShardedDDP::pre_forward() {
       lay_out();
     }
     follow_layouts();
+    carry_reduced_grads();  // after any rebuild: the entries are the ones this backward fills
     start_mask_check();
   } else {
     follow_layouts();  // each OSS checks, lays out and re-partitions in its step
+    carry_reduced_grads();
   }
   if (options_.broadcast_buffers() && group_->size() > 1) {
     at::NoGradGuard no_grad;
@@ -413,7 +442,7 @@ void ShardedDDP::fill_param(size_t h) {
   // rank drops it.
   if (has_grad) {
     if (owned_slot.defined()) {
-      p.mutable_grad() = owned_slot.view(p.sizes());
+      p.mutable_grad() = alias_of(owned_slot, p.sizes());
     } else {
       p.mutable_grad().reset();
     }
@@ -465,11 +494,16 @@ void ShardedDDP::finish_reduction() {
       for (size_t k = 0; k < b.entries.size(); ++k) {
         Entry& entry = entries_[b.entries[k]];
         at::Tensor& p = entry.target;  // the parameter, or the owner's tensor of its piece
-        if (flag[k] > 0) {
-          // The owner's gradient becomes a view of the reduced bucket: no second copy.
-          p.mutable_grad() = b.buffer.narrow(0, entry.offset, entry.numel).view(p.sizes());
+        // The owner's gradient lives in the reduced bucket: no second copy. A gradient carried
+        // over from the last reduction (Note [Accumulating across reductions]) gets it added.
+        at::Tensor reduced = flag[k] > 0 ? alias_of(b.buffer.narrow(0, entry.offset, entry.numel), p.sizes())
+                                         : at::Tensor();
+        if (entry.carried.defined()) {
+          if (reduced.defined()) entry.carried.add_(reduced);
+          p.mutable_grad() = entry.carried;
+          entry.carried = at::Tensor();
         } else {
-          p.mutable_grad().reset();
+          p.mutable_grad() = reduced;
         }
       }
     }

@@ -25,7 +25,8 @@
 // state is kept for when it is unfrozen.
 //
 // forward() calls the module's own forward through torch::nn::AnyModule, so the module needs a
-// (non-template) forward method; for other modules call pre_forward() and then the module.
+// (non-template) forward method, or is a torch::nn::Sequential; for other modules call
+// pre_forward() and then the module.
 #pragma once
 
 #include <shardopt/check.h>
@@ -35,6 +36,7 @@
 #include <torch/csrc/api/include/torch/nn/module.h>
 #include <torch/csrc/api/include/torch/detail/static.h>
 #include <torch/csrc/api/include/torch/nn/modules/container/any.h>
+#include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
 
 #include <memory>
 #include <unordered_map>
@@ -90,8 +92,15 @@ class ShardedDDP {
 
   template <class R = torch::Tensor, class... Args>
   R forward(Args&&... args) {
-    SHARDOPT_CHECK(callable_, "ShardedDDP::forward needs a module with a forward() method; call "
-                "pre_forward() and then the module yourself");
+    if (!callable_) {
+      // Sequential's forward is a template, which AnyModule cannot hold: call it directly.
+      if (auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_)) {
+        pre_forward();
+        return sequential->forward<R>(std::forward<Args>(args)...);
+      }
+    }
+    SHARDOPT_CHECK(callable_, "ShardedDDP::forward needs a module with a (non-template) forward() method or a "
+                   "Sequential; for this module call pre_forward() and then the module yourself");
     pre_forward();
     return callable_->forward<R>(std::forward<Args>(args)...);
   }
@@ -99,7 +108,7 @@ class ShardedDDP {
   // What forward() does before calling the module: trainability check (and rebuild), buffer
   // broadcast. Collective.
   void pre_forward();
-  void zero_grad(bool set_to_none);
+  void zero_grad(bool set_to_none = true);
   // Agrees across ranks on the trainable set and rebuilds buckets and hooks. Collective.
   void refresh_trainable();
   NoSync no_sync();
@@ -148,6 +157,7 @@ class ShardedDDP {
   // Copies parameter hooked_[h]'s gradient into its slots (or zeroes them) and releases it.
   void fill_param(size_t hooked);
   at::Tensor bucket_buffer(Bucket& bucket);  // allocated (or reused) at its first gradient
+  void carry_reduced_grads();
   void start_mask_check();
   void await_mask_check();
   std::string name(size_t param) const;  // "parameter 'fc.weight'", for messages

@@ -117,7 +117,7 @@ class OSS : public torch::optim::Optimizer {
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   // Clears the gradients of all parameters (not only the owned ones), like the base class.
-  void zero_grad(bool set_to_none);
+  void zero_grad(bool set_to_none = true);
 
   // Clips the gradients as if torch::nn::utils::clip_grad_norm_ saw the full gradient of all
   // trainable parameters; returns that global norm. Collective. Each rank counts the ranges it
