@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
 
   try {
     at::set_num_threads(1);
-    auto group = shardopt::init_process_group();
+    auto group = shardopt::init_process_group(shardopt::InitOptions().backend("gloo"));  // CPU tensors
     const int rank = group->rank(), world = group->size();
 
     at::Tensor images = read_idx(data_dir + "/train-images-idx3-ubyte.gz").to(at::kFloat).div_(255).reshape({-1, 784});

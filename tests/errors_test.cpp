@@ -126,7 +126,7 @@ TEST(Errors, StateDictMisuse) {
     const auto sd = oss.state_dict();
     // Into an optimizer with fewer parameters.
     Params fewer{at::zeros({8, 5}).requires_grad_(), at::zeros({8}).requires_grad_()};
-    OSS small(fewer, adam(), init_process_group(c10::make_intrusive<c10d::HashStore>(), InitOptions().rank(0).world_size(1)));
+    OSS small(fewer, adam(), init_process_group(c10::make_intrusive<c10d::HashStore>(), InitOptions().backend("gloo").rank(0).world_size(1)));
     try {
       small.load_state_dict(sd);
       ADD_FAILURE() << "loading 5 parameters' state into 2 must throw";
@@ -136,7 +136,7 @@ TEST(Errors, StateDictMisuse) {
     // Into an optimizer whose parameter 2 has another shape.
     Params other = testing::make_params();
     other[2] = at::zeros({3, 7}).requires_grad_();
-    OSS mismatched(other, adam(), init_process_group(c10::make_intrusive<c10d::HashStore>(), InitOptions().rank(0).world_size(1)));
+    OSS mismatched(other, adam(), init_process_group(c10::make_intrusive<c10d::HashStore>(), InitOptions().backend("gloo").rank(0).world_size(1)));
     try {
       mismatched.load_state_dict(sd);
       ADD_FAILURE() << "loading state of another shape must throw";
@@ -184,7 +184,7 @@ TEST(Errors, NcclWithoutACudaDeviceIsANamedError) {
                 msg.find("this build has no NCCL backend") != std::string::npos)
         << msg;
   }
-  // "auto" falls back to Gloo.
+  // "auto" picks Gloo without a CUDA device (the GPU case returned above).
   auto g = init_process_group(c10::make_intrusive<c10d::HashStore>(), InitOptions().rank(0).world_size(1));
   EXPECT_EQ(g->backend(), "gloo");
 }
@@ -192,6 +192,7 @@ TEST(Errors, NcclWithoutACudaDeviceIsANamedError) {
 TEST(Errors, RankThatNeverShowsUpTimesOut) {
   const auto start = std::chrono::steady_clock::now();
   expect_init_error(InitOptions()
+                        .backend("gloo")
                         .init_method("tcp://127.0.0.1:" + std::to_string(testing::free_port()))
                         .rank(0)
                         .world_size(2)

@@ -22,7 +22,7 @@ std::vector<std::string> run_ranks_collect_errors(
     threads.emplace_back([&, r] {
       try {
         at::set_num_threads(1);
-        auto group = init_process_group(store, InitOptions().rank(r).world_size(world_size).timeout(timeout));
+        auto group = init_process_group(store, InitOptions().backend("gloo").rank(r).world_size(world_size).timeout(timeout));
         fn(group);
       } catch (const std::exception& e) {
         errors[r] = e.what();

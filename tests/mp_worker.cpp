@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
   }
   try {
     at::set_num_threads(1);
-    auto group = init_process_group(InitOptions().timeout(std::chrono::seconds(60)));
+    auto group = init_process_group(InitOptions().backend("gloo").timeout(std::chrono::seconds(60)));
     if (std::strcmp(argv[1], "oss_parity") == 0) {
       oss_parity(*group, group, "Adam", optimizer<optim::Adam>(optim::AdamOptions(1e-2)));
       oss_parity(*group, group, "SGD", optimizer<optim::SGD>(optim::SGDOptions(0.05).momentum(0.9)));

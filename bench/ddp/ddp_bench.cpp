@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);
-    auto group = shardopt::init_process_group(shardopt::InitOptions().timeout(std::chrono::minutes(2)));
+    auto group = shardopt::init_process_group(shardopt::InitOptions().backend("gloo").timeout(std::chrono::minutes(2)));
     const double rss_start = rss_mb();
 
     std::shared_ptr<torch::nn::Module> module;

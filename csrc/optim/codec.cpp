@@ -3,6 +3,7 @@
 #include <shardopt/check.h>
 
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <torch/csrc/api/include/torch/optim/adagrad.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
@@ -274,8 +275,8 @@ const OptimizerCodec* find_codec(const optim::Optimizer& optimizer) {
 
 const OptimizerCodec& codec_for(const optim::Optimizer& optimizer) {
   const OptimizerCodec* codec = find_codec(optimizer);
-  SHARDOPT_CHECK(codec, "state_dict() supports Adam, AdamW, SGD, RMSprop and Adagrad; the wrapped "
-              "optimizer is ", typeid(optimizer).name());
+  SHARDOPT_CHECK(codec, "state_dict(), consolidation and state migration support Adam, AdamW, SGD, RMSprop and "
+                 "Adagrad; the wrapped optimizer is ", c10::demangle(typeid(optimizer).name()));
   return *codec;
 }
 

@@ -10,6 +10,8 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
+#include <torch/csrc/api/include/torch/optim/lbfgs.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <map>
@@ -121,6 +123,13 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
     }
   }
   check_params_across_ranks();  // includes requires_grad: the ranks agree on the trainable set
+  if (group_->backend() == "nccl") {  // the ranks agree on devices: every rank stops here alike
+    for (size_t i = 0; i < params_.size(); ++i) {
+      SHARDOPT_CHECK(params_[i].is_cuda(), "parameter ", i, " is on ", params_[i].device(),
+                     " but the process group uses NCCL, which moves CUDA tensors only; move the model to "
+                     "this rank's GPU or create the group with backend \"gloo\"");
+    }
+  }
 
   for (const auto& p : params_) weights_.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
   trainable_ = detail::trainable_mask(params_);
@@ -162,7 +171,17 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
 void OSS::choose_partition_mode(const OptimizerFactory& factory) {
   auto probe = factory({optim::OptimizerParamGroup({at::zeros({1}).requires_grad_()})});
   SHARDOPT_CHECK(probe, "the optimizer factory returned null");
+  const std::string type = c10::demangle(typeid(*probe).name());
+  SHARDOPT_CHECK(!dynamic_cast<optim::LBFGS*>(probe.get()),
+                 "OSS cannot shard LBFGS: each of its steps evaluates the closure several times and takes dot "
+                 "products over all parameters, which a rank holding a shard cannot do alone; use "
+                 "torch::optim::LBFGS on every rank without OSS");
   const bool element_wise = detail::find_codec(*probe) != nullptr;
+  // Nothing is switched off silently: without a codec, state cannot move between ranks.
+  SHARDOPT_CHECK(element_wise || !options_.rebalance(), "OSS: the optimizer ", type,
+                 " has no state codec (shardopt has them for Adam, AdamW, SGD, RMSprop and Adagrad), so its "
+                 "state cannot move to a new owner after a freeze; pass OSSOptions().rebalance(false) to train "
+                 "with it (state_dict() will not be available either)");
   switch (options_.partition()) {
     case PartitionMode::kAuto: split_ = element_wise; break;
     case PartitionMode::kWholeParameters: split_ = false; break;

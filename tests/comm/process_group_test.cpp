@@ -81,7 +81,7 @@ void two_ranks_through(const std::string& init_method) {
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       try {
-        auto g = init_process_group(InitOptions().init_method(init_method).rank(r).world_size(2).timeout(std::chrono::seconds(30)));
+        auto g = init_process_group(InitOptions().backend("gloo").init_method(init_method).rank(r).world_size(2).timeout(std::chrono::seconds(30)));
         at::Tensor t = at::full({1}, r + 1.0);
         g->allreduce(t);
         sums[r] = t.item<double>();

@@ -113,51 +113,5 @@ TEST(OSSState, ResumeFromTwoRanksOnThreeThroughSaveAndLoad) {
   resume_across_world_sizes(2, 3, /*through_archive=*/true);
 }
 
-TEST(OSSState, LoadsIntoPythonTorchOptimAdamAndTakesTheSameStep) {
-  const std::string dir = ::testing::TempDir();
-  const std::string in_path = dir + "/oss_adam_state.pt", out_path = dir + "/oss_adam_after.pt";
-  std::mutex mu;
-  Params after_cpp;
-  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
-    Params p = testing::make_params();
-    OSS oss(p, adam(), g);
-    ASSERT_EQ(oss.owners(p[0]).size(), 2u) << "w1 is split across both ranks: the state dict stitches it";
-    for (int s = 0; s < 3; ++s) {
-      oss.zero_grad(true);
-      backward_global(p, s, *g);
-      oss.step();
-    }
-    oss.consolidate_state_dict(0);
-    oss.zero_grad(true);
-    backward_global(p, 3, *g);
-    if (g->rank() == 0) {
-      auto blob = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
-      c10::impl::GenericList params(c10::AnyType::get()), grads(c10::AnyType::get());
-      for (auto& t : p) params.push_back(t.detach().clone()), grads.push_back(t.grad().clone());
-      blob.insert("params", params);
-      blob.insert("grads", grads);
-      blob.insert("state", oss.state_dict());
-      auto bytes = torch::pickle_save(blob);
-      std::ofstream(in_path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    }
-    oss.step();
-    if (g->rank() == 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      after_cpp = testing::clone_params(p);
-    }
-  });
-  const std::string cmd = std::string(SHARDOPT_PYTHON_EXE) + " " + SHARDOPT_SOURCE_DIR +
-                          "/tests/python/adam_one_step.py " + in_path + " " + out_path;
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  std::ifstream in(out_path, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  auto after_py = torch::pickle_load(bytes).toList();
-  ASSERT_EQ(after_py.size(), after_cpp.size());
-  for (size_t i = 0; i < after_cpp.size(); ++i) {
-    at::Tensor py = after_py.get(i).toTensor();
-    EXPECT_LE(testing::rel_diff(after_cpp[i], py), 1e-6) << "parameter " << i;
-  }
-}
-
 }  // namespace
 }  // namespace shardopt

@@ -199,29 +199,76 @@ TEST(Split, ConsolidatedStateIsStitchedAndLoadsOnOtherWorldSizes) {
   }
 }
 
-TEST(Split, OptimizersThatAreNotElementWiseKeepWholeParameters) {
+// A user's own optimizer, unknown to shardopt: p -= lr * sign(grad).
+struct SignSGDOptions : public optim::OptimizerCloneableOptions<SignSGDOptions> {
+  SignSGDOptions(double lr = 0.01) : lr_(lr) {}
+  TORCH_ARG(double, lr);
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+class SignSGD : public optim::Optimizer {
+ public:
+  SignSGD(std::vector<optim::OptimizerParamGroup> groups, SignSGDOptions defaults)
+      : Optimizer(std::move(groups), std::make_unique<SignSGDOptions>(defaults)) {}
+  at::Tensor step(LossClosure closure = nullptr) override {
+    at::NoGradGuard no_grad;
+    for (auto& group : param_groups_) {
+      const double lr = static_cast<SignSGDOptions&>(group.options()).lr();
+      for (auto& p : group.params()) {
+        if (p.grad().defined()) p.add_(p.grad().sign(), -lr);
+      }
+    }
+    return {};
+  }
+};
+
+template <class F>
+void expect_error(F&& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error containing: " << needle;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// A user's optimizer keeps whole parameters and steps like the unsharded one; what needs its state
+// moved or encoded fails by name, at construction or first use, never silently.
+TEST(Split, OptimizersThatAreNotElementWiseKeepWholeParametersOrAreRefused) {
   run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    const auto sign = optimizer<SignSGD>(SignSGDOptions(0.01));
     Params p = testing::make_dominant_params();
-    OSS lbfgs(p, optimizer<optim::LBFGS>(optim::LBFGSOptions(0.1)), g);
-    EXPECT_FALSE(lbfgs.split());
-    EXPECT_NE(lbfgs.describe().find("whole parameters"), std::string::npos) << lbfgs.describe();
-    for (const auto& t : p) EXPECT_GE(lbfgs.owner(t), 0);
+    expect_error([&] { OSS oss(p, sign, g); }, "the optimizer shardopt::(anonymous namespace)::SignSGD has no state codec");
+    Params ref = testing::clone_params(p);
+    SignSGD ref_opt({optim::OptimizerParamGroup(ref)}, SignSGDOptions(0.01));
+    OSS oss(p, sign, g, OSSOptions().rebalance(false));
+    EXPECT_FALSE(oss.split());
+    EXPECT_NE(oss.describe().find("whole parameters"), std::string::npos) << oss.describe();
+    for (const auto& t : p) EXPECT_GE(oss.owner(t), 0);
+    for (int step = 0; step < 3; ++step) {
+      oss.zero_grad();
+      ref_opt.zero_grad();
+      auto data = testing::rank_data(step, g->rank(), 3);
+      testing::loss_of(testing::dominant_output(p, data.x), data, 3).backward();
+      testing::loss_of(testing::dominant_output(ref, data.x), data, 3).backward();
+      testing::allreduce_grads(p, *g);
+      testing::allreduce_grads(ref, *g);
+      oss.step();
+      ref_opt.step();
+    }
+    for (size_t i = 0; i < p.size(); ++i) EXPECT_LE(testing::rel_diff(p[i], ref[i]), 1e-6) << "parameter " << i;
+    expect_error([&] { oss.consolidate_state_dict(0); }, "the wrapped optimizer is shardopt::(anonymous namespace)::SignSGD");
+
     Params q = testing::make_dominant_params();
+    expect_error([&] { OSS lbfgs(q, optimizer<optim::LBFGS>(optim::LBFGSOptions(0.1)), g); }, "OSS cannot shard LBFGS");
     OSS forced(q, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g,
                OSSOptions().partition(PartitionMode::kWholeParameters));
     EXPECT_FALSE(forced.split());
     EXPECT_GT(forced.imbalance(), 0.8) << "one rank holds the dominant tensor";
+    expect_error([&] { OSS split(q, sign, g, OSSOptions().rebalance(false).partition(PartitionMode::kSplit)); },
+                 "partition kSplit needs an element-wise optimizer");
   });
-  try {
-    run_ranks(1, [](std::shared_ptr<ProcessGroup> g) {
-      Params p = testing::make_dominant_params();
-      OSS oss(p, optimizer<optim::LBFGS>(optim::LBFGSOptions(0.1)), g, OSSOptions().partition(PartitionMode::kSplit));
-    });
-    ADD_FAILURE() << "kSplit with LBFGS must throw";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("partition kSplit needs an element-wise optimizer"), std::string::npos)
-        << e.what();
-  }
 }
 
 }  // namespace

@@ -1,0 +1,133 @@
+// OSS state and Python's torch.optim, both ways, for every optimizer shardopt encodes: a
+// consolidated C++ state loads into the same torch.optim class and one more step matches; a state
+// saved by torch.optim loads into OSS at world sizes 2 and 3 and one more step matches Python's.
+// Python is the interpreter of the project's own environment (the same torch wheel).
+#include <shardopt/optim/oss.h>
+
+#include "harness.h"
+#include "model.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/optim.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+
+namespace shardopt {
+namespace {
+
+namespace optim = torch::optim;
+using testing::run_ranks;
+using Params = std::vector<at::Tensor>;
+
+// The same options as OPTIONS in tests/python/optim_interop.py.
+struct Case {
+  const char* name;
+  OptimizerFactory factory;
+};
+std::vector<Case> cases() {
+  return {
+      {"Adam", optimizer<optim::Adam>(optim::AdamOptions(0.02).betas({0.8, 0.95}).weight_decay(0.01).amsgrad(true))},
+      {"AdamW", optimizer<optim::AdamW>(optim::AdamWOptions(0.02).betas({0.85, 0.99}).weight_decay(0.1))},
+      {"SGD", optimizer<optim::SGD>(optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(0.01))},
+      {"RMSprop", optimizer<optim::RMSprop>(optim::RMSpropOptions(0.01).alpha(0.9).momentum(0.5).centered(true))},
+      {"Adagrad", optimizer<optim::Adagrad>(optim::AdagradOptions(0.05).lr_decay(0.01).weight_decay(0.01))},
+  };
+}
+
+std::string python(const std::string& args) {
+  return std::string(SHARDOPT_PYTHON_EXE) + " " + SHARDOPT_SOURCE_DIR + "/tests/python/optim_interop.py " + args;
+}
+
+std::vector<char> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Gradients summed over ranks of a global batch of 12: the same on every world size.
+void backward_global(const Params& params, int64_t step, ProcessGroup& g) {
+  const int per_rank = 12 / g.size();
+  testing::loss(params, testing::rank_data(step, g.rank(), per_rank), 12).backward();
+  testing::allreduce_grads(params, g, /*average=*/false);
+}
+
+TEST(PythonInterop, ConsolidatedStateLoadsIntoTorchOptimAndTakesTheSameStep) {
+  for (const auto& c : cases()) {
+    SCOPED_TRACE(c.name);
+    const std::string dir = ::testing::TempDir();
+    const std::string in_path = dir + "/oss_" + c.name + "_state.pt", out_path = dir + "/oss_" + c.name + "_after.pt";
+    std::mutex mu;
+    Params after_cpp;
+    run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+      Params p = testing::make_params();
+      OSS oss(p, c.factory, g);
+      ASSERT_EQ(oss.owners(p[0]).size(), 2u) << "w1 is split across both ranks: the state dict stitches it";
+      for (int s = 0; s < 3; ++s) {
+        oss.zero_grad(true);
+        backward_global(p, s, *g);
+        oss.step();
+      }
+      oss.consolidate_state_dict(0);
+      oss.zero_grad(true);
+      backward_global(p, 3, *g);
+      if (g->rank() == 0) {
+        auto blob = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+        c10::impl::GenericList params(c10::AnyType::get()), grads(c10::AnyType::get());
+        for (auto& t : p) params.push_back(t.detach().clone()), grads.push_back(t.grad().clone());
+        blob.insert("optimizer", std::string(c.name));
+        blob.insert("params", params);
+        blob.insert("grads", grads);
+        blob.insert("state", oss.state_dict());
+        auto bytes = torch::pickle_save(blob);
+        std::ofstream(in_path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+      }
+      oss.step();
+      if (g->rank() == 0) {
+        std::lock_guard<std::mutex> lock(mu);
+        after_cpp = testing::clone_params(p);
+      }
+    });
+    const std::string cmd = python("step " + in_path + " " + out_path);
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    auto after_py = torch::pickle_load(read_file(out_path)).toList();
+    ASSERT_EQ(after_py.size(), after_cpp.size());
+    for (size_t i = 0; i < after_cpp.size(); ++i) {
+      EXPECT_LE(testing::rel_diff(after_cpp[i], after_py.get(i).toTensor()), 1e-6) << c.name << " parameter " << i;
+    }
+  }
+}
+
+TEST(PythonInterop, TorchOptimStateLoadsIntoOssAtWorldSizesTwoAndThree) {
+  for (const auto& c : cases()) {
+    SCOPED_TRACE(c.name);
+    const std::string path = ::testing::TempDir() + "/torch_" + c.name + "_state.pt";
+    const std::string cmd = python(std::string("make ") + c.name + " " + path);
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    const auto blob = torch::pickle_load(read_file(path)).toGenericDict();
+    const auto saved_params = blob.at("params").toList(), grads = blob.at("grads").toList(),
+               after = blob.at("after").toList();
+    const double saved_lr = blob.at("state").toGenericDict().at("param_groups").toListRef()[0]
+                                .toGenericDict().at("lr").toDouble();
+    for (int world : {2, 3}) {
+      run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+        Params p;
+        for (size_t i = 0; i < saved_params.size(); ++i) {
+          p.push_back(saved_params.get(i).toTensor().clone().requires_grad_());
+        }
+        OSS oss(p, c.factory, g);
+        oss.load_state_dict(blob.at("state"));
+        EXPECT_DOUBLE_EQ(oss.param_groups()[0].options().get_lr(), saved_lr);
+        for (size_t i = 0; i < p.size(); ++i) p[i].mutable_grad() = grads.get(i).toTensor().clone();
+        oss.step();
+        for (size_t i = 0; i < p.size(); ++i) {
+          EXPECT_LE(testing::rel_diff(p[i], after.get(i).toTensor()), 1e-6) << c.name << " parameter " << i << " at world " << world;
+        }
+      });
+    }
+  }
+}
+
+}  // namespace
+}  // namespace shardopt
