@@ -354,8 +354,10 @@ torch::Tensor OSS::step(LossClosure closure) {
     agree_on_trainable(false);
     lay_out_for(trainable_);  // agreed: every rank lays out alike
   } else if (trainable_mask_changed()) {
-    // ShardedDDP lays out at its forward, after its own check.
     trainable_ = detail::trainable_mask(params_);
+    // ShardedDDP lays out at its forward, after its own check; without it, the user turned the
+    // check off and the local set is taken as agreed.
+    if (!layout_follows_ddp_) lay_out_for(trainable_);
   }
   settle_state();  // the set is agreed by now: every rank moves the same ranges
   sync_options_to_local();
@@ -367,7 +369,10 @@ torch::Tensor OSS::step(LossClosure closure) {
   for (size_t i = 0; i < params_.size(); ++i) {
     for (const auto& h : holdings_[i]) {
       if (h.rank != group_->rank()) continue;
-      if (!trainable_[i]) {
+      // A parameter steps only if it is trainable and laid out as such: one unfrozen after the
+      // layout was made (under ShardedDDP, between forward and step) had no reduced gradient
+      // and is not synced yet, so it waits for the next step.
+      if (!trainable_[i] || !laid_out_for_[i]) {
         if (h.tensor.grad().defined()) restore.emplace_back(h.tensor, h.tensor.grad());
         if (h.tensor.grad().defined()) h.tensor.mutable_grad() = at::Tensor();
       } else if (!h.tensor.is_same(params_[i]) && params_[i].grad().defined()) {

@@ -63,7 +63,9 @@ void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, const 
   if (all_grad && !slices.empty() && !h.tensor.grad().defined()) {
     std::vector<at::Tensor> parts;
     for (const auto& s : slices) parts.push_back(s.grad.reshape(-1));
-    h.tensor.mutable_grad() = at::cat(parts).reshape(h.tensor.sizes()).to(h.tensor.options().requires_grad(false));
+    // A fresh tensor, not a view of the concatenation: zero_grad(false) detaches it in place.
+    h.tensor.mutable_grad() =
+        at::cat(parts).to(h.tensor.options().requires_grad(false)).reshape(h.tensor.sizes()).clone();
   }
 }
 

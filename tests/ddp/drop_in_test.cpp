@@ -176,5 +176,38 @@ TEST(DropIn, SequentialGoesThroughForward) {
   });
 }
 
+// Unfreezing a parameter between backward and step: it had no gradient in that backward and is
+// not laid out as trainable yet, so it waits for the next step on every rank, as a parameter
+// without a gradient does under DDP; ranks never diverge (a stale zeroed gradient stays unused).
+TEST(DropIn, UnfreezingBetweenBackwardAndStepWaitsForTheNextStep) {
+  for (auto partition : {PartitionMode::kWholeParameters, PartitionMode::kSplit}) {
+    run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      Params ref = testing::clone_params(net->params);
+      optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+      OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g, OSSOptions().partition(partition));
+      ShardedDDP ddp(net, oss);
+      for (int step = 0; step < 4; ++step) {
+        const bool frozen_in_backward = step == 1;
+        for (Params* q : {&ref, &net->params}) (*q)[0].requires_grad_(!frozen_in_backward);
+        ref_opt.zero_grad(true);
+        ddp.zero_grad(false);  // in place: an owner keeps a zeroed gradient
+        auto data = testing::rank_data(step, g->rank(), 4);
+        testing::loss(ref, data, 4).backward();
+        testing::allreduce_grads(ref, *g);
+        testing::loss_of(ddp.forward(data.x), data, 4).backward();
+        for (Params* q : {&ref, &net->params}) (*q)[0].requires_grad_(true);  // unfrozen before the step
+        ref_opt.step();
+        oss.step();
+        for (size_t i = 0; i < ref.size(); ++i) {
+          ASSERT_LE(testing::rel_diff(net->params[i], ref[i]), 1e-5) << "parameter " << i << " after step " << step;
+        }
+        ASSERT_TRUE(testing::same_on_all_ranks(net->params, *g)) << "ranks diverged after step " << step;
+      }
+    });
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -176,8 +176,12 @@ class OSS : public torch::optim::Optimizer {
   int64_t local_state_bytes() const;
   // Makes every rank's copy of the parameters equal to the owner's. Collective.
   void sync_params();
-  // ShardedDDP checks the trainable set at every forward and turns the step's check off.
-  void set_check_trainable_every_step(bool on) { options_.check_trainable_every_step(on); }
+  // ShardedDDP checks the trainable set at every forward, lays the buffers out for it, and turns
+  // the step's check (and lay-out) off.
+  void set_check_trainable_every_step(bool on) {
+    options_.check_trainable_every_step(on);
+    layout_follows_ddp_ = !on;
+  }
   // Whether parameters are split across owners (PartitionMode resolved).
   bool split() const { return split_; }
   // One line: the partition mode and why, the world size, the imbalance.
@@ -225,6 +229,7 @@ class OSS : public torch::optim::Optimizer {
   std::vector<at::Tensor> buffers_;     // one per layout group; the parameters are views of them
   int64_t layout_version_ = 0;
   bool split_ = false;
+  bool layout_follows_ddp_ = false;   // ShardedDDP lays the buffers out (set_check_trainable_every_step)
   std::vector<std::vector<detail::Holding>> holdings_;  // per parameter: where its state lives now
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::vector<at::Tensor> piece_tensors_;               // per layout piece, on its owner
