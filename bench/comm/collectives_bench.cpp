@@ -1,0 +1,100 @@
+// The collectives a data-parallel step can use, on one buffer the size of the GPT-2-shaped
+// model (24.3M fp32 elements, 97 MB), two ranks as threads of this process over Gloo (loopback),
+// one intra-op thread each: the gradient reduction (all-reduce as DDP, reduce of each half to its
+// owner as ShardedDDP, reduce-scatter) and the parameter sync (broadcast of each half from its
+// owner as OSS, all-gather). Median of 5 runs after one warm-up, rank 0's time.
+//
+//   build/bench/collectives_bench --benchmark_counters_tabular=true
+#include <shardopt/comm/process_group.h>
+
+#include "harness.h"
+
+#include <ATen/ATen.h>
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <mutex>
+
+namespace {
+
+constexpr int64_t kNumel = 24297472;
+constexpr int kWarmup = 1, kRuns = 5;
+
+using Collective = std::function<void(shardopt::ProcessGroup&, at::Tensor&)>;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void run(benchmark::State& state, const Collective& op) {
+  std::mutex mu;
+  std::vector<double> times;
+  for (auto _ : state) {
+    shardopt::testing::run_ranks(2, [&](std::shared_ptr<shardopt::ProcessGroup> g) {
+      at::Tensor buf = at::rand({kNumel});
+      std::vector<double> mine;
+      for (int i = 0; i < kWarmup + kRuns; ++i) {
+        g->barrier();
+        auto t0 = std::chrono::steady_clock::now();
+        op(*g, buf);
+        if (i >= kWarmup) mine.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      if (g->rank() == 0) times = mine;
+    });
+    state.SetIterationTime(median(times));
+  }
+  state.counters["MB"] = kNumel * 4 / 1e6;
+}
+
+at::Tensor half(at::Tensor& buf, int r) {
+  return buf.narrow(0, r * (kNumel / 2), kNumel / 2);
+}
+
+void BM_Allreduce(benchmark::State& state) {
+  run(state, [](shardopt::ProcessGroup& g, at::Tensor& buf) { g.allreduce(buf); });
+}
+void BM_ReduceEachHalfToItsOwner(benchmark::State& state) {
+  run(state, [](shardopt::ProcessGroup& g, at::Tensor& buf) {
+    std::vector<shardopt::PendingWork> pending;
+    std::vector<at::Tensor> halves{half(buf, 0), half(buf, 1)};
+    for (int r = 0; r < 2; ++r) pending.push_back(g.reduce_async(halves[r], r));
+    for (auto& w : pending) w.wait();
+  });
+}
+void BM_ReduceScatter(benchmark::State& state) {
+  run(state, [](shardopt::ProcessGroup& g, at::Tensor& buf) {
+    std::vector<at::Tensor> inputs{half(buf, 0), half(buf, 1)};
+    at::Tensor out = at::empty({kNumel / 2});
+    g.reduce_scatter(out, inputs);
+  });
+}
+void BM_BroadcastEachHalfFromItsOwner(benchmark::State& state) {
+  run(state, [](shardopt::ProcessGroup& g, at::Tensor& buf) {
+    std::vector<shardopt::PendingWork> pending;
+    std::vector<at::Tensor> halves{half(buf, 0), half(buf, 1)};
+    for (int r = 0; r < 2; ++r) pending.push_back(g.broadcast_async(halves[r], r));
+    for (auto& w : pending) w.wait();
+  });
+}
+void BM_Allgather(benchmark::State& state) {
+  run(state, [](shardopt::ProcessGroup& g, at::Tensor& buf) {
+    std::vector<at::Tensor> outputs{half(buf, 0), half(buf, 1)};
+    at::Tensor mine = outputs[g.rank()].clone();
+    g.allgather(outputs, mine);
+  });
+}
+
+#define COLLECTIVE(fn) BENCHMARK(fn)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond)
+COLLECTIVE(BM_Allreduce);
+COLLECTIVE(BM_ReduceEachHalfToItsOwner);
+COLLECTIVE(BM_ReduceScatter);
+COLLECTIVE(BM_BroadcastEachHalfFromItsOwner);
+COLLECTIVE(BM_Allgather);
+
+}  // namespace
+
+BENCHMARK_MAIN();
