@@ -2,6 +2,7 @@
 
 #include "harness.h"
 #include "model.h"
+#include "parity.h"
 
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/nn/module.h>
@@ -528,10 +529,7 @@ TEST(ShardedDDP, SplitRangesOfADominantTensorKeepParityAndHoldOneWorldthOfTheGra
           }
           ref_opt.step();
           oss.step();
-          for (size_t i = 0; i < ref.size(); ++i) {
-            ASSERT_LE(testing::rel_diff(net->params[i], ref[i]), 1e-5) << "parameter " << i << " after step " << step;
-          }
-          ASSERT_TRUE(testing::same_on_all_ranks(net->params, *g)) << "ranks diverged after step " << step;
+          ASSERT_TRUE(testing::matches_reference(net->params, ref, *g, 1e-5)) << "after step " << step;
         }
       });
       if (::testing::Test::HasFatalFailure()) return;
