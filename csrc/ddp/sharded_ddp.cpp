@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <map>
 #include <unordered_map>
 
@@ -28,6 +29,7 @@ struct ShardedDDP::Entry {
   int64_t flag = 0;     // element that counts the ranks that produced a gradient
   bool ready = false;
   at::Tensor carried;   // on the owner: the reduced gradient of earlier backward passes
+  int64_t reduced_version = -1;  // version of the owner's reduced gradient when it was handed over
 };
 
 // A parameter with our post-accumulation hook, and its entries (one per piece).
@@ -263,6 +265,7 @@ void ShardedDDP::build() {
   }
   layout_versions_.clear();
   for (OSS* opt : optimizers_) layout_versions_.push_back(opt->layout_version());
+  has_split_pieces_ = std::any_of(entries_.begin(), entries_.end(), [](const Entry& e) { return !e.whole; });
   ++rebuilds_;
 }
 
@@ -311,11 +314,18 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
 // (not cleared, or zeroed in place) is set aside, the backward reduces fresh gradients, and the
 // two are added. Local gradients accumulated under no_sync are not set aside: they still have
 // to be reduced. This holds for parameters an owner holds whole; a split parameter's pieces
-// (OSS PartitionMode kSplit) always hold the last reduction alone.
+// (OSS PartitionMode kSplit) always hold the last reduction alone, and nothing on such a
+// parameter shows whether it was cleared. So when a forward finds an owner's reduced gradient
+// untouched (its version unchanged: neither cleared nor zeroed in place) and split parameters
+// exist, the overlapped trainability check carries that fact to every rank, and backward raises
+// an error on all of them instead of diverging silently from DDP.
 void ShardedDDP::carry_reduced_grads() {
+  uncleared_ = false;
   if (unreduced_local_grads_) return;
   for (auto& e : entries_) {
     if (!e.whole || !e.target.defined() || !e.target.grad().defined()) continue;
+    // Untouched since the reduction handed it over (not cleared, not zeroed in place).
+    uncleared_ |= static_cast<int64_t>(e.target.grad()._version()) == e.reduced_version;
     e.carried = e.carried.defined() ? e.carried.add_(e.target.grad()) : e.target.grad();
     e.target.mutable_grad() = at::Tensor();
   }
@@ -354,16 +364,23 @@ void ShardedDDP::start_mask_check() {
   if (group_->size() == 1) return;
   checked_mask_ = mask_;
   const auto v = static_cast<int64_t>(detail::mask_agreement(mask_, [this](size_t i) { return name(i); }).hash() >> 1);
-  mask_check_buffer_ = at::tensor({v, -v}, at::kLong);
+  // The third element: did any rank run a backward without clearing, with split parameters
+  // (which cannot accumulate across reductions, Note [Accumulating across reductions])?
+  mask_check_buffer_ = at::tensor({v, -v, uncleared_ && has_split_pieces_ ? int64_t{1} : int64_t{0}}, at::kLong);
   mask_check_ = group_->allreduce_async(mask_check_buffer_, Reduction::kMax);
 }
 
 void ShardedDDP::await_mask_check() {
   if (!mask_check_.valid()) return;
   mask_check_.wait();
-  if (mask_check_buffer_[0].item<int64_t>() == -mask_check_buffer_[1].item<int64_t>()) return;
-  detail::agree_on_mask(*group_, checked_mask_, /*exhaustive=*/true,
-                        [this](size_t i) { return name(i); });
+  const int64_t* check = mask_check_buffer_.data_ptr<int64_t>();
+  if (check[0] != -check[1]) {
+    detail::agree_on_mask(*group_, checked_mask_, /*exhaustive=*/true, [this](size_t i) { return name(i); });
+  }
+  SHARDOPT_CHECK(check[2] == 0, "a backward ran while the gradients of the last one were not cleared; some "
+                 "parameters are split across ranks (OSS PartitionMode kSplit), whose gradients do not add up "
+                 "across backward passes outside no_sync(). Clear gradients before each backward, run the earlier "
+                 "passes under no_sync(), or use OSSOptions().partition(PartitionMode::kWholeParameters)");
 }
 
 void ShardedDDP::refresh_trainable() {
@@ -505,6 +522,7 @@ void ShardedDDP::finish_reduction() {
         } else {
           p.mutable_grad() = reduced;
         }
+        entry.reduced_version = p.grad().defined() ? static_cast<int64_t>(p.grad()._version()) : -1;
       }
     }
     b.buffer = at::Tensor();

@@ -203,5 +203,29 @@ TEST(DropIn, UnfreezingBetweenBackwardAndStepWaitsForTheNextStep) {
   }
 }
 
+// With split parameters the same habit cannot give DDP's result; it is an error on every rank,
+// not a silent divergence. Clearing in place (zero_grad(false)) is not mistaken for it.
+TEST(DropIn, AccumulationWithoutNoSyncWithSplitParametersIsAnErrorOnEveryRank) {
+  auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
+            OSSOptions().partition(PartitionMode::kSplit));
+    ShardedDDP ddp(net, oss);
+    ASSERT_EQ(oss.owners(net->params[0]).size(), 2u) << "w1 must be split for this test";
+    for (int step = 0; step < 2; ++step) {  // cleared in place between steps: fine
+      ddp.zero_grad(false);
+      auto data = testing::rank_data(step, g->rank(), 4);
+      testing::loss_of(ddp.forward(data.x), data, 4).backward();
+      oss.step();
+    }
+    auto data = testing::rank_data(5, g->rank(), 4);
+    testing::loss_of(ddp.forward(data.x), data, 4).backward();  // not cleared since the last one
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("a backward ran while the gradients of the last one were not cleared"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+}
+
 }  // namespace
 }  // namespace shardopt

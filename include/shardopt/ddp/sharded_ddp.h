@@ -190,6 +190,8 @@ class ShardedDDP {
   at::Tensor mask_check_buffer_;
   std::vector<uint8_t> checked_mask_;
   int64_t rebuilds_ = 0;
+  bool has_split_pieces_ = false;  // some bucket holds part of a parameter
+  bool uncleared_ = false;         // this forward found a reduced gradient left as it was
 };
 
 }  // namespace shardopt
