@@ -281,6 +281,21 @@ int parse_int(const std::string& text, const std::string& what) {
   }
 }
 
+}  // namespace
+
+int local_rank() {
+  for (const char* name : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+    if (const char* v = getenv_or_null(name)) {
+      const int r = parse_int(v, name);
+      SHARDOPT_CHECK(r >= 0, name, " must be >= 0, got ", r);
+      return r;
+    }
+  }
+  return -1;
+}
+
+namespace {
+
 // Reads rank and world size from the first launcher convention present in the environment.
 void rank_from_env(InitOptions& options) {
   static const std::pair<const char*, const char*> conventions[] = {

@@ -106,5 +106,27 @@ TEST(Comm, InitThroughTcpAndFile) {
   std::remove(path.c_str());
 }
 
+// The launcher's local rank, which picks the CUDA device of an NCCL group: the first convention
+// set wins; a bad value is an error naming the variable.
+TEST(Comm, LocalRankFromTheLaunchersEnvironment) {
+  const char* names[] = {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
+  for (const char* n : names) unsetenv(n);
+  EXPECT_EQ(local_rank(), -1);
+  setenv("SLURM_LOCALID", "3", 1);
+  EXPECT_EQ(local_rank(), 3);
+  setenv("OMPI_COMM_WORLD_LOCAL_RANK", "2", 1);
+  EXPECT_EQ(local_rank(), 2);
+  setenv("LOCAL_RANK", "1", 1);
+  EXPECT_EQ(local_rank(), 1);
+  setenv("LOCAL_RANK", "one", 1);
+  try {
+    local_rank();
+    ADD_FAILURE() << "LOCAL_RANK=one must throw";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("LOCAL_RANK must be an integer, got 'one'"), std::string::npos) << e.what();
+  }
+  for (const char* n : names) unsetenv(n);
+}
+
 }  // namespace
 }  // namespace shardopt

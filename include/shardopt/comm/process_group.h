@@ -127,6 +127,12 @@ class ProcessGroup {
   uint32_t p2p_sequence_ = 0;  // tags of the point-to-point transfers reduce_async issues
 };
 
+// This rank's index among the ranks of its machine, from the launcher's environment:
+// LOCAL_RANK (torchrun, tools/launch), OMPI_COMM_WORLD_LOCAL_RANK (Open MPI), MPI_LOCALRANKID
+// (MPICH), SLURM_LOCALID (SLURM), in that order; -1 when none is set. An NCCL group uses
+// CUDA device local_rank() % device count.
+int local_rank();
+
 // Creates the process group of this rank as described by `options` (see docs/api.md for the
 // environment variables env:// reads).
 std::shared_ptr<ProcessGroup> init_process_group(InitOptions options = {});
