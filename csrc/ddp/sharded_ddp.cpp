@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <unordered_map>
 
 namespace shardopt {
@@ -28,14 +29,18 @@ struct ShardedDDP::Entry {
   int64_t slot_end = 0; // end of its slot: the alignment gap up to the next gradient included
   int64_t flag = 0;     // element that counts the ranks that produced a gradient
   bool ready = false;
-  at::Tensor carried;   // on the owner: the reduced gradient of earlier backward passes
-  int64_t reduced_version = -1;  // version of the owner's reduced gradient when it was handed over
+  at::Tensor carried;   // on the owner, during a backward: the gradient handed over before it
+  // The owner's gradient as handed over by the last reduction, without keeping its storage alive,
+  // and its version then: Note [Accumulating across reductions].
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> handed_over;
+  int64_t handed_version = -1;
 };
 
 // A parameter with our post-accumulation hook, and its entries (one per piece).
 struct ShardedDDP::Hooked {
   at::Tensor param;
   std::vector<size_t> entries;
+  unsigned pre_hook = 0;  // position of our hook before accumulation (Tensor::register_hook)
 };
 
 // One layout bucket, as the executor runs it.
@@ -207,6 +212,7 @@ void ShardedDDP::remove_hooks() {
     if (torch::autograd::impl::post_acc_grad_hooks(h.param)) {
       torch::autograd::impl::set_post_acc_grad_hooks(h.param, nullptr);
     }
+    h.param.remove_hook(h.pre_hook);
   }
   hooked_.clear();
 }
@@ -256,6 +262,7 @@ void ShardedDDP::build() {
   for (size_t h = 0; h < hooked_.size(); ++h) {
     torch::autograd::impl::set_post_acc_grad_hooks(hooked_[h].param,
                                                    std::make_unique<GradReadyHook>([this, h] { on_grad_ready(h); }));
+    hooked_[h].pre_hook = hooked_[h].param.register_hook([this, h](const at::Tensor&) { before_accumulation(h); });
   }
   // The trainable set the buckets hold, per module parameter.
   for (size_t m = 0; m < params_.size(); ++m) {
@@ -310,23 +317,30 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
 // DDP's result for two backward passes without clearing is the first averaged gradient plus the
 // second. A non-owner drops its gradient once it is reduced, so the sum cannot be formed by
 // reducing what autograd accumulated (the owner's reduced gradient would be divided by the world
-// size again). Instead, at the next forward, an owner's reduced gradient that is still there
-// (not cleared, or zeroed in place) is set aside, the backward reduces fresh gradients, and the
-// two are added. Local gradients accumulated under no_sync are not set aside: they still have
-// to be reduced. This holds for parameters an owner holds whole; a split parameter's pieces
-// (OSS PartitionMode kSplit) always hold the last reduction alone, and nothing on such a
-// parameter shows whether it was cleared. So when a forward finds an owner's reduced gradient
-// untouched (its version unchanged: neither cleared nor zeroed in place) and split parameters
-// exist, the overlapped trainability check carries that fact to every rank, and backward raises
-// an error on all of them instead of diverging silently from DDP.
-void ShardedDDP::carry_reduced_grads() {
-  uncleared_ = false;
-  if (unreduced_local_grads_) return;
-  for (auto& e : entries_) {
-    if (!e.whole || !e.target.defined() || !e.target.grad().defined()) continue;
-    // Untouched since the reduction handed it over (not cleared, not zeroed in place).
-    uncleared_ |= static_cast<int64_t>(e.target.grad()._version()) == e.reduced_version;
-    e.carried = e.carried.defined() ? e.carried.add_(e.target.grad()) : e.target.grad();
+// size again). Instead, just before autograd accumulates into a parameter (a tensor hook), an
+// owner's gradient that is still the one the last reduction handed over (the same tensor: not
+// cleared, perhaps zeroed or scaled in place) is set aside; the backward reduces fresh gradients
+// and the two are added. An owner that gets no local gradient does the same when the reduction
+// is handed over. This holds for parameters an owner holds whole. A split parameter's pieces
+// hold the last reduction alone, and nothing on such a parameter shows whether it was cleared;
+// but an owner's whole gradient left exactly as handed over (its version unchanged) shows the
+// habit, and with split parameters every rank learns of it (an 8-byte all-reduce at the end of
+// backward) and raises an error instead of diverging silently from DDP.
+bool ShardedDDP::is_handed_over(const Entry& e) const {
+  const at::Tensor& g = e.target.grad();
+  return g.defined() && e.handed_over && !e.handed_over->expired() &&
+         e.handed_over->_unsafe_get_target() == g.unsafeGetTensorImpl();
+}
+
+// Runs before autograd accumulates this backward's gradient into the parameter: an owner's
+// gradient still as the last reduction handed it over is set aside, so that the reduction of
+// this backward's fresh gradients can be added to it.
+void ShardedDDP::before_accumulation(size_t h) {
+  for (size_t k : hooked_[h].entries) {
+    Entry& e = entries_[k];
+    if (!e.whole || !e.target.defined() || !is_handed_over(e)) continue;
+    uncleared_ |= static_cast<int64_t>(e.target.grad()._version()) == e.handed_version;
+    e.carried = e.target.grad();
     e.target.mutable_grad() = at::Tensor();
   }
 }
@@ -343,11 +357,9 @@ void ShardedDDP::pre_forward() {
       lay_out();
     }
     follow_layouts();
-    carry_reduced_grads();  // after any rebuild: the entries are the ones this backward fills
     start_mask_check();
   } else {
     follow_layouts();  // each OSS checks, lays out and re-partitions in its step
-    carry_reduced_grads();
   }
   if (options_.broadcast_buffers() && group_->size() > 1) {
     at::NoGradGuard no_grad;
@@ -364,9 +376,7 @@ void ShardedDDP::start_mask_check() {
   if (group_->size() == 1) return;
   checked_mask_ = mask_;
   const auto v = static_cast<int64_t>(detail::mask_agreement(mask_, [this](size_t i) { return name(i); }).hash() >> 1);
-  // The third element: did any rank run a backward without clearing, with split parameters
-  // (which cannot accumulate across reductions, Note [Accumulating across reductions])?
-  mask_check_buffer_ = at::tensor({v, -v, uncleared_ && has_split_pieces_ ? int64_t{1} : int64_t{0}}, at::kLong);
+  mask_check_buffer_ = at::tensor({v, -v}, at::kLong);
   mask_check_ = group_->allreduce_async(mask_check_buffer_, Reduction::kMax);
 }
 
@@ -374,13 +384,8 @@ void ShardedDDP::await_mask_check() {
   if (!mask_check_.valid()) return;
   mask_check_.wait();
   const int64_t* check = mask_check_buffer_.data_ptr<int64_t>();
-  if (check[0] != -check[1]) {
-    detail::agree_on_mask(*group_, checked_mask_, /*exhaustive=*/true, [this](size_t i) { return name(i); });
-  }
-  SHARDOPT_CHECK(check[2] == 0, "a backward ran while the gradients of the last one were not cleared; some "
-                 "parameters are split across ranks (OSS PartitionMode kSplit), whose gradients do not add up "
-                 "across backward passes outside no_sync(). Clear gradients before each backward, run the earlier "
-                 "passes under no_sync(), or use OSSOptions().partition(PartitionMode::kWholeParameters)");
+  if (check[0] == -check[1]) return;
+  detail::agree_on_mask(*group_, checked_mask_, /*exhaustive=*/true, [this](size_t i) { return name(i); });
 }
 
 void ShardedDDP::refresh_trainable() {
@@ -481,57 +486,88 @@ void ShardedDDP::finish_reduction() {
   for (size_t h = 0; h < hooked_.size(); ++h) fill_param(h);
   launch_ready_buckets();
   for (auto& b : buckets_) b.work.wait();
+  // Gradients left uncleared with split parameters: every rank learns it before any is handed
+  // over (one 8-byte all-reduce, with split parameters only).
+  bool uncleared_split = false;
+  if (has_split_pieces_ && group_->size() > 1) {
+    at::Tensor any = at::full({1}, uncleared_ ? int64_t{1} : int64_t{0}, at::kLong);
+    group_->allreduce(any, Reduction::kMax);
+    uncleared_split = any.item<int64_t>() > 0;
+  }
+  uncleared_ = false;
 
+  std::string error;
   // A parameter that became trainable without a rebuild has a local, unreduced gradient.
-  for (size_t k = 0; k < params_.size(); ++k) {
-    SHARDOPT_CHECK(mask_[k] || !params_[k].grad().defined() || !params_[k].requires_grad(),
-                "parameter '", names_[k], "' became trainable after the last rebuild; call "
-                "refresh_trainable() (or keep auto_refresh_trainable on and call forward())");
-  }
-  double divisor = 1.0;
-  switch (options_.grad_scaling()) {
-    case GradScaling::kMean: divisor = group_->size(); break;
-    case GradScaling::kSum: break;
-    case GradScaling::kGlobalSamples:
-      SHARDOPT_CHECK(global_samples_ > 0, "grad_scaling kGlobalSamples needs set_global_samples(n > 0) "
-                  "before each backward (got ", global_samples_, ")");
-      divisor = static_cast<double>(global_samples_);
-      break;
-  }
-  const int rank = group_->rank();
-  at::NoGradGuard no_grad;
-  for (auto& b : buckets_) {
-    if (b.owner == rank) {
-      at::Tensor grads = b.buffer.narrow(0, 0, b.numel);
-      if (divisor != 1.0) grads.div_(divisor);
-      // The flags of the whole bucket, read in one go (one copy off the device, if any).
-      const at::Tensor flags = b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size()))
-                                   .to(at::kCPU, at::kDouble);
-      const double* flag = flags.data_ptr<double>();
-      for (size_t k = 0; k < b.entries.size(); ++k) {
-        Entry& entry = entries_[b.entries[k]];
-        at::Tensor& p = entry.target;  // the parameter, or the owner's tensor of its piece
-        // The owner's gradient lives in the reduced bucket: no second copy. A gradient carried
-        // over from the last reduction (Note [Accumulating across reductions]) gets it added.
-        at::Tensor reduced = flag[k] > 0 ? alias_of(b.buffer.narrow(0, entry.offset, entry.numel), p.sizes())
-                                         : at::Tensor();
-        if (entry.carried.defined()) {
-          if (reduced.defined()) entry.carried.add_(reduced);
-          p.mutable_grad() = entry.carried;
-          entry.carried = at::Tensor();
-        } else {
-          p.mutable_grad() = reduced;
-        }
-        entry.reduced_version = p.grad().defined() ? static_cast<int64_t>(p.grad()._version()) : -1;
-      }
+  for (size_t k = 0; k < params_.size() && error.empty(); ++k) {
+    if (!mask_[k] && params_[k].grad().defined() && params_[k].requires_grad()) {
+      error = "parameter '" + names_[k] + "' became trainable after the last rebuild; call refresh_trainable() "
+              "(or keep auto_refresh_trainable on and call forward())";
     }
+  }
+  if (error.empty() && uncleared_split) {
+    error = "a backward ran while the gradients of the last one were not cleared; some parameters are split "
+            "across ranks (OSS PartitionMode kSplit), whose gradients do not add up across backward passes "
+            "outside no_sync(). Clear gradients before each backward, run the earlier passes under no_sync(), or "
+            "use OSSOptions().partition(PartitionMode::kWholeParameters)";
+  }
+  if (error.empty() && options_.grad_scaling() == GradScaling::kGlobalSamples && global_samples_ <= 0) {
+    error = "grad_scaling kGlobalSamples needs set_global_samples(n > 0) before each backward (got " +
+            std::to_string(global_samples_) + ")";
+  }
+  if (error.empty()) hand_over_reduced();
+  // The executor is ready for the next backward whatever happened.
+  for (auto& b : buckets_) {
     b.buffer = at::Tensor();
     b.pending = b.entries.size();
   }
-  for (auto& entry : entries_) entry.ready = false;
+  for (auto& entry : entries_) {
+    entry.ready = false;
+    entry.carried = at::Tensor();
+  }
   next_launch_ = 0;
   unreduced_local_grads_ = false;
   global_samples_ = -1;
+  SHARDOPT_CHECK(error.empty(), error);
+}
+
+void ShardedDDP::hand_over_reduced() {
+  double divisor = 1.0;
+  if (options_.grad_scaling() == GradScaling::kMean) divisor = group_->size();
+  if (options_.grad_scaling() == GradScaling::kGlobalSamples) divisor = static_cast<double>(global_samples_);
+  const int rank = group_->rank();
+  at::NoGradGuard no_grad;
+  for (auto& b : buckets_) {
+    if (b.owner != rank) continue;
+    at::Tensor grads = b.buffer.narrow(0, 0, b.numel);
+    if (divisor != 1.0) grads.div_(divisor);
+    // The flags of the whole bucket, read in one go (one copy off the device, if any).
+    const at::Tensor flags =
+        b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).to(at::kCPU, at::kDouble);
+    const double* flag = flags.data_ptr<double>();
+    for (size_t k = 0; k < b.entries.size(); ++k) {
+      Entry& entry = entries_[b.entries[k]];
+      at::Tensor& p = entry.target;  // the parameter, or the owner's tensor of its piece
+      if (flag[k] == 0) {
+        // No rank had a gradient: a whole parameter keeps what it holds, as under DDP.
+        if (!entry.whole) p.mutable_grad().reset();
+        continue;
+      }
+      // The owner's gradient lives in the reduced bucket: no second copy. What the last
+      // reduction handed over, if still there, gets it added (Note [Accumulating across
+      // reductions]).
+      at::Tensor reduced = alias_of(b.buffer.narrow(0, entry.offset, entry.numel), p.sizes());
+      if (!entry.carried.defined() && entry.whole && is_handed_over(entry)) entry.carried = p.grad();
+      if (entry.carried.defined()) {
+        p.mutable_grad() = entry.carried.add_(reduced);
+      } else {
+        p.mutable_grad() = reduced;
+      }
+      if (entry.whole) {
+        entry.handed_over.emplace(p.grad().getIntrusivePtr());
+        entry.handed_version = static_cast<int64_t>(p.grad()._version());
+      }
+    }
+  }
 }
 
 void ShardedDDP::reduce() {

@@ -244,9 +244,14 @@ void OSS::assign_holdings() {
         continue;
       }
       at::Tensor view = params_[i].detach().reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()).detach();
+      // The same range keeps its tensor, which keys its state: the settled one first (it holds
+      // the state even after several layouts without a step), else the current one.
       h.tensor = at::Tensor();
-      for (const auto& old : holdings_[i]) {  // the same range keeps its tensor: its state key
-        if (old.rank == rank && old.in_param == h.in_param && old.tensor.defined()) h.tensor = old.tensor;
+      for (const auto* list : {&settled_, &holdings_}) {
+        if (i >= list->size() || h.tensor.defined()) continue;
+        for (const auto& old : (*list)[i]) {
+          if (old.rank == rank && old.in_param == h.in_param && old.tensor.defined()) h.tensor = old.tensor;
+        }
       }
       if (h.tensor.defined()) {
         h.tensor.set_data(view);

@@ -62,6 +62,7 @@ struct Habits {
   int backwards = 1;        // backward passes per step, none under no_sync, no clearing between
   bool clear_each_step = true;
   int first_style = 0;      // clearing style of step 0; step t uses (first_style + t) % kClearingStyles
+  bool clear_after_forward = false;  // out = forward(x); clear; backward (PyTorch's quickstart order)
 
   std::string name() const {
     return "world " + std::to_string(world) + " buckets " + std::to_string(bucket_bytes) + " partition " +
@@ -83,7 +84,7 @@ struct Habits {
         }
         const int style = (first_style + step) % kClearingStyles;
         ref_opt.zero_grad(true);
-        clear(style, oss, ddp, *net);
+        if (!clear_after_forward) clear(style, oss, ddp, *net);
         for (int k = 0; k < backwards; ++k) {
           auto data = testing::rank_data(step * backwards + k, g->rank(), 4);
           if (step == 0 && k == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
@@ -101,7 +102,9 @@ struct Habits {
             }
           }
           at::AutoGradMode enable(true);
-          testing::loss_of(ddp.forward(data.x), data, 4).backward();
+          at::Tensor out = ddp.forward(data.x);
+          if (clear_after_forward && k == 0) clear(style, oss, ddp, *net);
+          testing::loss_of(out, data, 4).backward();
         }
         for (auto& p : ref) {
           if (!p.requires_grad()) p.mutable_grad().reset();
@@ -130,6 +133,20 @@ TEST(DropIn, EveryWayOfClearingGradientsGivesDdpsResult) {
         if (::testing::Test::HasFatalFailure()) return;
       }
     }
+  }
+}
+
+// The order of PyTorch's quickstart: forward, then clear, then backward.
+TEST(DropIn, ClearingBetweenForwardAndBackwardGivesDdpsResult) {
+  for (auto partition : {PartitionMode::kWholeParameters, PartitionMode::kSplit}) {
+    Habits h;
+    h.world = 2;
+    h.bucket_bytes = 160;
+    h.partition = partition;
+    h.clear_after_forward = true;
+    SCOPED_TRACE(h.name());
+    h.run();
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
@@ -225,6 +242,36 @@ TEST(DropIn, AccumulationWithoutNoSyncWithSplitParametersIsAnErrorOnEveryRank) {
     EXPECT_NE(errors[r].find("a backward ran while the gradients of the last one were not cleared"), std::string::npos)
         << "rank " << r << ": " << errors[r];
   }
+}
+
+// A forward with a parameter frozen (an evaluation pass, say) and one after unfreezing it, with
+// no step between: the ranges are cut twice and come back; the optimizer state stays with them.
+TEST(DropIn, TwoLayoutsWithoutAStepKeepTheOptimizerState) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    Params ref = testing::clone_params(net->params);
+    optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
+            OSSOptions().partition(PartitionMode::kSplit));
+    ShardedDDP ddp(net, oss);
+    for (int step = 0; step < 4; ++step) {
+      auto data = testing::rank_data(step, g->rank(), 4);
+      if (step >= 1) {
+        net->params[2].requires_grad_(false);
+        at::NoGradGuard no_grad;
+        ddp.forward(data.x);  // lays out without w2
+        net->params[2].requires_grad_(true);
+      }
+      ref_opt.zero_grad(true);
+      ddp.zero_grad(true);
+      testing::loss(ref, data, 4).backward();
+      testing::allreduce_grads(ref, *g);
+      testing::loss_of(ddp.forward(data.x), data, 4).backward();  // lays out with w2 again
+      ref_opt.step();
+      oss.step();
+      ASSERT_TRUE(testing::matches_reference(net->params, ref, *g, 1e-5)) << "after step " << step;
+    }
+  });
 }
 
 }  // namespace

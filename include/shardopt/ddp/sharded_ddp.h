@@ -157,7 +157,11 @@ class ShardedDDP {
   // Copies parameter hooked_[h]'s gradient into its slots (or zeroes them) and releases it.
   void fill_param(size_t hooked);
   at::Tensor bucket_buffer(Bucket& bucket);  // allocated (or reused) at its first gradient
-  void carry_reduced_grads();
+  // Sets aside an owner's gradient that the last reduction handed over (a hook of hooked_[h]).
+  void before_accumulation(size_t hooked);
+  bool is_handed_over(const Entry& entry) const;
+  // Divides the owned buckets and makes them the owners' gradients.
+  void hand_over_reduced();
   void start_mask_check();
   void await_mask_check();
   std::string name(size_t param) const;  // "parameter 'fc.weight'", for messages
@@ -191,7 +195,7 @@ class ShardedDDP {
   std::vector<uint8_t> checked_mask_;
   int64_t rebuilds_ = 0;
   bool has_split_pieces_ = false;  // some bucket holds part of a parameter
-  bool uncleared_ = false;         // this forward found a reduced gradient left as it was
+  bool uncleared_ = false;         // this backward found a handed-over gradient left exactly as it was
 };
 
 }  // namespace shardopt
