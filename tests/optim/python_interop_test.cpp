@@ -62,7 +62,7 @@ TEST(PythonInterop, ConsolidatedStateLoadsIntoTorchOptimAndTakesTheSameStep) {
     Params after_cpp;
     run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
       Params p = testing::make_params();
-      OSS oss(p, c.factory, g);
+      OSS oss(p, c.factory, g, OSSOptions().partition(PartitionMode::kSplit));
       ASSERT_EQ(oss.owners(p[0]).size(), 2u) << "w1 is split across both ranks: the state dict stitches it";
       for (int s = 0; s < 3; ++s) {
         oss.zero_grad(true);

@@ -269,5 +269,24 @@ TEST(Split, OptimizersThatAreNotElementWiseKeepWholeParametersOrAreRefused) {
   });
 }
 
+// kAuto splits only where whole parameters cannot balance: equal tensors stay whole (and each
+// rank still holds its share), a dominant tensor is split.
+TEST(Split, AutoSplitsOnlyWhenWholeParametersAreOutOfBalance) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    Params equal;
+    for (int i = 0; i < 8; ++i) equal.push_back(at::zeros({50}).requires_grad_());
+    OSS balanced(equal, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    EXPECT_FALSE(balanced.split());
+    EXPECT_NE(balanced.describe().find("whole parameters balance within 0%"), std::string::npos) << balanced.describe();
+    EXPECT_DOUBLE_EQ(balanced.imbalance(), 0.0);
+    Params dominant = testing::make_dominant_params();
+    OSS lopsided(dominant, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    EXPECT_TRUE(lopsided.split());
+    Params again = testing::make_dominant_params();
+    OSS never(again, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g, OSSOptions().split_above_imbalance(100.0));
+    EXPECT_FALSE(never.split());
+  });
+}
+
 }  // namespace
 }  // namespace shardopt

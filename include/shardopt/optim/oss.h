@@ -75,7 +75,9 @@ enum class ParamSync {
 // Who owns what (Note [Split parameters]).
 enum class PartitionMode {
   kAuto,             // kSplit for the element-wise optimizers shardopt knows (Adam, AdamW, SGD,
-                     // RMSprop, Adagrad), kWholeParameters for any other (LBFGS, user optimizers)
+                     // RMSprop, Adagrad) when whole parameters would leave some rank more than
+                     // split_above_imbalance above its share, else kWholeParameters (also for
+                     // any other optimizer)
   kWholeParameters,  // each parameter's state on one rank (fairscale OSS, ZeroRedundancyOptimizer)
   kSplit,            // equal ranges of the trainable elements, cut across parameter boundaries
 };
@@ -83,6 +85,9 @@ enum class PartitionMode {
 struct OSSOptions {
   TORCH_ARG(ParamSync, sync) = ParamSync::kBroadcast;
   TORCH_ARG(PartitionMode, partition) = PartitionMode::kAuto;
+  // kAuto splits when the best whole-parameter partition of the trainable bytes leaves the
+  // busiest rank more than this above 1/world (Note [Split parameters]).
+  TORCH_ARG(double, split_above_imbalance) = 0.03;
   // Check at every step() that all ranks agree on the trainable set (one 16-byte all-reduce).
   // ShardedDDP turns this off because its forward() does the same check.
   TORCH_ARG(bool, check_trainable_every_step) = true;
@@ -229,6 +234,7 @@ class OSS : public torch::optim::Optimizer {
   std::vector<at::Tensor> buffers_;     // one per layout group; the parameters are views of them
   int64_t layout_version_ = 0;
   bool split_ = false;
+  double whole_imbalance_ = 0.0;      // of the whole-parameter partition at construction (kAuto)
   bool layout_follows_ddp_ = false;   // ShardedDDP lays the buffers out (set_check_trainable_every_step)
   std::vector<std::vector<detail::Holding>> holdings_;  // per parameter: where its state lives now
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
