@@ -163,7 +163,8 @@ void ShardedDDP::refresh_owners() {
 }
 
 std::vector<uint8_t> ShardedDDP::mask_for(size_t k) const {
-  std::vector<uint8_t> mask = optimizers_[k]->trainable_mask();  // parameters outside the module
+  // Parameters outside the module: their flags as they are now (they are not in the agreed mask).
+  std::vector<uint8_t> mask = detail::trainable_mask(optimizers_[k]->all_params());
   for (size_t m = 0; m < params_.size(); ++m) {
     if (place_[m].first == k) mask[place_[m].second] = mask_[m];
   }
@@ -354,8 +355,8 @@ void ShardedDDP::pre_forward() {
       SHARDOPT_CHECK(!unreduced_local_grads_, "the trainable set changed while no_sync() gradients are "
                   "waiting to be reduced; call reduce() (or run a backward outside no_sync) first");
       mask_ = std::move(mask);
-      lay_out();
     }
+    lay_out();  // no-op unless a trainable set changed (the module's or an optimizer's other parameters)
     follow_layouts();
     start_mask_check();
   } else {

@@ -274,5 +274,42 @@ TEST(DropIn, TwoLayoutsWithoutAStepKeepTheOptimizerState) {
   });
 }
 
+// A parameter an OSS holds beside the module's (used in the loss outside the module), frozen at
+// construction and unfrozen later, trains like the module's own.
+TEST(DropIn, AParameterOutsideTheModuleFrozenThenUnfrozenTrains) {
+  for (auto partition : {PartitionMode::kWholeParameters, PartitionMode::kSplit}) {
+    run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      at::Tensor extra = (at::ones({3}) * 0.5).requires_grad_(false);
+      Params ref = testing::clone_params(net->params);
+      at::Tensor ref_extra = extra.detach().clone();
+      ref.push_back(ref_extra);
+      optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+      Params mine = net->parameters();
+      mine.push_back(extra);
+      OSS oss(mine, optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g, OSSOptions().partition(partition));
+      ShardedDDP ddp(net, oss);
+      for (int step = 0; step < 4; ++step) {
+        if (step == 2) extra.requires_grad_(true), ref.back().requires_grad_(true);
+        auto data = testing::rank_data(step, g->rank(), 4);
+        ref_opt.zero_grad(true);
+        ddp.zero_grad(true);
+        oss.zero_grad(true);
+        Params ref_model(ref.begin(), ref.end() - 1);
+        (testing::loss_of(testing::output(ref_model, data.x) * ref.back(), data, 4)).backward();
+        testing::allreduce_grads(ref, *g);
+        testing::loss_of(ddp.forward(data.x) * extra, data, 4).backward();
+        ref_opt.step();
+        oss.step();
+        Params got = net->parameters();
+        got.push_back(extra);
+        ASSERT_TRUE(testing::matches_reference(got, ref, *g, 1e-5)) << "after step " << step;
+      }
+      EXPECT_FALSE(extra.equal(at::ones({3}) * 0.5)) << "the parameter outside the module never trained";
+    });
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
 }  // namespace
 }  // namespace shardopt
