@@ -1,0 +1,55 @@
+// The parts of ShardedDDP's backward executor that its two source files share: an entry per
+// parameter piece in a bucket, a hooked parameter, a bucket as the executor runs it. Internal.
+#pragma once
+
+#include <shardopt/ddp/sharded_ddp.h>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <optional>
+#include <vector>
+
+namespace shardopt {
+
+// One piece of a trainable parameter in a bucket (from its OSS's FlatLayout, bucket frame).
+struct ShardedDDP::Entry {
+  size_t hooked = 0;    // index into hooked_: the parameter
+  Range in_param;       // the piece's elements of the parameter
+  bool whole = true;    // the piece is the whole parameter
+  at::Tensor target;    // on the bucket's owner: the tensor that receives the reduced gradient
+  size_t bucket = 0;
+  int64_t offset = 0;   // first element of its gradient in the bucket
+  int64_t numel = 0;
+  int64_t slot_end = 0; // end of its slot: the alignment gap up to the next gradient included
+  int64_t flag = 0;     // element that counts the ranks that produced a gradient
+  bool ready = false;
+  at::Tensor carried;   // on the owner, during a backward: the gradient handed over before it
+  // The owner's gradient as handed over by the last reduction, without keeping its storage alive,
+  // and its version then: Note [Accumulating across reductions].
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> handed_over;
+  int64_t handed_version = -1;
+};
+
+// A parameter with our post-accumulation hook, and its entries (one per piece).
+struct ShardedDDP::Hooked {
+  at::Tensor param;
+  std::vector<size_t> entries;
+  unsigned pre_hook = 0;  // position of our hook before accumulation (Tensor::register_hook)
+};
+
+// One layout bucket, as the executor runs it.
+struct ShardedDDP::Bucket {
+  int owner = 0;
+  std::vector<size_t> entries;
+  int64_t numel = 0;   // gradient elements (gaps included); one flag per entry follows them
+  at::TensorOptions options;
+  at::Tensor buffer;   // allocated when its first gradient arrives, released after the reduce
+  // An owner's bucket is kept between steps and reused as `buffer` once nothing refers to it
+  // (the gradients that were views of it are cleared): its memory is the owner's gradients,
+  // which it holds after every backward anyway, and reusing it spares the allocator.
+  at::Tensor storage;
+  size_t pending = 0;  // entries not yet copied in
+  PendingWork work;
+};
+
+}  // namespace shardopt

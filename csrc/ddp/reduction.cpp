@@ -1,0 +1,242 @@
+// ShardedDDP's backward: gradients into buckets, reductions to their owners overlapped with
+// backward, and the reduced gradients handed over to the owners.
+#include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/check.h>
+
+#include "ddp/executor.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <string>
+
+namespace shardopt {
+
+namespace {
+
+// A tensor that shares `view`'s memory without being an autograd view of it, so that
+// detach_() (Module::zero_grad(false), Optimizer::zero_grad(false)) works on a gradient that
+// lives in a bucket, and zero_() keeps it there.
+at::Tensor alias_of(const at::Tensor& view, at::IntArrayRef sizes) {
+  at::Tensor shaped = view.view(sizes);
+  return at::empty({0}, shaped.options()).set_(shaped.storage(), shaped.storage_offset(), shaped.sizes(), shaped.strides());
+}
+
+}  // namespace
+
+// Note [Accumulating across reductions]
+// DDP's result for two backward passes without clearing is the first averaged gradient plus the
+// second. A non-owner drops its gradient once it is reduced, so the sum cannot be formed by
+// reducing what autograd accumulated (the owner's reduced gradient would be divided by the world
+// size again). Instead, just before autograd accumulates into a parameter (a tensor hook), an
+// owner's gradient that is still the one the last reduction handed over (the same tensor: not
+// cleared, perhaps zeroed or scaled in place) is set aside; the backward reduces fresh gradients
+// and the two are added. An owner that gets no local gradient does the same when the reduction
+// is handed over. This holds for parameters an owner holds whole. A split parameter's pieces
+// hold the last reduction alone, and nothing on such a parameter shows whether it was cleared;
+// but an owner's whole gradient left exactly as handed over (its version unchanged) shows the
+// habit, and with split parameters every rank learns of it (an 8-byte all-reduce at the end of
+// backward) and raises an error instead of diverging silently from DDP.
+bool ShardedDDP::is_handed_over(const Entry& e) const {
+  const at::Tensor& g = e.target.grad();
+  return g.defined() && e.handed_over && !e.handed_over->expired() &&
+         e.handed_over->_unsafe_get_target() == g.unsafeGetTensorImpl();
+}
+
+// Runs before autograd accumulates this backward's gradient into the parameter: an owner's
+// gradient still as the last reduction handed it over is set aside, so that the reduction of
+// this backward's fresh gradients can be added to it.
+void ShardedDDP::before_accumulation(size_t h) {
+  for (size_t k : hooked_[h].entries) {
+    Entry& e = entries_[k];
+    if (!e.whole || !e.target.defined() || !is_handed_over(e)) continue;
+    uncleared_ |= static_cast<int64_t>(e.target.grad()._version()) == e.handed_version;
+    e.carried = e.target.grad();
+    e.target.mutable_grad() = at::Tensor();
+  }
+}
+
+// ---- backward -----------------------------------------------------------------------------------
+
+void ShardedDDP::on_grad_ready(size_t h) {
+  if (no_sync_) {
+    unreduced_local_grads_ = true;
+    return;
+  }
+  if (!in_backward_) {
+    await_mask_check();
+    in_backward_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_reduction(); });
+  }
+  fill_param(h);
+  launch_ready_buckets();
+}
+
+at::Tensor ShardedDDP::bucket_buffer(Bucket& b) {
+  if (!b.buffer.defined()) {
+    // Only the flags start at zero: every gradient slot is written (copied or zeroed).
+    if (b.storage.defined() && b.storage.storage().use_count() == 1) {
+      b.buffer = b.storage;
+    } else {
+      b.buffer = at::empty({b.numel + static_cast<int64_t>(b.entries.size())}, b.options);
+      if (b.owner == group_->rank()) b.storage = b.buffer;
+    }
+    b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).zero_();
+  }
+  return b.buffer;
+}
+
+void ShardedDDP::fill_param(size_t h) {
+  Hooked& hooked = hooked_[h];
+  at::Tensor& p = hooked.param;
+  at::NoGradGuard no_grad;
+  const bool has_grad = p.grad().defined();
+  at::Tensor owned_slot;  // the slot that becomes this rank's gradient of the whole parameter
+  for (size_t e : hooked.entries) {
+    Entry& entry = entries_[e];
+    if (entry.ready) continue;
+    Bucket& b = buckets_[entry.bucket];
+    at::Tensor buffer = bucket_buffer(b);
+    at::Tensor slot = buffer.narrow(0, entry.offset, entry.numel);
+    if (entry.slot_end > entry.offset + entry.numel) {
+      buffer.narrow(0, entry.offset + entry.numel, entry.slot_end - entry.offset - entry.numel).zero_();
+    }
+    if (has_grad) {
+      const at::Tensor grad = p.grad();
+      if (grad.data_ptr() != slot.data_ptr()) {
+        slot.copy_(entry.whole ? grad.reshape(-1) : grad.reshape(-1).narrow(0, entry.in_param.begin, entry.numel));
+      }
+      buffer[entry.flag].fill_(1);
+      if (entry.whole && b.owner == group_->rank()) owned_slot = slot;
+    } else {
+      slot.zero_();
+    }
+    entry.ready = true;
+    TORCH_INTERNAL_ASSERT(b.pending > 0, "bucket ", entry.bucket, " filled more often than it has entries");
+    --b.pending;
+  }
+  // The local gradient is released as soon as it is in the buckets: the owner of the whole
+  // parameter keeps a view of its slot (the reduction overwrites it with the sum), every other
+  // rank drops it.
+  if (has_grad) {
+    if (owned_slot.defined()) {
+      p.mutable_grad() = alias_of(owned_slot, p.sizes());
+    } else {
+      p.mutable_grad().reset();
+    }
+  }
+}
+
+void ShardedDDP::launch_ready_buckets() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    Bucket& b = buckets_[next_launch_++];
+    b.work = group_->reduce_async(b.buffer, b.owner);
+  }
+}
+
+void ShardedDDP::finish_reduction() {
+  in_backward_ = false;
+  // Parameters that got no gradient in this backward still take part, so every rank launches
+  // the same buckets; their flags say whether any rank had a gradient (from this backward or
+  // accumulated under no_sync).
+  for (size_t h = 0; h < hooked_.size(); ++h) fill_param(h);
+  launch_ready_buckets();
+  for (auto& b : buckets_) b.work.wait();
+  // Gradients left uncleared with split parameters: every rank learns it before any is handed
+  // over (one 8-byte all-reduce, with split parameters only).
+  bool uncleared_split = false;
+  if (has_split_pieces_ && group_->size() > 1) {
+    at::Tensor any = at::full({1}, uncleared_ ? int64_t{1} : int64_t{0}, at::kLong);
+    group_->allreduce(any, Reduction::kMax);
+    uncleared_split = any.item<int64_t>() > 0;
+  }
+  uncleared_ = false;
+
+  std::string error;
+  // A parameter that became trainable without a rebuild has a local, unreduced gradient.
+  for (size_t k = 0; k < params_.size() && error.empty(); ++k) {
+    if (!mask_[k] && params_[k].grad().defined() && params_[k].requires_grad()) {
+      error = "parameter '" + names_[k] + "' became trainable after the last rebuild; call refresh_trainable() "
+              "(or keep auto_refresh_trainable on and call forward())";
+    }
+  }
+  if (error.empty() && uncleared_split) {
+    error = "a backward ran while the gradients of the last one were not cleared; some parameters are split "
+            "across ranks (OSS PartitionMode kSplit), whose gradients do not add up across backward passes "
+            "outside no_sync(). Clear gradients before each backward, run the earlier passes under no_sync(), or "
+            "use OSSOptions().partition(PartitionMode::kWholeParameters)";
+  }
+  if (error.empty() && options_.grad_scaling() == GradScaling::kGlobalSamples && global_samples_ <= 0) {
+    error = "grad_scaling kGlobalSamples needs set_global_samples(n > 0) before each backward (got " +
+            std::to_string(global_samples_) + ")";
+  }
+  if (error.empty()) hand_over_reduced();
+  // The executor is ready for the next backward whatever happened.
+  for (auto& b : buckets_) {
+    b.buffer = at::Tensor();
+    b.pending = b.entries.size();
+  }
+  for (auto& entry : entries_) {
+    entry.ready = false;
+    entry.carried = at::Tensor();
+  }
+  next_launch_ = 0;
+  unreduced_local_grads_ = false;
+  global_samples_ = -1;
+  SHARDOPT_CHECK(error.empty(), error);
+}
+
+void ShardedDDP::hand_over_reduced() {
+  double divisor = 1.0;
+  if (options_.grad_scaling() == GradScaling::kMean) divisor = group_->size();
+  if (options_.grad_scaling() == GradScaling::kGlobalSamples) divisor = static_cast<double>(global_samples_);
+  const int rank = group_->rank();
+  at::NoGradGuard no_grad;
+  for (auto& b : buckets_) {
+    if (b.owner != rank) continue;
+    at::Tensor grads = b.buffer.narrow(0, 0, b.numel);
+    if (divisor != 1.0) grads.div_(divisor);
+    // The flags of the whole bucket, read in one go (one copy off the device, if any).
+    const at::Tensor flags =
+        b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).to(at::kCPU, at::kDouble);
+    const double* flag = flags.data_ptr<double>();
+    for (size_t k = 0; k < b.entries.size(); ++k) {
+      Entry& entry = entries_[b.entries[k]];
+      at::Tensor& p = entry.target;  // the parameter, or the owner's tensor of its piece
+      if (flag[k] == 0) {
+        // No rank had a gradient: a whole parameter keeps what it holds, as under DDP.
+        if (!entry.whole) p.mutable_grad().reset();
+        continue;
+      }
+      // The owner's gradient lives in the reduced bucket: no second copy. What the last
+      // reduction handed over, if still there, gets it added (Note [Accumulating across
+      // reductions]).
+      at::Tensor reduced = alias_of(b.buffer.narrow(0, entry.offset, entry.numel), p.sizes());
+      if (!entry.carried.defined() && entry.whole && is_handed_over(entry)) entry.carried = p.grad();
+      if (entry.carried.defined()) {
+        p.mutable_grad() = entry.carried.add_(reduced);
+      } else {
+        p.mutable_grad() = reduced;
+      }
+      if (entry.whole) {
+        entry.handed_over.emplace(p.grad().getIntrusivePtr());
+        entry.handed_version = static_cast<int64_t>(p.grad()._version());
+      }
+    }
+  }
+}
+
+void ShardedDDP::reduce() {
+  SHARDOPT_CHECK(!in_backward_, "reduce() called during backward");
+  SHARDOPT_CHECK(!no_sync_, "reduce() called inside no_sync()");
+  await_mask_check();
+  finish_reduction();
+}
+
+void ShardedDDP::set_global_samples(int64_t real_samples) {
+  SHARDOPT_CHECK(real_samples > 0, "set_global_samples needs a positive count, got ", real_samples);
+  global_samples_ = real_samples;
+}
+
+}  // namespace shardopt
