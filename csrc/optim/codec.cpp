@@ -280,10 +280,14 @@ const OptimizerCodec& codec_for(const optim::Optimizer& optimizer) {
   return *codec;
 }
 
+bool is_state_tensor(const GenericDict::iterator::value_type& entry) {
+  return entry.value().isTensor() && entry.key().toStringRef() != "step";
+}
+
 int64_t state_tensor_bytes(const GenericDict& state) {
   int64_t bytes = 0;
   for (const auto& v : state) {
-    if (v.value().isTensor() && v.key().toStringRef() != "step") bytes += v.value().toTensor().nbytes();
+    if (is_state_tensor(v)) bytes += v.value().toTensor().nbytes();
   }
   return bytes;
 }

@@ -31,7 +31,10 @@ struct OptimizerCodec {
 const OptimizerCodec* find_codec(const torch::optim::Optimizer& optimizer);
 // The same; throws naming the type when there is none.
 const OptimizerCodec& codec_for(const torch::optim::Optimizer& optimizer);
-// Bytes of the tensors in an encoded state (the "step" counter not counted).
+// Whether an entry of an encoded state is a per-element state tensor (exp_avg, momentum_buffer,
+// ...), shaped like its parameter, rather than the "step" counter or a scalar.
+bool is_state_tensor(const GenericDict::iterator::value_type& entry);
+// Bytes of the state tensors in an encoded state.
 int64_t state_tensor_bytes(const GenericDict& state);
 
 }  // namespace shardopt::detail

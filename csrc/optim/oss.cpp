@@ -143,6 +143,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   }
   lay_out(trainable_);
   settled_ = holdings_;
+  settled_version_ = layout_version_;
 
   std::vector<optim::OptimizerParamGroup> local_groups;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
@@ -212,7 +213,7 @@ void OSS::check_params_across_ranks() {
   agreement.hint("every rank must pass the same parameters, in the same order and groups").check(*group_);
 }
 
-void OSS::lay_out(const std::vector<uint8_t>& trainable) {
+FlatLayout OSS::plan_layout(const std::vector<uint8_t>& trainable) const {
   std::vector<LayoutParam> specs;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
@@ -220,7 +221,11 @@ void OSS::lay_out(const std::vector<uint8_t>& trainable) {
                    "; OSS supports CPU and CUDA parameters");
     specs.push_back(LayoutParam::of(p, partition_.owner(i), trainable[i] != 0));
   }
-  layout_ = FlatLayout::plan(specs, group_->size(), options_.layout());
+  return FlatLayout::plan(specs, group_->size(), options_.layout());
+}
+
+void OSS::lay_out(const std::vector<uint8_t>& trainable) {
+  layout_ = plan_layout(trainable);
   laid_out_for_ = trainable;
   buffers_.clear();  // the parameters still hold the old buffers' data until they are copied out
   buffers_ = detail::lay_out_params(layout_, params_);
@@ -282,6 +287,7 @@ void OSS::assign_holdings() {
 }
 
 void OSS::settle_state() {
+  if (settled_version_ == layout_version_) return;  // nothing laid out since the last settle
   bool changed = false;
   for (size_t i = 0; i < params_.size() && !changed; ++i) changed = !detail::same_holdings(settled_[i], holdings_[i]);
   if (changed) {
@@ -292,6 +298,7 @@ void OSS::settle_state() {
     last_rebalance_ = stats;
   }
   settled_ = holdings_;
+  settled_version_ = layout_version_;
   set_local_groups();
 }
 
@@ -316,11 +323,7 @@ void OSS::set_bucket_bytes(int64_t bytes) {
   SHARDOPT_CHECK(bytes >= 0, "bucket bytes must be >= 0, got ", bytes);
   if (bytes == options_.layout().bucket_bytes()) return;
   options_.layout().bucket_bytes(bytes);
-  std::vector<LayoutParam> specs;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    specs.push_back(LayoutParam::of(params_[i], partition_.owner(i), laid_out_for_[i] != 0));
-  }
-  FlatLayout next = FlatLayout::plan(specs, group_->size(), options_.layout());
+  FlatLayout next = plan_layout(laid_out_for_);
   TORCH_INTERNAL_ASSERT(next.same_placement(layout_), "new bucket cuts moved parameters in the flat buffers");
   layout_ = std::move(next);
   ++layout_version_;

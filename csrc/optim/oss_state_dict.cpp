@@ -20,10 +20,6 @@ using detail::GenericDict;
 
 namespace {
 
-bool is_sliced(const GenericDict::iterator::value_type& v) {
-  return v.value().isTensor() && v.key().toStringRef() != "step";
-}
-
 // This rank's ranges with state: [{"param", "begin", "end", "state"}, ...].
 c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>& holdings, optim::Optimizer& local,
                                  const detail::OptimizerCodec& codec, int rank) {
@@ -58,7 +54,7 @@ class Stitcher {
       auto [it, fresh] = parts_.try_emplace(i, detail::make_string_dict(), 0);
       auto& [full, filled] = it->second;
       for (const auto& v : d.at("state").toGenericDict()) {
-        if (!is_sliced(v)) {
+        if (!detail::is_state_tensor(v)) {
           if (fresh) full.insert(v.key(), v.value());
           continue;
         }
@@ -79,7 +75,7 @@ class Stitcher {
                             params_[i].numel(), " elements");
       GenericDict shaped = detail::make_string_dict();
       for (const auto& v : full) {
-        shaped.insert(v.key(), is_sliced(v) ? c10::IValue(v.value().toTensor().view(params_[i].sizes())) : v.value());
+        shaped.insert(v.key(), detail::is_state_tensor(v) ? c10::IValue(v.value().toTensor().view(params_[i].sizes())) : v.value());
       }
       state.insert(static_cast<int64_t>(i), shaped);
     }
@@ -170,7 +166,7 @@ std::unordered_map<size_t, GenericDict> OSS::saved_entries(const GenericDict& di
     const size_t i = it->second;
     const auto values = entry.value().toGenericDict();
     for (const auto& v : values) {
-      if (!is_sliced(v)) continue;
+      if (!detail::is_state_tensor(v)) continue;
       const auto& t = v.value().toTensor();
       SHARDOPT_CHECK(t.sizes() == params_[i].sizes(), "load_state_dict: state '", v.key().toStringRef(),
                   "' of parameter ", i, " has shape ", t.sizes(), " but the parameter has shape ", params_[i].sizes());
@@ -205,6 +201,7 @@ void OSS::load_state_dict(const torch::IValue& sd) {
     }
   }
   settled_ = holdings_;
+  settled_version_ = layout_version_;
   set_local_groups();
   for (size_t i = 0; i < params_.size(); ++i) {
     for (const auto& h : holdings_[i]) {

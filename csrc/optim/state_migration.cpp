@@ -14,10 +14,6 @@ namespace shardopt::detail {
 
 namespace {
 
-bool is_sliced(const c10::impl::GenericDict::iterator::value_type& v) {
-  return v.value().isTensor() && v.key().toStringRef() != "step";
-}
-
 // One range of one parameter on its way to a new holding.
 struct Slice {
   int64_t begin = 0, end = 0;  // parameter frame
@@ -50,7 +46,7 @@ void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, const 
   if (all_state && !slices.empty()) {
     GenericDict merged = make_string_dict();
     for (const auto& v : *slices.front().state) {
-      if (!is_sliced(v)) {
+      if (!is_state_tensor(v)) {
         merged.insert(v.key(), v.value());
         continue;
       }
@@ -77,7 +73,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const Optim
   const auto options = like.options().requires_grad(false);
   GenericDict placed = make_string_dict();
   for (const auto& v : encoded) {
-    if (is_sliced(v)) {
+    if (is_state_tensor(v)) {
       const at::Tensor t = v.value().toTensor().to(options);
       placed.insert(v.key(), t.numel() == like.numel() ? t.reshape(like.sizes()) : t);
     } else {
@@ -90,7 +86,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const Optim
 GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end) {
   GenericDict out = make_string_dict();
   for (const auto& v : encoded) {
-    if (is_sliced(v)) {
+    if (is_state_tensor(v)) {
       out.insert(v.key(), v.value().toTensor().reshape(-1).narrow(0, begin, end - begin).clone());
     } else {
       out.insert(v.key(), v.value());

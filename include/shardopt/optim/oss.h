@@ -205,6 +205,8 @@ class OSS : public torch::optim::Optimizer {
   void init(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory);
   void check_params_across_ranks();
   void choose_partition_mode(const OptimizerFactory& factory);
+  // The layout of the parameters for the partition and `trainable`.
+  FlatLayout plan_layout(const std::vector<uint8_t>& trainable) const;
   // Plans the layout for the partition and `trainable`, and moves the parameters into it.
   void lay_out(const std::vector<uint8_t>& trainable);
   void sync_options_to_local();
@@ -233,6 +235,7 @@ class OSS : public torch::optim::Optimizer {
   std::vector<uint8_t> laid_out_for_;   // the trainable set layout_ was planned for
   std::vector<at::Tensor> buffers_;     // one per layout group; the parameters are views of them
   int64_t layout_version_ = 0;
+  int64_t settled_version_ = -1;        // layout_version_ when the state was last settled
   bool split_ = false;
   double whole_imbalance_ = 0.0;      // of the whole-parameter partition at construction (kAuto)
   bool layout_follows_ddp_ = false;   // ShardedDDP lays the buffers out (set_check_trainable_every_step)
