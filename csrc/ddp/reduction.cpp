@@ -33,11 +33,14 @@ at::Tensor alias_of(const at::Tensor& view, at::IntArrayRef sizes) {
 // owner's gradient that is still the one the last reduction handed over (the same tensor: not
 // cleared, perhaps zeroed or scaled in place) is set aside; the backward reduces fresh gradients
 // and the two are added. An owner that gets no local gradient does the same when the reduction
-// is handed over. This holds for parameters an owner holds whole. A split parameter's pieces
-// hold the last reduction alone, and nothing on such a parameter shows whether it was cleared;
-// but an owner's whole gradient left exactly as handed over (its version unchanged) shows the
-// habit, and with split parameters every rank learns of it (an 8-byte all-reduce at the end of
-// backward) and raises an error instead of diverging silently from DDP.
+// is handed over. A split parameter's pieces live on tensors of their own, which the user's
+// clearing (module->zero_grad(), p.grad() edits) does not reach, so a piece cannot show whether
+// it was cleared. The owners of whole parameters can: a gradient left exactly as handed over
+// (the same tensor, its version unchanged) means the habit, a cleared or zeroed one means not.
+// With split parameters every rank learns what those owners saw (one small all-reduce at the end
+// of backward), and a piece still holding the last reduction carries it over when gradients were
+// left uncleared. Where no rank holds a whole parameter's handed-over gradient to look at, the
+// two cannot be told apart, and that is an error on every rank, never a silent divergence.
 bool ShardedDDP::is_handed_over(const Entry& e) const {
   const at::Tensor& g = e.target.grad();
   return g.defined() && e.handed_over && !e.handed_over->expired() &&
@@ -128,6 +131,25 @@ void ShardedDDP::fill_param(size_t h) {
   }
 }
 
+// What this rank's owned gradients show about clearing since the last reduction: {a whole one
+// left exactly as handed over, a whole one handed over at all (cleared or not), a split piece
+// still holding its last reduction}.
+at::Tensor ShardedDDP::clearing_evidence() const {
+  bool uncleared = uncleared_, seen = false, split_held = false;
+  for (const Entry& e : entries_) {
+    if (!e.target.defined() || !e.handed_over) continue;
+    if (!e.whole) {
+      split_held |= is_handed_over(e);
+      continue;
+    }
+    seen = true;
+    if (!e.carried.defined() && is_handed_over(e)) {
+      uncleared |= static_cast<int64_t>(e.target.grad()._version()) == e.handed_version;
+    }
+  }
+  return at::tensor({int64_t{uncleared}, int64_t{seen}, int64_t{split_held}}, at::kLong);
+}
+
 void ShardedDDP::launch_ready_buckets() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_++];
@@ -143,13 +165,16 @@ void ShardedDDP::finish_reduction() {
   for (size_t h = 0; h < hooked_.size(); ++h) fill_param(h);
   launch_ready_buckets();
   for (auto& b : buckets_) b.work.wait();
-  // Gradients left uncleared with split parameters: every rank learns it before any is handed
-  // over (one 8-byte all-reduce, with split parameters only).
-  bool uncleared_split = false;
-  if (has_split_pieces_ && group_->size() > 1) {
-    at::Tensor any = at::full({1}, uncleared_ ? int64_t{1} : int64_t{0}, at::kLong);
-    group_->allreduce(any, Reduction::kMax);
-    uncleared_split = any.item<int64_t>() > 0;
+  // Whether gradients were left uncleared, for the split pieces (Note [Accumulating across
+  // reductions]): one small all-reduce, with split parameters only.
+  bool ambiguous = false;
+  carry_split_ = false;
+  if (has_split_pieces_) {
+    at::Tensor seen = clearing_evidence();
+    if (group_->size() > 1) group_->allreduce(seen, Reduction::kMax);
+    const int64_t* v = seen.data_ptr<int64_t>();
+    carry_split_ = v[0] > 0;
+    ambiguous = v[1] == 0 && v[2] > 0;
   }
   uncleared_ = false;
 
@@ -161,11 +186,11 @@ void ShardedDDP::finish_reduction() {
               "(or keep auto_refresh_trainable on and call forward())";
     }
   }
-  if (error.empty() && uncleared_split) {
-    error = "a backward ran while the gradients of the last one were not cleared; some parameters are split "
-            "across ranks (OSS PartitionMode kSplit), whose gradients do not add up across backward passes "
-            "outside no_sync(). Clear gradients before each backward, run the earlier passes under no_sync(), or "
-            "use OSSOptions().partition(PartitionMode::kWholeParameters)";
+  if (error.empty() && ambiguous) {
+    error = "cannot tell whether the gradients of the last backward were cleared: every trainable parameter "
+            "is split across ranks (OSS PartitionMode kSplit) and split gradients are out of reach of "
+            "module->zero_grad() and p.grad(). Clear with the OSS's or ShardedDDP's zero_grad(), accumulate "
+            "under no_sync(), or use OSSOptions().partition(PartitionMode::kWholeParameters)";
   }
   if (error.empty() && options_.grad_scaling() == GradScaling::kGlobalSamples && global_samples_ <= 0) {
     error = "grad_scaling kGlobalSamples needs set_global_samples(n > 0) before each backward (got " +
@@ -213,16 +238,14 @@ void ShardedDDP::hand_over_reduced() {
       // reduction handed over, if still there, gets it added (Note [Accumulating across
       // reductions]).
       at::Tensor reduced = alias_of(b.buffer.narrow(0, entry.offset, entry.numel), p.sizes());
-      if (!entry.carried.defined() && entry.whole && is_handed_over(entry)) entry.carried = p.grad();
+      if (!entry.carried.defined() && (entry.whole || carry_split_) && is_handed_over(entry)) entry.carried = p.grad();
       if (entry.carried.defined()) {
         p.mutable_grad() = entry.carried.add_(reduced);
       } else {
         p.mutable_grad() = reduced;
       }
-      if (entry.whole) {
-        entry.handed_over.emplace(p.grad().getIntrusivePtr());
-        entry.handed_version = static_cast<int64_t>(p.grad()._version());
-      }
+      entry.handed_over.emplace(p.grad().getIntrusivePtr());
+      entry.handed_version = static_cast<int64_t>(p.grad()._version());
     }
   }
 }

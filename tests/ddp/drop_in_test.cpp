@@ -151,19 +151,22 @@ TEST(DropIn, ClearingBetweenForwardAndBackwardGivesDdpsResult) {
 }
 
 // Two and three backward passes per step without no_sync and without clearing between them:
-// each one's averaged gradient adds to the last, as with DDP (parameters held whole; w2 and b2
-// frozen for steps 3 and 4). Split parameters do not do this yet (see docs/design.md).
+// each one's averaged gradient adds to the last, as with DDP, for parameters held whole and split
+// (w2 and b2 frozen for steps 3 and 4; every clearing style between steps).
 TEST(DropIn, AccumulationWithoutNoSyncAddsEachAveragedGradient) {
   for (int world : {2, 3}) {
     for (int backwards : {2, 3}) {
-      Habits h;
-      h.world = world;
-      h.backwards = backwards;
-      h.bucket_bytes = 160;
-      h.partition = PartitionMode::kWholeParameters;
-      SCOPED_TRACE(h.name());
-      h.run();
-      if (::testing::Test::HasFatalFailure()) return;
+      for (auto partition : {PartitionMode::kWholeParameters, PartitionMode::kSplit}) {
+        Habits h;
+        h.world = world;
+        h.backwards = backwards;
+        h.bucket_bytes = 160;
+        h.partition = partition;
+        h.first_style = backwards;
+        SCOPED_TRACE(h.name());
+        h.run();
+        if (::testing::Test::HasFatalFailure()) return;
+      }
     }
   }
 }
@@ -187,6 +190,62 @@ TEST(DropIn, SequentialGoesThroughForward) {
     }
     const auto mine = seq->parameters(), theirs = ref->parameters();
     for (size_t i = 0; i < mine.size(); ++i) EXPECT_LE(testing::rel_diff(mine[i], theirs[i]), 1e-6) << "parameter " << i;
+  });
+}
+
+// A module whose forward is a template: forward(x) calls it with the tensor.
+struct TemplateForward : torch::nn::Module {
+  TemplateForward() { fc = register_module("fc", torch::nn::Linear(5, 3)); }
+  template <class T>
+  at::Tensor forward(T&& x) { return fc->forward(std::forward<T>(x)); }
+  torch::nn::Linear fc{nullptr};
+};
+
+// One whose template forward takes no single tensor: forward() names pre_forward().
+struct PairForward : torch::nn::Module {
+  PairForward() { fc = register_module("fc", torch::nn::Linear(5, 3)); }
+  template <class A, class B>
+  at::Tensor forward(A&& a, B&& b) { return fc->forward(a + b); }
+  torch::nn::Linear fc{nullptr};
+};
+
+TEST(DropIn, TemplateForwardTakingATensorGoesThroughForward) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<TemplateForward>();
+    OSS oss(net->parameters(), optimizer<optim::SGD>(optim::SGDOptions(0.1)), g);
+    ShardedDDP ddp(net, oss);  // every rank starts from rank 0's values
+    auto ref = torch::nn::Linear(5, 3);
+    {
+      at::NoGradGuard no_grad;
+      ref->weight.copy_(net->fc->weight);
+      ref->bias.copy_(net->fc->bias);
+    }
+    optim::SGD ref_opt(ref->parameters(), optim::SGDOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      auto data = testing::rank_data(step, g->rank(), 4);
+      ddp.zero_grad();
+      testing::loss_of(ddp.forward(data.x), data, 4).backward();
+      oss.step();
+      ref_opt.zero_grad();
+      testing::loss_of(ref->forward(data.x), data, 4).backward();
+      testing::allreduce_grads(ref->parameters(), *g);
+      ref_opt.step();
+    }
+    EXPECT_LE(testing::rel_diff(net->fc->weight, ref->weight), 1e-6);
+    EXPECT_LE(testing::rel_diff(net->fc->bias, ref->bias), 1e-6);
+
+    auto pair = std::make_shared<PairForward>();
+    OSS pair_oss(pair->parameters(), optimizer<optim::SGD>(optim::SGDOptions(0.1)), g);
+    ShardedDDP pair_ddp(pair, pair_oss);
+    auto x = torch::randn({2, 5});
+    try {
+      pair_ddp.forward(x, x);
+      ADD_FAILURE() << "forward() of a module it cannot call must fail";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("call pre_forward() and then the module"), std::string::npos) << e.what();
+    }
+    pair_ddp.pre_forward();  // the documented way
+    EXPECT_EQ(pair->forward(x, x).size(1), 3);
   });
 }
 
@@ -220,26 +279,35 @@ TEST(DropIn, UnfreezingBetweenBackwardAndStepWaitsForTheNextStep) {
   }
 }
 
-// With split parameters the same habit cannot give DDP's result; it is an error on every rank,
-// not a silent divergence. Clearing in place (zero_grad(false)) is not mistaken for it.
-TEST(DropIn, AccumulationWithoutNoSyncWithSplitParametersIsAnErrorOnEveryRank) {
+// A model whose only parameter is split: no rank holds a whole gradient that shows whether the
+// user cleared with module->zero_grad() (which split pieces are out of reach of) or not at all, so
+// a second backward after such clearing is an error on every rank, not a silent divergence.
+// Clearing through the OSS (which reaches the pieces) is fine.
+struct OneTensor : torch::nn::Module {
+  OneTensor() { w = register_parameter("w", torch::randn({8, 4}, at::TensorOptions().dtype(at::kDouble))); }
+  at::Tensor forward(at::Tensor x) { return x.matmul(w); }
+  at::Tensor w;
+};
+
+TEST(DropIn, AccumulationThatCannotBeToldFromClearingIsAnErrorOnEveryRank) {
   auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
-    auto net = std::make_shared<Net>();
+    torch::manual_seed(3);
+    auto net = std::make_shared<OneTensor>();
     OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
             OSSOptions().partition(PartitionMode::kSplit));
     ShardedDDP ddp(net, oss);
-    ASSERT_EQ(oss.owners(net->params[0]).size(), 2u) << "w1 must be split for this test";
-    for (int step = 0; step < 2; ++step) {  // cleared in place between steps: fine
-      ddp.zero_grad(false);
-      auto data = testing::rank_data(step, g->rank(), 4);
-      testing::loss_of(ddp.forward(data.x), data, 4).backward();
+    ASSERT_EQ(oss.owners(net->w).size(), 2u) << "w must be split for this test";
+    auto x = torch::randn({3, 8}, at::TensorOptions().dtype(at::kDouble)) + g->rank();
+    for (int step = 0; step < 2; ++step) {  // cleared through the OSS: fine
+      oss.zero_grad();
+      ddp.forward(x).sum().backward();
       oss.step();
     }
-    auto data = testing::rank_data(5, g->rank(), 4);
-    testing::loss_of(ddp.forward(data.x), data, 4).backward();  // not cleared since the last one
+    net->zero_grad();  // does not reach the split pieces
+    ddp.forward(x).sum().backward();
   });
   for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(errors[r].find("a backward ran while the gradients of the last one were not cleared"), std::string::npos)
+    EXPECT_NE(errors[r].find("cannot tell whether the gradients of the last backward were cleared"), std::string::npos)
         << "rank " << r << ": " << errors[r];
   }
 }

@@ -261,6 +261,69 @@ TEST(ShardedDDP, GlobalSamplesScalingEqualsSingleProcessOnRealSamples) {
   });
 }
 
+// Two micro-batches per step with kGlobalSamples, accumulated either under no_sync() (one
+// reduction, divided by the real samples of both) or by two synchronised backward passes without
+// clearing (each divided by its own count and added, as two DDP backward passes would be), with
+// parameters held whole and split. Micro-batch 0 has 6 real samples over the ranks, micro-batch 1
+// has 8, so the two ways give different results and each is checked against its own reference.
+TEST(ShardedDDP, GlobalSamplesWithAccumulationEqualsSingleProcess) {
+  const std::vector<std::vector<std::vector<uint8_t>>> real = {{{1, 1, 1, 1}, {1, 0, 1, 0}},
+                                                               {{1, 1, 1, 1}, {1, 1, 1, 1}}};
+  const int counts[] = {6, 8};
+  for (bool under_no_sync : {true, false}) {
+    Params expected = testing::make_params();
+    {
+      optim::SGD opt(expected, optim::SGDOptions(0.1).momentum(0.9));
+      for (int step = 0; step < 3; ++step) {
+        opt.zero_grad();
+        for (int m = 0; m < 2; ++m) {
+          std::vector<at::Tensor> xs, ys;
+          for (int r = 0; r < 2; ++r) {
+            auto d = testing::rank_data(step * 2 + m, r, 4);
+            for (int i = 0; i < 4; ++i) {
+              if (real[m][r][i]) xs.push_back(d.x[i].unsqueeze(0)), ys.push_back(d.y[i].unsqueeze(0));
+            }
+          }
+          const double divisor = under_no_sync ? counts[0] + counts[1] : counts[m];
+          testing::loss(expected, {at::cat(xs), at::cat(ys)}, divisor).backward();
+        }
+        opt.step();
+      }
+    }
+    for (auto partition : {PartitionMode::kWholeParameters, PartitionMode::kSplit}) {
+      run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+        auto net = std::make_shared<TinyNet>();
+        OSS oss(net->parameters(), optimizer<optim::SGD>(optim::SGDOptions(0.1).momentum(0.9)), g,
+                OSSOptions().partition(partition));
+        ShardedDDP ddp(net, oss, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples).reduce_bucket_bytes(64));
+        for (int step = 0; step < 3; ++step) {
+          ddp.zero_grad(true);
+          for (int m = 0; m < 2; ++m) {
+            auto d = testing::rank_data(step * 2 + m, g->rank(), 4);
+            const auto& mine = real[m][g->rank()];
+            at::Tensor mask = at::tensor(std::vector<float>(mine.begin(), mine.end())).unsqueeze(1);
+            at::Tensor out = ddp.forward(d.x, true);
+            at::Tensor loss = ((out - d.y).pow(2) * mask).sum();
+            if (under_no_sync && m == 0) {
+              auto guard = ddp.no_sync();
+              loss.backward();
+            } else {
+              ddp.set_global_samples(under_no_sync ? counts[0] + counts[1] : counts[m]);
+              loss.backward();
+            }
+          }
+          oss.step();
+        }
+        for (size_t i = 0; i < expected.size(); ++i) {
+          EXPECT_LE(testing::rel_diff(net->params[i], expected[i]), 1e-5)
+              << "parameter " << i << (under_no_sync ? ", under no_sync" : ", without clearing") << ", partition "
+              << static_cast<int>(partition);
+        }
+      });
+    }
+  }
+}
+
 // A model of 8 equal tensors: each rank ends a backward with only its own gradients.
 struct Wide : torch::nn::Module {
   Wide() {

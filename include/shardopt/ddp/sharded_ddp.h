@@ -24,9 +24,10 @@
 // OSSOptions::rebalance) and the buckets follow the new owners; a frozen parameter's optimizer
 // state is kept for when it is unfrozen.
 //
-// forward() calls the module's own forward through torch::nn::AnyModule, so the module needs a
-// (non-template) forward method, or is a torch::nn::Sequential; for other modules call
-// pre_forward() and then the module.
+// forward() calls the module's own forward: through torch::nn::AnyModule for a (non-template)
+// forward method, directly for a torch::nn::Sequential (any arguments), and as Tensor(Tensor) for
+// another module whose forward is a template that takes one tensor. For any other module
+// forward() is an error naming pre_forward(): call pre_forward() and then the module.
 #pragma once
 
 #include <shardopt/check.h>
@@ -39,6 +40,7 @@
 #include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
 
 #include <memory>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -99,8 +101,9 @@ class ShardedDDP {
         return sequential->forward<R>(std::forward<Args>(args)...);
       }
     }
-    SHARDOPT_CHECK(callable_, "ShardedDDP::forward needs a module with a (non-template) forward() method or a "
-                   "Sequential; for this module call pre_forward() and then the module yourself");
+    SHARDOPT_CHECK(callable_, "ShardedDDP::forward needs a module with a (non-template) forward() method, a "
+                   "Sequential, or a template forward that takes one tensor; for this module call pre_forward() "
+                   "and then the module yourself");
     pre_forward();
     return callable_->forward<R>(std::forward<Args>(args)...);
   }
@@ -130,10 +133,27 @@ class ShardedDDP {
   struct Bucket;
   struct Hooked;
 
+  // Calls a module whose forward is a template with one tensor, for AnyModule (which holds only
+  // modules with a non-template forward). Holds the module without registering it: the
+  // parameters stay the wrapped module's.
+  template <class M>
+  struct TensorForward : torch::nn::Module {
+    explicit TensorForward(std::shared_ptr<M> m) : module(std::move(m)) {}
+    at::Tensor forward(at::Tensor x) { return module->forward(std::move(x)); }
+    std::shared_ptr<M> module;
+  };
+  template <class M, class = void>
+  struct ForwardsTensor : std::false_type {};
+  template <class M>
+  struct ForwardsTensor<M, std::void_t<decltype(at::Tensor(std::declval<M&>().forward(std::declval<at::Tensor>())))>>
+      : std::true_type {};
+
   template <class M>
   static std::shared_ptr<torch::nn::AnyModule> make_any(const std::shared_ptr<M>& module) {
     if constexpr (torch::detail::has_forward<M>::value) {
       return std::make_shared<torch::nn::AnyModule>(module);
+    } else if constexpr (!std::is_base_of_v<torch::nn::SequentialImpl, M> && ForwardsTensor<M>::value) {
+      return std::make_shared<torch::nn::AnyModule>(std::make_shared<TensorForward<M>>(module));
     } else {
       return nullptr;
     }
@@ -160,6 +180,7 @@ class ShardedDDP {
   // Sets aside an owner's gradient that the last reduction handed over (a hook of hooked_[h]).
   void before_accumulation(size_t hooked);
   bool is_handed_over(const Entry& entry) const;
+  at::Tensor clearing_evidence() const;
   // Divides the owned buckets and makes them the owners' gradients.
   void hand_over_reduced();
   void start_mask_check();
@@ -196,6 +217,7 @@ class ShardedDDP {
   int64_t rebuilds_ = 0;
   bool has_split_pieces_ = false;  // some bucket holds part of a parameter
   bool uncleared_ = false;         // this backward found a handed-over gradient left exactly as it was
+  bool carry_split_ = false;       // split pieces carry their last reduction over (gradients uncleared)
 };
 
 }  // namespace shardopt
