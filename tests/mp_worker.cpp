@@ -3,6 +3,8 @@
 //   mp_worker oss_parity     OSS(Adam, SGD) vs the all-reduce reference, 10 steps
 //   mp_worker ddp_parity     OSS + ShardedDDP vs the all-reduce reference, with freezing
 //   mp_worker fail_rank R    rank R exits with code 3; the others wait in a collective
+//   mp_worker checkpoint_writer PATH   writes checkpoints to PATH without end (no group)
+#include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/ddp/sharded_ddp.h>
 
@@ -93,6 +95,17 @@ int main(int argc, char** argv) {
   }
   try {
     at::set_num_threads(1);
+    if (std::strcmp(argv[1], "checkpoint_writer") == 0 && argc > 2) {
+      // Writes checkpoints to argv[2] without end, each 32 MB, one line after each: for the test
+      // that kills a process in the middle of a save.
+      for (int64_t count = 1;; ++count) {
+        c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+        d.insert("count", count);
+        d.insert("blob", at::full({8 << 20}, static_cast<float>(count)));
+        write_checkpoint_file(argv[2], d);
+        std::cout << "saved " << count << std::endl;
+      }
+    }
     auto group = init_process_group(InitOptions().backend("gloo").timeout(std::chrono::seconds(60)));
     if (std::strcmp(argv[1], "oss_parity") == 0) {
       oss_parity(*group, group, "Adam", optimizer<optim::Adam>(optim::AdamOptions(1e-2)));

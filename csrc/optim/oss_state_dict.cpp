@@ -71,8 +71,8 @@ class Stitcher {
     GenericDict state(c10::IntType::get(), c10::AnyType::get());
     for (const auto& [i, entry] : parts_) {
       const auto& [full, filled] = entry;
-      TORCH_INTERNAL_ASSERT(filled == params_[i].numel(), "the state of parameter ", i, " covers ", filled, " of ",
-                            params_[i].numel(), " elements");
+      SHARDOPT_CHECK(filled == params_[i].numel(), "the state of parameter ", i, " covers ", filled, " of ",
+                     params_[i].numel(), " elements (a shard missing or given twice?)");
       GenericDict shaped = detail::make_string_dict();
       for (const auto& v : full) {
         shaped.insert(v.key(), detail::is_state_tensor(v) ? c10::IValue(v.value().toTensor().view(params_[i].sizes())) : v.value());
@@ -119,6 +119,15 @@ void OSS::consolidate_state_dict(int recipient) {
   const GenericDict state = stitcher.finish();
   if (rank != recipient) return;
 
+  GenericDict result = detail::make_string_dict();
+  result.insert("state", state);
+  result.insert("param_groups", param_groups_value());
+  consolidated_ = result;
+}
+
+// The param groups in PyTorch's layout: options and parameter indices.
+c10::impl::GenericList OSS::param_groups_value() const {
+  const auto& codec = detail::codec_for(*local_);
   c10::impl::GenericList groups(c10::AnyType::get());
   size_t index = 0;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
@@ -129,10 +138,33 @@ void OSS::consolidate_state_dict(int recipient) {
     d.insert("params", ids);
     groups.push_back(d);
   }
+  return groups;
+}
+
+torch::IValue OSS::state_shard() {
+  SHARDOPT_CHECK(!holdings_.empty() || params_.empty(), "OSS::state_shard before the first layout");
+  const auto& codec = detail::codec_for(*local_);
+  settle_state();
+  GenericDict d = detail::make_string_dict();
+  d.insert("shard", own_shard(holdings_, *local_, codec, group_->rank()));
+  d.insert("param_groups", param_groups_value());
+  d.insert("rank", static_cast<int64_t>(group_->rank()));
+  d.insert("world_size", static_cast<int64_t>(group_->size()));
+  return d;
+}
+
+torch::IValue OSS::state_dict_from_shards(const std::vector<torch::IValue>& shards) const {
+  SHARDOPT_CHECK(!shards.empty(), "state_dict_from_shards needs at least one shard");
+  Stitcher stitcher(params_);
+  for (size_t r = 0; r < shards.size(); ++r) {
+    SHARDOPT_CHECK(shards[r].isGenericDict() && shards[r].toGenericDict().contains("shard"),
+                   "state_dict_from_shards: shard ", r, " is not a state_shard() value");
+    stitcher.add(shards[r].toGenericDict().at("shard").toList());
+  }
   GenericDict result = detail::make_string_dict();
-  result.insert("state", state);
-  result.insert("param_groups", groups);
-  consolidated_ = result;
+  result.insert("state", stitcher.finish());
+  result.insert("param_groups", shards[0].toGenericDict().at("param_groups"));
+  return result;
 }
 
 torch::IValue OSS::state_dict() const {

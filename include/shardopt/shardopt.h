@@ -3,6 +3,7 @@
 //   optim/  OSS (sharded optimizer state) and the partition it uses
 //   ddp/    ShardedDDP (sharded gradients)
 //   data/   BalancedSampler and its torch::data adapter
+//   checkpoint/  save_checkpoint / load_checkpoint
 #pragma once
 
 #include <shardopt/comm/process_group.h>
@@ -11,3 +12,4 @@
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/data/sampler.h>
 #include <shardopt/data/data_sampler.h>
+#include <shardopt/checkpoint/checkpoint.h>

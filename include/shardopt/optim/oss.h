@@ -153,6 +153,13 @@ class OSS : public torch::optim::Optimizer {
   torch::IValue state_dict() const;
   // Loads a full state dict (from any world size) on this rank: every rank calls it.
   void load_state_dict(const torch::IValue& state);
+  // This rank's part of the state: {"shard": [{"param", "begin", "end", "state"}, ...],
+  // "param_groups", "rank", "world_size"}, each range in its parameter's elements. Collective
+  // (state still owed to this rank after a re-partition moves first).
+  torch::IValue state_shard();
+  // The full state dict (PyTorch's layout) stitched from every rank's state_shard(), from an OSS
+  // of any world size over the same parameters. Local; an incomplete set is an error.
+  torch::IValue state_dict_from_shards(const std::vector<torch::IValue>& shards) const;
 
   // Writes the consolidated state (on the recipient); load() reads it on any world size.
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -221,6 +228,7 @@ class OSS : public torch::optim::Optimizer {
   void settle_state();
   // The saved state entries of a state dict, by parameter index (shapes checked).
   std::unordered_map<size_t, c10::impl::GenericDict> saved_entries(const c10::impl::GenericDict& dict) const;
+  c10::impl::GenericList param_groups_value() const;
   // The gradient of holding h of parameter i on this rank, or undefined.
   at::Tensor holding_grad(size_t i, const detail::Holding& h) const;
 

@@ -1,8 +1,10 @@
-/* Status codes of the CUDA kernel layer.
+/* Status codes of the CUDA kernel layer to come.
  *
- * kernels/ is a C ABI: headers take raw pointers, int64_t element counts and a cudaStream_t
- * last, and carry no LibTorch (or other C++) types; csrc/ adapts tensors to it. Every entry
- * point returns a shardopt_kernel_status, which the caller checks at every call. */
+ * No kernel or entry point exists yet, and nothing in csrc/ includes this header; the build
+ * only compiles it as C99. The contract for the kernels to come: kernels/ is a C ABI whose
+ * headers take raw pointers, int64_t element counts and a cudaStream_t last, and carry no
+ * LibTorch (or other C++) types; csrc/ is to adapt tensors to it. Every entry point is to
+ * return a shardopt_kernel_status, which the caller checks at every call. */
 #ifndef SHARDOPT_KERNELS_STATUS_H_
 #define SHARDOPT_KERNELS_STATUS_H_
 

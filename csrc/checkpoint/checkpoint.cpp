@@ -1,0 +1,344 @@
+// Checkpoints: the file format (header, checksum, atomic write) and the collective save/load.
+#include <shardopt/checkpoint/checkpoint.h>
+#include <shardopt/check.h>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <zlib.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+#include <random>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace shardopt {
+
+namespace {
+
+using Dict = c10::impl::GenericDict;
+using List = c10::impl::GenericList;
+
+constexpr char kMagic[8] = {'S', 'H', 'R', 'D', 'C', 'K', 'P', 'T'};
+constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8 + 4;
+
+Dict string_dict() { return Dict(c10::StringType::get(), c10::AnyType::get()); }
+
+template <class T>
+void put(std::vector<char>& out, T value) {  // little-endian, as every supported host is
+  const char* p = reinterpret_cast<const char*>(&value);
+  out.insert(out.end(), p, p + sizeof(T));
+}
+template <class T>
+T get(const char* p) {
+  T value;
+  std::memcpy(&value, p, sizeof(T));
+  return value;
+}
+
+uint32_t crc_of(const char* data, size_t n) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  while (n > 0) {  // crc32 takes a uInt length
+    const uInt chunk = static_cast<uInt>(std::min<size_t>(n, 1u << 30));
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(data), chunk);
+    data += chunk;
+    n -= chunk;
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+std::string folder_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+}
+
+void write_all(int fd, const char* data, size_t n, const std::string& path) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, data, n);
+    if (w < 0 && errno == EINTR) continue;
+    SHARDOPT_CHECK(w > 0, "checkpoint '", path, "': write failed: ", std::strerror(errno));
+    data += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+std::string shard_path(const std::string& path, int64_t rank, int64_t world) {
+  return path + ".optim-" + std::to_string(rank) + "-of-" + std::to_string(world);
+}
+
+// Every rank learns whether any rank failed; the failing rank's own message is thrown there, the
+// others name it.
+void agree_on_failure(ProcessGroup& group, const std::string& error, const std::string& what, const std::string& path) {
+  at::Tensor failed = at::full({1}, error.empty() ? int64_t{0} : int64_t{group.rank() + 1}, at::kLong);
+  group.allreduce(failed, Reduction::kMax);
+  const int64_t who = failed.item<int64_t>();
+  if (who == 0) return;
+  SHARDOPT_CHECK(error.empty(), error);
+  SHARDOPT_CHECK(false, what, " checkpoint '", path, "' failed on rank ", who - 1, " (see that rank's error)");
+}
+
+std::string strip_prefix(const std::string& message) {
+  std::string m = message.substr(0, message.find('\n'));
+  const std::string prefix = "shardopt: ";
+  return m.rfind(prefix, 0) == 0 ? m.substr(prefix.size()) : m;
+}
+
+at::Tensor rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return at::Tensor(gen.get_state()).clone();
+}
+
+void set_rng_state(const at::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+Dict sampler_value(const SamplerState& s) {
+  Dict d = string_dict();
+  d.insert("version", s.version);
+  d.insert("fingerprint", static_cast<int64_t>(s.fingerprint));
+  d.insert("dataset_size", s.dataset_size);
+  d.insert("global_batch_size", s.global_batch_size);
+  d.insert("epoch", s.epoch);
+  d.insert("next_step", s.next_step);
+  return d;
+}
+
+SamplerState sampler_of(const Dict& d) {
+  SamplerState s;
+  s.version = d.at("version").toInt();
+  s.fingerprint = static_cast<uint64_t>(d.at("fingerprint").toInt());
+  s.dataset_size = d.at("dataset_size").toInt();
+  s.global_batch_size = d.at("global_batch_size").toInt();
+  s.epoch = d.at("epoch").toInt();
+  s.next_step = d.at("next_step").toInt();
+  return s;
+}
+
+// Parameters and buffers by name, each a compact CPU copy (a parameter that is a view of a flat
+// buffer would otherwise write the whole buffer).
+Dict module_value(const torch::nn::Module& module) {
+  Dict d = string_dict();
+  for (const auto& p : module.named_parameters()) d.insert(p.key(), p.value().detach().cpu().clone());
+  for (const auto& b : module.named_buffers()) d.insert(b.key(), b.value().detach().cpu().clone());
+  return d;
+}
+
+Dict trainable_value(const torch::nn::Module& module) {
+  Dict d = string_dict();
+  for (const auto& p : module.named_parameters()) d.insert(p.key(), p.value().requires_grad());
+  return d;
+}
+
+void load_module(const std::string& path, const Dict& saved, const Dict& trainable, torch::nn::Module& module) {
+  size_t expected = 0;
+  auto load_one = [&](const std::string& name, at::Tensor t, bool is_param) {
+    ++expected;
+    SHARDOPT_CHECK(saved.contains(name), "checkpoint '", path, "' has no ", is_param ? "parameter" : "buffer", " '",
+                   name, "' of the module");
+    const at::Tensor v = saved.at(name).toTensor();
+    SHARDOPT_CHECK(v.sizes() == t.sizes(), "checkpoint '", path, "': '", name, "' has shape ", v.sizes(),
+                   " but the module's has shape ", t.sizes());
+    at::NoGradGuard no_grad;
+    t.copy_(v);
+    if (is_param && trainable.contains(name)) t.requires_grad_(trainable.at(name).toBool());
+  };
+  for (const auto& p : module.named_parameters()) load_one(p.key(), p.value(), true);
+  for (const auto& b : module.named_buffers()) load_one(b.key(), b.value(), false);
+  SHARDOPT_CHECK(saved.size() == expected, "checkpoint '", path, "' holds ", saved.size(),
+                 " parameters and buffers, the module has ", expected, " (another model?)");
+}
+
+void check_keys(const std::string& path, const Dict& d, std::initializer_list<const char*> keys) {
+  for (const char* k : keys) {
+    SHARDOPT_CHECK(d.contains(k), "checkpoint '", path, "' has no \"", k, "\" entry (not written by save_checkpoint?)");
+  }
+}
+
+}  // namespace
+
+void write_checkpoint_file(const std::string& path, const torch::IValue& payload) {
+  const std::vector<char> body = torch::pickle_save(payload);
+  std::vector<char> header;
+  header.insert(header.end(), kMagic, kMagic + sizeof(kMagic));
+  put<uint32_t>(header, kCheckpointFormatVersion);
+  put<uint32_t>(header, 0);
+  put<uint64_t>(header, body.size());
+  put<uint32_t>(header, crc_of(body.data(), body.size()));
+
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  SHARDOPT_CHECK(fd >= 0, "checkpoint '", path, "': cannot create '", tmp, "': ", std::strerror(errno));
+  try {
+    write_all(fd, header.data(), header.size(), path);
+    write_all(fd, body.data(), body.size(), path);
+    SHARDOPT_CHECK(::fsync(fd) == 0, "checkpoint '", path, "': fsync failed: ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    SHARDOPT_CHECK(false, "checkpoint '", path, "': cannot rename the temporary file into place: ", std::strerror(err));
+  }
+  // The rename itself is durable once the folder is.
+  const int dir = ::open(folder_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
+  }
+}
+
+torch::IValue read_checkpoint_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  SHARDOPT_CHECK(fd >= 0, "checkpoint '", path, "': cannot open: ", std::strerror(errno));
+  std::vector<char> bytes;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    bytes.insert(bytes.end(), buf, buf + n);
+  }
+  ::close(fd);
+  SHARDOPT_CHECK(bytes.size() >= kHeaderBytes && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0,
+                 "checkpoint '", path, "' is not a shardopt checkpoint (", bytes.size(), " bytes, no SHRDCKPT header)");
+  const auto version = get<uint32_t>(bytes.data() + 8);
+  SHARDOPT_CHECK(version == kCheckpointFormatVersion, "checkpoint '", path, "' has format version ", version,
+                 "; this build reads version ", kCheckpointFormatVersion);
+  const auto length = get<uint64_t>(bytes.data() + 16);
+  const auto crc = get<uint32_t>(bytes.data() + 24);
+  SHARDOPT_CHECK(bytes.size() - kHeaderBytes == length, "checkpoint '", path, "' is truncated or padded: the header ",
+                 "announces ", length, " bytes of payload, the file holds ", bytes.size() - kHeaderBytes);
+  const char* body = bytes.data() + kHeaderBytes;
+  SHARDOPT_CHECK(crc_of(body, length) == crc, "checkpoint '", path, "' is corrupted (CRC-32 mismatch)");
+  try {
+    return torch::pickle_load(std::vector<char>(body, body + length));
+  } catch (const std::exception& e) {
+    SHARDOPT_CHECK(false, "checkpoint '", path, "': its payload does not unpickle: ", strip_prefix(e.what()));
+  }
+  return {};
+}
+
+void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer, const TrainingState& state,
+                     CheckpointOptions options) {
+  ProcessGroup& group = optimizer.process_group();
+  const int rank = group.rank(), world = group.size();
+  const bool sharded = options.optimizer_state() == OptimizerStateLayout::kSharded;
+  // One id ties the shard files to their main file.
+  at::Tensor id = at::full({1}, rank == 0 ? static_cast<int64_t>(std::random_device()() >> 1) : int64_t{0}, at::kLong);
+  group.broadcast(id, 0);
+
+  // Collectives first (every rank takes part alike); local work is caught and agreed on below.
+  torch::IValue optimizer_value;
+  if (sharded) {
+    optimizer_value = optimizer.state_shard();
+  } else {
+    optimizer.consolidate_state_dict(0);
+    if (rank == 0) optimizer_value = optimizer.state_dict();
+  }
+  std::vector<torch::IValue> rng_states;
+  for (int r = 0; r < world; ++r) {
+    if (r == 0) {
+      if (rank == 0) rng_states.emplace_back(rng_state());
+    } else if (rank == r) {
+      group.send_bytes(torch::pickle_save(rng_state()), 0, r);
+    } else if (rank == 0) {
+      rng_states.push_back(torch::pickle_load(group.recv_bytes(r, r)));
+    }
+  }
+
+  std::string error;
+  try {
+    if (sharded) {
+      Dict d = string_dict();
+      d.insert("checkpoint_id", id.item<int64_t>());
+      d.insert("optimizer_shard", optimizer_value);
+      write_checkpoint_file(shard_path(path, rank, world), d);
+    }
+  } catch (const std::exception& e) {
+    error = strip_prefix(e.what());
+  }
+  // The main file last: it names the shards, which exist by then on every rank that wrote one.
+  at::Tensor shards_ok = at::full({1}, error.empty() ? int64_t{0} : int64_t{1}, at::kLong);
+  group.allreduce(shards_ok, Reduction::kMax);
+  if (rank == 0 && error.empty() && shards_ok.item<int64_t>() == 0) {
+    try {
+      Dict d = string_dict();
+      d.insert("format", std::string("shardopt-checkpoint"));
+      d.insert("world_size", static_cast<int64_t>(world));
+      d.insert("checkpoint_id", id.item<int64_t>());
+      d.insert("model", module_value(module));
+      d.insert("trainable", trainable_value(module));
+      d.insert("optimizer_layout", std::string(sharded ? "sharded" : "consolidated"));
+      if (!sharded) d.insert("optimizer", optimizer_value);
+      List rng(c10::AnyType::get());
+      for (auto& s : rng_states) rng.push_back(s);
+      d.insert("rng", rng);
+      d.insert("step", state.step);
+      d.insert("epoch", state.epoch);
+      d.insert("sampler", state.sampler ? torch::IValue(sampler_value(*state.sampler)) : torch::IValue());
+      c10::Dict<std::string, double> scalars;
+      for (const auto& [k, v] : state.scalars) scalars.insert(k, v);
+      d.insert("scalars", scalars);
+      write_checkpoint_file(path, d);
+    } catch (const std::exception& e) {
+      error = strip_prefix(e.what());
+    }
+  }
+  agree_on_failure(group, error, "saving", path);
+}
+
+TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer) {
+  ProcessGroup& group = optimizer.process_group();
+  TrainingState state;
+  std::string error;
+  try {
+    const torch::IValue value = read_checkpoint_file(path);
+    SHARDOPT_CHECK(value.isGenericDict(), "checkpoint '", path, "' holds no dict");
+    const Dict d = value.toGenericDict();
+    check_keys(path, d, {"format", "world_size", "checkpoint_id", "model", "trainable", "optimizer_layout", "rng",
+                         "step", "epoch", "sampler", "scalars"});
+    load_module(path, d.at("model").toGenericDict(), d.at("trainable").toGenericDict(), module);
+
+    const int64_t saved_world = d.at("world_size").toInt();
+    if (d.at("optimizer_layout").toStringRef() == "sharded") {
+      std::vector<torch::IValue> shards;
+      for (int64_t r = 0; r < saved_world; ++r) {
+        const std::string file = shard_path(path, r, saved_world);
+        const Dict s = read_checkpoint_file(file).toGenericDict();
+        SHARDOPT_CHECK(s.at("checkpoint_id").toInt() == d.at("checkpoint_id").toInt(), "checkpoint '", file,
+                       "' belongs to another save than '", path, "'");
+        shards.push_back(s.at("optimizer_shard"));
+      }
+      optimizer.load_state_dict(optimizer.state_dict_from_shards(shards));
+    } else {
+      check_keys(path, d, {"optimizer"});
+      optimizer.load_state_dict(d.at("optimizer"));
+    }
+
+    const auto rng = d.at("rng").toListRef();
+    const size_t mine = saved_world == group.size() ? static_cast<size_t>(group.rank()) : 0;
+    SHARDOPT_CHECK(mine < rng.size(), "checkpoint '", path, "' holds ", rng.size(), " random-number states for ",
+                   saved_world, " ranks");
+    set_rng_state(rng[mine].toTensor());
+
+    state.step = d.at("step").toInt();
+    state.epoch = d.at("epoch").toInt();
+    if (!d.at("sampler").isNone()) state.sampler = sampler_of(d.at("sampler").toGenericDict());
+    for (const auto& kv : d.at("scalars").toGenericDict()) state.scalars[kv.key().toStringRef()] = kv.value().toDouble();
+  } catch (const std::exception& e) {
+    error = strip_prefix(e.what());
+  }
+  agree_on_failure(group, error, "loading", path);
+  return state;
+}
+
+}  // namespace shardopt

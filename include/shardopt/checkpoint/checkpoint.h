@@ -1,0 +1,72 @@
+// Checkpoints: one collective call saves or restores a whole training run's state.
+//
+//   shardopt::TrainingState state{step, epoch, sampler.state(next_step)};
+//   shardopt::save_checkpoint(dir + "/last.ckpt", *model, opt, state);   // every rank
+//   ...
+//   shardopt::TrainingState resumed = shardopt::load_checkpoint(dir + "/last.ckpt", *model, opt);
+//   sampler.restore(*resumed.sampler);
+//
+// A checkpoint holds the module's parameters and buffers (by name), which parameters were
+// trainable (the freeze state), the optimizer state, each rank's CPU random-number state, and
+// the TrainingState. The optimizer state is either consolidated (PyTorch's layout, the one
+// torch.optim loads in Python) or kept as one file per rank beside the main file (nothing is
+// gathered on one rank); both load on any world size.
+//
+// File format (version kCheckpointFormatVersion): the 8 bytes "SHRDCKPT", the format version and
+// a reserved word (uint32 each, little-endian), the payload length (uint64) and its CRC-32
+// (uint32), then the payload, written by torch::pickle_save (a dict; tools/read_checkpoint.py
+// reads it in Python). Every file is written atomically: to a temporary file in the same folder,
+// fsync'ed, renamed over the target, and the folder fsync'ed, so a kill at any moment leaves
+// either the previous file or the new one. A missing, truncated, corrupted or wrong-version file
+// is an error that names the file, on every rank.
+#pragma once
+
+#include <shardopt/data/sampler.h>
+#include <shardopt/optim/oss.h>
+
+#include <torch/csrc/api/include/torch/nn/module.h>
+
+#include <map>
+#include <optional>
+#include <string>
+
+namespace shardopt {
+
+constexpr uint32_t kCheckpointFormatVersion = 1;
+
+enum class OptimizerStateLayout {
+  kConsolidated,  // gathered on rank 0, one shard at a time, into the main file
+  kSharded,       // each rank writes its own part to "<path>.optim-<rank>-of-<world>"
+};
+
+struct CheckpointOptions {
+  TORCH_ARG(OptimizerStateLayout, optimizer_state) = OptimizerStateLayout::kConsolidated;
+};
+
+// Where a training run is, besides its module and optimizer.
+struct TrainingState {
+  int64_t step = 0;   // optimizer steps taken
+  int64_t epoch = 0;  // the epoch the next step belongs to
+  std::optional<SamplerState> sampler;
+  std::map<std::string, double> scalars;  // anything else the loop keeps (a schedule's position, ...)
+};
+
+// Saves `module`, `optimizer` and `state` to `path`. Collective: every rank of the optimizer's
+// group calls it; rank 0 writes the main file. Every rank throws if any rank failed.
+void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer, const TrainingState& state,
+                     CheckpointOptions options = {});
+
+// Restores what save_checkpoint saved, on any world size: parameters and buffers (copied in
+// place, by name), requires_grad flags, optimizer state, this rank's random-number state (rank
+// 0's when the world size differs), and returns the TrainingState. Collective; every rank throws
+// if any rank failed, naming the file.
+TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer);
+
+// Reads one checkpoint file and checks its header, version and checksum; returns its payload.
+// Local.
+torch::IValue read_checkpoint_file(const std::string& path);
+
+// Writes `payload` to `path` in the checkpoint format, atomically. Local.
+void write_checkpoint_file(const std::string& path, const torch::IValue& payload);
+
+}  // namespace shardopt

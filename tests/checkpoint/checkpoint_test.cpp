@@ -1,0 +1,258 @@
+// Checkpoints: save and load under OSS + ShardedDDP, on the same and on another world size, in
+// both optimizer layouts, against an uninterrupted run; and every way a file can be bad.
+#include <shardopt/checkpoint/checkpoint.h>
+#include <shardopt/ddp/sharded_ddp.h>
+
+#include "harness.h"
+#include "model.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+
+#include <cstdio>
+#include <ftw.h>
+#include <fstream>
+#include <mutex>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char** environ;
+
+namespace shardopt {
+namespace {
+
+namespace optim = torch::optim;
+using testing::run_ranks;
+using Params = std::vector<at::Tensor>;
+
+constexpr int kGlobalBatch = 12;  // divisible by every world size used here
+
+struct Net : torch::nn::Module {
+  Net() {
+    auto p = testing::make_params();
+    const char* names[] = {"w1", "b1", "w2", "b2", "s"};
+    for (size_t i = 0; i < p.size(); ++i) params.push_back(register_parameter(names[i], p[i]));
+    register_buffer("seen", at::zeros({1}));
+  }
+  at::Tensor forward(at::Tensor x) { return testing::output(params, x); }
+  Params params;
+};
+
+OptimizerFactory adam() { return optimizer<optim::Adam>(optim::AdamOptions(2e-2).weight_decay(0.01)); }
+
+// (POSIX calls, not std::filesystem: libtorch.so carries its own copy of those symbols.)
+std::string temp_dir(const std::string& name) {
+  std::string pattern = "/tmp/shardopt-ckpt-" + name + "-XXXXXX";
+  const char* made = ::mkdtemp(pattern.data());
+  TORCH_CHECK(made, "mkdtemp failed for ", pattern);
+  return made;
+}
+
+void remove_tree(const std::string& dir) {
+  ::nftw(dir.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+         FTW_DEPTH | FTW_PHYS);
+}
+
+// Steps [from, to) of a run whose global batch is split over the group; w2 and b2 frozen for
+// steps 2 and 3 (so a save at step 3 carries a freeze).
+void train(Net& net, OSS& oss, ShardedDDP& ddp, ProcessGroup& g, int from, int to) {
+  const int per_rank = kGlobalBatch / g.size();
+  for (int s = from; s < to; ++s) {
+    for (int i : {2, 3}) net.params[i].requires_grad_(s < 2 || s > 3);
+    ddp.zero_grad(true);
+    auto data = testing::rank_data(s, g.rank(), per_rank);
+    if (s == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, g));
+    testing::loss_of(ddp.forward(data.x), data, per_rank).backward();
+    oss.step();
+    at::NoGradGuard no_grad;
+    net.named_buffers()["seen"].add_(1);
+  }
+}
+
+// 6 steps at world w1 uninterrupted; and 3 steps at w1, saved, loaded at w2 into fresh objects,
+// 3 more steps. Returns both final parameter sets (rank 0's).
+std::pair<Params, Params> interrupted_and_not(int w1, int w2, OptimizerStateLayout layout, const std::string& dir) {
+  Params straight, resumed;
+  std::mutex mu;
+  const std::string path = dir + "/run.ckpt";
+  run_ranks(w1, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g);
+    ShardedDDP ddp(net, oss);
+    train(*net, oss, ddp, *g, 0, 3);
+    TrainingState state;
+    state.step = 3;
+    state.epoch = 1;
+    state.scalars["lr_scale"] = 0.5;
+    save_checkpoint(path, *net, oss, state, CheckpointOptions().optimizer_state(layout));
+    train(*net, oss, ddp, *g, 3, 6);
+    std::lock_guard<std::mutex> lock(mu);
+    if (g->rank() == 0) straight = testing::clone_params(net->params);
+  });
+  run_ranks(w2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    {
+      at::NoGradGuard no_grad;
+      for (auto& p : net->params) p.mul_(0.5);  // not the saved values: load must restore them
+    }
+    OSS oss(net->parameters(), adam(), g);
+    ShardedDDP ddp(net, oss);
+    TrainingState state = load_checkpoint(path, *net, oss);
+    EXPECT_EQ(state.step, 3);
+    EXPECT_EQ(state.epoch, 1);
+    EXPECT_EQ(state.scalars.at("lr_scale"), 0.5);
+    EXPECT_FALSE(net->params[2].requires_grad()) << "the freeze state at the save is restored";
+    EXPECT_EQ(net->named_buffers()["seen"].item<float>(), 3.0f) << "buffers are restored";
+    train(*net, oss, ddp, *g, 3, 6);
+    std::lock_guard<std::mutex> lock(mu);
+    if (g->rank() == 0) resumed = testing::clone_params(net->params);
+  });
+  return {straight, resumed};
+}
+
+TEST(Checkpoint, ResumeAtTheSameWorldSizeIsBitExact) {
+  for (auto layout : {OptimizerStateLayout::kConsolidated, OptimizerStateLayout::kSharded}) {
+    const auto dir = temp_dir("same");
+    auto [straight, resumed] = interrupted_and_not(2, 2, layout, dir);
+    ASSERT_EQ(straight.size(), resumed.size());
+    for (size_t i = 0; i < straight.size(); ++i) {
+      EXPECT_TRUE(at::equal(straight[i], resumed[i])) << "parameter " << i << ", layout " << static_cast<int>(layout);
+    }
+    remove_tree(dir);
+  }
+}
+
+TEST(Checkpoint, ResumeAtAnotherWorldSizeMatchesWithinFloatTolerance) {
+  for (auto layout : {OptimizerStateLayout::kConsolidated, OptimizerStateLayout::kSharded}) {
+    for (auto [w1, w2] : {std::pair{2, 3}, std::pair{3, 1}}) {
+      const auto dir = temp_dir("other");
+      auto [straight, resumed] = interrupted_and_not(w1, w2, layout, dir);
+      for (size_t i = 0; i < straight.size(); ++i) {
+        EXPECT_LE(testing::rel_diff(resumed[i], straight[i]), 1e-5)
+            << "parameter " << i << ", " << w1 << " -> " << w2 << ", layout " << static_cast<int>(layout);
+      }
+      remove_tree(dir);
+    }
+  }
+}
+
+// The consolidated optimizer state in a checkpoint is PyTorch's layout: the same as
+// consolidate_state_dict() gives (which the Python interop tests load into torch.optim).
+TEST(Checkpoint, ConsolidatedOptimizerStateIsTorchOptimsLayout) {
+  const auto dir = temp_dir("layout");
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g);
+    ShardedDDP ddp(net, oss);
+    train(*net, oss, ddp, *g, 0, 2);
+    save_checkpoint(dir + "/a.ckpt", *net, oss, {});
+    if (g->rank() != 0) return;
+    const auto d = read_checkpoint_file(dir + "/a.ckpt").toGenericDict();
+    const auto state = d.at("optimizer").toGenericDict().at("state").toGenericDict();
+    EXPECT_EQ(state.size(), 5u);
+    const auto first = state.at(int64_t{0}).toGenericDict();
+    EXPECT_TRUE(first.contains("exp_avg") && first.contains("exp_avg_sq") && first.contains("step"));
+    EXPECT_EQ(first.at("exp_avg").toTensor().sizes(), net->params[0].sizes());
+  });
+  remove_tree(dir);
+}
+
+std::vector<char> slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::vector<char>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+void spit(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// A missing, truncated, corrupted, wrong-version or foreign file is an error naming the file on
+// every rank, never a crash.
+TEST(Checkpoint, BadFilesAreErrorsNamingTheFileOnEveryRank) {
+  const auto dir = temp_dir("bad");
+  const std::string good = dir + "/good.ckpt";
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g);
+    save_checkpoint(good, *net, oss, {});
+  });
+  const std::vector<char> bytes = slurp(good);
+  ASSERT_GT(bytes.size(), 100u);
+  struct Case {
+    std::string name, needle;
+    std::vector<char> content;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"truncated", "is truncated", std::vector<char>(bytes.begin(), bytes.end() - 7)});
+  auto flipped = bytes;
+  flipped[bytes.size() / 2] ^= 0x10;
+  cases.push_back({"corrupted", "is corrupted (CRC-32 mismatch)", flipped});
+  auto version = bytes;
+  version[8] = 9;
+  cases.push_back({"version", "has format version 9; this build reads version 1", version});
+  cases.push_back({"foreign", "is not a shardopt checkpoint", std::vector<char>(100, 'x')});
+  cases.push_back({"empty", "is not a shardopt checkpoint", {}});
+  for (const auto& c : cases) spit(dir + "/" + c.name + ".ckpt", c.content);
+  cases.push_back({"missing", "cannot open", {}});
+
+  for (const auto& c : cases) {
+    const std::string path = dir + "/" + c.name + ".ckpt";
+    auto errors = testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      OSS oss(net->parameters(), adam(), g);
+      load_checkpoint(path, *net, oss);
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_NE(errors[r].find("checkpoint '" + path + "'"), std::string::npos) << c.name << ", rank " << r << ": " << errors[r];
+      EXPECT_NE(errors[r].find(c.needle), std::string::npos) << c.name << ", rank " << r << ": " << errors[r];
+    }
+  }
+  // Another model: the first missing name is named.
+  auto errors = testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto other = std::make_shared<torch::nn::Module>();
+    other->register_parameter("weight", at::zeros({3}));
+    OSS oss(other->parameters(), adam(), g);
+    load_checkpoint(good, *other, oss);
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_NE(errors[r].find("has no parameter 'weight'"), std::string::npos) << errors[r];
+  remove_tree(dir);
+}
+
+// A process killed with SIGKILL while it writes a checkpoint leaves the previous one intact.
+TEST(Checkpoint, AKillDuringASaveLeavesThePreviousCheckpointIntact) {
+  const auto dir = temp_dir("kill");
+  const std::string path = dir + "/run.ckpt";
+  int out[2];
+  ASSERT_EQ(::pipe(out), 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, out[0]);
+  std::string worker = SHARDOPT_MP_WORKER, mode = "checkpoint_writer";
+  char* argv[] = {worker.data(), mode.data(), const_cast<char*>(path.c_str()), nullptr};
+  pid_t pid = 0;
+  ASSERT_EQ(posix_spawn(&pid, worker.c_str(), &actions, nullptr, argv, environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out[1]);
+  // The writer prints one line per completed save; kill it as soon as the second is complete,
+  // while it writes the third.
+  FILE* lines = ::fdopen(out[0], "r");
+  char line[64];
+  int completed = 0;
+  while (completed < 2 && std::fgets(line, sizeof(line), lines)) ++completed;
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  std::fclose(lines);
+  ASSERT_EQ(completed, 2) << "the writer did not complete two saves";
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  const auto d = read_checkpoint_file(path).toGenericDict();  // whole, checksum and all
+  EXPECT_GE(d.at("count").toInt(), 2);
+  EXPECT_EQ(d.at("blob").toTensor().sum().item<double>(), static_cast<double>(d.at("blob").toTensor().numel()) * d.at("count").toInt());
+  remove_tree(dir);
+}
+
+}  // namespace
+}  // namespace shardopt
