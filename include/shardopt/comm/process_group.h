@@ -1,11 +1,12 @@
 // Process groups: how ranks find each other and move tensors.
 //
-// A ProcessGroup wraps one c10d backend (Gloo on CPU) and makes every collective blocking with a
+// A ProcessGroup wraps one c10d backend (Gloo; NCCL for CUDA tensors) and makes every collective blocking with a
 // timeout: no call here waits longer than `timeout()`; a peer that is gone or late becomes a
 // c10::Error naming the collective, the rank and the time waited. `stats()` counts what this
 // rank moved, so tests and benchmarks can assert communication volume.
 //
-//   auto group = shardopt::init_process_group();   // env:// from the launcher, torchrun, mpirun, SLURM
+//   auto group = shardopt::init_process_group();   // env://: RANK/WORLD_SIZE (or the Open MPI, PMI or
+//                                                  // SLURM variables) and MASTER_ADDR/MASTER_PORT
 //   group->allreduce(t);                           // sum over ranks, in place
 #pragma once
 
@@ -78,7 +79,7 @@ class PendingWork {
 
 class ProcessGroup {
  public:
-  // Wraps a backend the caller already holds (for example one made by c10d directly).
+  // Wraps a backend the caller already holds (for example one made by c10d directly; untested).
   ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout);
   ~ProcessGroup();
 
