@@ -296,6 +296,7 @@ void OSS::settle_state() {
     stats.imbalance_after = last_rebalance_.imbalance_after;
     detail::migrate_holdings(*group_, *local_, params_, settled_, holdings_, stats);
     last_rebalance_ = stats;
+    ++state_moves_;
   }
   settled_ = holdings_;
   settled_version_ = layout_version_;

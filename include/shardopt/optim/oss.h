@@ -206,7 +206,10 @@ class OSS : public torch::optim::Optimizer {
   const at::Tensor& piece_tensor(size_t piece) const { return piece_tensors_.at(piece); }
   // Counts re-partitions: owner() answers differently after it changed.
   int64_t partition_version() const { return partition_version_; }
+  // What the last move of optimizer state between ranks did on this rank, and how many moves
+  // there were (a re-partition, or split ranges cut again for a new trainable set).
   const RebalanceStats& last_rebalance() const { return last_rebalance_; }
+  int64_t state_moves() const { return state_moves_; }
 
  private:
   void init(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory);
@@ -248,6 +251,7 @@ class OSS : public torch::optim::Optimizer {
   double whole_imbalance_ = 0.0;      // of the whole-parameter partition at construction (kAuto)
   bool layout_follows_ddp_ = false;   // ShardedDDP lays the buffers out (set_check_trainable_every_step)
   std::vector<std::vector<detail::Holding>> holdings_;  // per parameter: where its state lives now
+  int64_t state_moves_ = 0;
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::vector<at::Tensor> piece_tensors_;               // per layout piece, on its owner
   std::unique_ptr<torch::optim::Optimizer> local_;

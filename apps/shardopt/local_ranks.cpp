@@ -1,0 +1,127 @@
+#include "local_ranks.h"
+
+#include <fmt/format.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace shardopt::app {
+
+namespace {
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  if (fd >= 0) ::close(fd);
+  return port;
+}
+
+int exit_code_of(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+
+}  // namespace
+
+bool under_a_launcher() {
+  for (const char* v : {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    if (std::getenv(v)) return true;
+  }
+  return false;
+}
+
+int run_local_ranks(int n, char** argv) {
+  const int port = free_port();
+  if (port == 0) {
+    std::fprintf(stderr, "shardopt: cannot find a free TCP port on 127.0.0.1 for the local ranks\n");
+    return 1;
+  }
+  std::vector<std::string> base;
+  for (char** e = environ; *e; ++e) {
+    const std::string kv = *e;
+    const std::string key = kv.substr(0, kv.find('='));
+    if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" ||
+        key == "MASTER_ADDR" || key == "MASTER_PORT") {
+      continue;
+    }
+    base.push_back(kv);
+  }
+  std::map<pid_t, int> ranks;  // pid -> rank
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::string> env = base;
+    for (const auto& kv : {fmt::format("RANK={}", r), fmt::format("WORLD_SIZE={}", n), fmt::format("LOCAL_RANK={}", r),
+                           fmt::format("LOCAL_WORLD_SIZE={}", n), std::string("MASTER_ADDR=127.0.0.1"),
+                           fmt::format("MASTER_PORT={}", port)}) {
+      env.push_back(kv);
+    }
+    std::vector<char*> envp;
+    for (auto& kv : env) envp.push_back(kv.data());
+    envp.push_back(nullptr);
+    pid_t pid = 0;
+    const int rc = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, envp.data());
+    if (rc != 0) {
+      std::fprintf(stderr, "shardopt: cannot start local rank %d: %s\n", r, std::strerror(rc));
+      for (const auto& [p, _] : ranks) ::kill(p, SIGKILL);
+      for (const auto& [p, _] : ranks) ::waitpid(p, nullptr, 0);
+      return 1;
+    }
+    ranks[pid] = r;
+  }
+  // When one rank fails, the others get a grace period to report their own error (bad input is
+  // seen by every rank), then are stopped: they may wait in a collective for the failed one.
+  int result = 0;
+  std::chrono::steady_clock::time_point stop_at{};
+  bool stopped = false;
+  while (!ranks.empty()) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, result == 0 ? 0 : WNOHANG);
+    if (pid == 0) {
+      if (!stopped && std::chrono::steady_clock::now() >= stop_at) {
+        for (const auto& [p, _] : ranks) ::kill(p, SIGTERM);
+        stopped = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    auto it = ranks.find(pid);
+    if (it == ranks.end()) continue;
+    const int rank = it->second;
+    ranks.erase(it);
+    const int code = exit_code_of(status);
+    if (code != 0 && result == 0) {
+      result = code;
+      stop_at = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      if (!ranks.empty()) std::fprintf(stderr, "shardopt: rank %d exited with code %d\n", rank, code);
+    }
+  }
+  return result;
+}
+
+}  // namespace shardopt::app

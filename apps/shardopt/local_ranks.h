@@ -1,0 +1,17 @@
+// `shardopt ... -n N` without a launcher: starts N copies of this executable as local ranks.
+#pragma once
+
+namespace shardopt::app {
+
+// True when a launcher started this process as one rank (RANK, OMPI_COMM_WORLD_RANK, PMI_RANK
+// or SLURM_PROCID is set).
+bool under_a_launcher();
+
+// Runs this executable's own command line `argv` as `n` local ranks on 127.0.0.1 (RANK,
+// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set); they share the
+// terminal. When one rank fails the others have 5 s to exit (each reports its own error), then
+// are stopped. Returns 0 when every rank exits 0, else
+// the first failing rank's exit code (128 + signal for a signal).
+int run_local_ranks(int n, char** argv);
+
+}  // namespace shardopt::app

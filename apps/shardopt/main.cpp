@@ -1,0 +1,140 @@
+// shardopt: the command-line tool.
+//
+//   shardopt train -n 2                          Fashion-MNIST CNN on 2 local ranks
+//   shardopt train --freeze conv@2 --unfreeze conv@4 --checkpoint-dir run
+//   torchrun --nproc-per-node 4 shardopt train   one rank per process under any launcher
+//   shardopt memory --preset gpt2-small          measured memory per rank for DDP, ZeRO-1, ZeRO-2
+//
+// Under a launcher (RANK or the Open MPI / PMI / SLURM variables set) the process is one rank;
+// otherwise `-n N` starts N local ranks. Errors print one line and exit non-zero.
+#include "local_ranks.h"
+#include "memory.h"
+#include "train.h"
+#include "fashion_mnist.h"
+
+#include <c10/util/Exception.h>
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace {
+
+using namespace shardopt::app;
+
+// The first line of an error, without the library's "shardopt: " prefix.
+std::string one_line(const std::exception& e) {
+  const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+  std::string m = c10 ? c10->what_without_backtrace() : e.what();
+  m = m.substr(0, m.find('\n'));
+  const std::string prefix = "shardopt: ";
+  return m.rfind(prefix, 0) == 0 ? m.substr(prefix.size()) : m;
+}
+
+void add_train_options(CLI::App& train, TrainOptions& o) {
+  train.add_option("--data", o.data_dir, "folder with Fashion-MNIST's gzipped IDX files")->capture_default_str();
+  train.add_option("--epochs", o.epochs, "epochs")->capture_default_str();
+  train.add_option("-b,--batch-size", o.batch_size, "global batch: samples per step over all ranks")->capture_default_str();
+  train.add_option("--optimizer", o.optimizer, "adam, adamw or sgd (momentum 0.9)")
+      ->check(CLI::IsMember({"adam", "adamw", "sgd"}))
+      ->capture_default_str();
+  train.add_option("--lr", o.lr, "learning rate")->capture_default_str();
+  train.add_option("--lr-schedule", o.lr_schedule, "constant, cosine (to 0 over the run) or step (x0.1 at 2/3)")
+      ->check(CLI::IsMember({"constant", "cosine", "step"}))
+      ->capture_default_str();
+  train.add_option("--warmup-steps", o.warmup_steps, "linear learning-rate warm-up")->capture_default_str();
+  train.add_option("--weight-decay", o.weight_decay, "weight decay")->capture_default_str();
+  train.add_option("--clip", o.clip, "clip the gradients' global L2 norm to this (0: off)")->capture_default_str();
+  train.add_option("--seed", o.seed, "seed of the initial weights and the data order")->capture_default_str();
+  train.add_option("--freeze", o.freeze, "PREFIX@EPOCH or PREFIX@sSTEP: freeze parameters whose names start with PREFIX "
+                                         "(e.g. conv@2: from the start of epoch 2; fc1@s300: from step 300)");
+  train.add_option("--unfreeze", o.unfreeze, "PREFIX@EPOCH or PREFIX@sSTEP: make them trainable again");
+  train.add_option("--checkpoint-dir", o.checkpoint_dir, "save DIR/last.ckpt at each epoch's end (and every "
+                                                         "--checkpoint-every steps)");
+  train.add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints within an epoch (0: epochs only)");
+  train.add_flag("--sharded-checkpoint", o.sharded_checkpoint, "each rank writes its own optimizer state");
+  train.add_flag("--resume", o.resume, "continue from DIR/last.ckpt");
+  train.add_option("--stop-after-steps", o.stop_after_steps, "stop after this many steps of the run (0: run to the end)");
+  train.add_option("--train-samples", o.train_samples, "use only the first N training images (0: all)");
+  train.add_option("--test-samples", o.test_samples, "use only the first N test images (0: all)");
+  train.add_option("--threads", o.threads, "intra-op threads per rank (0: cores / local ranks)");
+  train.add_option("--timeout", o.timeout_s, "seconds any collective may wait")->capture_default_str();
+}
+
+void add_memory_options(CLI::App& memory, MemoryOptions& o) {
+  memory.add_option("--preset", o.preset, "cnn, gpt2-small or many-small")->capture_default_str();
+  memory.add_option("--spec", o.spec, "a JSON file {\"layers\": [{\"name\": ..., \"shape\": [...]}, ...]} instead of a preset");
+  memory.add_option("--world-sizes", o.world_sizes, "world sizes to measure")->delimiter(',')->capture_default_str();
+  memory.add_option("--modes", o.modes, "ddp, zero1, zero2")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"ddp", "zero1", "zero2"}))
+      ->capture_default_str();
+  memory.add_option("--steps", o.steps, "steps before each measurement")->capture_default_str();
+  memory.add_option("--freeze-fraction", o.freeze_fraction, "fraction of the parameters (leading layers) frozen for "
+                                                            "the second measurement")->capture_default_str();
+  memory.add_option("-o,--out", o.out_dir, "folder for memory.json, memory.csv and memory.png")->capture_default_str();
+  memory.add_option("--python", o.python, "Python with matplotlib for the chart (default: the build's)");
+  memory.add_option("--worker-mode", o.worker_mode)->group("");
+  memory.add_option("--worker-out", o.worker_out)->group("");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"shardopt: sharded optimizer state and gradients for LibTorch data-parallel training"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "shardopt " SHARDOPT_VERSION);
+  int ranks = 0;
+  TrainOptions train_options;
+  train_options.data_dir = kDefaultFashionMnistDir;
+  CLI::App* train = app.add_subcommand("train", "train a CNN on Fashion-MNIST with OSS + ShardedDDP, a freeze "
+                                                "schedule and checkpoints");
+  train->add_option("-n,--nproc", ranks, "start N local ranks (without a launcher)");
+  add_train_options(*train, train_options);
+  MemoryOptions memory_options;
+  CLI::App* memory = app.add_subcommand("memory", "measure memory per rank for plain data parallel, OSS (ZeRO-1) "
+                                                  "and OSS + ShardedDDP (ZeRO-2) at several world sizes");
+  add_memory_options(*memory, memory_options);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "shardopt: %s (see shardopt --help)\n", e.what());
+    return e.get_exit_code() == 0 ? 2 : e.get_exit_code();
+  }
+
+  const bool launched = under_a_launcher();
+  const char* rank = std::getenv("RANK");
+  try {
+    if (*train) {
+      if (ranks < 0) throw std::invalid_argument("-n must be positive, got " + std::to_string(ranks));
+      if (!launched && ranks > 0) return run_local_ranks(ranks, argv);
+      if (launched && ranks > 0 && std::getenv("WORLD_SIZE") && std::atoi(std::getenv("WORLD_SIZE")) != ranks) {
+        throw std::invalid_argument("-n " + std::to_string(ranks) + " contradicts WORLD_SIZE=" +
+                                    std::getenv("WORLD_SIZE") + " from the launcher");
+      }
+      if (!launched) {  // one rank, no launcher: a world of one
+        setenv("RANK", "0", 1);
+        setenv("WORLD_SIZE", "1", 1);
+        setenv("MASTER_ADDR", "127.0.0.1", 1);
+        setenv("MASTER_PORT", "0", 1);
+      }
+      return run_train(train_options);
+    }
+    return run_memory(memory_options, argv);
+  } catch (const std::exception& e) {
+    if (launched && rank) {
+      std::fprintf(stderr, "shardopt: rank %s: %s\n", rank, one_line(e).c_str());
+    } else {
+      std::fprintf(stderr, "shardopt: %s\n", one_line(e).c_str());
+    }
+    return 1;
+  }
+}

@@ -1,0 +1,190 @@
+#include "memory.h"
+
+#include "local_ranks.h"
+#include "memory_worker.h"
+#include "model_spec.h"
+#include "units.h"
+
+#include <shardopt/check.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+namespace shardopt::app {
+
+namespace {
+
+int64_t available_memory_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    if (line.rfind("MemAvailable:", 0) == 0) return std::stoll(line.substr(13)) * 1024;
+  }
+  return 0;
+}
+
+// What one rank of `mode` needs, from the formula, plus the runtime (about 400 MB for LibTorch).
+double estimate_per_rank(const std::string& mode, int world, int64_t numel) {
+  const auto f = zero_formula(mode, world, numel, numel, numel);
+  const double buckets = mode == "zero2" ? 0.0 : 4.0 * numel;
+  const double transient = 4.0 * numel;  // the backward's temporaries and the step's
+  return f["params"].get<double>() + f["grads"].get<double>() + f["state"].get<double>() + buckets + transient + 400e6;
+}
+
+std::string exe_dir() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  std::string path(buf, static_cast<size_t>(n));
+  return path.substr(0, path.find_last_of('/'));
+}
+
+bool exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+// The chart script: installed beside the executable's share folder, or in the source tree.
+std::string plot_script() {
+  const std::string installed = exe_dir() + "/../share/shardopt/plot_memory.py";
+  return exists(installed) ? installed : std::string(SHARDOPT_APP_SOURCE_DIR) + "/plot_memory.py";
+}
+
+// Runs `argv` with stdout and stderr to the terminal; returns the exit code.
+int run_command(const std::vector<std::string>& args) {
+  std::string line;
+  for (const auto& a : args) line += (line.empty() ? "" : " ") + ("'" + a + "'");
+  const int rc = std::system(line.c_str());
+  return rc == -1 ? 127 : (WIFEXITED(rc) ? WEXITSTATUS(rc) : 128);
+}
+
+std::vector<std::string> worker_args(const MemoryOptions& o, char** argv, const std::string& mode, const std::string& out) {
+  std::vector<std::string> a = {argv[0], "memory"};
+  if (!o.spec.empty()) {
+    a.insert(a.end(), {"--spec", o.spec});
+  } else {
+    a.insert(a.end(), {"--preset", o.preset});
+  }
+  a.insert(a.end(), {"--steps", std::to_string(o.steps), "--freeze-fraction", fmt::format("{}", o.freeze_fraction),
+                     "--worker-mode", mode, "--worker-out", out});
+  return a;
+}
+
+// The largest rank's figures of one (world, mode, scenario): the rank that bounds the job.
+const nlohmann::json* largest(const nlohmann::json& rows, int world, const std::string& mode, const std::string& scenario) {
+  const nlohmann::json* best = nullptr;
+  for (const auto& r : rows) {
+    if (r["world"] != world || r["mode"] != mode || r["scenario"] != scenario) continue;
+    if (!best || r["state"].get<double>() + r["grads"].get<double>() > (*best)["state"].get<double>() + (*best)["grads"].get<double>()) best = &r;
+  }
+  return best;
+}
+
+void print_table(const nlohmann::json& rows, const nlohmann::json& skipped, const ModelSpec& spec) {
+  std::printf("\nmemory per rank, %s (%s parameters, fp32, Adam): the largest rank of each run; every rank is in the "
+              "JSON and CSV files. formula = the ZeRO paper's params + grads + state\n",
+              spec.name.c_str(), count_text(spec.numel()).c_str());
+  std::printf("%-6s %5s  %-14s %10s %10s %10s %10s %10s %10s | %10s\n", "mode", "world", "scenario", "params", "grads",
+              "state", "buckets", "other", "peak RSS", "formula");
+  std::vector<std::string> scenarios;
+  for (const auto& r : rows) {
+    if (std::find(scenarios.begin(), scenarios.end(), r["scenario"]) == scenarios.end()) scenarios.push_back(r["scenario"]);
+  }
+  std::map<std::pair<int, std::string>, bool> done;
+  for (const auto& r : rows) {
+    const auto key = std::make_pair(r["world"].get<int>(), r["mode"].get<std::string>());
+    if (done[key]) continue;
+    done[key] = true;
+    for (const auto& scenario : scenarios) {
+      const auto* b = largest(rows, key.first, key.second, scenario);
+      if (!b) continue;
+      const double counted = (*b)["params"].get<double>() + (*b)["grads"].get<double>() + (*b)["state"].get<double>() +
+                             (*b)["buckets"].get<double>();
+      const auto& f = (*b)["formula"];
+      std::printf("%-6s %5d  %-14s %10s %10s %10s %10s %10s %10s | %10s\n", key.second.c_str(), key.first,
+                  scenario.c_str(), bytes_text((*b)["params"]).c_str(), bytes_text((*b)["grads"]).c_str(),
+                  bytes_text((*b)["state"]).c_str(), bytes_text((*b)["buckets"]).c_str(),
+                  bytes_text(std::max(0.0, (*b)["peak_rss"].get<double>() - counted)).c_str(),
+                  bytes_text((*b)["peak_rss"]).c_str(),
+                  bytes_text(f["params"].get<double>() + f["grads"].get<double>() + f["state"].get<double>()).c_str());
+    }
+  }
+  for (const auto& s : skipped) std::printf("skipped: %s\n", s.get<std::string>().c_str());
+}
+
+void write_csv(const nlohmann::json& rows, const std::string& path) {
+  std::ofstream f(path);
+  SHARDOPT_CHECK(f, "cannot write '", path, "'");
+  f << "mode,world,scenario,rank,params,grads,state,buckets,peak_rss,formula_params,formula_grads,formula_state\n";
+  for (const auto& r : rows) {
+    f << fmt::format("{},{},{},{},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f}\n", r["mode"].get<std::string>(),
+                     r["world"].get<int>(), r["scenario"].get<std::string>(), r["rank"].get<int>(), r["params"].get<double>(),
+                     r["grads"].get<double>(), r["state"].get<double>(), r["buckets"].get<double>(),
+                     r["peak_rss"].get<double>(), r["formula"]["params"].get<double>(),
+                     r["formula"]["grads"].get<double>(), r["formula"]["state"].get<double>());
+  }
+}
+
+ModelSpec spec_of(const MemoryOptions& o) { return o.spec.empty() ? preset_spec(o.preset) : read_spec(o.spec); }
+
+}  // namespace
+
+int run_memory(const MemoryOptions& o, char** argv) {
+  const ModelSpec spec = spec_of(o);
+  if (!o.worker_mode.empty()) {
+    run_memory_worker(spec, o.worker_mode, o.steps, o.freeze_fraction, o.worker_out);
+    return 0;
+  }
+  SHARDOPT_CHECK(!under_a_launcher(), "shardopt memory starts its own ranks for each world size; run it without a launcher");
+  SHARDOPT_CHECK(o.steps > 0, "--steps must be positive, got ", o.steps);
+  SHARDOPT_CHECK(o.freeze_fraction >= 0 && o.freeze_fraction < 1, "--freeze-fraction must be in [0, 1), got ", o.freeze_fraction);
+  for (int w : o.world_sizes) SHARDOPT_CHECK(w >= 1, "--world-sizes: ", w, " is not a positive world size");
+  ::mkdir(o.out_dir.c_str(), 0755);
+  SHARDOPT_CHECK(exists(o.out_dir), "cannot create the output folder '", o.out_dir, "'");
+  nlohmann::json rows = nlohmann::json::array(), skipped = nlohmann::json::array();
+  for (int world : o.world_sizes) {
+    for (const auto& mode : o.modes) {
+      const double need = estimate_per_rank(mode, world, spec.numel()) * world;
+      const double have = 0.85 * static_cast<double>(available_memory_bytes());
+      if (need > have) {
+        skipped.push_back(fmt::format("{} at world size {}: needs about {}, {} available", mode, world, bytes_text(need),
+                                      bytes_text(have / 0.85)));
+        std::printf("%s\n", ("skipped " + skipped.back().get<std::string>()).c_str());
+        continue;
+      }
+      std::printf("measuring %s at world size %d ...\n", mode.c_str(), world);
+      std::fflush(stdout);
+      const std::string out = o.out_dir + fmt::format("/.rank-rows-{}-{}.json", mode, world);
+      auto args = worker_args(o, argv, mode, out);
+      std::vector<char*> c_args;
+      for (auto& a : args) c_args.push_back(a.data());
+      c_args.push_back(nullptr);
+      const int rc = run_local_ranks(world, c_args.data());
+      SHARDOPT_CHECK(rc == 0, "the ", mode, " run at world size ", world, " failed (exit code ", rc, ")");
+      std::ifstream f(out);
+      for (const auto& r : nlohmann::json::parse(f)) rows.push_back(r);
+      ::unlink(out.c_str());
+    }
+  }
+  print_table(rows, skipped, spec);
+  nlohmann::json report = {{"model", spec.name}, {"numel", spec.numel()}, {"rows", rows}, {"skipped", skipped}};
+  std::ofstream(o.out_dir + "/memory.json") << report.dump(1) << "\n";
+  write_csv(rows, o.out_dir + "/memory.csv");
+  const std::string python = o.python.empty() ? std::string(SHARDOPT_APP_PYTHON) : o.python;
+  const int rc = run_command({python, plot_script(), o.out_dir + "/memory.json", o.out_dir + "/memory.png"});
+  SHARDOPT_CHECK(rc == 0, "drawing the chart with '", python, "' failed (exit code ", rc,
+                 "; it needs matplotlib: tools/setup.sh installs it)");
+  std::printf("wrote %s/memory.json, memory.csv and memory.png\n", o.out_dir.c_str());
+  return 0;
+}
+
+}  // namespace shardopt::app

@@ -1,0 +1,37 @@
+// `shardopt memory`: measured memory per rank for plain data parallel (DDP), OSS (ZeRO-1) and
+// OSS + ShardedDDP (ZeRO-2) at several world sizes, beside the ZeRO paper's formula.
+//
+// For each world size and mode it starts that many local ranks (real processes, real Gloo
+// groups), builds the real objects for the model's shapes and runs real steps of Adam. The
+// model's forward is a cheap function of every parameter (the sum of their squares), so the
+// memory measured is that of the data-parallel machinery, not of activations. Each rank counts,
+// from the tensors themselves: parameters (the storages holding them), gradients (the gradient
+// tensors it holds after the last step), optimizer state, communication buckets kept between
+// steps, and reads its peak resident memory (VmHWM); "other" is the peak minus what was counted
+// (the runtime, transient buffers). Then a fraction of the model is frozen and the same is
+// measured after more steps. World sizes whose estimate does not fit the machine's available
+// memory are reported as skipped.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace shardopt::app {
+
+struct MemoryOptions {
+  std::string preset = "cnn";
+  std::string spec;  // a JSON spec instead of a preset
+  std::vector<int> world_sizes{1, 2, 4, 8};
+  std::vector<std::string> modes{"ddp", "zero1", "zero2"};
+  int steps = 3;
+  double freeze_fraction = 0.5;  // of the parameters (leading layers), frozen for the second measurement
+  std::string out_dir = "memory-report";
+  std::string python;            // interpreter with matplotlib for the chart; empty: the build's
+  // Set by the driver for the ranks it starts.
+  std::string worker_mode, worker_out;
+};
+
+// Runs the measurement (driver) or one rank of it (worker); returns the exit code.
+int run_memory(const MemoryOptions& options, char** argv);
+
+}  // namespace shardopt::app

@@ -1,0 +1,189 @@
+#include "memory_worker.h"
+
+#include <shardopt/shardopt.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+
+#include <malloc.h>
+
+#include <fstream>
+#include <set>
+#include <unordered_set>
+
+namespace shardopt::app {
+
+namespace {
+
+// The model's shapes as parameters; forward is the scaled sum of squares of all of them, so that
+// a backward produces every trainable gradient at the cost of one pass over the parameters.
+struct SpecModule : torch::nn::Module {
+  explicit SpecModule(const ModelSpec& spec) {
+    for (const auto& l : spec.layers) {
+      std::string name = l.name;
+      for (char& c : name) c = c == '.' ? '_' : c;
+      params.push_back(register_parameter(name, at::randn(l.shape) * 0.02));
+    }
+  }
+  at::Tensor forward() {
+    at::Tensor total = at::zeros({});
+    for (const auto& p : params) {
+      if (p.requires_grad()) total = total + p.square().sum();
+    }
+    return total * 1e-3;
+  }
+  std::vector<at::Tensor> params;
+};
+
+int64_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+// Bytes of the distinct storages that hold the parameters.
+int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
+  std::unordered_set<const void*> seen;
+  int64_t bytes = 0;
+  for (const auto& t : tensors) {
+    if (seen.insert(t.storage().unsafeGetStorageImpl()).second) bytes += static_cast<int64_t>(t.storage().nbytes());
+  }
+  return bytes;
+}
+
+int64_t grad_bytes(const std::vector<at::Tensor>& params) {
+  int64_t bytes = 0;
+  for (const auto& p : params) bytes += p.grad().defined() ? static_cast<int64_t>(p.grad().nbytes()) : 0;
+  return bytes;
+}
+
+int64_t torch_state_bytes(torch::optim::Optimizer& opt) {
+  int64_t bytes = 0;
+  for (const auto& [key, state] : opt.state()) {
+    auto& adam = static_cast<torch::optim::AdamParamState&>(*state);
+    for (const at::Tensor& t : {adam.exp_avg(), adam.exp_avg_sq(), adam.max_exp_avg_sq()}) {
+      if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
+    }
+  }
+  return bytes;
+}
+
+// Plain data parallel's gradient exchange: the gradients copied into flat buckets that live for
+// the whole run (as DDP's do), all-reduced, averaged and copied back.
+struct FlatAllReduce {
+  at::Tensor bucket;
+  void run(const std::vector<at::Tensor>& params, ProcessGroup& group) {
+    std::vector<at::Tensor> grads;
+    for (const auto& p : params) {
+      if (p.requires_grad() && p.grad().defined()) grads.push_back(p.grad().reshape(-1));
+    }
+    int64_t n = 0;
+    for (const auto& g : grads) n += g.numel();
+    if (!bucket.defined() || bucket.numel() < n) bucket = at::empty({n}, at::kFloat);
+    at::NoGradGuard no_grad;
+    at::Tensor used = bucket.narrow(0, 0, n);
+    at::cat_out(used, grads);
+    group.allreduce(used);
+    used.div_(group.size());
+    int64_t at = 0;
+    for (auto& g : grads) g.copy_(used.narrow(0, at, g.numel())), at += g.numel();
+  }
+};
+
+}  // namespace
+
+nlohmann::json zero_formula(const std::string& mode, int world, int64_t numel, int64_t trainable, int64_t with_state) {
+  const double w = world;
+  nlohmann::json f;
+  f["params"] = 4.0 * numel;
+  f["grads"] = mode == "zero2" ? 4.0 * trainable / w : 4.0 * trainable;
+  f["state"] = mode == "ddp" ? 8.0 * with_state : 8.0 * with_state / w;
+  return f;
+}
+
+void run_memory_worker(const ModelSpec& spec, const std::string& mode, int steps, double freeze_fraction,
+                       const std::string& out) {
+  SHARDOPT_CHECK(mode == "ddp" || mode == "zero1" || mode == "zero2", "mode '", mode, "' is not one of ddp, zero1, zero2");
+  at::set_num_threads(1);
+  auto group = init_process_group(InitOptions().backend("gloo").timeout(std::chrono::minutes(10)));
+  at::manual_seed(0);
+  auto model = std::make_shared<SpecModule>(spec);
+  const auto& params = model->params;
+  std::unique_ptr<torch::optim::Adam> plain;
+  std::unique_ptr<OSS> oss;
+  std::unique_ptr<ShardedDDP> ddp;
+  FlatAllReduce allreduce;
+  if (mode == "ddp") {
+    plain = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-4));
+  } else {
+    oss = std::make_unique<OSS>(params, optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-4)), group);
+    if (mode == "zero2") ddp = std::make_unique<ShardedDDP>(model, *oss);
+  }
+  auto step = [&] {
+    if (ddp) {
+      ddp->zero_grad(true);
+      ddp->pre_forward();
+    } else if (plain) {
+      plain->zero_grad(true);
+    } else {
+      oss->zero_grad(true);
+    }
+    model->forward().backward();
+    if (!ddp) allreduce.run(params, *group);
+    if (plain) plain->step(); else oss->step();
+  };
+  auto measure = [&] {
+    std::vector<double> mine = {static_cast<double>(storage_bytes(params)),
+                                static_cast<double>(ddp ? ddp->local_grad_bytes() : grad_bytes(params)),
+                                static_cast<double>(plain ? torch_state_bytes(*plain) : oss->local_state_bytes()),
+                                static_cast<double>(allreduce.bucket.defined() ? allreduce.bucket.nbytes() : 0),
+                                static_cast<double>(peak_rss_bytes())};
+    const int64_t fields = static_cast<int64_t>(mine.size());
+    at::Tensor all = at::zeros({group->size() * fields}, at::kDouble);
+    all.narrow(0, group->rank() * fields, fields).copy_(at::tensor(mine, at::kDouble));
+    group->allreduce(all);
+    return all;
+  };
+  int64_t numel = 0;
+  for (const auto& p : params) numel += p.numel();
+  nlohmann::json rows = nlohmann::json::array();
+  auto record = [&](const std::string& scenario, const at::Tensor& all, int64_t trainable) {
+    const int64_t fields = std::size(kMeasured);
+    for (int r = 0; r < group->size(); ++r) {
+      nlohmann::json row;
+      row["mode"] = mode;
+      row["world"] = group->size();
+      row["scenario"] = scenario;
+      row["rank"] = r;
+      for (int64_t f = 0; f < fields; ++f) row[kMeasured[f]] = all[r * fields + f].item<double>();
+      row["formula"] = zero_formula(mode, group->size(), numel, trainable, numel);
+      rows.push_back(row);
+    }
+  };
+  for (int s = 0; s < steps; ++s) step();
+  record("all trainable", measure(), numel);
+
+  // Freeze the leading layers up to the fraction, then step and count again.
+  int64_t frozen = 0;
+  for (const auto& p : params) {
+    if (frozen + p.numel() > freeze_fraction * static_cast<double>(numel)) break;
+    p.requires_grad_(false);
+    p.mutable_grad().reset();
+    frozen += p.numel();
+  }
+  for (int s = 0; s < steps; ++s) step();
+  record(fmt::format("{:.0f}% frozen", 100.0 * static_cast<double>(frozen) / static_cast<double>(numel)), measure(),
+         numel - frozen);
+  if (group->rank() == 0) {
+    std::ofstream f(out);
+    SHARDOPT_CHECK(f, "cannot write '", out, "'");
+    f << rows.dump(1) << "\n";
+  }
+}
+
+}  // namespace shardopt::app

@@ -1,0 +1,91 @@
+#include "model_spec.h"
+
+#include "cnn.h"
+
+#include <shardopt/check.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
+namespace shardopt::app {
+
+int64_t ModelSpec::numel() const {
+  int64_t n = 0;
+  for (const auto& l : layers) {
+    int64_t k = 1;
+    for (int64_t d : l.shape) k *= d;
+    n += k;
+  }
+  return n;
+}
+
+ModelSpec preset_spec(const std::string& name) {
+  ModelSpec s;
+  s.name = name;
+  if (name == "cnn") {
+    Cnn cnn;
+    for (const auto& p : cnn->named_parameters()) s.layers.push_back({p.key(), p.value().sizes().vec()});
+  } else if (name == "gpt2-small") {
+    const int64_t d = 768, vocab = 50257, positions = 1024;
+    s.layers.push_back({"wte", {vocab, d}});
+    s.layers.push_back({"wpe", {positions, d}});
+    for (int b = 0; b < 12; ++b) {
+      const std::string h = fmt::format("h{}.", b);
+      s.layers.push_back({h + "ln_1.weight", {d}});
+      s.layers.push_back({h + "ln_1.bias", {d}});
+      s.layers.push_back({h + "attn.c_attn.weight", {d, 3 * d}});
+      s.layers.push_back({h + "attn.c_attn.bias", {3 * d}});
+      s.layers.push_back({h + "attn.c_proj.weight", {d, d}});
+      s.layers.push_back({h + "attn.c_proj.bias", {d}});
+      s.layers.push_back({h + "ln_2.weight", {d}});
+      s.layers.push_back({h + "ln_2.bias", {d}});
+      s.layers.push_back({h + "mlp.c_fc.weight", {d, 4 * d}});
+      s.layers.push_back({h + "mlp.c_fc.bias", {4 * d}});
+      s.layers.push_back({h + "mlp.c_proj.weight", {4 * d, d}});
+      s.layers.push_back({h + "mlp.c_proj.bias", {d}});
+    }
+    s.layers.push_back({"ln_f.weight", {d}});
+    s.layers.push_back({"ln_f.bias", {d}});
+  } else if (name == "many-small") {
+    for (int l = 0; l < 500; ++l) {
+      s.layers.push_back({fmt::format("layer{}.weight", l), {64, 64}});
+      s.layers.push_back({fmt::format("layer{}.bias", l), {64}});
+    }
+  } else {
+    SHARDOPT_CHECK(false, "--preset '", name, "' is not one of cnn, gpt2-small, many-small");
+  }
+  return s;
+}
+
+ModelSpec read_spec(const std::string& path) {
+  std::ifstream f(path);
+  SHARDOPT_CHECK(f, "--spec '", path, "' cannot be opened");
+  nlohmann::json j;
+  try {
+    f >> j;
+  } catch (const std::exception& e) {
+    SHARDOPT_CHECK(false, "--spec '", path, "' is not valid JSON: ", std::string(e.what()).substr(0, 200));
+  }
+  SHARDOPT_CHECK(j.is_object() && j.contains("layers") && j["layers"].is_array() && !j["layers"].empty(), "--spec '",
+                 path, "' needs {\"layers\": [{\"name\": ..., \"shape\": [...]}, ...]} with at least one layer");
+  ModelSpec s;
+  s.name = path;
+  for (size_t i = 0; i < j["layers"].size(); ++i) {
+    const auto& l = j["layers"][i];
+    SHARDOPT_CHECK(l.is_object() && l.contains("shape") && l["shape"].is_array() && !l["shape"].empty(), "--spec '",
+                   path, "': layer ", i, " needs a non-empty \"shape\" list");
+    LayerShape shape;
+    shape.name = l.contains("name") && l["name"].is_string() ? l["name"].get<std::string>() : fmt::format("layer{}", i);
+    for (const auto& dim : l["shape"]) {
+      SHARDOPT_CHECK(dim.is_number_integer() && dim.get<int64_t>() > 0, "--spec '", path, "': layer ", i, " ('",
+                     shape.name, "') has a dimension that is not a positive integer");
+      shape.shape.push_back(dim.get<int64_t>());
+    }
+    s.layers.push_back(shape);
+  }
+  return s;
+}
+
+}  // namespace shardopt::app

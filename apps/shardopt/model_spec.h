@@ -1,0 +1,31 @@
+// Model shapes for `shardopt memory`: presets and a JSON spec a user writes.
+//
+//   {"layers": [{"name": "embed", "shape": [50257, 768]}, {"name": "fc", "shape": [768, 768]}]}
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardopt::app {
+
+struct LayerShape {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+struct ModelSpec {
+  std::string name;
+  std::vector<LayerShape> layers;
+  int64_t numel() const;
+};
+
+// "cnn" (the train command's CNN), "gpt2-small" (GPT-2 small's 124M parameters in its 148 tensor
+// shapes, the output layer tied to the embedding), "many-small" (1,000 tensors: 500 layers of
+// 64x64 and a bias). An unknown name is an error listing the presets.
+ModelSpec preset_spec(const std::string& name);
+
+// Reads a JSON spec; errors name the file and the bad entry.
+ModelSpec read_spec(const std::string& path);
+
+}  // namespace shardopt::app

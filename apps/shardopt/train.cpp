@@ -1,0 +1,324 @@
+#include "train.h"
+
+#include "cnn.h"
+#include "fashion_mnist.h"
+#include "freeze_schedule.h"
+#include "progress.h"
+#include "units.h"
+
+#include <shardopt/shardopt.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <torch/csrc/api/include/torch/nn/functional/loss.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
+
+#include <cmath>
+#include <sys/stat.h>
+#include <cstdlib>
+#include <thread>
+
+namespace shardopt::app {
+
+namespace {
+
+namespace optim = torch::optim;
+
+OptimizerFactory make_optimizer(const TrainOptions& o) {
+  if (o.optimizer == "adam") return optimizer<optim::Adam>(optim::AdamOptions(o.lr).weight_decay(o.weight_decay));
+  if (o.optimizer == "adamw") return optimizer<optim::AdamW>(optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+  if (o.optimizer == "sgd") {
+    return optimizer<optim::SGD>(optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+  }
+  SHARDOPT_CHECK(false, "--optimizer '", o.optimizer, "' is not one of adam, adamw, sgd");
+  return nullptr;
+}
+
+// The learning rate at global step `step` of `total`.
+double lr_at(const TrainOptions& o, int64_t step, int64_t total) {
+  double lr = o.lr;
+  if (o.lr_schedule == "cosine") {
+    lr *= 0.5 * (1.0 + std::cos(M_PI * static_cast<double>(step) / static_cast<double>(std::max<int64_t>(total, 1))));
+  } else if (o.lr_schedule == "step") {
+    if (3 * step >= 2 * total) lr *= 0.1;
+  } else {
+    SHARDOPT_CHECK(o.lr_schedule == "constant", "--lr-schedule '", o.lr_schedule, "' is not one of constant, cosine, step");
+  }
+  if (o.warmup_steps > 0 && step < o.warmup_steps) lr *= static_cast<double>(step + 1) / static_cast<double>(o.warmup_steps);
+  return lr;
+}
+
+int local_world_size(int world) {
+  const char* v = std::getenv("LOCAL_WORLD_SIZE");
+  return v ? std::max(1, std::atoi(v)) : world;
+}
+
+// Each rank's value of `mine`, gathered on every rank (a small all-reduce).
+std::vector<int64_t> per_rank(ProcessGroup& group, int64_t mine) {
+  at::Tensor t = at::zeros({group.size()}, at::kLong);
+  t[group.rank()] = mine;
+  group.allreduce(t);
+  return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + group.size());
+}
+
+std::string per_rank_bytes(const std::vector<int64_t>& v) {
+  std::string out;
+  for (size_t r = 0; r < v.size(); ++r) out += (r ? " / " : "") + bytes_text(static_cast<double>(v[r]));
+  return out;
+}
+
+class Trainer {
+ public:
+  explicit Trainer(const TrainOptions& o);
+  int run();
+
+ private:
+  void restore();
+  void apply_schedule(int64_t step);
+  struct Before;
+  void report_change(int64_t step, const std::vector<const FreezeEvent*>& events, const Before& before);
+  int64_t model_numel() const;
+  void run_step(int64_t epoch_step);
+  double train_step(int64_t epoch_step);
+  std::pair<int64_t, int64_t> evaluate();
+  void save(int64_t next_epoch_step);
+  void summary();
+
+  const TrainOptions& o_;
+  std::shared_ptr<ProcessGroup> group_;
+  int rank_ = 0, world_ = 1;
+  FashionMnist data_;
+  Cnn model_;
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<OSS> oss_;
+  std::unique_ptr<ShardedDDP> ddp_;
+  std::unique_ptr<BalancedSampler> sampler_;
+  FreezeSchedule schedule_;
+  int64_t steps_per_epoch_ = 0, total_steps_ = 0, step_ = 0, epoch_ = 0, first_epoch_step_ = 0;
+  int64_t last_grad_bytes_ = 0;
+  std::unique_ptr<Progress> progress_;
+  double last_accuracy_ = -1.0;
+  // Values before a trainability change, reported after the step that follows it.
+  struct Before {
+    int64_t grad_bytes = 0, state_bytes = 0, rebuilds = 0, partition_version = 0, state_moves = 0;
+    size_t buckets = 0;
+  };
+};
+
+Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
+  SHARDOPT_CHECK(o.epochs > 0, "--epochs must be positive, got ", o.epochs);
+  SHARDOPT_CHECK(o.lr > 0, "--lr must be positive, got ", o.lr);
+  lr_at(o, 0, 1);  // rejects an unknown schedule before any work
+  schedule_ = FreezeSchedule::parse(o.freeze, o.unfreeze);
+  group_ = init_process_group(InitOptions().backend("gloo").timeout(std::chrono::seconds(o.timeout_s)));
+  rank_ = group_->rank();
+  world_ = group_->size();
+  SHARDOPT_CHECK(o.batch_size > 0 && o.batch_size % world_ == 0, "--batch-size ", o.batch_size,
+                 " (global) must be a positive multiple of the world size ", world_);
+  at::set_num_threads(o.threads > 0 ? o.threads
+                                    : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
+                                                      local_world_size(world_)));
+  data_ = load_fashion_mnist(o.data_dir, o.train_samples, o.test_samples);
+
+  at::manual_seed(o.seed);  // the same initial weights on every rank and at every world size
+  model_ = Cnn();
+  for (const auto& p : model_->named_parameters()) {
+    names_.push_back(p.key());
+    params_.push_back(p.value());
+  }
+  sampler_ = std::make_unique<BalancedSampler>(data_.train_images.size(0), *group_,
+                                               SamplerOptions(o.batch_size / world_).seed(o.seed));
+  steps_per_epoch_ = sampler_->steps_per_epoch();
+  total_steps_ = steps_per_epoch_ * o.epochs;
+  schedule_.validate(names_, steps_per_epoch_, total_steps_);
+  oss_ = std::make_unique<OSS>(params_, make_optimizer(o), group_);
+  // Each rank's loss is the sum over its real samples; gradients are divided by the real
+  // samples of the global step, so a padded last step weighs exactly right.
+  ddp_ = std::make_unique<ShardedDDP>(model_.ptr(), *oss_, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples));
+}
+
+void Trainer::restore() {
+  SHARDOPT_CHECK(!o_.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  const TrainingState state = load_checkpoint(o_.checkpoint_dir + "/last.ckpt", *model_, *oss_);
+  SHARDOPT_CHECK(state.sampler.has_value(), "checkpoint '", o_.checkpoint_dir, "/last.ckpt' has no sampler position");
+  sampler_->restore(*state.sampler);
+  step_ = state.step;
+  epoch_ = state.sampler->epoch;
+  first_epoch_step_ = state.sampler->next_step;
+  if (rank_ == 0) {
+    std::printf("resumed from %s/last.ckpt: step %lld, epoch %lld, step %lld of the epoch\n", o_.checkpoint_dir.c_str(),
+                static_cast<long long>(step_), static_cast<long long>(epoch_ + 1),
+                static_cast<long long>(first_epoch_step_));
+  }
+}
+
+void Trainer::apply_schedule(int64_t step) {
+  const auto flags = schedule_.trainable_at(names_, step, steps_per_epoch_);
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].requires_grad_(flags[i]);
+}
+
+double Trainer::train_step(int64_t epoch_step) {
+  const Batch b = sampler_->batch(epoch_step);
+  const at::Tensor idx = at::tensor(b.indices, at::kLong);
+  const at::Tensor real = at::tensor(std::vector<float>(b.real.begin(), b.real.end()));
+  for (auto& g : oss_->param_groups()) g.options().set_lr(lr_at(o_, step_, total_steps_));
+  ddp_->zero_grad(true);
+  ddp_->set_global_samples(b.global_real);
+  const at::Tensor out = ddp_->forward(normalise(data_.train_images.index_select(0, idx)));
+  const at::Tensor per_sample = torch::nn::functional::cross_entropy(
+      out, data_.train_labels.index_select(0, idx), torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+  const at::Tensor loss = (per_sample * real).sum();
+  loss.backward();
+  if (o_.clip > 0) oss_->clip_grad_norm(o_.clip);
+  last_grad_bytes_ = ddp_->local_grad_bytes();
+  oss_->step();
+  return loss.item<double>() / std::max<double>(1.0, real.sum().item<double>());
+}
+
+// One line per trainability change: what changed, the rebuild, the re-partition, and each rank's
+// gradient and optimizer-state bytes before and after. Collective (gathers the per-rank values).
+void Trainer::report_change(int64_t step, const std::vector<const FreezeEvent*>& events, const Before& before) {
+  const auto grads_before = per_rank(*group_, before.grad_bytes), grads_after = per_rank(*group_, last_grad_bytes_);
+  const auto state_before = per_rank(*group_, before.state_bytes);
+  const auto state_after = per_rank(*group_, oss_->local_state_bytes());
+  const bool rebalanced = oss_->partition_version() != before.partition_version;
+  const bool moved_state = oss_->state_moves() != before.state_moves;
+  const auto moved = per_rank(*group_, moved_state ? oss_->last_rebalance().state_bytes_sent : 0);
+  if (rank_ != 0) return;
+  std::string what;
+  for (const auto* e : events) {
+    int64_t count = 0, matched = 0;
+    for (size_t i = 0; i < names_.size(); ++i) {
+      if (names_[i].rfind(e->prefix, 0) != 0) continue;
+      count += params_[i].numel();
+      ++matched;
+    }
+    what += fmt::format("{}{} {} ({} tensors, {} parameters)", what.empty() ? "" : "; ", e->freeze ? "froze" : "unfroze",
+                        e->prefix, matched, count_text(count));
+  }
+  int64_t moved_total = 0;
+  for (int64_t m : moved) moved_total += m;
+  const std::string rebuild = ddp_->rebuild_count() != before.rebuilds
+                                  ? fmt::format("buckets rebuilt ({} -> {})", before.buckets, ddp_->num_buckets())
+                                  : std::string("buckets unchanged");
+  std::string partition = rebalanced ? "partition rebalanced" : (oss_->split() ? "split ranges cut again" : "partition kept");
+  if (moved_state) partition += fmt::format(", {} of optimizer state moved", bytes_text(static_cast<double>(moved_total)));
+  progress_->print(fmt::format("step {} (epoch {}): {}; {}; {}; per rank gradients {} -> {}, optimizer state {} -> {}",
+                               step, epoch_ + 1, what, rebuild, partition, per_rank_bytes(grads_before),
+                               per_rank_bytes(grads_after), per_rank_bytes(state_before), per_rank_bytes(state_after)));
+}
+
+// Step `s` of the current epoch, with what comes with it: the schedule (and its report), the
+// progress line, checkpoints, and at the epoch's end the test accuracy.
+void Trainer::run_step(int64_t s) {
+  const auto events = schedule_.events_at(step_, steps_per_epoch_);
+  const Before before{last_grad_bytes_, oss_->local_state_bytes(), ddp_->rebuild_count(), oss_->partition_version(),
+                      oss_->state_moves(), ddp_->num_buckets()};
+  apply_schedule(step_);
+  const double loss = train_step(s);
+  if (!events.empty()) report_change(step_, events, before);
+  progress_->update(step_, epoch_, o_.epochs, loss);
+  ++step_;
+  const bool epoch_end = s + 1 == steps_per_epoch_;
+  if (!o_.checkpoint_dir.empty() && !epoch_end && o_.checkpoint_every > 0 && step_ % o_.checkpoint_every == 0) save(s + 1);
+  if (!epoch_end) return;
+  const auto [correct, seen] = evaluate();
+  last_accuracy_ = static_cast<double>(correct) / static_cast<double>(std::max<int64_t>(seen, 1));
+  progress_->print(fmt::format("epoch {}/{}: test accuracy {:.2f}% ({}/{}), {:.1f} s", epoch_ + 1, o_.epochs,
+                               100.0 * last_accuracy_, correct, seen, progress_->seconds()));
+  if (!o_.checkpoint_dir.empty()) save(steps_per_epoch_);
+}
+
+int Trainer::run() {
+  if (o_.resume) restore();
+  progress_ = std::make_unique<Progress>(rank_ == 0, step_, total_steps_, o_.batch_size,
+                                         std::max<int64_t>(1, steps_per_epoch_ / 4));
+  if (rank_ == 0) {
+    progress_->print(fmt::format("training the CNN ({} parameters) on {} Fashion-MNIST images: {} ranks, global batch {}, "
+                                 "{} steps per epoch, {}; {}",
+                                 count_text(model_numel()),
+                                 count_text(data_.train_images.size(0)), world_, o_.batch_size, steps_per_epoch_,
+                                 o_.optimizer, oss_->describe()));
+  }
+  const int64_t stop = o_.stop_after_steps > 0 ? std::min(o_.stop_after_steps, total_steps_) : total_steps_;
+  while (step_ < stop) {
+    if (first_epoch_step_ == 0) sampler_->set_epoch(epoch_);
+    int64_t s = first_epoch_step_;
+    for (; s < steps_per_epoch_ && step_ < stop; ++s) run_step(s);
+    if (s < steps_per_epoch_) break;  // stopped inside the epoch
+    ++epoch_;
+    first_epoch_step_ = 0;
+  }
+  progress_->finish();
+  summary();
+  return 0;
+}
+std::pair<int64_t, int64_t> Trainer::evaluate() {
+  at::NoGradGuard no_grad;
+  model_->eval();
+  const int64_t n = data_.test_images.size(0);
+  int64_t correct = 0, seen = 0;
+  // This rank's share: every world-th sample.
+  const at::Tensor mine = at::arange(rank_, n, world_, at::kLong);
+  for (int64_t start = 0; start < mine.size(0); start += 1000) {
+    const at::Tensor idx = mine.narrow(0, start, std::min<int64_t>(1000, mine.size(0) - start));
+    const at::Tensor pred = model_->forward(normalise(data_.test_images.index_select(0, idx))).argmax(1);
+    correct += pred.eq(data_.test_labels.index_select(0, idx)).sum().item<int64_t>();
+    seen += idx.size(0);
+  }
+  model_->train();
+  at::Tensor t = at::tensor({correct, seen}, at::kLong);
+  group_->allreduce(t);
+  return {t[0].item<int64_t>(), t[1].item<int64_t>()};
+}
+
+void Trainer::save(int64_t next_epoch_step) {
+  ::mkdir(o_.checkpoint_dir.c_str(), 0755);  // every rank: the folder may be per node
+  TrainingState state;
+  state.step = step_;
+  state.epoch = epoch_;
+  state.sampler = sampler_->state(next_epoch_step);
+  save_checkpoint(o_.checkpoint_dir + "/last.ckpt", *model_, *oss_, state,
+                  CheckpointOptions().optimizer_state(o_.sharded_checkpoint ? OptimizerStateLayout::kSharded
+                                                                           : OptimizerStateLayout::kConsolidated));
+}
+
+int64_t Trainer::model_numel() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.numel();
+  return n;
+}
+
+// The run's result and what sharding saved on each rank, measured.
+void Trainer::summary() {
+  const auto state = per_rank(*group_, oss_->local_state_bytes());
+  const auto grads = per_rank(*group_, last_grad_bytes_);
+  if (rank_ != 0) return;
+  int64_t state_total = 0;
+  for (int64_t v : state) state_total += v;
+  int64_t grad_total = 0;
+  for (const auto& p : params_) grad_total += p.requires_grad() ? p.numel() * static_cast<int64_t>(p.element_size()) : 0;
+  const double seconds = progress_->seconds();
+  const int64_t steps = progress_->steps_done();
+  std::printf("done: %lld steps in %.1f s (%.0f samples/s)%s\n", static_cast<long long>(steps), seconds,
+              static_cast<double>(steps * o_.batch_size) / std::max(seconds, 1e-9),
+              last_accuracy_ >= 0 ? fmt::format(", test accuracy {:.2f}%", 100.0 * last_accuracy_).c_str() : "");
+  std::printf("memory per rank: optimizer state %s of %s unsharded; gradients after the last backward %s of %s "
+              "(all trainable gradients)\n",
+              per_rank_bytes(state).c_str(), bytes_text(static_cast<double>(state_total)).c_str(),
+              per_rank_bytes(grads).c_str(), bytes_text(static_cast<double>(grad_total)).c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int run_train(const TrainOptions& options) {
+  Trainer trainer(options);
+  return trainer.run();
+}
+
+}  // namespace shardopt::app

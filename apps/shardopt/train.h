@@ -1,0 +1,38 @@
+// `shardopt train`: the CNN of cnn.h on Fashion-MNIST with OSS + ShardedDDP + BalancedSampler,
+// a freeze schedule, checkpoints and resume. One rank of the job (the caller starts the group).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardopt::app {
+
+struct TrainOptions {
+  std::string data_dir;
+  int64_t epochs = 5;
+  int64_t batch_size = 128;          // global: every step trains on this many samples over all ranks
+  std::string optimizer = "adam";    // adam | adamw | sgd
+  double lr = 1e-3;
+  std::string lr_schedule = "constant";  // constant | cosine (to 0 over the run) | step (x0.1 at 2/3 of the run)
+  int64_t warmup_steps = 0;          // linear warm-up from 0
+  double weight_decay = 0.0;
+  double momentum = 0.9;             // sgd
+  double clip = 0.0;                 // max global L2 norm of the gradients; 0: no clipping
+  uint64_t seed = 0;
+  std::vector<std::string> freeze, unfreeze;
+  std::string checkpoint_dir;        // empty: no checkpoints
+  int64_t checkpoint_every = 0;      // steps between checkpoints besides each epoch's end; 0: epochs only
+  bool sharded_checkpoint = false;   // each rank writes its optimizer state (else consolidated on rank 0)
+  bool resume = false;
+  int64_t stop_after_steps = 0;      // > 0: stop after this many steps of the run (the schedule still spans all epochs)
+  int64_t train_samples = 0;         // > 0: only the first samples of each split
+  int64_t test_samples = 0;
+  int threads = 0;                   // intra-op threads per rank; 0: the cores / local ranks
+  int64_t timeout_s = 300;           // of every collective
+};
+
+// Trains; returns the process exit code. Throws c10::Error on bad input.
+int run_train(const TrainOptions& options);
+
+}  // namespace shardopt::app
