@@ -33,7 +33,10 @@ def load(path):
         raise ValueError(f"checkpoint '{path}' is truncated: {len(body)} of {length} payload bytes")
     if zlib.crc32(body) & 0xFFFFFFFF != crc:
         raise ValueError(f"checkpoint '{path}' is corrupted (CRC-32 mismatch)")
-    return torch.load(io.BytesIO(body), weights_only=True)
+    # The payload's dicts carry their key and value types (torch.jit's type tags).
+    import torch.jit._pickle
+    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+        return torch.load(io.BytesIO(body), weights_only=True)
 
 
 def main():

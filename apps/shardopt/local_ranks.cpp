@@ -24,9 +24,7 @@ extern char** environ;
 
 namespace shardopt::app {
 
-namespace {
-
-int free_port() {
+int free_local_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -42,6 +40,8 @@ int free_port() {
   return port;
 }
 
+namespace {
+
 int exit_code_of(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
 
 }  // namespace
@@ -54,7 +54,7 @@ bool under_a_launcher() {
 }
 
 int run_local_ranks(int n, char** argv) {
-  const int port = free_port();
+  const int port = free_local_port();
   if (port == 0) {
     std::fprintf(stderr, "shardopt: cannot find a free TCP port on 127.0.0.1 for the local ranks\n");
     return 1;

@@ -7,6 +7,9 @@ namespace shardopt::app {
 // or SLURM_PROCID is set).
 bool under_a_launcher();
 
+// A TCP port on 127.0.0.1 that was free a moment ago; 0 if none was found.
+int free_local_port();
+
 // Runs this executable's own command line `argv` as `n` local ranks on 127.0.0.1 (RANK,
 // WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set); they share the
 // terminal. When one rank fails the others have 5 s to exit (each reports its own error), then

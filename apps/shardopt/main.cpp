@@ -97,6 +97,10 @@ int main(int argc, char** argv) {
                                                   "and OSS + ShardedDDP (ZeRO-2) at several world sizes");
   add_memory_options(*memory, memory_options);
 
+  if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "train" && std::string(argv[1]) != "memory") {
+    std::fprintf(stderr, "shardopt: unknown subcommand '%s' (the subcommands: train, memory; see shardopt --help)\n", argv[1]);
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -124,7 +128,7 @@ int main(int argc, char** argv) {
         setenv("RANK", "0", 1);
         setenv("WORLD_SIZE", "1", 1);
         setenv("MASTER_ADDR", "127.0.0.1", 1);
-        setenv("MASTER_PORT", "0", 1);
+        setenv("MASTER_PORT", std::to_string(free_local_port()).c_str(), 1);
       }
       return run_train(train_options);
     }

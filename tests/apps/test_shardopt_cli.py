@@ -1,0 +1,160 @@
+"""The `shardopt` executable, run as a user runs it: training with a freeze schedule, checkpoints
+and resume (bit for bit at the same world size, within float tolerance at another), 1 rank
+against 4, the memory report, and bad input.
+
+Run by ctest with the project's Python (torch inside); SHARDOPT_EXE names the executable and
+SHARDOPT_TOOLS the tools folder (for read_checkpoint.py).
+"""
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import torch
+
+EXE = os.environ["SHARDOPT_EXE"]
+sys.path.insert(0, os.environ["SHARDOPT_TOOLS"])
+import read_checkpoint  # noqa: E402
+
+# 6,400 images, global batch 64: 100 steps per epoch.
+SMALL = ["--train-samples", "6400", "--test-samples", "1000", "--batch-size", "64"]
+SCHEDULE = ["--freeze", "conv@s50", "--unfreeze", "conv@2"]
+# 1,920 images: 30 steps in one epoch, conv frozen for steps 10 to 19.
+TINY = ["--epochs", "1", "--train-samples", "1920", "--test-samples", "500", "--batch-size", "64",
+        "--freeze", "conv@s10", "--unfreeze", "conv@s20"]
+
+
+def run(args, check=True, timeout=600):
+    p = subprocess.run([EXE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"shardopt {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def max_abs_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+class CliTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="shardopt-cli-")
+
+    def tearDown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def test_train_freeze_checkpoint_resume_bit_exact(self):
+        full = run(["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE, "--checkpoint-dir", self.path("full")])
+        out = full.stdout
+        self.assertRegex(out, r"step 50 \(epoch 1\): froze conv \(4 tensors, 18,816 parameters\); buckets rebuilt")
+        self.assertRegex(out, r"step 100 \(epoch 2\): unfroze conv .*per rank gradients .* -> .*, optimizer state")
+        losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+        self.assertGreaterEqual(len(losses), 4, out)
+        self.assertLess(losses[-1], 0.7 * losses[0], f"the loss did not fall: {losses}")
+        self.assertRegex(out, r"epoch 2/2: test accuracy \d+\.\d+%")
+        self.assertTrue(os.path.exists(self.path("full/last.ckpt")))
+
+        # Interrupted after step 130 (the last checkpoint at step 120), then resumed.
+        part = ["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE, "--checkpoint-dir", self.path("part"),
+                "--checkpoint-every", "40"]
+        run([*part, "--stop-after-steps", "130"])
+        resumed = run([*part, "--resume"])
+        self.assertIn("resumed from", resumed.stdout)
+        self.assertIn("step 120, epoch 2, step 20 of the epoch", resumed.stdout)
+        a = read_checkpoint.load(self.path("full/last.ckpt"))
+        b = read_checkpoint.load(self.path("part/last.ckpt"))
+        self.assertEqual(a["step"], 200)
+        self.assertEqual(b["step"], 200)
+        for k in a["model"]:
+            self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
+        for i, state in a["optimizer"]["state"].items():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    self.assertTrue(torch.equal(value, b["optimizer"]["state"][i][key]), f"{i} {key}")
+
+        # The optimizer part loads into torch.optim.Adam and steps.
+        params = [torch.nn.Parameter(a["model"][k].clone()) for k in a["model"]]
+        opt = torch.optim.Adam(params, lr=1e-3)
+        opt.load_state_dict(a["optimizer"])
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        self.assertTrue(torch.equal(opt.state[params[0]]["exp_avg"].mul(0), torch.zeros_like(params[0])))
+
+    def test_one_rank_and_four_ranks_end_within_1e_4(self):
+        run(["train", *TINY, "--checkpoint-dir", self.path("one")])
+        run(["train", *TINY, "-n", "4", "--checkpoint-dir", self.path("four")])
+        a = read_checkpoint.load(self.path("one/last.ckpt"))["model"]
+        b = read_checkpoint.load(self.path("four/last.ckpt"))["model"]
+        self.assertLessEqual(max_abs_diff(a, b), 1e-4)
+
+    def test_resume_at_another_world_size(self):
+        args = ["train", *TINY]
+        run([*args, "-n", "2", "--checkpoint-dir", self.path("full")])
+        run([*args, "-n", "2", "--checkpoint-dir", self.path("part"), "--checkpoint-every", "10",
+             "--stop-after-steps", "20"])
+        resumed = run([*args, "-n", "4", "--checkpoint-dir", self.path("part"), "--resume"])
+        self.assertIn("step 20, epoch 1, step 20 of the epoch", resumed.stdout)
+        a = read_checkpoint.load(self.path("full/last.ckpt"))["model"]
+        b = read_checkpoint.load(self.path("part/last.ckpt"))["model"]
+        self.assertLessEqual(max_abs_diff(a, b), 1e-4)
+
+    def test_bad_input_is_one_line_naming_it_on_every_rank(self):
+        def fails(args, needle, ranks=1):
+            p = run(args, check=False)
+            self.assertNotEqual(p.returncode, 0, args)
+            lines = [l for l in p.stderr.splitlines() if l.strip() and "exited with code" not in l]
+            self.assertEqual(len(lines), ranks, f"{args}: {p.stderr}")
+            for line in lines:
+                self.assertIn(needle, line, args)
+                self.assertNotIn("Exception raised from", line)
+        fails(["fly"], "fly")
+        fails(["train", "--no-such-option"], "--no-such-option")
+        fails(["memory", "--preset", "nope"], "nope")
+        fails(["train", "-n", "2", "--freeze", "nope@1", *SMALL], "no parameter name starts with 'nope'", ranks=2)
+        fails(["train", "-n", "2", "--freeze", "conv@1", "--freeze", "fc@1", *SMALL],
+              "freezes every parameter of the model", ranks=2)
+        fails(["train", "-n", "2", "--data", self.path("nowhere")], f"data folder '{self.path('nowhere')}' does not exist",
+              ranks=2)
+        os.makedirs(self.path("bad"))
+        with open(self.path("bad/last.ckpt"), "wb") as f:
+            f.write(b"SHRDCKPT" + b"\0" * 40)
+        fails(["train", "-n", "2", *SMALL, "--checkpoint-dir", self.path("bad"), "--resume"],
+              f"checkpoint '{self.path('bad')}/last.ckpt'", ranks=2)
+
+    def test_memory_report_measures_one_worldth(self):
+        out = self.path("mem")
+        p = run(["memory", "--preset", "cnn", "--world-sizes", "1,2,4", "--steps", "2", "-o", out])
+        self.assertIn("zero2", p.stdout)
+        with open(os.path.join(out, "memory.json")) as f:
+            report = json.load(f)
+        rows = report["rows"]
+        def value(mode, world, field, scenario="all trainable"):
+            return [r[field] for r in rows if r["mode"] == mode and r["world"] == world and r["scenario"] == scenario]
+        state1 = value("ddp", 1, "state")[0]
+        grads1 = value("ddp", 1, "grads")[0]
+        self.assertGreater(state1, 0)
+        for world in (2, 4):
+            for mode in ("zero1", "zero2"):
+                for s in value(mode, world, "state"):
+                    self.assertAlmostEqual(s / (state1 / world), 1.0, delta=0.03, msg=f"{mode} world {world}")
+            for g in value("zero2", world, "grads"):
+                self.assertAlmostEqual(g / (grads1 / world), 1.0, delta=0.03, msg=f"zero2 grads world {world}")
+            for g in value("ddp", world, "grads"):
+                self.assertEqual(g, grads1)
+        self.assertTrue(any(r["scenario"].endswith("frozen") for r in rows))
+        with open(os.path.join(out, "memory.csv")) as f:
+            self.assertEqual(len(list(csv.DictReader(f))), len(rows))
+        with open(os.path.join(out, "memory.png"), "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+
+if __name__ == "__main__":
+    unittest.main()
