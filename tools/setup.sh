@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what shardopt needs when it is missing, and prints nothing else on a second run.
 #   - Debian packages: compilers' helpers, Gloo headers, GoogleTest, Benchmark, the dataset.
-#   - The PyTorch wheel (LibTorch + its Python side) from PyPI, into a virtual environment kept
+#   - The PyTorch wheel (LibTorch + its Python side) and matplotlib from PyPI, into a virtual environment kept
 #     under ${SHARDOPT_CACHE:-~/.cache/shardopt}, keyed by the pinned version, so that every clone
 #     on this machine reuses it.
 # Prints the path of the virtual environment on its last line.
@@ -32,5 +32,10 @@ if [ ! -f "$VENV/.shardopt-complete" ]; then
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV" >&2
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" numpy >&2
   touch "$VENV/.shardopt-complete"
+fi
+# matplotlib draws `shardopt memory`'s chart.
+if ! "$VENV/bin/python" -c "import matplotlib" 2>/dev/null; then
+  echo "setup: installing matplotlib into $VENV" >&2
+  "$VENV/bin/pip" install -q matplotlib >&2
 fi
 echo "$VENV"

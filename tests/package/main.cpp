@@ -1,0 +1,25 @@
+// A user's program against the installed package: one rank, OSS(Adam) over a Linear layer, one
+// step, a checkpoint saved and loaded.
+#include <shardopt/shardopt.h>
+#include <shardopt/checkpoint.h>
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <cstdio>
+
+int main(int argc, char** argv) {
+  auto group = shardopt::init_process_group(c10::make_intrusive<c10d::HashStore>(),
+                                            shardopt::InitOptions().backend("gloo").rank(0).world_size(1));
+  torch::nn::Linear model(4, 2);
+  shardopt::OSS opt(model->parameters(), shardopt::optimizer<torch::optim::Adam>(torch::optim::AdamOptions(0.1)), group);
+  const auto before = model->weight.clone();
+  model->forward(torch::ones({3, 4})).sum().backward();
+  opt.step();
+  TORCH_CHECK(!torch::equal(before, model->weight), "the step did not move the weights");
+  const std::string path = std::string(argc > 1 ? argv[1] : ".") + "/consumer.ckpt";
+  shardopt::save_checkpoint(path, *model, opt, {});
+  shardopt::load_checkpoint(path, *model, opt);
+  std::printf("consumer ok: stepped, saved and loaded %s\n", path.c_str());
+  return 0;
+}
