@@ -23,14 +23,7 @@ namespace shardopt::app {
 
 namespace {
 
-int64_t available_memory_bytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string line;
-  while (std::getline(meminfo, line)) {
-    if (line.rfind("MemAvailable:", 0) == 0) return std::stoll(line.substr(13)) * 1024;
-  }
-  return 0;
-}
+int64_t available_memory_bytes() { return proc_kib("/proc/meminfo", "MemAvailable:") * 1024; }
 
 // What one rank of `mode` needs, from the formula, plus the runtime (about 400 MB for LibTorch).
 double estimate_per_rank(const std::string& mode, int world, int64_t numel) {

@@ -10,7 +10,6 @@
 #include <malloc.h>
 
 #include <fstream>
-#include <set>
 #include <unordered_set>
 
 namespace shardopt::app {
@@ -37,14 +36,7 @@ struct SpecModule : torch::nn::Module {
   std::vector<at::Tensor> params;
 };
 
-int64_t peak_rss_bytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  }
-  return 0;
-}
+int64_t peak_rss_bytes() { return proc_kib("/proc/self/status", "VmHWM:") * 1024; }
 
 // Bytes of the distinct storages that hold the parameters.
 int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
@@ -96,6 +88,15 @@ struct FlatAllReduce {
 };
 
 }  // namespace
+
+int64_t proc_kib(const std::string& file, const std::string& key) {
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(key.size()));
+  }
+  return 0;
+}
 
 nlohmann::json zero_formula(const std::string& mode, int world, int64_t numel, int64_t trainable, int64_t with_state) {
   const double w = world;

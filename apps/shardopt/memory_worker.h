@@ -18,6 +18,9 @@ constexpr const char* kMeasured[] = {"params", "grads", "state", "buckets", "pea
 void run_memory_worker(const ModelSpec& spec, const std::string& mode, int steps, double freeze_fraction,
                        const std::string& out);
 
+// A "key: N kB" value of a /proc file ("/proc/self/status", "VmHWM:"); 0 when absent.
+int64_t proc_kib(const std::string& file, const std::string& key);
+
 // The ZeRO paper's bytes per rank for fp32 Adam: parameters 4 per element, gradients 4 per
 // trainable element (divided by the world size under zero2), state 8 per element with state
 // (divided by the world size under zero1 and zero2).

@@ -44,7 +44,7 @@ def main():
     scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
     worlds = sorted({r["world"] for r in rows})
     modes = [m for m in ("ddp", "zero1", "zero2") if any(r["mode"] == m for r in rows)]
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 4.8), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 5.2), sharey=True, squeeze=False)
     width = 0.8 / len(modes)
     for ax, scenario in zip(axes[0], scenarios):
         for m, mode in enumerate(modes):
@@ -71,8 +71,9 @@ def main():
         ax.set_title(f"{report['model']}: {scenario}")
         ax.set_ylabel("MiB per rank (largest rank)")
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(sys.argv[2], dpi=110)
     return 0
 

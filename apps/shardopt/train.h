@@ -11,7 +11,7 @@ namespace shardopt::app {
 struct TrainOptions {
   std::string data_dir;
   int64_t epochs = 5;
-  int64_t batch_size = 120;          // global (divisible by 1, 2, 3, 4, 5, 6, 8 ranks): every step trains on this many samples over all ranks
+  int64_t batch_size = 120;          // global: samples per step over all ranks (divides among 1-6 or 8 ranks)
   std::string optimizer = "adam";    // adam | adamw | sgd
   double lr = 1e-3;
   std::string lr_schedule = "constant";  // constant | cosine (to 0 over the run) | step (x0.1 at 2/3 of the run)

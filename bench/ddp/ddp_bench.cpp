@@ -22,6 +22,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <torch/csrc/api/include/torch/nn/functional/loss.h>
 #include <torch/csrc/api/include/torch/nn/module.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
@@ -312,17 +313,16 @@ int main(int argc, char** argv) {
       }
       after_freeze_ms = median(after);
     }
-    std::printf("{\"impl\": \"shardopt-%s\", \"model\": \"%s\", \"rank\": %d, \"world\": %d, \"params\": %lld, "
-                "\"median_step_ms\": %.2f, \"peak_rss_mb\": %.1f, \"added_rss_mb\": %.1f, \"check_ms\": %.4f, "
-                "\"rebuild_ms\": %.3f, \"grad_fraction\": %.4f, \"imbalance\": %.4f, \"rebalance\": %s, "
-                "\"kept_imbalance\": %.4f, \"freeze_imbalance\": %.4f, \"rebalance_ms\": %.3f, "
-                "\"moved_state_bytes\": %lld, \"after_freeze_step_ms\": %.2f, \"peak_rss_with_freeze_mb\": %.1f, "
-                "\"split\": %s, \"state_bytes\": %lld, \"grad_bytes\": %lld}\n",
-                impl.c_str(), model_name.c_str(), group->rank(), group->size(), (long long)nparams, step_ms,
-                train_peak_mb, train_peak_mb - rss_start, check_ms, rebuild_ms, grad_fraction,
-                imbalance, rebalance ? "true" : "false", kept_imbalance,
-                freeze_imbalance, rebalance_ms, (long long)moved_bytes, after_freeze_ms, peak_rss_mb(),
-                oss && oss->split() ? "true" : "false", (long long)state_bytes, (long long)grad_bytes);
+    const nlohmann::json row = {
+        {"impl", "shardopt-" + impl}, {"model", model_name}, {"rank", group->rank()}, {"world", group->size()},
+        {"params", nparams}, {"median_step_ms", step_ms}, {"peak_rss_mb", train_peak_mb},
+        {"added_rss_mb", train_peak_mb - rss_start}, {"check_ms", check_ms}, {"rebuild_ms", rebuild_ms},
+        {"grad_fraction", grad_fraction}, {"imbalance", imbalance}, {"rebalance", rebalance},
+        {"kept_imbalance", kept_imbalance}, {"freeze_imbalance", freeze_imbalance}, {"rebalance_ms", rebalance_ms},
+        {"moved_state_bytes", moved_bytes}, {"after_freeze_step_ms", after_freeze_ms},
+        {"peak_rss_with_freeze_mb", peak_rss_mb()}, {"split", oss && oss->split()}, {"state_bytes", state_bytes},
+        {"grad_bytes", grad_bytes}};
+    std::printf("%s\n", row.dump().c_str());
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;

@@ -155,6 +155,25 @@ class CliTest(unittest.TestCase):
         with open(os.path.join(out, "memory.png"), "rb") as f:
             self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
+    def test_memory_report_of_a_json_spec(self):
+        spec = self.path("spec.json")
+        with open(spec, "w") as f:
+            json.dump({"layers": [{"name": "embed", "shape": [1000, 64]}, {"name": "fc", "shape": [64, 64]},
+                                  {"shape": [64]}]}, f)
+        out = self.path("mem")
+        run(["memory", "--spec", spec, "--world-sizes", "1,2", "--modes", "zero2", "--steps", "1", "-o", out])
+        with open(os.path.join(out, "memory.json")) as f:
+            report = json.load(f)
+        self.assertEqual(report["numel"], 1000 * 64 + 64 * 64 + 64)
+        one = [r for r in report["rows"] if r["world"] == 1 and r["scenario"] == "all trainable"][0]
+        self.assertEqual(one["state"], 8 * report["numel"])  # exp_avg and exp_avg_sq, fp32
+        with open(spec, "w") as f:
+            f.write('{"layers": [{"shape": [3, -1]}]}')
+        p = run(["memory", "--spec", spec], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertIn("layer 0 ('layer0') has a dimension that is not a positive integer", p.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -171,25 +171,33 @@ TEST(DropIn, AccumulationWithoutNoSyncAddsEachAveragedGradient) {
   }
 }
 
+// Three SGD steps through ddp.forward() against `reference` (a copy of the module's parameters,
+// called as `reference_forward`) with its gradients all-reduced: DDP's result.
+template <class F>
+void expect_ddp_result_through_forward(ShardedDDP& ddp, OSS& oss, const Params& mine, const Params& reference,
+                                       F reference_forward, ProcessGroup& g) {
+  optim::SGD ref_opt(reference, optim::SGDOptions(0.1));
+  for (int step = 0; step < 3; ++step) {
+    auto data = testing::rank_data(step, g.rank(), 4);
+    ddp.zero_grad();
+    testing::loss_of(ddp.forward(data.x), data, 4).backward();
+    oss.step();
+    ref_opt.zero_grad();
+    testing::loss_of(reference_forward(data.x), data, 4).backward();
+    testing::allreduce_grads(reference, g);
+    ref_opt.step();
+  }
+  for (size_t i = 0; i < mine.size(); ++i) EXPECT_LE(testing::rel_diff(mine[i], reference[i]), 1e-6) << "parameter " << i;
+}
+
 TEST(DropIn, SequentialGoesThroughForward) {
   run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
     torch::nn::Sequential seq(torch::nn::Linear(5, 8), torch::nn::Tanh(), torch::nn::Linear(8, 3));
     OSS oss(seq->parameters(), optimizer<optim::SGD>(optim::SGDOptions(0.1)), g);
     ShardedDDP ddp(seq.ptr(), oss);  // every rank starts from rank 0's values
     auto ref = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(seq->clone());
-    optim::SGD ref_opt(ref->parameters(), optim::SGDOptions(0.1));
-    for (int step = 0; step < 3; ++step) {
-      auto data = testing::rank_data(step, g->rank(), 4);
-      ddp.zero_grad();
-      testing::loss_of(ddp.forward(data.x), data, 4).backward();
-      oss.step();
-      ref_opt.zero_grad();
-      testing::loss_of(ref->forward(data.x), data, 4).backward();
-      testing::allreduce_grads(ref->parameters(), *g);
-      ref_opt.step();
-    }
-    const auto mine = seq->parameters(), theirs = ref->parameters();
-    for (size_t i = 0; i < mine.size(); ++i) EXPECT_LE(testing::rel_diff(mine[i], theirs[i]), 1e-6) << "parameter " << i;
+    expect_ddp_result_through_forward(ddp, oss, seq->parameters(), ref->parameters(),
+                                      [&](const at::Tensor& x) { return ref->forward(x); }, *g);
   });
 }
 
@@ -220,19 +228,8 @@ TEST(DropIn, TemplateForwardTakingATensorGoesThroughForward) {
       ref->weight.copy_(net->fc->weight);
       ref->bias.copy_(net->fc->bias);
     }
-    optim::SGD ref_opt(ref->parameters(), optim::SGDOptions(0.1));
-    for (int step = 0; step < 3; ++step) {
-      auto data = testing::rank_data(step, g->rank(), 4);
-      ddp.zero_grad();
-      testing::loss_of(ddp.forward(data.x), data, 4).backward();
-      oss.step();
-      ref_opt.zero_grad();
-      testing::loss_of(ref->forward(data.x), data, 4).backward();
-      testing::allreduce_grads(ref->parameters(), *g);
-      ref_opt.step();
-    }
-    EXPECT_LE(testing::rel_diff(net->fc->weight, ref->weight), 1e-6);
-    EXPECT_LE(testing::rel_diff(net->fc->bias, ref->bias), 1e-6);
+    expect_ddp_result_through_forward(ddp, oss, {net->fc->weight, net->fc->bias}, {ref->weight, ref->bias},
+                                      [&](const at::Tensor& x) { return ref->forward(x); }, *g);
 
     auto pair = std::make_shared<PairForward>();
     OSS pair_oss(pair->parameters(), optimizer<optim::SGD>(optim::SGDOptions(0.1)), g);
