@@ -1,4 +1,5 @@
 #include <shardopt/optim/oss.h>
+#include <shardopt/optim/fused_step.h>
 #include <shardopt/check.h>
 
 #include <shardopt/comm/agree.h>
@@ -399,7 +400,12 @@ torch::Tensor OSS::step(LossClosure closure) {
     }
   }
   try {
-    local_->step();
+    stepped_fused_ = options_.fused_step() && fused_step_unsupported(*local_).empty();
+    if (stepped_fused_) {
+      fused_step(*local_);
+    } else {
+      local_->step();
+    }
   } catch (...) {
     for (auto& [t, g] : restore) t.mutable_grad() = g;
     throw;

@@ -95,6 +95,9 @@ struct OSSOptions {
   // than `rebalance_threshold` above the mean, moving optimizer state to the new owners (Note
   // [Rebalance after a freeze]). Needs one of the optimizers state_dict() supports.
   TORCH_ARG(bool, rebalance) = true;
+  // Steps Adam, AdamW and SGD with the fused step (shardopt/optim/fused_step.h): one pass over
+  // each owned tensor's memory, across threads. Off: the wrapped optimizer's own step().
+  TORCH_ARG(bool, fused_step) = true;
   TORCH_ARG(double, rebalance_threshold) = 0.1;
   // How the flat buffers are laid out (ShardedDDP sets bucket_bytes from its own options).
   TORCH_ARG(LayoutOptions, layout) = {};
@@ -194,6 +197,8 @@ class OSS : public torch::optim::Optimizer {
     options_.check_trainable_every_step(on);
     layout_follows_ddp_ = !on;
   }
+  // Whether the last step() used the fused step.
+  bool stepped_fused() const { return stepped_fused_; }
   // Whether parameters are split across owners (PartitionMode resolved).
   bool split() const { return split_; }
   // One line: the partition mode and why, the world size, the imbalance.
@@ -252,6 +257,7 @@ class OSS : public torch::optim::Optimizer {
   bool layout_follows_ddp_ = false;   // ShardedDDP lays the buffers out (set_check_trainable_every_step)
   std::vector<std::vector<detail::Holding>> holdings_;  // per parameter: where its state lives now
   int64_t state_moves_ = 0;
+  bool stepped_fused_ = false;
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::vector<at::Tensor> piece_tensors_;               // per layout piece, on its owner
   std::unique_ptr<torch::optim::Optimizer> local_;

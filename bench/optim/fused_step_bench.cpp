@@ -1,0 +1,127 @@
+// The fused AdamW step on one 12M-parameter fp32 shard, against torch::optim::AdamW's step,
+// ATen's fused kernel (at::_fused_adamw_) on the same flat tensors, the whole step as OSS runs it
+// (world size 1: the fused step plus OSS's bookkeeping), and the memory floor: a streaming loop
+// with the step's read/write mix (4 arrays read, 3 written), whose time is the least any AdamW
+// step over these bytes can take on this machine. Argument: intra-op threads.
+//
+//   build/bench/fused_step_bench --benchmark_counters_tabular=true --benchmark_repetitions=5 \
+//       --benchmark_report_aggregates_only=true
+#include <shardopt/optim/fused_step.h>
+#include <shardopt/optim/oss.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <benchmark/benchmark.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <thread>
+#include <vector>
+
+namespace {
+
+namespace optim = torch::optim;
+constexpr int64_t kN = 12 << 20;  // 12,582,912 elements
+constexpr double kStepBytes = 7.0 * 4 * kN;  // p, g, m, v read; p, m, v written
+
+optim::AdamWOptions options() { return optim::AdamWOptions(1e-3).weight_decay(0.01); }
+
+at::Tensor param() {
+  at::Tensor p = at::randn({kN}) * 0.02;
+  p.requires_grad_();
+  p.mutable_grad() = at::randn({kN}) * 1e-3;
+  return p;
+}
+
+void report(benchmark::State& state) {
+  state.counters["GB/s"] = benchmark::Counter(kStepBytes * static_cast<double>(state.iterations()) / 1e9,
+                                              benchmark::Counter::kIsRate);
+}
+
+void BM_TorchOptimAdamW(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  at::Tensor p = param();
+  optim::AdamW opt({p}, options());
+  for (auto _ : state) opt.step();
+  report(state);
+}
+
+void BM_AtenFusedAdamW(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  at::Tensor p = param().detach(), g = at::randn({kN}) * 1e-3, m = at::zeros({kN}), v = at::zeros({kN});
+  at::Tensor step = at::zeros({}, at::kFloat);
+  for (auto _ : state) {
+    step.add_(1);
+    at::_fused_adamw_({p}, {g}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false, std::nullopt,
+                      std::nullopt);
+  }
+  report(state);
+}
+
+void BM_ShardoptFusedStep(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  at::Tensor p = param();
+  optim::AdamW opt({p}, options());
+  for (auto _ : state) shardopt::fused_step(opt);
+  report(state);
+}
+
+void BM_OssStepWorldOne(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  auto group = shardopt::init_process_group(c10::make_intrusive<c10d::HashStore>(),
+                                            shardopt::InitOptions().backend("gloo").rank(0).world_size(1));
+  at::Tensor p = param();
+  at::Tensor g = p.grad().clone();
+  shardopt::OSS opt({p}, shardopt::optimizer<optim::AdamW>(options()), group);
+  p.mutable_grad() = g;
+  for (auto _ : state) opt.step();
+  state.counters["fused"] = opt.stepped_fused() ? 1 : 0;
+  report(state);
+}
+
+// The floor: each element read from 4 arrays and written to 3, with a few flops, as AdamW does.
+void BM_StreamingFloor(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  at::Tensor p = at::randn({kN}), g = at::randn({kN}), m = at::randn({kN}), v = at::randn({kN});
+  float* pp = p.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  using Vec = at::vec::Vectorized<float>;
+  auto range = [&](int64_t begin, int64_t end) {
+    const Vec a(0.5f), b(0.25f);
+    for (int64_t i = begin; i < end; i += Vec::size()) {
+      const int64_t k = std::min<int64_t>(Vec::size(), end - i);
+      const Vec gv = Vec::loadu(gp + i, k);
+      (Vec::loadu(mp + i, k) * a + gv).store(mp + i, k);
+      (Vec::loadu(vp + i, k) * b + gv).store(vp + i, k);
+      (Vec::loadu(pp + i, k) * a + gv).store(pp + i, k);
+    }
+  };
+  const int64_t threads = state.range(0), chunk = (kN / threads + 63) / 64 * 64;
+  for (auto _ : state) {
+    std::vector<std::thread> others;
+    for (int64_t t = 1; t < threads; ++t) others.emplace_back(range, t * chunk, std::min(kN, (t + 1) * chunk));
+    range(0, std::min(kN, chunk));
+    for (auto& t : others) t.join();
+    benchmark::ClobberMemory();
+  }
+  report(state);
+}
+
+void threads(benchmark::internal::Benchmark* b) {
+  b->Arg(1);
+  if (at::get_num_threads() > 1) b->Arg(at::get_num_threads());
+  b->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
+BENCHMARK(BM_StreamingFloor)->Apply(threads);
+BENCHMARK(BM_TorchOptimAdamW)->Apply(threads);
+BENCHMARK(BM_AtenFusedAdamW)->Apply(threads);
+BENCHMARK(BM_ShardoptFusedStep)->Apply(threads);
+BENCHMARK(BM_OssStepWorldOne)->Apply(threads);
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,221 @@
+// The fused step: one pass over each parameter's memory for Adam, AdamW and SGD.
+#include <shardopt/optim/fused_step.h>
+#include <shardopt/check.h>
+#include <shardopt/compat.h>
+
+#include "optim/fused_kernels.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
+
+#include <cmath>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+
+namespace shardopt {
+
+namespace {
+
+namespace optim = torch::optim;
+using detail::AdamScalars;
+using detail::SgdScalars;
+
+// The loops for this CPU: the widest build it runs.
+template <class T>
+void adam_kernel(T* p, const T* g, T* m, T* v, T* vmax, int64_t n, const AdamScalars& s) {
+  switch (detail::cpu_kernel_level()) {
+    case 2: return detail::kernels_avx512::adam(p, g, m, v, vmax, n, s);
+    case 1: return detail::kernels_avx2::adam(p, g, m, v, vmax, n, s);
+    default: return detail::kernels_default::adam(p, g, m, v, vmax, n, s);
+  }
+}
+
+template <class T>
+void sgd_kernel(T* p, const T* g, T* buf, int64_t n, const SgdScalars& s) {
+  switch (detail::cpu_kernel_level()) {
+    case 2: return detail::kernels_avx512::sgd(p, g, buf, n, s);
+    case 1: return detail::kernels_avx2::sgd(p, g, buf, n, s);
+    default: return detail::kernels_default::sgd(p, g, buf, n, s);
+  }
+}
+
+bool dense_cpu_float(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() &&
+         (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
+}
+
+bool amsgrad_of(const optim::OptimizerOptions& o) {
+  if (const auto* a = dynamic_cast<const optim::AdamOptions*>(&o)) return a->amsgrad();
+  if (const auto* w = dynamic_cast<const optim::AdamWOptions*>(&o)) return w->amsgrad();
+  return false;
+}
+
+template <class State>
+State& state_of(optim::Optimizer& opt, const at::Tensor& p, const std::function<std::unique_ptr<State>()>& make) {
+  auto& state = opt.state();
+  auto it = state.find(compat::state_key(p));
+  if (it == state.end()) it = state.emplace(compat::state_key(p), make()).first;
+  return static_cast<State&>(*it->second);
+}
+
+template <class Options>
+void adam_like_step(optim::Optimizer& opt, bool decoupled) {
+  for (auto& group : opt.param_groups()) {
+    const auto& o = static_cast<const Options&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      auto& st = state_of<optim::AdamParamState>(opt, p, [&] {
+        auto s = std::make_unique<optim::AdamParamState>();
+        s->step(0);
+        s->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+        s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        if (o.amsgrad()) s->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        return s;
+      });
+      st.step(st.step() + 1);
+      AdamScalars s;
+      s.lr = o.lr();
+      s.beta1 = std::get<0>(o.betas());
+      s.beta2 = std::get<1>(o.betas());
+      s.eps = o.eps();
+      s.weight_decay = o.weight_decay();
+      s.decoupled = decoupled;
+      s.amsgrad = o.amsgrad();
+      const double bc1 = 1 - std::pow(s.beta1, static_cast<double>(st.step()));
+      const double bc2 = 1 - std::pow(s.beta2, static_cast<double>(st.step()));
+      s.sqrt_bias_correction2 = std::sqrt(bc2);
+      s.step_size = s.lr / bc1;
+      at::NoGradGuard no_grad;
+      const at::Tensor grad = p.grad(), m = st.exp_avg(), v = st.exp_avg_sq();
+      const at::Tensor vmax = s.amsgrad ? st.max_exp_avg_sq() : at::Tensor();
+      AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "shardopt_fused_adam", [&] {
+        adam_kernel<scalar_t>(p.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
+                              v.data_ptr<scalar_t>(), vmax.defined() ? vmax.data_ptr<scalar_t>() : nullptr, p.numel(), s);
+      });
+      // The state's tensors changed in place: versions follow, as with torch's own step.
+      p.unsafeGetTensorImpl()->bump_version();
+    }
+  }
+}
+
+void sgd_step(optim::Optimizer& opt) {
+  for (auto& group : opt.param_groups()) {
+    const auto& o = static_cast<const optim::SGDOptions&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      SgdScalars s;
+      s.lr = o.lr();
+      s.momentum = o.momentum();
+      s.dampening = o.dampening();
+      s.weight_decay = o.weight_decay();
+      s.nesterov = o.nesterov();
+      at::Tensor buf;
+      if (s.momentum != 0) {
+        auto& state = opt.state();
+        auto it = state.find(compat::state_key(p));
+        s.first = it == state.end();
+        if (s.first) {
+          auto st = std::make_unique<optim::SGDParamState>();
+          st->momentum_buffer(at::empty_like(p, at::MemoryFormat::Contiguous));
+          it = state.emplace(compat::state_key(p), std::move(st)).first;
+        }
+        buf = static_cast<optim::SGDParamState&>(*it->second).momentum_buffer();
+      }
+      at::NoGradGuard no_grad;
+      AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "shardopt_fused_sgd", [&] {
+        sgd_kernel<scalar_t>(p.data_ptr<scalar_t>(), p.grad().data_ptr<scalar_t>(),
+                             buf.defined() ? buf.data_ptr<scalar_t>() : nullptr, p.numel(), s);
+      });
+      p.unsafeGetTensorImpl()->bump_version();
+    }
+  }
+}
+
+}  // namespace
+
+void detail::parallel_ranges(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
+  if (tasks <= 1 || at::in_parallel_region()) {
+    body(0, n);
+    return;
+  }
+  // Ranges of whole 64-element blocks, so that each starts aligned as the tensor does.
+  const int64_t chunk = ((n + tasks - 1) / tasks + 63) / 64 * 64;
+  std::mutex mu;
+  std::condition_variable done;
+  int64_t left = 0;
+  std::exception_ptr error;
+  for (int64_t begin = chunk; begin < n; begin += chunk) {
+    const int64_t end = std::min(n, begin + chunk);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++left;
+    }
+    at::launch([&, begin, end] {
+      std::exception_ptr e;
+      try {
+        body(begin, end);
+      } catch (...) {
+        e = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      if (e && !error) error = e;
+      if (--left == 0) done.notify_one();
+    });
+  }
+  body(0, std::min(n, chunk));
+  std::unique_lock<std::mutex> lock(mu);
+  done.wait(lock, [&] { return left == 0; });
+  if (error) std::rethrow_exception(error);
+}
+
+std::string fused_step_unsupported(const optim::Optimizer& optimizer) {
+  const bool adam = dynamic_cast<const optim::Adam*>(&optimizer) != nullptr;
+  const bool adamw = dynamic_cast<const optim::AdamW*>(&optimizer) != nullptr;
+  const bool sgd = dynamic_cast<const optim::SGD*>(&optimizer) != nullptr;
+  if (!adam && !adamw && !sgd) return "the optimizer is not torch::optim::Adam, AdamW or SGD";
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      if (!dense_cpu_float(p) || !dense_cpu_float(p.grad()) || p.scalar_type() != p.grad().scalar_type()) {
+        return "a parameter or its gradient is not a dense contiguous float/double CPU tensor of the same dtype";
+      }
+      auto it = optimizer.state().find(compat::state_key(p));
+      if (it == optimizer.state().end()) continue;
+      if (adam || adamw) {
+        const auto& st = static_cast<const optim::AdamParamState&>(*it->second);
+        for (const auto& t : {st.exp_avg(), st.exp_avg_sq()}) {
+          if (!dense_cpu_float(t) || t.scalar_type() != p.scalar_type()) return "an Adam state tensor is not dense";
+        }
+        if (amsgrad_of(group.options()) && !dense_cpu_float(st.max_exp_avg_sq())) {
+          return "an AMSGrad state tensor is not dense";
+        }
+      } else {
+        const auto& buf = static_cast<const optim::SGDParamState&>(*it->second).momentum_buffer();
+        if (buf.defined() && (!dense_cpu_float(buf) || buf.scalar_type() != p.scalar_type())) {
+          return "a momentum buffer is not dense";
+        }
+      }
+    }
+  }
+  return {};
+}
+
+void fused_step(optim::Optimizer& optimizer) {
+  if (dynamic_cast<optim::AdamW*>(&optimizer)) {
+    adam_like_step<optim::AdamWOptions>(optimizer, /*decoupled=*/true);
+  } else if (dynamic_cast<optim::Adam*>(&optimizer)) {
+    adam_like_step<optim::AdamOptions>(optimizer, /*decoupled=*/false);
+  } else if (dynamic_cast<optim::SGD*>(&optimizer)) {
+    sgd_step(optimizer);
+  } else {
+    SHARDOPT_CHECK(false, "fused_step: ", fused_step_unsupported(optimizer));
+  }
+}
+
+}  // namespace shardopt
