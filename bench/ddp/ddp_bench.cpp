@@ -142,6 +142,8 @@ int main(int argc, char** argv) {
   app.add_option("--freeze-steps", freeze_steps, "steps timed after freezing every other tensor (sharded)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--rebalance", rebalance, "OSSOptions::rebalance (sharded)");
+  bool fused = true;
+  app.add_option("--fused-step", fused, "OSSOptions::fused_step (sharded)");
   app.add_option("--freeze", freeze, "which tensors the freeze measurement freezes (sharded)")
       ->check(CLI::IsMember({"embeddings", "lower", "alternate"}));
   CLI11_PARSE(app, argc, argv);
@@ -177,7 +179,7 @@ int main(int argc, char** argv) {
                         : partition == "whole" ? shardopt::PartitionMode::kWholeParameters
                                                : shardopt::PartitionMode::kAuto;
       oss = std::make_unique<shardopt::OSS>(module->parameters(), factory, group,
-                                            shardopt::OSSOptions().rebalance(rebalance).partition(mode));
+                                            shardopt::OSSOptions().rebalance(rebalance).partition(mode).fused_step(fused));
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss);
     } else {
       adam = std::make_unique<torch::optim::Adam>(module->parameters(), torch::optim::AdamOptions(1e-4));
