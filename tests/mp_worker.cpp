@@ -4,6 +4,8 @@
 //   mp_worker ddp_parity     OSS + ShardedDDP vs the all-reduce reference, with freezing
 //   mp_worker fail_rank R    rank R exits with code 3; the others wait in a collective
 //   mp_worker checkpoint_writer PATH   writes checkpoints to PATH without end (no group)
+//   mp_worker hello          one all-reduce; prints rank, world size, local rank
+//   mp_worker die_in PHASE R rank R kills itself with SIGKILL in PHASE at step 2
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/ddp/sharded_ddp.h>
@@ -15,6 +17,7 @@
 #include <torch/csrc/api/include/torch/optim/adam.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -86,6 +89,28 @@ void ddp_parity(std::shared_ptr<ProcessGroup> group) {
   std::cout << "ShardedDDP parity ok on rank " << g.rank() << " of " << g.size() << std::endl;
 }
 
+// A training loop in which `victim` kills itself with SIGKILL at step 2, at the start of
+// `phase` (forward, backward, step, consolidation); the others must fail with an error naming it.
+void die_in(std::shared_ptr<ProcessGroup> group, const std::string& phase, int victim) {
+  auto net = std::make_shared<Net>();
+  OSS oss(net->parameters(), shardopt::optimizer<optim::Adam>(optim::AdamOptions(1e-2)), group);
+  ShardedDDP ddp(net, oss);
+  const bool dies = group->rank() == victim;
+  for (int step = 0; step < 4; ++step) {
+    auto data = shardopt::testing::rank_data(step, group->rank(), 4);
+    ddp.zero_grad();
+    if (dies && step == 2 && phase == "forward") std::raise(SIGKILL);
+    at::Tensor out = ddp.forward(data.x);
+    if (dies && step == 2 && phase == "backward") std::raise(SIGKILL);
+    shardopt::testing::loss_of(out, data, 4).backward();
+    if (dies && step == 2 && phase == "step") std::raise(SIGKILL);
+    oss.step();
+    if (dies && step == 2 && phase == "consolidation") std::raise(SIGKILL);
+    if (step == 2) oss.consolidate_state_dict(0);
+  }
+  TORCH_CHECK(false, "rank ", group->rank(), " finished although rank ", victim, " was killed in ", phase);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -106,7 +131,22 @@ int main(int argc, char** argv) {
         std::cout << "saved " << count << std::endl;
       }
     }
-    auto group = init_process_group(InitOptions().backend("gloo").timeout(std::chrono::seconds(60)));
+    // SHARDOPT_TEST_TIMEOUT_S: the group's timeout (default 60 s).
+    const char* timeout_env = std::getenv("SHARDOPT_TEST_TIMEOUT_S");
+    const auto timeout = std::chrono::seconds(timeout_env ? std::atoi(timeout_env) : 60);
+    auto group = init_process_group(InitOptions().backend("gloo").timeout(timeout));
+    if (std::strcmp(argv[1], "hello") == 0) {
+      // One all-reduce of the ranks' numbers: the group works under this launcher's variables.
+      at::Tensor t = at::full({1}, static_cast<double>(group->rank()), at::kDouble);
+      group->allreduce(t);
+      std::cout << "rank " << group->rank() << " of " << group->size() << ", local rank " << local_rank()
+                << ": sum of ranks " << t.item<double>() << std::endl;
+      return 0;
+    }
+    if (std::strcmp(argv[1], "die_in") == 0 && argc > 3) {
+      die_in(group, argv[2], std::atoi(argv[3]));
+      return 0;
+    }
     if (std::strcmp(argv[1], "oss_parity") == 0) {
       oss_parity(*group, group, "Adam", optimizer<optim::Adam>(optim::AdamOptions(1e-2)));
       oss_parity(*group, group, "SGD", optimizer<optim::SGD>(optim::SGDOptions(0.05).momentum(0.9)));
@@ -125,6 +165,9 @@ int main(int argc, char** argv) {
     }
     std::cerr << "mp_worker: unknown command " << argv[1] << std::endl;
     return 2;
+  } catch (const c10::Error& e) {
+    std::cerr << e.what_without_backtrace() << std::endl;  // one line, as a user sees it
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;
     return 1;

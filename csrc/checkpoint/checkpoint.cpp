@@ -230,6 +230,7 @@ torch::IValue read_checkpoint_file(const std::string& path) {
 void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer, const TrainingState& state,
                      CheckpointOptions options) {
   ProcessGroup& group = optimizer.process_group();
+  CommPhase phase("saving a checkpoint");
   const int rank = group.rank(), world = group.size();
   const bool sharded = options.optimizer_state() == OptimizerStateLayout::kSharded;
   // One id ties the shard files to their main file.
@@ -298,6 +299,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& op
 
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer) {
   ProcessGroup& group = optimizer.process_group();
+  CommPhase phase("loading a checkpoint");
   TrainingState state;
   std::string error;
   try {

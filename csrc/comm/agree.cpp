@@ -4,6 +4,9 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <chrono>
+#include <thread>
+
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -198,6 +201,17 @@ void Agreement::check(c10d::Store& store, const std::string& key, int rank, int 
     all[r] = to_ints(std::string(bytes.begin(), bytes.end()));
   }
   const std::string message = disagreement(all);
+  if (!message.empty()) {
+    // Rank 0's process serves the store: it waits (at most the store's timeout) until every rank
+    // has read what it needs, so that each raises this message rather than "store closed".
+    store.add(at + "read", 1);
+    if (rank == 0) {
+      const auto deadline = std::chrono::steady_clock::now() + store.getTimeout();
+      while (store.add(at + "read", 0) < world_size && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+  }
   SHARDOPT_CHECK(message.empty(), message);
 }
 

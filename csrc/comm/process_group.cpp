@@ -1,6 +1,8 @@
 #include <shardopt/comm/process_group.h>
 #include <shardopt/check.h>
 #include <shardopt/comm/agree.h>
+#include <shardopt/comm/launch_env.h>
+#include <shardopt/version.h>
 
 #include "comm/backends.h"
 
@@ -13,7 +15,9 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <cstdio>
 #include <cstdlib>
+#include <thread>
 #include <sstream>
 
 namespace shardopt {
@@ -50,8 +54,8 @@ std::string CommStats::to_string() const {
 // ---- work ---------------------------------------------------------------------------------
 
 PendingWork::PendingWork(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank,
-                         std::chrono::milliseconds timeout)
-    : work_(std::move(work)), what_(std::move(what)), rank_(rank), timeout_(timeout) {}
+                         std::chrono::milliseconds timeout, std::function<std::string()> diagnose)
+    : work_(std::move(work)), diagnose_(std::move(diagnose)), what_(std::move(what)), rank_(rank), timeout_(timeout) {}
 
 PendingWork::~PendingWork() = default;
 PendingWork::PendingWork(PendingWork&&) noexcept = default;
@@ -64,14 +68,33 @@ void PendingWork::wait() {
     bool done = work->wait(timeout_);
     TORCH_CHECK(done, "not completed");
   } catch (const std::exception& e) {
-    SHARDOPT_CHECK(false, "", what_, " on rank ", rank_, " failed or timed out (timeout ",
-                timeout_.count(), " ms; a peer may have exited or not called it): ", e.what());
+    const std::string gone = diagnose_ ? diagnose_() : std::string();
+    std::string cause = e.what();
+    cause = cause.substr(0, cause.find('\n'));
+    // The phase the work was started in is in what_; the one it was waited for in may differ
+    // (backward waits for the trainability check forward started).
+    const std::string now = CommPhase::current();
+    const std::string waited = now.empty() || what_.find("(" + now + ")") != std::string::npos
+                                   ? std::string()
+                                   : ", waited for in " + now;
+    SHARDOPT_CHECK(false, "", what_, waited, " on rank ", rank_, " failed or timed out (timeout ", timeout_.count(), " ms)",
+                   gone.empty() ? std::string("; a peer may have exited or not called it") : "; " + gone, ": ", cause);
   }
   if (then_) {
     auto then = std::move(then_);
     then();
   }
 }
+
+// ---- phases -------------------------------------------------------------------------------
+
+namespace {
+thread_local const char* current_phase = "";
+}  // namespace
+
+CommPhase::CommPhase(const char* phase) : previous_(current_phase) { current_phase = phase; }
+CommPhase::~CommPhase() { current_phase = previous_; }
+const char* CommPhase::current() { return current_phase; }
 
 // ---- process group ------------------------------------------------------------------------
 
@@ -111,11 +134,81 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroup::native() const {
 PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work) {
   stats_.calls[kind] += 1;
   stats_.bytes[kind] += bytes;
-  return PendingWork(std::move(work), CommStats::name(kind), rank_, timeout_);
+  std::string what = CommStats::name(kind);
+  if (kind != CommStats::kSend && kind != CommStats::kRecv) what += " #" + std::to_string(sequence_);
+  if (*CommPhase::current()) what += std::string(" (") + CommPhase::current() + ")";
+  return PendingWork(std::move(work), what, rank_, timeout_, [this] { return roll_call(); });
+}
+
+void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) { store_ = std::move(store); }
+
+// Note [Roll call]
+// A collective fails quickly when a peer's process is gone (its connections close) and after
+// the timeout when a peer is stuck. Either way the survivors want the rank named. Each rank
+// whose collective failed writes "alive" into the rendezvous store and looks, for up to 3 s, for
+// the others' answers; the ranks that never answer are named. The store is served by rank 0's
+// process, so when it cannot be reached at all, rank 0 is the one gone.
+std::string ProcessGroup::roll_call() {
+  if (!store_ || size_ == 1) return "";
+  const std::string prefix = "shardopt/roll_call/" + std::to_string(roll_calls_++) + "/";
+  try {
+    store_->set(prefix + std::to_string(rank_), std::vector<uint8_t>{1});
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    std::vector<int> missing;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      while (!store_->check({prefix + std::to_string(r)}) && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      if (!store_->check({prefix + std::to_string(r)})) missing.push_back(r);
+    }
+    if (missing.empty()) return "";
+    std::string ranks;
+    for (int r : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    return (missing.size() == 1 ? "rank " : "ranks ") + ranks +
+           " did not answer a roll call within 3 s (exited, killed or stuck)";
+  } catch (const std::exception&) {
+    return "rank 0 (which serves the rendezvous store) cannot be reached: it exited or was killed";
+  }
+}
+
+void ProcessGroup::check_in(CommStats::Kind kind, int64_t bytes, int root) {
+  ++sequence_;
+  if (!check_desync_ || size_ == 1) return;
+  const auto seq = static_cast<int64_t>(sequence_);
+  const int64_t fingerprint = (static_cast<int64_t>(kind) * 1000003 + bytes) * 131 + root;
+  at::Tensor t = at::tensor({seq, -seq, fingerprint, -fingerprint}, at::kLong);
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  opts.timeout = timeout_;
+  const std::string what = std::string("desync check before ") + CommStats::name(kind) + " #" + std::to_string(seq);
+  PendingWork(backend_->allreduce(ts, opts), what, rank_, timeout_, [this] { return roll_call(); }).wait();
+  const int64_t* v = t.data_ptr<int64_t>();
+  if (v[0] == -v[1] && v[2] == -v[3]) return;
+  // Out of step: every rank says what it called (one more small collective, matched on every rank).
+  at::Tensor mine = at::tensor({seq, static_cast<int64_t>(kind), bytes, static_cast<int64_t>(root)}, at::kLong);
+  std::vector<at::Tensor> all;
+  for (int r = 0; r < size_; ++r) all.push_back(at::empty_like(mine));
+  std::vector<std::vector<at::Tensor>> out{all};
+  std::vector<at::Tensor> in{mine};
+  c10d::AllgatherOptions gather_opts;
+  gather_opts.timeout = timeout_;
+  PendingWork(backend_->allgather(out, in, gather_opts), "desync report", rank_, timeout_).wait();
+  std::string calls;
+  for (int r = 0; r < size_; ++r) {
+    const int64_t* c = out[0][r].data_ptr<int64_t>();
+    calls += (r ? "; " : "") + std::string("rank ") + std::to_string(r) + " called " +
+             CommStats::name(static_cast<CommStats::Kind>(c[1])) + " #" + std::to_string(c[0]) + " of " +
+             std::to_string(c[2]) + " bytes" + (c[3] >= 0 ? " with root " + std::to_string(c[3]) : "");
+  }
+  SHARDOPT_CHECK(false, "ranks are out of step at collective #", seq, " (", *CommPhase::current() ? CommPhase::current() : "no phase",
+                 " on rank ", rank_, "): ", calls, ". Every rank must call the same collectives in the same order");
 }
 
 PendingWork ProcessGroup::broadcast_async(at::Tensor& tensor, int root) {
   SHARDOPT_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is outside [0, ", size_, ")");
+  check_in(CommStats::kBroadcast, nbytes(tensor), root);
   std::vector<at::Tensor> ts{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -128,6 +221,7 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
 }
 
 PendingWork ProcessGroup::allreduce_async(at::Tensor& tensor, Reduction op) {
+  check_in(CommStats::kAllreduce, nbytes(tensor), -1);
   std::vector<at::Tensor> ts{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
@@ -147,6 +241,7 @@ void ProcessGroup::allreduce(at::Tensor& tensor, Reduction op) {
 // collectives in the same order; they start above the tags callers of send/recv use.
 PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction op) {
   SHARDOPT_CHECK(root >= 0 && root < size_, "reduce root ", root, " is outside [0, ", size_, ")");
+  check_in(CommStats::kReduce, nbytes(tensor), root);
   if (size_ == 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {
     constexpr uint32_t kFirstTag = 1u << 24;
     const int tag = static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
@@ -174,25 +269,27 @@ void ProcessGroup::reduce(at::Tensor& tensor, int root, Reduction op) {
 void ProcessGroup::allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input) {
   SHARDOPT_CHECK(static_cast<int>(outputs.size()) == size_, "allgather needs ", size_,
               " outputs, got ", outputs.size());
+  int64_t bytes = 0;
+  for (const auto& o : outputs) bytes += nbytes(o);
+  check_in(CommStats::kAllgather, bytes, -1);
   std::vector<std::vector<at::Tensor>> out{outputs};
   std::vector<at::Tensor> in{input};
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;
-  int64_t bytes = 0;
-  for (const auto& o : outputs) bytes += nbytes(o);
   track(CommStats::kAllgather, bytes, backend_->allgather(out, in, opts)).wait();
 }
 
 void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs) {
   SHARDOPT_CHECK(static_cast<int>(inputs.size()) == size_, "reduce_scatter needs ", size_,
               " inputs, got ", inputs.size());
+  int64_t bytes = 0;
+  for (const auto& i : inputs) bytes += nbytes(i);
+  check_in(CommStats::kReduceScatter, bytes, -1);
   std::vector<at::Tensor> out{output};
   std::vector<std::vector<at::Tensor>> in{inputs};
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
-  int64_t bytes = 0;
-  for (const auto& i : inputs) bytes += nbytes(i);
   track(CommStats::kReduceScatter, bytes, backend_->reduce_scatter(out, in, opts)).wait();
 }
 
@@ -231,6 +328,7 @@ std::vector<char> ProcessGroup::recv_bytes(int src, int tag) {
 }
 
 void ProcessGroup::barrier() {
+  check_in(CommStats::kBarrier, 0, -1);
   c10d::BarrierOptions opts;
   opts.timeout = timeout_;
   track(CommStats::kBarrier, 0, backend_->barrier(opts)).wait();
@@ -296,25 +394,22 @@ int local_rank() {
 
 namespace {
 
-// Reads rank and world size from the first launcher convention present in the environment.
+// Rank and world size from the launcher's variables where the options leave them open.
 void rank_from_env(InitOptions& options) {
-  static const std::pair<const char*, const char*> conventions[] = {
-      {"RANK", "WORLD_SIZE"},
-      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
-      {"PMI_RANK", "PMI_SIZE"},
-      {"SLURM_PROCID", "SLURM_NTASKS"}};
-  for (auto [rank_var, size_var] : conventions) {
-    const char* r = getenv_or_null(rank_var);
-    const char* s = getenv_or_null(size_var);
-    if (!r || !s) continue;
-    if (options.rank() < 0) options.rank(parse_int(r, rank_var));
-    if (options.world_size() < 0) options.world_size(parse_int(s, size_var));
-    return;
-  }
-  SHARDOPT_CHECK(options.rank() >= 0 && options.world_size() >= 0,
-              "init_process_group could not find the rank and world size: set "
-              "InitOptions rank/world_size or RANK/WORLD_SIZE (also read: OMPI_COMM_WORLD_*, "
-              "PMI_*, SLURM_PROCID/SLURM_NTASKS)");
+  if (options.rank() >= 0 && options.world_size() >= 0) return;
+  const LaunchEnv e = read_launch_env(/*need_master=*/false);
+  if (options.rank() < 0) options.rank(e.rank);
+  if (options.world_size() < 0) options.world_size(e.world_size);
+}
+
+// "1.2.3" as 1002003, and back, for the join agreement.
+int64_t version_number(const std::string& v) {
+  int64_t major = 0, minor = 0, patch = 0;
+  std::sscanf(v.c_str(), "%ld.%ld.%ld", &major, &minor, &patch);
+  return major * 1000000 + minor * 1000 + patch;
+}
+std::string version_text(const std::vector<int64_t>& v) {
+  return std::to_string(v[0] / 1000000) + "." + std::to_string(v[0] / 1000 % 1000) + "." + std::to_string(v[0] % 1000);
 }
 
 bool is_loopback(const std::string& host) {
@@ -337,13 +432,25 @@ std::string resolve_backend(const std::string& requested) {
 // Every rank learns, before any backend connects, whether the ranks were started alike: a rank
 // that chose another backend or world size would otherwise leave the others waiting.
 void agree_on_init(c10d::Store& store, const InitOptions& options, const std::string& backend) {
+  // SHARDOPT_ANNOUNCE_VERSION replaces the announced shardopt version (to test the refusal).
+  const char* announced = std::getenv("SHARDOPT_ANNOUNCE_VERSION");
   Agreement("init_process_group")
       .field("world_size", options.world_size())
+      .field("shardopt version", version_number(announced && *announced ? announced : version()), version_text)
+      .field("LibTorch version", version_number(torch_version()), version_text)
       .field("backend", backend == "nccl" ? 1 : 0,
              [](const std::vector<int64_t>& v) { return std::string(v[0] ? "nccl" : "gloo"); })
       .field("timeout (ms)", static_cast<int64_t>(options.timeout().count()))
       .hint("start every rank with the same options")
       .check(store, "init_process_group", options.rank(), options.world_size());
+}
+
+std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, const c10::intrusive_ptr<c10d::Store>& store,
+                                           const InitOptions& options) {
+  group->set_store(store);
+  const char* env = std::getenv("SHARDOPT_CHECK_DESYNC");
+  group->set_check_desync(options.check_desync() || (env && std::string(env) == "1"));
+  return group;
 }
 
 std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store,
@@ -353,7 +460,7 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
   if (backend == "nccl") {
     try {
       auto pg = detail::make_nccl_backend(store, options.rank(), options.world_size(), options.timeout());
-      return std::make_shared<ProcessGroup>(pg, options.timeout());
+      return finish_group(std::make_shared<ProcessGroup>(pg, options.timeout()), store, options);
     } catch (const std::exception& e) {
       SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),
                   " could not create its NCCL group within ", options.timeout().count(), " ms: ", e.what());
@@ -366,7 +473,7 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
   gloo_opts->threads = 1;
   try {
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, options.rank(), options.world_size(), gloo_opts);
-    return std::make_shared<ProcessGroup>(pg, options.timeout());
+    return finish_group(std::make_shared<ProcessGroup>(pg, options.timeout()), store, options);
   } catch (const std::exception& e) {
     SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),
                 " could not connect to its peers within ", options.timeout().count(),
@@ -419,14 +526,12 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
   const std::string method = options.init_method();
   resolve_backend(options.backend());
   if (method == "env://") {
-    rank_from_env(options);
+    const LaunchEnv e = read_launch_env(/*need_master=*/true);
+    if (options.rank() < 0) options.rank(e.rank);
+    if (options.world_size() < 0) options.world_size(e.world_size);
     check_rank(options);
-    const char* addr = getenv_or_null("MASTER_ADDR");
-    const char* port = getenv_or_null("MASTER_PORT");
-    SHARDOPT_CHECK(addr, "init_method env:// needs MASTER_ADDR in the environment");
-    SHARDOPT_CHECK(port, "init_method env:// needs MASTER_PORT in the environment");
-    auto store = tcp_store(addr, parse_int(port, "MASTER_PORT"), options);
-    return make_group(store, options, addr);
+    auto store = tcp_store(e.master_addr, e.master_port, options);
+    return make_group(store, options, e.master_addr);
   }
   if (method.rfind("tcp://", 0) == 0) {
     std::string rest = method.substr(6);
@@ -435,7 +540,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
                 "malformed init_method '", method, "' (expected tcp://HOST:PORT)");
     std::string host = rest.substr(0, colon);
     int port = parse_int(rest.substr(colon + 1), "the port of init_method '" + method + "'");
-    if (options.rank() < 0 || options.world_size() < 0) rank_from_env(options);
+    rank_from_env(options);
     check_rank(options);
     return make_group(tcp_store(host, port, options), options, host);
   }
@@ -443,7 +548,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
     std::string path = method.substr(7);
     SHARDOPT_CHECK(!path.empty() && path[0] == '/', "malformed init_method '", method,
                 "' (expected file:///ABSOLUTE/PATH)");
-    if (options.rank() < 0 || options.world_size() < 0) rank_from_env(options);
+    rank_from_env(options);
     check_rank(options);
     auto store = c10::make_intrusive<c10d::FileStore>(path, options.world_size());
     store->setTimeout(options.timeout());

@@ -63,6 +63,7 @@ void ShardedDDP::before_accumulation(size_t h) {
 // ---- backward -----------------------------------------------------------------------------------
 
 void ShardedDDP::on_grad_ready(size_t h) {
+  CommPhase phase("backward (gradient reductions)");
   if (no_sync_) {
     unreduced_local_grads_ = true;
     return;
@@ -151,6 +152,7 @@ at::Tensor ShardedDDP::clearing_evidence() const {
 }
 
 void ShardedDDP::launch_ready_buckets() {
+  CommPhase phase("backward (gradient reductions)");
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_++];
     b.work = group_->reduce_async(b.buffer, b.owner);
@@ -158,6 +160,7 @@ void ShardedDDP::launch_ready_buckets() {
 }
 
 void ShardedDDP::finish_reduction() {
+  CommPhase phase("backward (gradient reductions)");
   in_backward_ = false;
   // Parameters that got no gradient in this backward still take part, so every rank launches
   // the same buckets; their flags say whether any rank had a gradient (from this backward or

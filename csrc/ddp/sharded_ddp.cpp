@@ -267,6 +267,7 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
 // ---- forward ------------------------------------------------------------------------------------
 
 void ShardedDDP::pre_forward() {
+  CommPhase phase("forward (trainability check, buffers)");
   if (options_.auto_refresh_trainable()) {
     await_mask_check();  // from here on mask_ is known to be the same on every rank
     follow_partition(mask_ != balanced_for_);
@@ -294,6 +295,7 @@ void ShardedDDP::pre_forward() {
 // before its first reduction, so the check costs no time beside the forward; on disagreement
 // every rank, at the same point, all-gathers the masks and raises an error naming the parameter.
 void ShardedDDP::start_mask_check() {
+  CommPhase phase("forward (trainability check)");
   if (group_->size() == 1) return;
   checked_mask_ = mask_;
   const auto v = static_cast<int64_t>(detail::mask_agreement(mask_, [this](size_t i) { return name(i); }).hash() >> 1);

@@ -289,6 +289,7 @@ void OSS::assign_holdings() {
 
 void OSS::settle_state() {
   if (settled_version_ == layout_version_) return;  // nothing laid out since the last settle
+  CommPhase phase("optimizer state moving to new owners");
   bool changed = false;
   for (size_t i = 0; i < params_.size() && !changed; ++i) changed = !detail::same_holdings(settled_[i], holdings_[i]);
   if (changed) {
@@ -353,6 +354,7 @@ bool OSS::trainable_mask_changed() const {
 }
 
 void OSS::agree_on_trainable(bool force) {
+  CommPhase phase("step (trainability check)");
   auto mask = detail::trainable_mask(params_);
   detail::agree_on_mask(*group_, mask, force, [](size_t i) { return "parameter " + std::to_string(i); });
   trainable_ = std::move(mask);
@@ -469,6 +471,7 @@ void OSS::set_local_groups() {
 }
 
 void OSS::sync_params() {
+  CommPhase phase("step (parameter sync)");
   detail::sync_params(*group_, layout_, buffers_, options_.sync());
 }
 

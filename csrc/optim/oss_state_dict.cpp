@@ -92,6 +92,7 @@ class Stitcher {
 // ---- state dict -----------------------------------------------------------------------------
 
 void OSS::consolidate_state_dict(int recipient) {
+  CommPhase phase("consolidating the optimizer state");
   Agreement().field("the recipient of consolidate_state_dict", recipient).check(*group_);
   SHARDOPT_CHECK(recipient >= 0 && recipient < group_->size(), "consolidate_state_dict recipient ",
               recipient, " is outside [0, ", group_->size(), ")");

@@ -36,6 +36,25 @@ struct InitOptions {
   TORCH_ARG(int, rank) = -1;                       // -1: from the environment
   TORCH_ARG(int, world_size) = -1;                 // -1: from the environment
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  // Check before every collective that all ranks call the same one (sequence number and kind,
+  // size, root): ranks out of step get an error naming each rank's call instead of a hang or a
+  // silent mix-up. Costs one small all-reduce per collective. Also on when the environment has
+  // SHARDOPT_CHECK_DESYNC=1.
+  TORCH_ARG(bool, check_desync) = false;
+};
+
+// What the calling thread is doing, named in the errors of the collectives it starts
+// ("backward (gradient reductions)"). RAII; nests.
+class CommPhase {
+ public:
+  explicit CommPhase(const char* phase);
+  ~CommPhase();
+  CommPhase(const CommPhase&) = delete;
+  CommPhase& operator=(const CommPhase&) = delete;
+  static const char* current();  // "" outside any phase
+
+ private:
+  const char* previous_;
 };
 
 enum class Reduction { kSum, kMax, kMin };
@@ -57,7 +76,9 @@ struct CommStats {
 class PendingWork {
  public:
   PendingWork() = default;
-  PendingWork(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, std::chrono::milliseconds timeout);
+  // `diagnose` (may be empty) is asked, when the work fails, which ranks are gone.
+  PendingWork(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, std::chrono::milliseconds timeout,
+              std::function<std::string()> diagnose = {});
   ~PendingWork();
   PendingWork(PendingWork&&) noexcept;
   PendingWork& operator=(PendingWork&&) noexcept;
@@ -72,6 +93,7 @@ class PendingWork {
  private:
   c10::intrusive_ptr<c10d::Work> work_;
   std::function<void()> then_;
+  std::function<std::string()> diagnose_;
   std::string what_;
   int rank_ = -1;
   std::chrono::milliseconds timeout_{0};
@@ -116,8 +138,22 @@ class ProcessGroup {
 
   // (Agreement, in agree.h, checks that all ranks hold the same values.)
 
+  // The rendezvous store, for naming dead ranks (a roll call when a collective fails) and for
+  // the desync check. init_process_group sets them.
+  void set_store(c10::intrusive_ptr<c10d::Store> store);
+  void set_check_desync(bool on) { check_desync_ = on; }
+  bool check_desync() const { return check_desync_; }
+  // Collectives started on this group so far (the sequence number the desync check compares).
+  uint64_t sequence() const { return sequence_; }
+
+  // When a collective failed: asks every rank through the store to answer within a few seconds
+  // and returns which did not ("" when all did, or without a store).
+  std::string roll_call();
+
  private:
   PendingWork track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work);
+  // The desync check before a collective (when on): every rank's (sequence, kind, bytes, root).
+  void check_in(CommStats::Kind kind, int64_t bytes, int root);
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::string backend_name_;
@@ -126,6 +162,10 @@ class ProcessGroup {
   std::chrono::milliseconds timeout_;
   CommStats stats_;
   uint32_t p2p_sequence_ = 0;  // tags of the point-to-point transfers reduce_async issues
+  c10::intrusive_ptr<c10d::Store> store_;
+  bool check_desync_ = false;
+  uint64_t sequence_ = 0;
+  int roll_calls_ = 0;
 };
 
 // This rank's index among the ranks of its machine, from the launcher's environment:

@@ -1,0 +1,163 @@
+"""Real processes started the way each launcher starts them (the variables are what matters;
+mpirun and srun themselves need not be installed), ranks refused at join, and ranks killed with
+SIGKILL in each phase of training: the survivors' errors name the dead rank, the collective and
+the phase, within the bound.
+
+Run by ctest; MP_WORKER names tests/mp_worker.
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import unittest
+
+WORKER = os.environ["MP_WORKER"]
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+               "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+               "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST",
+               "SLURM_NODELIST", "SLURM_JOB_ID", "SHARDOPT_ANNOUNCE_VERSION")
+
+
+def free_port(low=None, high=None):
+    for port in range(low, high) if low else [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port")
+
+
+def base_env():
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["SHARDOPT_TEST_TIMEOUT_S"] = "20"
+    return env
+
+
+def start(envs, *args):
+    return [subprocess.Popen([WORKER, *args], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for e in envs]
+
+
+def finish(procs, timeout=90):
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        outs.append((p.returncode, out))
+    return outs
+
+
+class LaunchEnvironments(unittest.TestCase):
+    def hello(self, per_rank):
+        envs = []
+        for r in range(2):
+            e = base_env()
+            e.update(per_rank(r))
+            envs.append(e)
+        outs = finish(start(envs, "hello"))
+        for r, (code, out) in enumerate(outs):
+            self.assertEqual(code, 0, out)
+            self.assertIn(f"rank {r} of 2, local rank {r}: sum of ranks 1", out)
+
+    def test_open_mpi_without_master_variables(self):
+        port = str(free_port())
+        self.hello(lambda r: {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2",
+                              "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                              "MASTER_PORT": port})
+
+    def test_pmi(self):
+        port = str(free_port())
+        self.hello(lambda r: {"PMI_RANK": str(r), "PMI_SIZE": "2", "MPI_LOCALRANKID": str(r),
+                              "MPI_LOCALNRANKS": "2", "MASTER_PORT": port})
+
+    def test_slurm_address_from_the_node_list_and_port_from_the_job_id(self):
+        job = free_port(29500, 30500) - 29500
+        self.hello(lambda r: {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+                              "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost,node[2-4]",
+                              "SLURM_JOB_ID": str(job)})
+
+    def test_master_variables_take_precedence(self):
+        port = str(free_port())
+        self.hello(lambda r: {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+                              "SLURM_JOB_NODELIST": "no-such-host[1-2]", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": port})
+
+    def test_missing_or_contradictory_variables_are_one_line_naming_them(self):
+        cases = [({}, "set RANK and WORLD_SIZE"),
+                 ({"RANK": "0", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"},
+                  "contradictory launcher variables: RANK=0 but OMPI_COMM_WORLD_RANK=1"),
+                 ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"},
+                  "MASTER_ADDR is not set and the ranks are not all on this node"),
+                 ({"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+                  "WORLD_SIZE must be an integer, got 'two'")]
+        for extra, needle in cases:
+            e = base_env()
+            e.update(extra)
+            (code, out), = finish(start([e], "hello"))
+            self.assertNotEqual(code, 0, extra)
+            lines = [l for l in out.splitlines() if l.strip()]
+            self.assertEqual(len(lines), 1, out)
+            self.assertIn(needle, lines[0])
+
+    def test_a_rank_of_another_version_is_refused_naming_both(self):
+        port = str(free_port())
+        envs = []
+        for r in range(2):
+            e = base_env()
+            e.update({"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+            if r == 1:
+                e["SHARDOPT_ANNOUNCE_VERSION"] = "0.3.9"
+            envs.append(e)
+        for r, (code, out) in enumerate(finish(start(envs, "hello"))):
+            self.assertNotEqual(code, 0, out)
+            self.assertIn("shardopt version", out)
+            self.assertIn("0.3.9", out)
+            self.assertNotIn("sum of ranks", out)
+
+
+class RankDeath(unittest.TestCase):
+    """No launcher in between: the survivors are left to the library."""
+
+    def run_phase(self, phase, victim=1, world=2):
+        port = str(free_port())
+        envs = []
+        for r in range(world):
+            e = base_env()
+            e.update({"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+                      "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+            envs.append(e)
+        t0 = time.monotonic()
+        procs = start(envs, "die_in", phase, str(victim))
+        outs = finish(procs)
+        elapsed = time.monotonic() - t0
+        self.assertEqual(outs[victim][0], -signal.SIGKILL, outs[victim][1])
+        for r, (code, out) in enumerate(outs):
+            if r == victim:
+                continue
+            self.assertEqual(code, 1, out)
+            return out, elapsed
+
+    def test_forward_backward_step_and_consolidation(self):
+        phases = {"forward": "forward (trainability check)", "backward": "backward (gradient reductions)",
+                  "step": "step (parameter sync)", "consolidation": "consolidating the optimizer state"}
+        for phase, named in phases.items():
+            out, elapsed = self.run_phase(phase)
+            self.assertIn("rank 1 did not answer a roll call", out, phase)
+            self.assertIn(named, out, phase)
+            self.assertRegex(out, r"(allreduce|reduce|broadcast|recv|send|allgather) #?\d*", phase)
+            # The group timeout is 20 s; the death is seen when the connections close.
+            self.assertLess(elapsed, 20 + 10, f"{phase}: {elapsed:.1f} s")
+
+    def test_the_store_host_killed(self):
+        out, elapsed = self.run_phase("step", victim=0)
+        self.assertIn("rank 0 (which serves the rendezvous store) cannot be reached", out)
+        self.assertLess(elapsed, 20 + 10)
+
+
+if __name__ == "__main__":
+    unittest.main()
