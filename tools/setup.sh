@@ -12,7 +12,7 @@ CACHE="${SHARDOPT_CACHE:-$HOME/.cache/shardopt}"
 VENV="${SHARDOPT_VENV:-$CACHE/venv-torch-$TORCH_VERSION}"
 
 apt_packages=(cmake ninja-build ccache clang g++ zlib1g-dev libgloo-dev libgtest-dev libgmock-dev
-              libbenchmark-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
+              libbenchmark-dev libcli11-dev nlohmann-json3-dev libclang-rt-dev dataset-fashion-mnist
               python3-venv)
 missing=()
 for p in "${apt_packages[@]}"; do

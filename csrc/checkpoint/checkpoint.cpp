@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/api/include/torch/serialize.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <zlib.h>
 
@@ -162,20 +163,12 @@ void check_keys(const std::string& path, const Dict& d, std::initializer_list<co
 }  // namespace
 
 void write_checkpoint_file(const std::string& path, const torch::IValue& payload) {
-  const std::vector<char> body = torch::pickle_save(payload);
-  std::vector<char> header;
-  header.insert(header.end(), kMagic, kMagic + sizeof(kMagic));
-  put<uint32_t>(header, kCheckpointFormatVersion);
-  put<uint32_t>(header, 0);
-  put<uint64_t>(header, body.size());
-  put<uint32_t>(header, crc_of(body.data(), body.size()));
-
+  const std::vector<char> bytes = checkpoint_bytes(payload);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   SHARDOPT_CHECK(fd >= 0, "checkpoint '", path, "': cannot create '", tmp, "': ", std::strerror(errno));
   try {
-    write_all(fd, header.data(), header.size(), path);
-    write_all(fd, body.data(), body.size(), path);
+    write_all(fd, bytes.data(), bytes.size(), path);
     SHARDOPT_CHECK(::fsync(fd) == 0, "checkpoint '", path, "': fsync failed: ", std::strerror(errno));
   } catch (...) {
     ::close(fd);
@@ -208,6 +201,10 @@ torch::IValue read_checkpoint_file(const std::string& path) {
     bytes.insert(bytes.end(), buf, buf + n);
   }
   ::close(fd);
+  return parse_checkpoint(bytes, path);
+}
+
+torch::IValue parse_checkpoint(const std::vector<char>& bytes, const std::string& path) {
   SHARDOPT_CHECK(bytes.size() >= kHeaderBytes && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0,
                  "checkpoint '", path, "' is not a shardopt checkpoint (", bytes.size(), " bytes, no SHRDCKPT header)");
   const auto version = get<uint32_t>(bytes.data() + 8);
@@ -225,6 +222,18 @@ torch::IValue read_checkpoint_file(const std::string& path) {
     SHARDOPT_CHECK(false, "checkpoint '", path, "': its payload does not unpickle: ", strip_prefix(e.what()));
   }
   return {};
+}
+
+std::vector<char> checkpoint_bytes(const torch::IValue& payload) {
+  const std::vector<char> body = torch::pickle_save(payload);
+  std::vector<char> out;
+  out.insert(out.end(), kMagic, kMagic + sizeof(kMagic));
+  put<uint32_t>(out, kCheckpointFormatVersion);
+  put<uint32_t>(out, 0);
+  put<uint64_t>(out, body.size());
+  put<uint32_t>(out, crc_of(body.data(), body.size()));
+  out.insert(out.end(), body.begin(), body.end());
+  return out;
 }
 
 void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer, const TrainingState& state,

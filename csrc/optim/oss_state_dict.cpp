@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/api/include/torch/serialize/archive.h>
+#include <torch/csrc/api/include/torch/serialize.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <map>

@@ -29,6 +29,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace shardopt {
 
@@ -65,6 +66,11 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module
 // Reads one checkpoint file and checks its header, version and checksum; returns its payload.
 // Local.
 torch::IValue read_checkpoint_file(const std::string& path);
+
+// The same checks on bytes held in memory (`path` names them in errors), and the bytes a file
+// of `payload` holds (header, checksum, payload).
+torch::IValue parse_checkpoint(const std::vector<char>& bytes, const std::string& path);
+std::vector<char> checkpoint_bytes(const torch::IValue& payload);
 
 // Writes `payload` to `path` in the checkpoint format, atomically. Local.
 void write_checkpoint_file(const std::string& path, const torch::IValue& payload);
