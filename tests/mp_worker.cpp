@@ -6,6 +6,7 @@
 //   mp_worker checkpoint_writer PATH   writes checkpoints to PATH without end (no group)
 //   mp_worker hello          one all-reduce; prints rank, world size, local rank
 //   mp_worker die_in PHASE R rank R kills itself with SIGKILL in PHASE at step 2
+//   mp_worker soak STEPS DIR  a long run: memory, threads, descriptors and parity (tools/soak.sh)
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/ddp/sharded_ddp.h>
@@ -18,6 +19,8 @@
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 
 #include <csignal>
+#include <dirent.h>
+#include <unistd.h>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -111,6 +114,71 @@ void die_in(std::shared_ptr<ProcessGroup> group, const std::string& phase, int v
   TORCH_CHECK(false, "rank ", group->rank(), " finished although rank ", victim, " was killed in ", phase);
 }
 
+int64_t count_entries(const char* dir) {
+  int64_t n = 0;
+  if (DIR* d = ::opendir(dir)) {
+    while (const dirent* e = ::readdir(d)) n += e->d_name[0] != '.';
+    ::closedir(d);
+  }
+  return n;
+}
+
+double rss_mib() {
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 20);
+}
+
+// A long run: OSS + ShardedDDP against the all-reduce reference, w2/b2 frozen or unfrozen every
+// 500 steps, a checkpoint every 2,000; resident memory, threads and file descriptors recorded
+// after warm-up (step 1,000) and at the end, parity checked every 2,000 steps and at the end.
+void soak(std::shared_ptr<ProcessGroup> group, int64_t steps, const std::string& dir) {
+  auto& g = *group;
+  auto net = std::make_shared<Net>();
+  auto ref = shardopt::testing::make_params();
+  optim::Adam ref_opt(ref, optim::AdamOptions(1e-3));
+  OSS oss(net->parameters(), shardopt::optimizer<optim::Adam>(optim::AdamOptions(1e-3)), group);
+  ShardedDDP ddp(net, oss);
+  double rss_warm = 0, rss_max_after = 0;
+  int64_t threads_warm = 0, fds_warm = 0;
+  for (int64_t step = 0; step < steps; ++step) {
+    const bool frozen = (step / 500) % 2 == 1;
+    for (int i : {2, 3}) net->params[i].requires_grad_(!frozen), ref[i].requires_grad_(!frozen);
+    auto data = shardopt::testing::rank_data(step, g.rank(), 4);
+    ddp.zero_grad();
+    shardopt::testing::loss_of(ddp.forward(data.x), data, 4).backward();
+    oss.step();
+    ref_opt.zero_grad(true);
+    shardopt::testing::loss(ref, data, 4).backward();
+    shardopt::testing::allreduce_grads(ref, g);
+    ref_opt.step();
+    if ((step + 1) % 2000 == 0 || step + 1 == steps) {
+      TrainingState state;
+      state.step = step + 1;
+      save_checkpoint(dir + "/soak.ckpt", *net, oss, state);
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const double d = shardopt::testing::rel_diff(net->params[i], ref[i]);
+        TORCH_CHECK(d <= 1e-4, "soak: parameter ", i, " differs from the reference by ", d, " after step ", step + 1);
+      }
+    }
+    if (step + 1 == 1000) {
+      rss_warm = rss_mib();
+      threads_warm = count_entries("/proc/self/task");
+      fds_warm = count_entries("/proc/self/fd");
+    }
+    if (step + 1 > 1000) rss_max_after = std::max(rss_max_after, rss_mib());
+  }
+  std::printf("{\"rank\": %d, \"steps\": %lld, \"rss_mib_at_1000\": %.1f, \"rss_mib_max_after\": %.1f, "
+              "\"rss_growth\": %.4f, \"threads\": [%lld, %lld], \"fds\": [%lld, %lld], \"parity\": \"ok\"}\n",
+              g.rank(), static_cast<long long>(steps), rss_warm, rss_max_after, rss_max_after / rss_warm - 1,
+              static_cast<long long>(threads_warm), static_cast<long long>(count_entries("/proc/self/task")),
+              static_cast<long long>(fds_warm), static_cast<long long>(count_entries("/proc/self/fd")));
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -141,6 +209,10 @@ int main(int argc, char** argv) {
       group->allreduce(t);
       std::cout << "rank " << group->rank() << " of " << group->size() << ", local rank " << local_rank()
                 << ": sum of ranks " << t.item<double>() << std::endl;
+      return 0;
+    }
+    if (std::strcmp(argv[1], "soak") == 0 && argc > 3) {
+      soak(group, std::atoll(argv[2]), argv[3]);
       return 0;
     }
     if (std::strcmp(argv[1], "die_in") == 0 && argc > 3) {
