@@ -17,6 +17,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 #include <sstream>
 
@@ -125,7 +127,6 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, std::chron
   size_ = backend_->getSize();
 }
 
-ProcessGroup::~ProcessGroup() = default;
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroup::native() const {
   return backend_;
@@ -140,33 +141,77 @@ PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes, c10::intrus
   return PendingWork(std::move(work), what, rank_, timeout_, [this] { return roll_call(); });
 }
 
-void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) { store_ = std::move(store); }
-
 // Note [Roll call]
 // A collective fails quickly when a peer's process is gone (its connections close) and after
-// the timeout when a peer is stuck. Either way the survivors want the rank named. Each rank
-// whose collective failed writes "alive" into the rendezvous store and looks, for up to 3 s, for
-// the others' answers; the ranks that never answer are named. The store is served by rank 0's
-// process, so when it cannot be reached at all, rank 0 is the one gone.
+// the timeout when a peer is stuck; a survivor whose own collective involves only live peers may
+// notice only later. Each rank's group keeps a heartbeat in the rendezvous store (a counter it
+// bumps once a second from a thread of its own, whatever the rank is doing), and a rank whose
+// collective failed watches every counter for 3 s: the ranks whose counter did not move are
+// named. The store is served by rank 0's process, so when it cannot be reached at all, rank 0 is
+// the one gone.
+struct ProcessGroup::Heartbeat {
+  std::mutex mu;
+  std::condition_variable stop_cv;
+  bool stop = false;
+  std::thread thread;
+};
+
+namespace {
+std::string heartbeat_key(int rank) { return "shardopt/heartbeat/" + std::to_string(rank); }
+}  // namespace
+
+void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) {
+  store_ = std::move(store);
+  if (!store_ || size_ == 1 || heartbeat_) return;
+  heartbeat_ = std::make_unique<Heartbeat>();
+  heartbeat_->thread = std::thread([store = store_, key = heartbeat_key(rank_), hb = heartbeat_.get()] {
+    std::unique_lock<std::mutex> lock(hb->mu);
+    while (!hb->stop) {
+      try {
+        store->add(key, 1);
+      } catch (const std::exception&) {
+        return;  // the store is gone: the job is ending
+      }
+      hb->stop_cv.wait_for(lock, std::chrono::seconds(1), [hb] { return hb->stop; });
+    }
+  });
+}
+
+ProcessGroup::~ProcessGroup() {
+  if (heartbeat_) {
+    {
+      std::lock_guard<std::mutex> lock(heartbeat_->mu);
+      heartbeat_->stop = true;
+    }
+    heartbeat_->stop_cv.notify_all();
+    heartbeat_->thread.join();
+  }
+}
+
 std::string ProcessGroup::roll_call() {
   if (!store_ || size_ == 1) return "";
-  const std::string prefix = "shardopt/roll_call/" + std::to_string(roll_calls_++) + "/";
+  auto list = [](const std::vector<int>& ranks) {
+    std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+    for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+    return text;
+  };
   try {
-    store_->set(prefix + std::to_string(rank_), std::vector<uint8_t>{1});
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
-    std::vector<int> missing;
+    // A rank that saw a failure says so first: it may exit before the others look.
+    store_->set("shardopt/failed/" + std::to_string(rank_), std::vector<uint8_t>{1});
+    std::vector<int64_t> before(size_);
+    for (int r = 0; r < size_; ++r) before[r] = store_->add(heartbeat_key(r), 0);
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    std::vector<int> gone, failed_too;
     for (int r = 0; r < size_; ++r) {
-      if (r == rank_) continue;
-      while (!store_->check({prefix + std::to_string(r)}) && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-      if (!store_->check({prefix + std::to_string(r)})) missing.push_back(r);
+      if (r == rank_ || store_->add(heartbeat_key(r), 0) != before[r]) continue;
+      (store_->check({"shardopt/failed/" + std::to_string(r)}) ? failed_too : gone).push_back(r);
     }
-    if (missing.empty()) return "";
-    std::string ranks;
-    for (int r : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-    return (missing.size() == 1 ? "rank " : "ranks ") + ranks +
-           " did not answer a roll call within 3 s (exited, killed or stuck)";
+    std::string text;
+    if (!gone.empty()) text = list(gone) + " stopped answering (no heartbeat for 3 s: exited, killed or hung)";
+    if (!failed_too.empty()) {
+      text += (text.empty() ? "" : "; ") + list(failed_too) + " saw a failure too and stopped";
+    }
+    return text;
   } catch (const std::exception&) {
     return "rank 0 (which serves the rendezvous store) cannot be reached: it exited or was killed";
   }

@@ -147,11 +147,25 @@ class RankDeath(unittest.TestCase):
                   "step": "step (parameter sync)", "consolidation": "consolidating the optimizer state"}
         for phase, named in phases.items():
             out, elapsed = self.run_phase(phase)
-            self.assertIn("rank 1 did not answer a roll call", out, phase)
+            self.assertIn("rank 1 stopped answering", out, phase)
             self.assertIn(named, out, phase)
             self.assertRegex(out, r"(allreduce|reduce|broadcast|recv|send|allgather) #?\d*", phase)
             # The group timeout is 20 s; the death is seen when the connections close.
             self.assertLess(elapsed, 20 + 10, f"{phase}: {elapsed:.1f} s")
+
+    def test_through_the_launcher_leaving_survivors_to_the_library(self):
+        launch = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "launch")
+        e = base_env()
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, launch, "-n", "3", "--keep-going", WORKER, "die_in", "backward", "2"],
+                           env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        elapsed = time.monotonic() - t0
+        self.assertNotEqual(p.returncode, 0)
+        for r in (0, 1):
+            self.assertRegex(p.stdout, rf"\[rank {r}\] shardopt: .*rank 2 stopped answering")
+            self.assertIn(f"launch: rank {r} exited with code 1", p.stdout)
+        self.assertIn("launch: rank 2 was killed by signal 9", p.stdout)
+        self.assertLess(elapsed, 20 + 10)
 
     def test_the_store_host_killed(self):
         out, elapsed = self.run_phase("step", victim=0)

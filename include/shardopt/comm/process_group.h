@@ -146,8 +146,8 @@ class ProcessGroup {
   // Collectives started on this group so far (the sequence number the desync check compares).
   uint64_t sequence() const { return sequence_; }
 
-  // When a collective failed: asks every rank through the store to answer within a few seconds
-  // and returns which did not ("" when all did, or without a store).
+  // When a collective failed: watches every rank's heartbeat in the store for a few seconds and
+  // returns which ranks' stopped ("" when all beat, or without a store).
   std::string roll_call();
 
  private:
@@ -165,7 +165,9 @@ class ProcessGroup {
   c10::intrusive_ptr<c10d::Store> store_;
   bool check_desync_ = false;
   uint64_t sequence_ = 0;
-  int roll_calls_ = 0;
+  // Note [Roll call]: a thread that counts this rank's heartbeat in the store once a second.
+  struct Heartbeat;
+  std::unique_ptr<Heartbeat> heartbeat_;
 };
 
 // This rank's index among the ranks of its machine, from the launcher's environment:
