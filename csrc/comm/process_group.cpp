@@ -15,7 +15,13 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <arpa/inet.h>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <cstdlib>
 #include <condition_variable>
 #include <mutex>
@@ -538,10 +544,31 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
   SHARDOPT_CHECK(port > 0 && port < 65536, "port ", port, " is outside (0, 65536)");
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<uint16_t>(port);
-  opts.isServer = options.rank() == 0;
+  // Under torchrun the agent already serves the store at MASTER_ADDR:MASTER_PORT (and says so):
+  // every rank connects to it as a client, as torch.distributed does.
+  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  opts.isServer = options.rank() == 0 && !(agent_store && std::string(agent_store) == "True");
   opts.numWorkers = options.world_size();
   opts.waitWorkers = false;
   opts.timeout = options.timeout();
+  // A loopback rendezvous listens on loopback only: rank 0 binds the socket itself and hands it
+  // to the store (which otherwise listens on every interface).
+  if (opts.isServer && is_loopback(host) && host != "::1") {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    SHARDOPT_CHECK(fd >= 0, "cannot create the store's socket: ", std::strerror(errno));
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, host == "localhost" ? "127.0.0.1" : host.c_str(), &addr.sin_addr);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      const int err = errno;
+      ::close(fd);
+      SHARDOPT_CHECK(false, "rank 0 cannot listen on ", host, ":", port, " for the rendezvous store: ", std::strerror(err));
+    }
+    opts.masterListenFd = fd;
+  }
   try {
     return c10::make_intrusive<c10d::TCPStore>(host, opts);
   } catch (const std::exception& e) {

@@ -120,6 +120,41 @@ class LaunchEnvironments(unittest.TestCase):
             self.assertNotIn("sum of ranks", out)
 
 
+def listening_addresses(port):
+    """The local addresses of sockets listening on `port` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            host, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(host)
+    return found
+
+
+class Loopback(unittest.TestCase):
+    def test_a_loopback_rendezvous_listens_on_loopback_only(self):
+        port = free_port()
+        e = base_env()
+        e.update({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                  "SHARDOPT_TEST_TIMEOUT_S": "10"})
+        p = subprocess.Popen([WORKER, "hello"], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 10
+            addresses = []
+            while not addresses and time.monotonic() < deadline and p.poll() is None:
+                addresses = listening_addresses(port)
+                time.sleep(0.05)
+            self.assertEqual(addresses, ["0100007F"], "the store must listen on 127.0.0.1 only")
+        finally:
+            p.kill()
+            p.wait()
+
+
 class RankDeath(unittest.TestCase):
     """No launcher in between: the survivors are left to the library."""
 
