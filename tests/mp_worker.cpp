@@ -92,19 +92,28 @@ void ddp_parity(std::shared_ptr<ProcessGroup> group) {
   std::cout << "ShardedDDP parity ok on rank " << g.rank() << " of " << g.size() << std::endl;
 }
 
-// A training loop in which `victim` kills itself with SIGKILL at step 2, at the start of
-// `phase` (forward, backward, step, consolidation); the others must fail with an error naming it.
+// A training loop in which `victim` kills itself with SIGKILL at step 2: before its forward
+// (the others' trainability check is then in flight), in the middle of backward (bucket
+// reductions in flight), before the step's parameter sync, or before consolidation. The others
+// must fail with an error naming it.
 void die_in(std::shared_ptr<ProcessGroup> group, const std::string& phase, int victim) {
   auto net = std::make_shared<Net>();
   OSS oss(net->parameters(), shardopt::optimizer<optim::Adam>(optim::AdamOptions(1e-2)), group);
-  ShardedDDP ddp(net, oss);
+  ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(0));  // a bucket per tensor
   const bool dies = group->rank() == victim;
   for (int step = 0; step < 4; ++step) {
     auto data = shardopt::testing::rank_data(step, group->rank(), 4);
     ddp.zero_grad();
     if (dies && step == 2 && phase == "forward") std::raise(SIGKILL);
     at::Tensor out = ddp.forward(data.x);
-    if (dies && step == 2 && phase == "backward") std::raise(SIGKILL);
+    if (dies && step == 2 && phase == "backward") {
+      // In the middle of backward: the first layer's gradient comes last, once the reductions of
+      // the later layers' buckets are in flight.
+      net->params[0].register_hook([](const at::Tensor& grad) {
+        std::raise(SIGKILL);
+        return grad;
+      });
+    }
     shardopt::testing::loss_of(out, data, 4).backward();
     if (dies && step == 2 && phase == "step") std::raise(SIGKILL);
     oss.step();
