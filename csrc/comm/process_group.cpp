@@ -131,6 +131,69 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, std::chron
   backend_name_ = backend_->getBackendName();
   rank_ = backend_->getRank();
   size_ = backend_->getSize();
+  for (int r = 0; r < size_; ++r) global_ranks_.push_back(r);
+}
+
+std::string ProcessGroup::describe_sub() const {
+  std::string t = "of global ranks [";
+  for (size_t i = 0; i < global_ranks_.size(); ++i) t += (i ? ", " : "") + std::to_string(global_ranks_[i]);
+  return t + "] (this is global rank " + std::to_string(global_ranks_[rank_]) + ")";
+}
+
+std::string ProcessGroup::describe_rank(int r) const {
+  const bool sub = r >= 0 && r < size_ && global_ranks_[r] != r;
+  return "rank " + std::to_string(r) + (sub ? " (global rank " + std::to_string(global_ranks_[r]) + ")" : "");
+}
+
+// Note [Sub-groups]
+// Every rank of the parent agrees on the member list first (an all-gather of the lists, so that
+// a rank with another list is named rather than left waiting), then the members build a backend
+// of the parent's kind over the parent's store under a prefix of their own ("shardopt/split/N/"),
+// so that sub-groups never share keys with the parent or each other.
+std::shared_ptr<ProcessGroup> ProcessGroup::split(const std::vector<int>& ranks) {
+  SHARDOPT_CHECK(store_ && make_backend_, "ProcessGroup::split needs a group made by init_process_group");
+  std::vector<int64_t> mine{splits_};
+  mine.insert(mine.end(), ranks.begin(), ranks.end());
+  const auto all = allgather_ints(mine);
+  auto text = [](const std::vector<int64_t>& v) {
+    std::string t = "[";
+    for (size_t i = 1; i < v.size(); ++i) t += (i > 1 ? ", " : "") + std::to_string(v[i]);
+    return t + "]";
+  };
+  for (int r = 0; r < size_; ++r) {
+    if (all[r] == all[0]) continue;
+    std::string lists;
+    for (int q = 0; q < size_; ++q) lists += (q ? "; " : "") + describe_rank(q) + ": " + text(all[q]);
+    SHARDOPT_CHECK(false, "ProcessGroup::split: the ranks passed different member lists (or called split a different ",
+                   "number of times): ", lists);
+  }
+  SHARDOPT_CHECK(!ranks.empty(), "ProcessGroup::split needs at least one rank");
+  std::vector<bool> seen(size_, false);
+  int mine_in_new = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int r = ranks[i];
+    SHARDOPT_CHECK(r >= 0 && r < size_, "ProcessGroup::split: rank ", r, " is outside [0, ", size_, ")");
+    SHARDOPT_CHECK(!seen[r], "ProcessGroup::split: rank ", r, " is listed twice");
+    seen[r] = true;
+    if (r == rank_) mine_in_new = static_cast<int>(i);
+  }
+  const int index = splits_++;
+  if (mine_in_new < 0) return nullptr;
+  auto store = c10::make_intrusive<c10d::PrefixStore>("shardopt/split/" + std::to_string(index) + "/", store_);
+  c10::intrusive_ptr<c10d::Backend> backend;
+  try {
+    backend = make_backend_(store, mine_in_new, static_cast<int>(ranks.size()));
+  } catch (const std::exception& e) {
+    SHARDOPT_CHECK(false, "ProcessGroup::split: ", describe_rank(rank_), " could not connect to the other members of ",
+                   text(mine), " within ", timeout_.count(), " ms: ", e.what());
+  }
+  auto group = std::make_shared<ProcessGroup>(backend, timeout_);
+  group->global_ranks_.clear();
+  for (int r : ranks) group->global_ranks_.push_back(global_ranks_[r]);
+  group->make_backend_ = make_backend_;
+  group->check_desync_ = check_desync_;
+  group->set_store(store);
+  return group;
 }
 
 
@@ -143,8 +206,13 @@ PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes, c10::intrus
   stats_.bytes[kind] += bytes;
   std::string what = CommStats::name(kind);
   if (kind != CommStats::kSend && kind != CommStats::kRecv) what += " #" + std::to_string(sequence_);
+  return PendingWork(std::move(work), label(what), rank_, timeout_, [this] { return roll_call(); });
+}
+
+std::string ProcessGroup::label(std::string what) const {
   if (*CommPhase::current()) what += std::string(" (") + CommPhase::current() + ")";
-  return PendingWork(std::move(work), what, rank_, timeout_, [this] { return roll_call(); });
+  if (global_ranks_[rank_] != rank_) what += " of the sub-group " + describe_sub();
+  return what;
 }
 
 // Note [Roll call]
@@ -196,9 +264,9 @@ ProcessGroup::~ProcessGroup() {
 
 std::string ProcessGroup::roll_call() {
   if (!store_ || size_ == 1) return "";
-  auto list = [](const std::vector<int>& ranks) {
-    std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-    for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+  auto list = [this](const std::vector<int>& ranks) {
+    std::string text;
+    for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + describe_rank(ranks[i]);
     return text;
   };
   try {
@@ -233,7 +301,7 @@ void ProcessGroup::check_in(CommStats::Kind kind, int64_t bytes, int root) {
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::MAX;
   opts.timeout = timeout_;
-  const std::string what = std::string("desync check before ") + CommStats::name(kind) + " #" + std::to_string(seq);
+  const std::string what = label(std::string("desync check before ") + CommStats::name(kind) + " #" + std::to_string(seq));
   PendingWork(backend_->allreduce(ts, opts), what, rank_, timeout_, [this] { return roll_call(); }).wait();
   const int64_t* v = t.data_ptr<int64_t>();
   if (v[0] == -v[1] && v[2] == -v[3]) return;
@@ -508,23 +576,36 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
                                          const InitOptions& options, const std::string& host) {
   const std::string backend = resolve_backend(options.backend());
   agree_on_init(*store, options, backend);
+  ProcessGroup::BackendFactory factory;
+  if (backend == "nccl") {
+    factory = [timeout = options.timeout()](const c10::intrusive_ptr<c10d::Store>& s, int rank, int size) {
+      return detail::make_nccl_backend(s, rank, size, timeout);
+    };
+  } else {
+    const bool loopback = host.empty() || is_loopback(host);
+    factory = [timeout = options.timeout(), loopback](const c10::intrusive_ptr<c10d::Store>& s, int rank, int size) {
+      auto gloo_opts = c10d::ProcessGroupGloo::Options::create(timeout);
+      gloo_opts->devices.push_back(loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                            : c10d::ProcessGroupGloo::createDefaultDevice());
+      gloo_opts->threads = 1;
+      return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<c10d::ProcessGroupGloo>(s, rank, size, gloo_opts));
+    };
+  }
   if (backend == "nccl") {
     try {
-      auto pg = detail::make_nccl_backend(store, options.rank(), options.world_size(), options.timeout());
-      return finish_group(std::make_shared<ProcessGroup>(pg, options.timeout()), store, options);
+      auto pg = factory(store, options.rank(), options.world_size());
+      auto group = std::make_shared<ProcessGroup>(pg, options.timeout());
+      group->set_backend_factory(factory);
+      return finish_group(group, store, options);
     } catch (const std::exception& e) {
       SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),
                   " could not create its NCCL group within ", options.timeout().count(), " ms: ", e.what());
     }
   }
-  auto gloo_opts = c10d::ProcessGroupGloo::Options::create(options.timeout());
-  gloo_opts->devices.push_back(host.empty() || is_loopback(host)
-                                   ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                   : c10d::ProcessGroupGloo::createDefaultDevice());
-  gloo_opts->threads = 1;
   try {
-    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, options.rank(), options.world_size(), gloo_opts);
-    return finish_group(std::make_shared<ProcessGroup>(pg, options.timeout()), store, options);
+    auto group = std::make_shared<ProcessGroup>(factory(store, options.rank(), options.world_size()), options.timeout());
+    group->set_backend_factory(factory);
+    return finish_group(group, store, options);
   } catch (const std::exception& e) {
     SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),
                 " could not connect to its peers within ", options.timeout().count(),

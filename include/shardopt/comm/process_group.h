@@ -146,12 +146,31 @@ class ProcessGroup {
   // Collectives started on this group so far (the sequence number the desync check compares).
   uint64_t sequence() const { return sequence_; }
 
+  // ---- sub-groups ----
+  // Collective over this group: every rank passes the same list of distinct ranks of this group;
+  // the listed ranks get a new group in which rank i is ranks[i], the others get nullptr. The new
+  // group keeps this group's timeout and desync check, counts its own stats, and its errors name
+  // the global rank beside the group rank. Several sub-groups may be live at once, a rank in
+  // several; a rank that passes another list makes every rank fail with each rank's list named.
+  std::shared_ptr<ProcessGroup> split(const std::vector<int>& ranks);
+  // This group's ranks in the group init_process_group made (the identity there).
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  int global_rank() const { return global_ranks_.at(rank_); }
+  // "rank 1", or "rank 1 (global rank 3)" in a sub-group: how errors name rank r of this group.
+  std::string describe_rank(int r) const;
+  std::string describe_sub() const;  // "of global ranks [3, 1] (this is global rank 1)"
+  // How this group makes a backend of its kind (init_process_group and split set it).
+  using BackendFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const c10::intrusive_ptr<c10d::Store>&, int, int)>;
+  void set_backend_factory(BackendFactory factory) { make_backend_ = std::move(factory); }
+
   // When a collective failed: watches every rank's heartbeat in the store for a few seconds and
   // returns which ranks' stopped ("" when all beat, or without a store).
   std::string roll_call();
 
  private:
   PendingWork track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work);
+  // `what` with the phase and, in a sub-group, its global ranks: how errors name an operation.
+  std::string label(std::string what) const;
   // The desync check before a collective (when on): every rank's (sequence, kind, bytes, root).
   void check_in(CommStats::Kind kind, int64_t bytes, int root);
 
@@ -168,6 +187,9 @@ class ProcessGroup {
   // Note [Roll call]: a thread that counts this rank's heartbeat in the store once a second.
   struct Heartbeat;
   std::unique_ptr<Heartbeat> heartbeat_;
+  std::vector<int> global_ranks_;
+  BackendFactory make_backend_;
+  int splits_ = 0;
 };
 
 // This rank's index among the ranks of its machine, from the launcher's environment:
