@@ -1,4 +1,5 @@
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/comm/agree.h>
 #include <shardopt/check.h>
 
 #include "ddp/executor.h"
@@ -74,14 +75,41 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
                      " of optimizer ", it->second.first, "; give each parameter to one OSS only");
     }
   }
+  std::unordered_map<const void*, size_t> ignored;  // -> position in ignored_parameters
+  for (size_t i = 0; i < options_.ignored_parameters().size(); ++i) {
+    ignored.emplace(options_.ignored_parameters()[i].unsafeGetTensorImpl(), i);
+  }
+  std::vector<int64_t> ignored_positions;  // module positions of the ignored parameters
+  int64_t position = 0;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
-    auto it = place.find(item.value().unsafeGetTensorImpl());
+    const void* impl = item.value().unsafeGetTensorImpl();
+    auto it = place.find(impl);
+    if (ignored.count(impl)) {
+      SHARDOPT_CHECK(it == place.end(), "parameter '", item.key(), "' is in ignored_parameters and also in OSS ",
+                     it->second.first, "; pass OSS only the parameters it should shard");
+      ignored_positions.push_back(position++);
+      ignored.erase(impl);
+      continue;
+    }
+    ++position;
     SHARDOPT_CHECK(it != place.end(), "parameter '", item.key(),
-                "' of the module is in none of the OSS optimizers given to ShardedDDP");
+                "' of the module is in none of the OSS optimizers given to ShardedDDP (list it in "
+                "ShardedDDPOptions::ignored_parameters to keep it out of ShardedDDP)");
     names_.push_back(item.key());
     params_.push_back(item.value());
     place_.push_back(it->second);
   }
+  SHARDOPT_CHECK(ignored.empty(), "ShardedDDP: ignored parameter ", ignored.empty() ? 0 : ignored.begin()->second,
+                 " (of ignored_parameters) is not a parameter of the module");
+  Agreement("ShardedDDP")
+      .field("the ignored parameters (module positions)", ignored_positions,
+             [](const std::vector<int64_t>& v) {
+               std::string t = "[";
+               for (size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
+               return t + "]";
+             })
+      .hint("every rank must pass the same ignored_parameters")
+      .check(*group_);
   SHARDOPT_CHECK(!params_.empty(), "ShardedDDP: the module has no parameters");
   for (size_t m = 0; m < params_.size(); ++m) module_index_[params_[m].unsafeGetTensorImpl()] = m;
   refresh_owners();

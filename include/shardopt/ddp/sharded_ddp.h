@@ -58,6 +58,11 @@ struct ShardedDDPOptions {
   TORCH_ARG(bool, broadcast_buffers) = true;
   TORCH_ARG(bool, sync_models_at_startup) = true;
   TORCH_ARG(GradScaling, grad_scaling) = GradScaling::kMean;
+  // Parameters of the module ShardedDDP leaves to the user (a row-sharded embedding table with
+  // its own exchange, say): never reduced, bucketed, freed, synced at start-up or checked for
+  // trainability; their gradients stay this rank's local ones. They must not be in any of its
+  // OSS optimizers, and every rank must list the same module parameters.
+  TORCH_ARG(std::vector<at::Tensor>, ignored_parameters) = {};
 };
 
 class ShardedDDP;
