@@ -106,28 +106,19 @@ std::optional<std::vector<size_t>> DataSampler::next(size_t batch_size) {
 
 void DataSampler::save(torch::serialize::OutputArchive& archive) const {
   std::lock_guard<std::mutex> lock(shared_->mutex);
-  const SamplerState s = shared_->sampler.state(shared_->cursor);
-  const int64_t values[] = {
-      s.version, static_cast<int64_t>(s.fingerprint), s.dataset_size, s.global_batch_size, s.epoch, s.next_step};
+  const auto values = shared_->sampler.state(shared_->cursor).to_fields();
   for (size_t i = 0; i < std::size(kFields); ++i) archive.write(key(kFields[i]), c10::IValue(values[i]));
 }
 
 void DataSampler::load(torch::serialize::InputArchive& archive) {
-  int64_t values[std::size(kFields)];
+  std::array<int64_t, 6> values{};
   for (size_t i = 0; i < std::size(kFields); ++i) {
     c10::IValue v;
     SHARDOPT_CHECK(archive.try_read(key(kFields[i]), v) && v.isInt(), "DataSampler::load: the archive ",
                 "has no integer '", key(kFields[i]), "'; it was not written by DataSampler::save");
     values[i] = v.toInt();
   }
-  SamplerState s;
-  s.version = values[0];
-  s.fingerprint = static_cast<uint64_t>(values[1]);
-  s.dataset_size = values[2];
-  s.global_batch_size = values[3];
-  s.epoch = values[4];
-  s.next_step = values[5];
-  restore(s);
+  restore(SamplerState::from_fields(values));
 }
 
 }  // namespace shardopt

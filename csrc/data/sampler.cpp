@@ -313,6 +313,21 @@ SamplerState BalancedSampler::state(int64_t next_step) const {
   return s;
 }
 
+std::array<int64_t, 6> SamplerState::to_fields() const {
+  return {version, static_cast<int64_t>(fingerprint), dataset_size, global_batch_size, epoch, next_step};
+}
+
+SamplerState SamplerState::from_fields(const std::array<int64_t, 6>& f) {
+  SamplerState s;
+  s.version = f[0];
+  s.fingerprint = static_cast<uint64_t>(f[1]);
+  s.dataset_size = f[2];
+  s.global_batch_size = f[3];
+  s.epoch = f[4];
+  s.next_step = f[5];
+  return s;
+}
+
 void BalancedSampler::restore(const SamplerState& s) {
   SHARDOPT_CHECK(s.version == SamplerState::kVersion, "BalancedSampler::restore: state format version ",
               s.version, " is not supported (this build reads version ", SamplerState::kVersion, ")");

@@ -36,11 +36,9 @@ int main(int argc, char** argv) {
   const std::vector<char> dict = {0, 2, 1, 0, 0, 1, 0, 2, 3, 1, 1, 0, 1, 1, 2, 3, 4};
   put(dir + "/checkpoint/payload", 1, dict);
   put(dir + "/state_dict/dict", 0, dict, false);
-  const auto s = t.sampler->state(3);
-  const int64_t fields[6] = {s.version, static_cast<int64_t>(s.fingerprint), s.dataset_size, s.global_batch_size, s.epoch,
-                             s.next_step};
-  put(dir + "/sampler_state/seed", 0, std::vector<char>(reinterpret_cast<const char*>(fields),
-                                                        reinterpret_cast<const char*>(fields) + sizeof(fields)), false);
+  const auto fields = t.sampler->state(3).to_fields();
+  put(dir + "/sampler_state/seed", 0, std::vector<char>(reinterpret_cast<const char*>(fields.data()),
+                                                        reinterpret_cast<const char*>(fields.data()) + sizeof(fields)), false);
   std::printf("seeds written to %s\n", dir.c_str());
   return 0;
 }

@@ -8,15 +8,9 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static shardopt::fuzz::Target t;  // restore() changes only the epoch
-  int64_t f[6] = {};
-  std::memcpy(f, data, std::min(size, sizeof(f)));
-  shardopt::SamplerState s;
-  s.version = f[0];
-  s.fingerprint = static_cast<uint64_t>(f[1]);
-  s.dataset_size = f[2];
-  s.global_batch_size = f[3];
-  s.epoch = f[4];
-  s.next_step = f[5];
+  std::array<int64_t, 6> f{};
+  std::memcpy(f.data(), data, std::min(size, sizeof(f)));
+  const auto s = shardopt::SamplerState::from_fields(f);
   try {
     t.sampler->restore(s);
   } catch (const c10::Error&) {

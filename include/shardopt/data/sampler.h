@@ -41,6 +41,7 @@
 
 #include <torch/arg.h>
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -93,6 +94,11 @@ struct SamplerState {
   int64_t global_batch_size = 0;
   int64_t epoch = 0;
   int64_t next_step = 0;  // in [0, steps_per_epoch()]
+
+  // The six fields as integers (version, fingerprint, dataset_size, global_batch_size, epoch,
+  // next_step), for formats that store integers, and back.
+  std::array<int64_t, 6> to_fields() const;
+  static SamplerState from_fields(const std::array<int64_t, 6>& fields);
 };
 
 class BalancedSampler {
