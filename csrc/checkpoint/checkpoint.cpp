@@ -238,9 +238,12 @@ std::vector<char> checkpoint_bytes(const torch::IValue& payload) {
 
 void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer, const TrainingState& state,
                      CheckpointOptions options) {
-  ProcessGroup& group = optimizer.process_group();
+  ProcessGroup& group = optimizer.global_group();
   CommPhase phase("saving a checkpoint");
   const int rank = group.rank(), world = group.size();
+  // The optimizer's shards are those of its shard group (with hierarchical sharding, block 0's
+  // ranks, which are global ranks 0 .. block size - 1, hold one full copy between them).
+  const int shard_world = optimizer.process_group().size();
   const bool sharded = options.optimizer_state() == OptimizerStateLayout::kSharded;
   // One id ties the shard files to their main file.
   at::Tensor id = at::full({1}, rank == 0 ? static_cast<int64_t>(std::random_device()() >> 1) : int64_t{0}, at::kLong);
@@ -271,7 +274,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& op
       Dict d = string_dict();
       d.insert("checkpoint_id", id.item<int64_t>());
       d.insert("optimizer_shard", optimizer_value);
-      write_checkpoint_file(shard_path(path, rank, world), d);
+      if (rank < shard_world) write_checkpoint_file(shard_path(path, rank, shard_world), d);
     }
   } catch (const std::exception& e) {
     error = strip_prefix(e.what());
@@ -284,6 +287,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& op
       Dict d = string_dict();
       d.insert("format", std::string("shardopt-checkpoint"));
       d.insert("world_size", static_cast<int64_t>(world));
+      d.insert("optimizer_shards", static_cast<int64_t>(shard_world));
       d.insert("checkpoint_id", id.item<int64_t>());
       d.insert("model", module_value(module));
       d.insert("trainable", trainable_value(module));
@@ -307,7 +311,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& op
 }
 
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer) {
-  ProcessGroup& group = optimizer.process_group();
+  ProcessGroup& group = optimizer.global_group();
   CommPhase phase("loading a checkpoint");
   TrainingState state;
   std::string error;
@@ -321,9 +325,11 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module
 
     const int64_t saved_world = d.at("world_size").toInt();
     if (d.at("optimizer_layout").toStringRef() == "sharded") {
+      check_keys(path, d, {"optimizer_shards"});
+      const int64_t shards_saved = d.at("optimizer_shards").toInt();
       std::vector<torch::IValue> shards;
-      for (int64_t r = 0; r < saved_world; ++r) {
-        const std::string file = shard_path(path, r, saved_world);
+      for (int64_t r = 0; r < shards_saved; ++r) {
+        const std::string file = shard_path(path, r, shards_saved);
         const Dict s = read_checkpoint_file(file).toGenericDict();
         SHARDOPT_CHECK(s.at("checkpoint_id").toInt() == d.at("checkpoint_id").toInt(), "checkpoint '", file,
                        "' belongs to another save than '", path, "'");

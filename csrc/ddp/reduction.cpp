@@ -174,7 +174,7 @@ void ShardedDDP::finish_reduction() {
   carry_split_ = false;
   if (has_split_pieces_) {
     at::Tensor seen = clearing_evidence();
-    if (group_->size() > 1) group_->allreduce(seen, Reduction::kMax);
+    if (global_->size() > 1) global_->allreduce(seen, Reduction::kMax);
     const int64_t* v = seen.data_ptr<int64_t>();
     carry_split_ = v[0] > 0;
     ambiguous = v[1] == 0 && v[2] > 0;
@@ -217,12 +217,17 @@ void ShardedDDP::finish_reduction() {
 
 void ShardedDDP::hand_over_reduced() {
   double divisor = 1.0;
-  if (options_.grad_scaling() == GradScaling::kMean) divisor = group_->size();
+  if (options_.grad_scaling() == GradScaling::kMean) divisor = global_->size();
   if (options_.grad_scaling() == GradScaling::kGlobalSamples) divisor = static_cast<double>(global_samples_);
   const int rank = group_->rank();
   at::NoGradGuard no_grad;
   for (auto& b : buckets_) {
     if (b.owner != rank) continue;
+    // Hierarchical sharding: the block's sum, summed over the blocks (flags included).
+    if (replica_) {
+      CommPhase phase("backward (gradient all-reduce across blocks)");
+      replica_->allreduce(b.buffer);
+    }
     at::Tensor grads = b.buffer.narrow(0, 0, b.numel);
     if (divisor != 1.0) grads.div_(divisor);
     // The flags of the whole bucket, read in one go (one copy off the device, if any).

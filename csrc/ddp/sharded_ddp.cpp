@@ -61,10 +61,13 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
               options_.reduce_bucket_bytes());
   for (size_t k = 0; k < optimizers_.size(); ++k) {
     SHARDOPT_CHECK(optimizers_[k], "ShardedDDP optimizer ", k, " is null");
-    SHARDOPT_CHECK(&optimizers_[k]->process_group() == &optimizers_[0]->process_group(),
-                "ShardedDDP optimizers 0 and ", k, " use different process groups");
+    SHARDOPT_CHECK(&optimizers_[k]->global_group() == &optimizers_[0]->global_group() &&
+                       optimizers_[k]->process_group().size() == optimizers_[0]->process_group().size(),
+                "ShardedDDP optimizers 0 and ", k, " use different process groups or shard_group_size");
   }
   group_ = std::shared_ptr<ProcessGroup>(&optimizers_[0]->process_group(), [](ProcessGroup*) {});
+  global_ = &optimizers_[0]->global_group();
+  replica_ = optimizers_[0]->replica_group();
 
   std::unordered_map<const void*, std::pair<size_t, size_t>> place;  // -> (optimizer, position)
   for (size_t k = 0; k < optimizers_.size(); ++k) {
@@ -109,21 +112,21 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
                return t + "]";
              })
       .hint("every rank must pass the same ignored_parameters")
-      .check(*group_);
+      .check(*global_);
   SHARDOPT_CHECK(!params_.empty(), "ShardedDDP: the module has no parameters");
   for (size_t m = 0; m < params_.size(); ++m) module_index_[params_[m].unsafeGetTensorImpl()] = m;
   refresh_owners();
 
-  if (options_.sync_models_at_startup() && group_->size() > 1) {
+  if (options_.sync_models_at_startup() && global_->size() > 1) {
     at::NoGradGuard no_grad;
     for (auto& p : params_) {
       at::Tensor data = p.detach();
-      group_->broadcast(data, 0);
+      global_->broadcast(data, 0);
     }
-    for (auto& b : module_->buffers()) group_->broadcast(b, 0);
+    for (auto& b : module_->buffers()) global_->broadcast(b, 0);
   }
   auto mask = detail::trainable_mask(params_);
-  detail::agree_on_mask(*group_, mask, /*exhaustive=*/true, [this](size_t i) { return name(i); });
+  detail::agree_on_mask(*global_, mask, /*exhaustive=*/true, [this](size_t i) { return name(i); });
   // forward() checks the trainable set; the step need not check it again.
   if (options_.auto_refresh_trainable()) {
     for (OSS* opt : optimizers_) opt->set_check_trainable_every_step(false);
@@ -311,9 +314,9 @@ void ShardedDDP::pre_forward() {
   } else {
     follow_layouts();  // each OSS checks, lays out and re-partitions in its step
   }
-  if (options_.broadcast_buffers() && group_->size() > 1) {
+  if (options_.broadcast_buffers() && global_->size() > 1) {
     at::NoGradGuard no_grad;
-    for (auto& b : module_->buffers()) group_->broadcast(b, 0);
+    for (auto& b : module_->buffers()) global_->broadcast(b, 0);
   }
 }
 
@@ -324,11 +327,11 @@ void ShardedDDP::pre_forward() {
 // every rank, at the same point, all-gathers the masks and raises an error naming the parameter.
 void ShardedDDP::start_mask_check() {
   CommPhase phase("forward (trainability check)");
-  if (group_->size() == 1) return;
+  if (global_->size() == 1) return;
   checked_mask_ = mask_;
   const auto v = static_cast<int64_t>(detail::mask_agreement(mask_, [this](size_t i) { return name(i); }).hash() >> 1);
   mask_check_buffer_ = at::tensor({v, -v}, at::kLong);
-  mask_check_ = group_->allreduce_async(mask_check_buffer_, Reduction::kMax);
+  mask_check_ = global_->allreduce_async(mask_check_buffer_, Reduction::kMax);
 }
 
 void ShardedDDP::await_mask_check() {
@@ -336,7 +339,7 @@ void ShardedDDP::await_mask_check() {
   mask_check_.wait();
   const int64_t* check = mask_check_buffer_.data_ptr<int64_t>();
   if (check[0] == -check[1]) return;
-  detail::agree_on_mask(*group_, checked_mask_, /*exhaustive=*/true, [this](size_t i) { return name(i); });
+  detail::agree_on_mask(*global_, checked_mask_, /*exhaustive=*/true, [this](size_t i) { return name(i); });
 }
 
 void ShardedDDP::refresh_trainable() {
@@ -344,7 +347,7 @@ void ShardedDDP::refresh_trainable() {
   SHARDOPT_CHECK(!unreduced_local_grads_, "refresh_trainable() while no_sync() gradients are waiting to be "
               "reduced; call reduce() (or run a backward outside no_sync) first");
   auto mask = detail::trainable_mask(params_);
-  detail::agree_on_mask(*group_, mask, /*exhaustive=*/false, [this](size_t i) { return name(i); });
+  detail::agree_on_mask(*global_, mask, /*exhaustive=*/false, [this](size_t i) { return name(i); });
   mask_ = std::move(mask);
   lay_out();
   follow_partition(mask_ != balanced_for_);

@@ -195,7 +195,9 @@ class ShardedDDP {
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<torch::nn::AnyModule> callable_;
   std::vector<OSS*> optimizers_;
-  std::shared_ptr<ProcessGroup> group_;
+  std::shared_ptr<ProcessGroup> group_;  // the optimizers' shard group (the whole group, or a block)
+  ProcessGroup* global_ = nullptr;       // every rank: trainability checks, start-up sync, buffers
+  ProcessGroup* replica_ = nullptr;      // hierarchical sharding: this rank's replicas in the other blocks
   ShardedDDPOptions options_;
 
   std::vector<at::Tensor> params_;  // the module's parameters, in module order

@@ -98,6 +98,11 @@ struct OSSOptions {
   // Steps Adam, AdamW and SGD with the fused step (shardopt/optim/fused_step.h): one pass over
   // each owned tensor's memory, across threads. Off: the wrapped optimizer's own step().
   TORCH_ARG(bool, fused_step) = true;
+  // Hierarchical sharding: shard within consecutive blocks of this many ranks (a node's, say:
+  // LOCAL_WORLD_SIZE) and keep one replica per block; 0 or the group's size: the whole group.
+  // Must divide the group's size. ShardedDDP reduces gradients within the block, then all-reduces
+  // each owned shard across the blocks; the parameter sync stays within the block.
+  TORCH_ARG(int, shard_group_size) = 0;
   TORCH_ARG(double, rebalance_threshold) = 0.1;
   // How the flat buffers are laid out (ShardedDDP sets bucket_bytes from its own options).
   TORCH_ARG(LayoutOptions, layout) = {};
@@ -169,7 +174,12 @@ class OSS : public torch::optim::Optimizer {
   void load(torch::serialize::InputArchive& archive) override;
 
   // ---- introspection ----
+  // The group the state is sharded over: the whole group, or this rank's block.
   ProcessGroup& process_group() const { return *group_; }
+  // The group OSS was given (every rank), and, with shard_group_size, the group of this rank's
+  // replicas (the ranks at its position in every block; null without blocks).
+  ProcessGroup& global_group() const { return *global_group_; }
+  ProcessGroup* replica_group() const { return replica_group_.get(); }
   const Partition& partition() const { return partition_; }
   // Where each parameter lives in the flat buffers, and the gradient buckets.
   const FlatLayout& layout() const { return layout_; }
@@ -219,6 +229,8 @@ class OSS : public torch::optim::Optimizer {
  private:
   void init(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory);
   void check_params_across_ranks();
+  // With shard_group_size: splits the group into blocks and replica groups; group_ becomes the block.
+  void form_blocks();
   void choose_partition_mode(const OptimizerFactory& factory);
   // The layout of the parameters for the partition and `trainable`.
   FlatLayout plan_layout(const std::vector<uint8_t>& trainable) const;
@@ -257,6 +269,7 @@ class OSS : public torch::optim::Optimizer {
   bool layout_follows_ddp_ = false;   // ShardedDDP lays the buffers out (set_check_trainable_every_step)
   std::vector<std::vector<detail::Holding>> holdings_;  // per parameter: where its state lives now
   int64_t state_moves_ = 0;
+  std::shared_ptr<ProcessGroup> global_group_, replica_group_;
   bool stepped_fused_ = false;
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::vector<at::Tensor> piece_tensors_;               // per layout piece, on its owner
