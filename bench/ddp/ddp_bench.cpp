@@ -144,6 +144,8 @@ int main(int argc, char** argv) {
   app.add_option("--rebalance", rebalance, "OSSOptions::rebalance (sharded)");
   bool fused = true;
   app.add_option("--fused-step", fused, "OSSOptions::fused_step (sharded)");
+  int shard_group_size = 0;
+  app.add_option("--shard-group-size", shard_group_size, "OSSOptions::shard_group_size (sharded; 0: whole group)");
   app.add_option("--freeze", freeze, "which tensors the freeze measurement freezes (sharded)")
       ->check(CLI::IsMember({"embeddings", "lower", "alternate"}));
   CLI11_PARSE(app, argc, argv);
@@ -179,7 +181,7 @@ int main(int argc, char** argv) {
                         : partition == "whole" ? shardopt::PartitionMode::kWholeParameters
                                                : shardopt::PartitionMode::kAuto;
       oss = std::make_unique<shardopt::OSS>(module->parameters(), factory, group,
-                                            shardopt::OSSOptions().rebalance(rebalance).partition(mode).fused_step(fused));
+                                            shardopt::OSSOptions().rebalance(rebalance).partition(mode).fused_step(fused).shard_group_size(shard_group_size));
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss);
     } else {
       adam = std::make_unique<torch::optim::Adam>(module->parameters(), torch::optim::AdamOptions(1e-4));
@@ -239,6 +241,11 @@ int main(int argc, char** argv) {
     };
 
     for (int s = 0; s < warmup; ++s) one_step(s);
+    // Bytes handed to collectives per timed step: the whole group's (the block's, with
+    // --shard-group-size) and across blocks.
+    auto block_total = [&] { return oss ? oss->process_group().stats().total_bytes() : group->stats().total_bytes(); };
+    auto cross_total = [&] { return oss && oss->replica_group() ? oss->replica_group()->stats().total_bytes() : int64_t{0}; };
+    const int64_t block_before = block_total(), cross_before = cross_total();
     std::vector<double> times;
     for (int s = 0; s < steps; ++s) {
       group->barrier();
@@ -247,6 +254,8 @@ int main(int argc, char** argv) {
       times.push_back(ms_since(t0));
     }
     const double step_ms = median(times);
+    const double block_bytes_per_step = static_cast<double>(block_total() - block_before) / steps;
+    const double cross_bytes_per_step = static_cast<double>(cross_total() - cross_before) / steps;
     const double train_peak_mb = peak_rss_mb();  // before the freeze measurement below
     for (auto& p : phases) p.erase(p.begin(), p.begin() + warmup);
     std::fprintf(stderr, "phases ms: forward %.1f backward %.1f step %.1f\n", median(phases[0]), median(phases[1]),
@@ -323,7 +332,8 @@ int main(int argc, char** argv) {
         {"kept_imbalance", kept_imbalance}, {"freeze_imbalance", freeze_imbalance}, {"rebalance_ms", rebalance_ms},
         {"moved_state_bytes", moved_bytes}, {"after_freeze_step_ms", after_freeze_ms},
         {"peak_rss_with_freeze_mb", peak_rss_mb()}, {"split", oss && oss->split()}, {"state_bytes", state_bytes},
-        {"grad_bytes", grad_bytes}};
+        {"grad_bytes", grad_bytes}, {"block_bytes_per_step", block_bytes_per_step},
+        {"cross_block_bytes_per_step", cross_bytes_per_step}};
     std::printf("%s\n", row.dump().c_str());
     return 0;
   } catch (const std::exception& e) {
