@@ -377,6 +377,9 @@ void OSS::form_blocks() {
   const int world = group_->size(), n = options_.shard_group_size();
   SHARDOPT_CHECK(n >= 0 && n <= world && (n == 0 || world % n == 0), "OSSOptions::shard_group_size ", n,
                  " must divide the group's size ", world, " (0: the whole group)");
+  if (world > 1) {
+    Agreement("OSS").field("shard_group_size", n == world ? 0 : n).hint("every rank must pass the same shard_group_size").check(*group_);
+  }
   if (n == 0 || n == world) return;
   std::shared_ptr<ProcessGroup> block;
   for (int b = 0; b < world / n; ++b) {

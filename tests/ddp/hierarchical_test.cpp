@@ -82,6 +82,10 @@ TEST(Hierarchical, ASizeThatDoesNotDivideIsAnErrorOnEveryRank) {
     OSS oss(testing::make_params(), adam(), g, OSSOptions().shard_group_size(3));
   });
   for (const auto& e : errors) EXPECT_NE(e.find("shard_group_size 3 must divide the group's size 4"), std::string::npos) << e;
+  auto disagree = testing::run_ranks_collect_errors(4, [](std::shared_ptr<ProcessGroup> g) {
+    OSS oss(testing::make_params(), adam(), g, OSSOptions().shard_group_size(g->rank() == 3 ? 0 : 2));
+  });
+  for (const auto& e : disagree) EXPECT_NE(e.find("shard_group_size"), std::string::npos) << e;
 }
 
 // A checkpoint saved with blocks loads into a flat layout and another world size, and back.
