@@ -5,12 +5,12 @@
 #include <shardopt/version.h>
 
 #include "comm/backends.h"
+#include "comm/heartbeat.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -23,9 +23,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 #include <cstdlib>
-#include <condition_variable>
-#include <mutex>
-#include <thread>
 #include <sstream>
 
 namespace shardopt {
@@ -134,69 +131,6 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, std::chron
   for (int r = 0; r < size_; ++r) global_ranks_.push_back(r);
 }
 
-std::string ProcessGroup::describe_sub() const {
-  std::string t = "of global ranks [";
-  for (size_t i = 0; i < global_ranks_.size(); ++i) t += (i ? ", " : "") + std::to_string(global_ranks_[i]);
-  return t + "] (this is global rank " + std::to_string(global_ranks_[rank_]) + ")";
-}
-
-std::string ProcessGroup::describe_rank(int r) const {
-  const bool sub = r >= 0 && r < size_ && global_ranks_[r] != r;
-  return "rank " + std::to_string(r) + (sub ? " (global rank " + std::to_string(global_ranks_[r]) + ")" : "");
-}
-
-// Note [Sub-groups]
-// Every rank of the parent agrees on the member list first (an all-gather of the lists, so that
-// a rank with another list is named rather than left waiting), then the members build a backend
-// of the parent's kind over the parent's store under a prefix of their own ("shardopt/split/N/"),
-// so that sub-groups never share keys with the parent or each other.
-std::shared_ptr<ProcessGroup> ProcessGroup::split(const std::vector<int>& ranks) {
-  SHARDOPT_CHECK(store_ && make_backend_, "ProcessGroup::split needs a group made by init_process_group");
-  std::vector<int64_t> mine{splits_};
-  mine.insert(mine.end(), ranks.begin(), ranks.end());
-  const auto all = allgather_ints(mine);
-  auto text = [](const std::vector<int64_t>& v) {
-    std::string t = "[";
-    for (size_t i = 1; i < v.size(); ++i) t += (i > 1 ? ", " : "") + std::to_string(v[i]);
-    return t + "]";
-  };
-  for (int r = 0; r < size_; ++r) {
-    if (all[r] == all[0]) continue;
-    std::string lists;
-    for (int q = 0; q < size_; ++q) lists += (q ? "; " : "") + describe_rank(q) + ": " + text(all[q]);
-    SHARDOPT_CHECK(false, "ProcessGroup::split: the ranks passed different member lists (or called split a different ",
-                   "number of times): ", lists);
-  }
-  SHARDOPT_CHECK(!ranks.empty(), "ProcessGroup::split needs at least one rank");
-  std::vector<bool> seen(size_, false);
-  int mine_in_new = -1;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    const int r = ranks[i];
-    SHARDOPT_CHECK(r >= 0 && r < size_, "ProcessGroup::split: rank ", r, " is outside [0, ", size_, ")");
-    SHARDOPT_CHECK(!seen[r], "ProcessGroup::split: rank ", r, " is listed twice");
-    seen[r] = true;
-    if (r == rank_) mine_in_new = static_cast<int>(i);
-  }
-  const int index = splits_++;
-  if (mine_in_new < 0) return nullptr;
-  auto store = c10::make_intrusive<c10d::PrefixStore>("shardopt/split/" + std::to_string(index) + "/", store_);
-  c10::intrusive_ptr<c10d::Backend> backend;
-  try {
-    backend = make_backend_(store, mine_in_new, static_cast<int>(ranks.size()));
-  } catch (const std::exception& e) {
-    SHARDOPT_CHECK(false, "ProcessGroup::split: ", describe_rank(rank_), " could not connect to the other members of ",
-                   text(mine), " within ", timeout_.count(), " ms: ", e.what());
-  }
-  auto group = std::make_shared<ProcessGroup>(backend, timeout_);
-  group->global_ranks_.clear();
-  for (int r : ranks) group->global_ranks_.push_back(global_ranks_[r]);
-  group->make_backend_ = make_backend_;
-  group->check_desync_ = check_desync_;
-  group->set_store(store);
-  return group;
-}
-
-
 c10::intrusive_ptr<c10d::Backend> ProcessGroup::native() const {
   return backend_;
 }
@@ -213,116 +147,6 @@ std::string ProcessGroup::label(std::string what) const {
   if (*CommPhase::current()) what += std::string(" (") + CommPhase::current() + ")";
   if (global_ranks_[rank_] != rank_) what += " of the sub-group " + describe_sub();
   return what;
-}
-
-// Note [Roll call]
-// A collective fails quickly when a peer's process is gone (its connections close) and after
-// the timeout when a peer is stuck; a survivor whose own collective involves only live peers may
-// notice only later. Each rank's group keeps a heartbeat in the rendezvous store (a counter it
-// bumps once a second from a thread of its own, whatever the rank is doing), and a rank whose
-// collective failed watches every counter for 3 s: the ranks whose counter did not move are
-// named. The store is served by rank 0's process, so when it cannot be reached at all, rank 0 is
-// the one gone.
-struct ProcessGroup::Heartbeat {
-  std::mutex mu;
-  std::condition_variable stop_cv;
-  bool stop = false;
-  std::thread thread;
-};
-
-namespace {
-std::string heartbeat_key(int rank) { return "shardopt/heartbeat/" + std::to_string(rank); }
-}  // namespace
-
-void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) {
-  store_ = std::move(store);
-  if (!store_ || size_ == 1 || heartbeat_) return;
-  heartbeat_ = std::make_unique<Heartbeat>();
-  heartbeat_->thread = std::thread([store = store_, key = heartbeat_key(rank_), hb = heartbeat_.get()] {
-    std::unique_lock<std::mutex> lock(hb->mu);
-    while (!hb->stop) {
-      try {
-        store->add(key, 1);
-      } catch (const std::exception&) {
-        return;  // the store is gone: the job is ending
-      }
-      hb->stop_cv.wait_for(lock, std::chrono::seconds(1), [hb] { return hb->stop; });
-    }
-  });
-}
-
-ProcessGroup::~ProcessGroup() {
-  if (heartbeat_) {
-    {
-      std::lock_guard<std::mutex> lock(heartbeat_->mu);
-      heartbeat_->stop = true;
-    }
-    heartbeat_->stop_cv.notify_all();
-    heartbeat_->thread.join();
-  }
-}
-
-std::string ProcessGroup::roll_call() {
-  if (!store_ || size_ == 1) return "";
-  auto list = [this](const std::vector<int>& ranks) {
-    std::string text;
-    for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + describe_rank(ranks[i]);
-    return text;
-  };
-  try {
-    // A rank that saw a failure says so first: it may exit before the others look.
-    store_->set("shardopt/failed/" + std::to_string(rank_), std::vector<uint8_t>{1});
-    std::vector<int64_t> before(size_);
-    for (int r = 0; r < size_; ++r) before[r] = store_->add(heartbeat_key(r), 0);
-    std::this_thread::sleep_for(std::chrono::seconds(3));
-    std::vector<int> gone, failed_too;
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_ || store_->add(heartbeat_key(r), 0) != before[r]) continue;
-      (store_->check({"shardopt/failed/" + std::to_string(r)}) ? failed_too : gone).push_back(r);
-    }
-    std::string text;
-    if (!gone.empty()) text = list(gone) + " stopped answering (no heartbeat for 3 s: exited, killed or hung)";
-    if (!failed_too.empty()) {
-      text += (text.empty() ? "" : "; ") + list(failed_too) + " saw a failure too and stopped";
-    }
-    return text;
-  } catch (const std::exception&) {
-    return "rank 0 (which serves the rendezvous store) cannot be reached: it exited or was killed";
-  }
-}
-
-void ProcessGroup::check_in(CommStats::Kind kind, int64_t bytes, int root) {
-  ++sequence_;
-  if (!check_desync_ || size_ == 1) return;
-  const auto seq = static_cast<int64_t>(sequence_);
-  const int64_t fingerprint = (static_cast<int64_t>(kind) * 1000003 + bytes) * 131 + root;
-  at::Tensor t = at::tensor({seq, -seq, fingerprint, -fingerprint}, at::kLong);
-  std::vector<at::Tensor> ts{t};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::MAX;
-  opts.timeout = timeout_;
-  const std::string what = label(std::string("desync check before ") + CommStats::name(kind) + " #" + std::to_string(seq));
-  PendingWork(backend_->allreduce(ts, opts), what, rank_, timeout_, [this] { return roll_call(); }).wait();
-  const int64_t* v = t.data_ptr<int64_t>();
-  if (v[0] == -v[1] && v[2] == -v[3]) return;
-  // Out of step: every rank says what it called (one more small collective, matched on every rank).
-  at::Tensor mine = at::tensor({seq, static_cast<int64_t>(kind), bytes, static_cast<int64_t>(root)}, at::kLong);
-  std::vector<at::Tensor> all;
-  for (int r = 0; r < size_; ++r) all.push_back(at::empty_like(mine));
-  std::vector<std::vector<at::Tensor>> out{all};
-  std::vector<at::Tensor> in{mine};
-  c10d::AllgatherOptions gather_opts;
-  gather_opts.timeout = timeout_;
-  PendingWork(backend_->allgather(out, in, gather_opts), "desync report", rank_, timeout_).wait();
-  std::string calls;
-  for (int r = 0; r < size_; ++r) {
-    const int64_t* c = out[0][r].data_ptr<int64_t>();
-    calls += (r ? "; " : "") + std::string("rank ") + std::to_string(r) + " called " +
-             CommStats::name(static_cast<CommStats::Kind>(c[1])) + " #" + std::to_string(c[0]) + " of " +
-             std::to_string(c[2]) + " bytes" + (c[3] >= 0 ? " with root " + std::to_string(c[3]) : "");
-  }
-  SHARDOPT_CHECK(false, "ranks are out of step at collective #", seq, " (", *CommPhase::current() ? CommPhase::current() : "no phase",
-                 " on rank ", rank_, "): ", calls, ". Every rank must call the same collectives in the same order");
 }
 
 PendingWork ProcessGroup::broadcast_async(at::Tensor& tensor, int root) {

@@ -4,6 +4,7 @@
 
 #include "harness.h"
 #include "model.h"
+#include "named_net.h"
 #include "parity.h"
 
 #include <gtest/gtest.h>
@@ -19,15 +20,7 @@ namespace optim = torch::optim;
 using testing::run_ranks;
 using Params = std::vector<at::Tensor>;
 
-struct Net : torch::nn::Module {
-  Net() {
-    auto p = testing::make_params();
-    const char* names[] = {"w1", "b1", "w2", "b2", "s"};
-    for (size_t i = 0; i < p.size(); ++i) params.push_back(register_parameter(names[i], p[i]));
-  }
-  at::Tensor forward(at::Tensor x) { return testing::output(params, x); }
-  Params params;
-};
+using Net = testing::NamedNet;
 
 constexpr int kClearingStyles = 10;
 const char* clearing_name(int style) {

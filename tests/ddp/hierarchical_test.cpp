@@ -7,6 +7,7 @@
 
 #include "harness.h"
 #include "model.h"
+#include "named_net.h"
 #include "parity.h"
 
 #include <gtest/gtest.h>
@@ -22,15 +23,7 @@ namespace {
 namespace optim = torch::optim;
 using Params = std::vector<at::Tensor>;
 
-struct Net : torch::nn::Module {
-  Net() {
-    auto p = testing::make_params();
-    const char* names[] = {"w1", "b1", "w2", "b2", "s"};
-    for (size_t i = 0; i < p.size(); ++i) params.push_back(register_parameter(names[i], p[i]));
-  }
-  at::Tensor forward(at::Tensor x) { return testing::output(params, x); }
-  Params params;
-};
+using Net = testing::NamedNet;
 
 OptimizerFactory adam() { return optimizer<optim::Adam>(optim::AdamOptions(1e-2)); }
 
