@@ -65,6 +65,10 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
                        optimizers_[k]->process_group().size() == optimizers_[0]->process_group().size(),
                 "ShardedDDP optimizers 0 and ", k, " use different process groups or shard_group_size");
   }
+  for (OSS* opt : optimizers_) {
+    const auto& mp = opt->options().mixed_precision();
+    if (mp.enabled() && !input_dtype_) input_dtype_ = mp.param_dtype();
+  }
   group_ = std::shared_ptr<ProcessGroup>(&optimizers_[0]->process_group(), [](ProcessGroup*) {});
   global_ = &optimizers_[0]->global_group();
   replica_ = optimizers_[0]->replica_group();
@@ -268,7 +272,9 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
   Bucket b;
   b.owner = lb.owner;
   b.numel = lb.numel();
-  b.options = at::TensorOptions().dtype(group.dtype).device(group.device);
+  // Mixed precision reduces in reduce_dtype: an fp32 bucket upcasts each gradient as it is copied in.
+  const auto& mp = optimizer.options().mixed_precision();
+  b.options = at::TensorOptions().dtype(mp.enabled() ? mp.reduce_or_param_dtype() : group.dtype).device(group.device);
   for (size_t k = 0; k < lb.pieces.size(); ++k) {
     const size_t piece_index = lb.pieces[k];
     const Piece& piece = layout.pieces()[piece_index];
@@ -280,7 +286,9 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
     e.hooked = it->second;
     e.in_param = piece.in_param;
     e.whole = piece.in_param.begin == 0 && piece.in_param.size() == param.numel();
-    if (b.owner == group_->rank()) e.target = optimizer.piece_tensor(piece_index);
+    // A whole parameter's reduced gradient is the parameter's own, as under DDP (under mixed
+    // precision the tensor OSS steps is its master, which takes the gradient at the step).
+    if (b.owner == group_->rank()) e.target = e.whole ? param : optimizer.piece_tensor(piece_index);
     e.bucket = buckets_.size();
     e.offset = piece.in_bucket.begin;
     e.numel = piece.in_bucket.size();

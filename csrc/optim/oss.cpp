@@ -5,6 +5,7 @@
 #include <shardopt/comm/agree.h>
 
 #include "optim/codec.h"
+#include "optim/master_weights.h"
 #include "optim/param_buffers.h"
 #include "optim/state_migration.h"
 #include "optim/trainable.h"
@@ -133,6 +134,8 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
     }
   }
 
+  mixed_ = options_.mixed_precision().enabled() || !options_.mixed_precision().problem().empty();
+  if (mixed_) master_sources_ = detail::cast_to_param_dtype(*global_group_, params_, options_.mixed_precision());
   for (const auto& p : params_) weights_.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
   trainable_ = detail::trainable_mask(params_);
   balanced_for_ = trainable_;
@@ -158,6 +161,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   }
   local_ = factory(std::move(local_groups));
   SHARDOPT_CHECK(local_, "the optimizer factory returned null");
+  master_sources_.clear();
 }
 
 // Note [Split parameters]
@@ -254,11 +258,10 @@ void OSS::assign_holdings() {
         h.tensor = at::Tensor();
         continue;
       }
-      if (h.in_param.begin == 0 && h.in_param.size() == params_[i].numel()) {
+      if (!mixed_ && h.in_param.begin == 0 && h.in_param.size() == params_[i].numel()) {
         h.tensor = params_[i];
         continue;
       }
-      at::Tensor view = params_[i].detach().reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()).detach();
       // The same range keeps its tensor, which keys its state: the settled one first (it holds
       // the state even after several layouts without a step), else the current one.
       h.tensor = at::Tensor();
@@ -268,6 +271,14 @@ void OSS::assign_holdings() {
           if (old.rank == rank && old.in_param == h.in_param && old.tensor.defined()) h.tensor = old.tensor;
         }
       }
+      if (mixed_) {  // a master has storage of its own (Note [Mixed precision])
+        if (!h.tensor.defined()) {
+          h.tensor = detail::make_master(params_[i], i < master_sources_.size() ? master_sources_[i] : at::Tensor(),
+                                         h.in_param);
+        }
+        continue;
+      }
+      at::Tensor view = params_[i].detach().reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()).detach();
       if (h.tensor.defined()) {
         h.tensor.set_data(view);
       } else {
@@ -297,7 +308,7 @@ void OSS::settle_state() {
     RebalanceStats stats;
     stats.imbalance_before = last_rebalance_.imbalance_before;
     stats.imbalance_after = last_rebalance_.imbalance_after;
-    detail::migrate_holdings(*group_, *local_, params_, settled_, holdings_, stats);
+    detail::migrate_holdings(*group_, *local_, params_, settled_, holdings_, stats, /*carry_values=*/mixed_);
     last_rebalance_ = stats;
     ++state_moves_;
   }
@@ -310,7 +321,7 @@ at::Tensor OSS::holding_grad(size_t i, const detail::Holding& h) const {
   if (h.tensor.is_same(params_[i])) return params_[i].grad();
   const at::Tensor& full = params_[i].grad();
   if (full.defined() && full.numel() == params_[i].numel()) {
-    return full.reshape(-1).narrow(0, h.in_param.begin, h.in_param.size());
+    return full.reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()).view(h.tensor.sizes());
   }
   return h.tensor.grad();
 }
@@ -386,19 +397,26 @@ torch::Tensor OSS::step(LossClosure closure) {
   // A frozen parameter must not move, even if it still holds a gradient from before it was
   // frozen: its gradient is hidden from the wrapped optimizer for the duration of its step. A
   // range of a parameter gets its part of the parameter's full gradient when there is one.
+  // Under mixed precision the stepped tensor is the fp32 master and gets its gradient upcast.
   std::vector<std::pair<at::Tensor, at::Tensor>> restore;  // (tensor, gradient it had)
+  std::vector<std::pair<size_t, const detail::Holding*>> stepped;
   for (size_t i = 0; i < params_.size(); ++i) {
     for (const auto& h : holdings_[i]) {
       if (h.rank != group_->rank()) continue;
       // A parameter steps only if it is trainable and laid out as such: one unfrozen after the
       // layout was made (under ShardedDDP, between forward and step) had no reduced gradient
       // and is not synced yet, so it waits for the next step.
+      at::Tensor grad = h.tensor.grad();
       if (!trainable_[i] || !laid_out_for_[i]) {
-        if (h.tensor.grad().defined()) restore.emplace_back(h.tensor, h.tensor.grad());
-        if (h.tensor.grad().defined()) h.tensor.mutable_grad() = at::Tensor();
-      } else if (!h.tensor.is_same(params_[i]) && params_[i].grad().defined()) {
+        grad = at::Tensor();
+      } else {
+        if (!h.tensor.is_same(params_[i]) && params_[i].grad().defined()) grad = holding_grad(i, h);
+        if (grad.defined() && grad.scalar_type() != h.tensor.scalar_type()) grad = grad.to(h.tensor.scalar_type());
+        if (grad.defined()) stepped.emplace_back(i, &h);
+      }
+      if (!grad.is_same(h.tensor.grad())) {
         restore.emplace_back(h.tensor, h.tensor.grad());
-        h.tensor.mutable_grad() = holding_grad(i, h);
+        h.tensor.mutable_grad() = grad;
       }
     }
   }
@@ -414,6 +432,9 @@ torch::Tensor OSS::step(LossClosure closure) {
     throw;
   }
   for (auto& [t, g] : restore) t.mutable_grad() = g;
+  if (mixed_) {
+    for (const auto& [i, h] : stepped) detail::write_back(params_[i], h->tensor, h->in_param);
+  }
 
   sync_params();
   // The set was just agreed on, so every rank takes the same decision.
@@ -492,30 +513,34 @@ void OSS::zero_grad(bool set_to_none) {
   }
 }
 
-double OSS::clip_grad_norm(double max_norm, double norm_type) {
-  SHARDOPT_CHECK(max_norm >= 0, "clip_grad_norm max_norm must be >= 0, got ", max_norm);
-  SHARDOPT_CHECK(norm_type > 0, "clip_grad_norm norm_type must be > 0 (or inf), got ", norm_type);
-  const bool inf = std::isinf(norm_type);
-  // Each element counted once: by the rank that owns its range. Every gradient this rank holds
-  // is scaled, not only the owned ones: a step that lays the buffers out for a new trainable set
-  // may hand a range to a rank that did not own it at the time of the clip.
-  std::vector<at::Tensor> grads, scaled;
+std::vector<at::Tensor> OSS::grads(bool owned_only) const {
+  // A rank that owns a range counts it (owned_only); every gradient this rank holds is listed
+  // otherwise, not only the owned ones: a step that lays the buffers out for a new trainable
+  // set may hand a range to a rank that did not own it at the time of a clip.
+  std::vector<at::Tensor> out;
   for (size_t i = 0; i < params_.size(); ++i) {
     // The flags as they are now, not as of the last step(): unfreezing takes effect at once.
     if (!params_[i].requires_grad()) continue;
     const bool full = params_[i].grad().defined();
-    if (full) scaled.push_back(params_[i].grad());
+    if (full && !owned_only) out.push_back(params_[i].grad());
     for (const auto& h : holdings_[i]) {
-      if (h.rank != group_->rank()) continue;
+      if (h.rank != group_->rank() || (full && !owned_only)) continue;
       at::Tensor g = holding_grad(i, h);
-      if (!g.defined()) continue;
-      grads.push_back(g);
-      if (!full) scaled.push_back(g);
+      if (g.defined()) out.push_back(g);
     }
   }
+  return out;
+}
+
+double OSS::clip_grad_norm(double max_norm, double norm_type) {
+  SHARDOPT_CHECK(max_norm >= 0, "clip_grad_norm max_norm must be >= 0, got ", max_norm);
+  SHARDOPT_CHECK(norm_type > 0, "clip_grad_norm norm_type must be > 0 (or inf), got ", norm_type);
+  const bool inf = std::isinf(norm_type);
+  const std::vector<at::Tensor> owned = grads(/*owned_only=*/true), held = grads(/*owned_only=*/false);
   double local = 0.0;
-  for (const auto& g : grads) {
-    const double n = g.norm(norm_type).item<double>();
+  for (const auto& g : owned) {
+    // In double: low-precision gradients lose nothing to the sum.
+    const double n = at::linalg_vector_norm(g, norm_type, c10::nullopt, false, at::kDouble).item<double>();
     local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
   }
   at::Tensor t = at::scalar_tensor(local, at::kDouble).reshape({1});
@@ -524,7 +549,7 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1.0) {
     at::NoGradGuard no_grad;
-    for (auto& g : scaled) g.mul_(coef);
+    for (const auto& g : held) g.mul_(coef);
   }
   return total;
 }
@@ -567,6 +592,26 @@ std::string OSS::describe() const {
     }
   }
   return out.str();
+}
+
+void OSS::refresh_master_weights() {
+  if (!mixed_) return;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& h : holdings_[i]) {
+      if (h.rank == group_->rank()) h.tensor.view(-1).copy_(params_[i].detach().reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()));
+    }
+  }
+}
+
+int64_t OSS::local_master_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& list : holdings_) {
+    for (const auto& h : list) {
+      if (mixed_ && h.rank == group_->rank()) bytes += static_cast<int64_t>(h.tensor.nbytes());
+    }
+  }
+  return bytes;
 }
 
 int64_t OSS::local_state_bytes() const {

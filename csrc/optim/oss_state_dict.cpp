@@ -7,6 +7,7 @@
 #include "optim/state_migration.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/api/include/torch/serialize/archive.h>
 #include <torch/csrc/api/include/torch/serialize.h>
 #include <torch/csrc/jit/serialization/pickle.h>
@@ -21,20 +22,23 @@ using detail::GenericDict;
 
 namespace {
 
-// This rank's ranges with state: [{"param", "begin", "end", "state"}, ...].
+// This rank's ranges with state or a master weight: [{"param", "begin", "end", "state"?,
+// "master"?}, ...] (masters with `masters`: the holdings' tensors are mixed precision's).
 c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>& holdings, optim::Optimizer& local,
-                                 const detail::OptimizerCodec& codec, int rank) {
+                                 const detail::OptimizerCodec& codec, int rank, bool masters) {
   c10::impl::GenericList shard(c10::AnyType::get());
   for (size_t i = 0; i < holdings.size(); ++i) {
     for (const auto& h : holdings[i]) {
       if (h.rank != rank) continue;
       auto it = local.state().find(compat::state_key(h.tensor));
-      if (it == local.state().end()) continue;
+      const bool has_state = it != local.state().end();
+      if (!has_state && !masters) continue;
       GenericDict d = detail::make_string_dict();
       d.insert("param", static_cast<int64_t>(i));
       d.insert("begin", h.in_param.begin);
       d.insert("end", h.in_param.end);
-      d.insert("state", codec.encode_state(*it->second));
+      if (has_state) d.insert("state", codec.encode_state(*it->second));
+      if (masters) d.insert("master", h.tensor.detach().reshape(-1));
       shard.push_back(d);
     }
   }
@@ -52,6 +56,13 @@ class Stitcher {
       const auto d = item.toGenericDict();
       const auto i = static_cast<size_t>(d.at("param").toInt());
       const int64_t begin = d.at("begin").toInt(), end = d.at("end").toInt();
+      if (d.contains("master")) {
+        auto [m, fresh] = masters_.try_emplace(i, at::Tensor(), 0);
+        if (fresh) m->second.first = at::empty({params_[i].numel()}, d.at("master").toTensor().options());
+        m->second.first.narrow(0, begin, end - begin).copy_(d.at("master").toTensor().reshape(-1));
+        m->second.second += end - begin;
+      }
+      if (!d.contains("state")) continue;
       auto [it, fresh] = parts_.try_emplace(i, detail::make_string_dict(), 0);
       auto& [full, filled] = it->second;
       for (const auto& v : d.at("state").toGenericDict()) {
@@ -83,9 +94,31 @@ class Stitcher {
     return state;
   }
 
+  // {index: fp32 master weight} in the parameters' shapes; empty without mixed precision.
+  GenericDict finish_masters() const {
+    GenericDict out(c10::IntType::get(), c10::AnyType::get());
+    for (const auto& [i, entry] : masters_) {
+      SHARDOPT_CHECK(entry.second == params_[i].numel(), "the master weight of parameter ", i, " covers ",
+                     entry.second, " of ", params_[i].numel(), " elements (a shard missing or given twice?)");
+      out.insert(static_cast<int64_t>(i), entry.first.view(params_[i].sizes()));
+    }
+    return out;
+  }
+
+  // The full state dict: {"state", "param_groups", and "master_weights" when there are masters}.
+  GenericDict result(const c10::IValue& param_groups) const {
+    GenericDict d = detail::make_string_dict();
+    d.insert("state", finish());
+    d.insert("param_groups", param_groups);
+    GenericDict masters = finish_masters();
+    if (!masters.empty()) d.insert("master_weights", masters);
+    return d;
+  }
+
  private:
   const std::vector<at::Tensor>& params_;
   std::map<size_t, std::pair<GenericDict, int64_t>> parts_;  // param -> (state, elements filled)
+  std::map<size_t, std::pair<at::Tensor, int64_t>> masters_;  // param -> (master, elements filled)
 };
 
 }  // namespace
@@ -109,22 +142,17 @@ void OSS::consolidate_state_dict(int recipient) {
   Stitcher stitcher(params_);
   for (int r = 0; r < group_->size(); ++r) {
     if (r == recipient) {
-      if (rank == recipient) stitcher.add(own_shard(holdings_, *local_, codec, rank));
+      if (rank == recipient) stitcher.add(own_shard(holdings_, *local_, codec, rank, mixed_));
       continue;
     }
     if (rank == r) {
-      group_->send_bytes(torch::pickle_save(own_shard(holdings_, *local_, codec, rank)), recipient, r);
+      group_->send_bytes(torch::pickle_save(own_shard(holdings_, *local_, codec, rank, mixed_)), recipient, r);
     } else if (rank == recipient) {
       stitcher.add(torch::pickle_load(group_->recv_bytes(r, r)).toList());
     }
   }
-  const GenericDict state = stitcher.finish();
   if (rank != recipient) return;
-
-  GenericDict result = detail::make_string_dict();
-  result.insert("state", state);
-  result.insert("param_groups", param_groups_value());
-  consolidated_ = result;
+  consolidated_ = stitcher.result(param_groups_value());
 }
 
 // The param groups in PyTorch's layout: options and parameter indices.
@@ -148,7 +176,7 @@ torch::IValue OSS::state_shard() {
   const auto& codec = detail::codec_for(*local_);
   settle_state();
   GenericDict d = detail::make_string_dict();
-  d.insert("shard", own_shard(holdings_, *local_, codec, group_->rank()));
+  d.insert("shard", own_shard(holdings_, *local_, codec, group_->rank(), mixed_));
   d.insert("param_groups", param_groups_value());
   d.insert("rank", static_cast<int64_t>(group_->rank()));
   d.insert("world_size", static_cast<int64_t>(group_->size()));
@@ -163,10 +191,7 @@ torch::IValue OSS::state_dict_from_shards(const std::vector<torch::IValue>& shar
                    "state_dict_from_shards: shard ", r, " is not a state_shard() value");
     stitcher.add(shards[r].toGenericDict().at("shard").toList());
   }
-  GenericDict result = detail::make_string_dict();
-  result.insert("state", stitcher.finish());
-  result.insert("param_groups", shards[0].toGenericDict().at("param_groups"));
-  return result;
+  return stitcher.result(shards[0].toGenericDict().at("param_groups"));
 }
 
 torch::IValue OSS::state_dict() const {
@@ -237,6 +262,7 @@ void OSS::load_state_dict(const torch::IValue& sd) {
   settled_ = holdings_;
   settled_version_ = layout_version_;
   set_local_groups();
+  if (mixed_) load_masters(dict);
   for (size_t i = 0; i < params_.size(); ++i) {
     for (const auto& h : holdings_[i]) {
       if (h.rank != rank) continue;
@@ -250,6 +276,26 @@ void OSS::load_state_dict(const torch::IValue& sd) {
       const GenericDict full = codec.encode_state(*codec.decode_state(it->second));
       local_state[key] = detail::decode_state_like(codec, detail::slice_state(full, h.in_param.begin, h.in_param.end),
                                                    h.tensor);
+    }
+  }
+}
+
+// The masters of this rank's ranges from the state's "master_weights" (by parameter position),
+// or from the parameters where it has none (a state saved without mixed precision).
+void OSS::load_masters(const GenericDict& dict) {
+  refresh_master_weights();
+  if (!dict.contains("master_weights")) return;
+  const auto masters = dict.at("master_weights").toGenericDict();
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const c10::IValue key(static_cast<int64_t>(i));
+    if (!masters.contains(key)) continue;
+    const at::Tensor saved = masters.at(key).toTensor();
+    SHARDOPT_CHECK(saved.sizes() == params_[i].sizes(), "load_state_dict: the master weight of parameter ", i,
+                   " has shape ", saved.sizes(), " but the parameter has shape ", params_[i].sizes());
+    for (const auto& h : holdings_[i]) {
+      if (h.rank != group_->rank()) continue;
+      h.tensor.view(-1).copy_(saved.reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()));
     }
   }
 }

@@ -19,6 +19,7 @@ struct Slice {
   int64_t begin = 0, end = 0;  // parameter frame
   std::optional<GenericDict> state;
   at::Tensor grad;
+  at::Tensor values;  // the holding tensor's own values (mixed precision's master weights)
 };
 
 GenericDict encode_slice(size_t param, const Slice& slice) {
@@ -28,6 +29,7 @@ GenericDict encode_slice(size_t param, const Slice& slice) {
   d.insert("end", slice.end);
   if (slice.state) d.insert("state", *slice.state);
   if (slice.grad.defined()) d.insert("grad", slice.grad);
+  if (slice.values.defined()) d.insert("values", slice.values);
   return d;
 }
 
@@ -35,12 +37,13 @@ GenericDict encode_slice(size_t param, const Slice& slice) {
 void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, const Holding& h, std::vector<Slice> slices) {
   std::sort(slices.begin(), slices.end(), [](const Slice& a, const Slice& b) { return a.begin < b.begin; });
   int64_t at = h.in_param.begin;
-  bool all_state = true, all_grad = true;
+  bool all_state = true, all_grad = true, all_values = true;
   for (const auto& s : slices) {
     TORCH_INTERNAL_ASSERT(s.begin == at, "state slices of a holding leave a gap at element ", at);
     at = s.end;
     all_state &= s.state.has_value();
     all_grad &= s.grad.defined();
+    all_values &= s.values.defined();
   }
   TORCH_INTERNAL_ASSERT(at == h.in_param.end, "state slices end at ", at, ", the holding at ", h.in_param.end);
   if (all_state && !slices.empty()) {
@@ -55,6 +58,11 @@ void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, const 
       merged.insert(v.key(), at::cat(parts).reshape(h.tensor.sizes()));
     }
     local.state()[compat::state_key(h.tensor)] = decode_state_like(codec, merged, h.tensor);
+  }
+  if (all_values && !slices.empty()) {
+    std::vector<at::Tensor> parts;
+    for (const auto& s : slices) parts.push_back(s.values.reshape(-1));
+    h.tensor.view(-1).copy_(at::cat(parts));
   }
   if (all_grad && !slices.empty() && !h.tensor.grad().defined()) {
     std::vector<at::Tensor> parts;
@@ -105,7 +113,7 @@ bool same_holdings(const std::vector<Holding>& a, const std::vector<Holding>& b)
 
 void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const std::vector<at::Tensor>& params,
                       const std::vector<std::vector<Holding>>& from, const std::vector<std::vector<Holding>>& to,
-                      RebalanceStats& stats) {
+                      RebalanceStats& stats, bool carry_values) {
   TORCH_INTERNAL_ASSERT(from.size() == params.size() && to.size() == params.size(), "holdings of ", from.size(),
                         " and ", to.size(), " parameters for ", params.size());
   const int rank = group.rank(), world = group.size();
@@ -134,7 +142,7 @@ void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const
         if (begin >= end && !(h.in_param.size() == 0 && o.in_param.size() == 0)) continue;
         if (o.rank != h.rank) moving[o.rank][h.rank] = 1;
         if (o.rank != rank) continue;
-        Slice slice{begin, end, std::nullopt, at::Tensor()};
+        Slice slice{begin, end, std::nullopt, at::Tensor(), at::Tensor()};
         auto it = state.find(compat::state_key(o.tensor));
         if (it != state.end()) {
           slice.state = slice_state(codec.encode_state(*it->second), begin - o.in_param.begin, end - o.in_param.begin);
@@ -142,6 +150,10 @@ void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const
         }
         if (o.tensor.grad().defined()) {
           slice.grad = o.tensor.grad().reshape(-1).narrow(0, begin - o.in_param.begin, end - begin).clone();
+        }
+        if (carry_values) {
+          slice.values = o.tensor.detach().reshape(-1).narrow(0, begin - o.in_param.begin, end - begin).clone();
+          if (h.rank != rank) stats.state_bytes_sent += static_cast<int64_t>(slice.values.nbytes());
         }
         if (h.rank == rank) {
           incoming[{i, k}].push_back(std::move(slice));
@@ -165,12 +177,16 @@ void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const
       for (const auto& item : received.toListRef()) {
         const auto d_item = item.toGenericDict();
         const auto i = static_cast<size_t>(d_item.at("param").toInt());
-        Slice slice{d_item.at("begin").toInt(), d_item.at("end").toInt(), std::nullopt, at::Tensor()};
+        Slice slice{d_item.at("begin").toInt(), d_item.at("end").toInt(), std::nullopt, at::Tensor(), at::Tensor()};
         if (d_item.contains("state")) {
           slice.state = d_item.at("state").toGenericDict();
           stats.state_bytes_received += state_tensor_bytes(*slice.state);
         }
         if (d_item.contains("grad")) slice.grad = d_item.at("grad").toTensor();
+        if (d_item.contains("values")) {
+          slice.values = d_item.at("values").toTensor();
+          stats.state_bytes_received += static_cast<int64_t>(slice.values.nbytes());
+        }
         // The slice belongs to every holding of this rank that overlaps it.
         for (size_t k = 0; k < to[i].size(); ++k) {
           const Holding& h = to[i][k];

@@ -32,9 +32,10 @@ bool same_holdings(const std::vector<Holding>& a, const std::vector<Holding>& b)
 // the state (and any gradient) of its range from the old holdings that overlap it: serialized
 // with `local`'s codec, one pair of ranks at a time in the same order on every rank; what stays
 // on a rank is moved locally. State of ranges nobody held yet stays absent. Counts what moved in
-// `stats`. Collective (communicates only when a range changes rank).
+// `stats`. With `carry_values` the holdings' tensors are values of their own (mixed precision's
+// master weights) and move too. Collective (communicates only when a range changes rank).
 void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const std::vector<at::Tensor>& params,
                       const std::vector<std::vector<Holding>>& from, const std::vector<std::vector<Holding>>& to,
-                      RebalanceStats& stats);
+                      RebalanceStats& stats, bool carry_values = false);
 
 }  // namespace shardopt::detail

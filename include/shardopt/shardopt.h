@@ -1,6 +1,6 @@
 // The whole public surface of shardopt, one folder per layer:
 //   comm/   process groups, collectives with timeouts
-//   optim/  OSS (sharded optimizer state) and the partition it uses
+//   optim/  OSS (sharded optimizer state), the partition it uses, mixed precision, the gradient scaler
 //   ddp/    ShardedDDP (sharded gradients)
 //   data/   BalancedSampler and its torch::data adapter
 //   checkpoint/  save_checkpoint / load_checkpoint
@@ -13,3 +13,4 @@
 #include <shardopt/data/sampler.h>
 #include <shardopt/data/data_sampler.h>
 #include <shardopt/checkpoint/checkpoint.h>
+#include <shardopt/optim/grad_scaler.h>

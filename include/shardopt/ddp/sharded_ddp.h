@@ -24,6 +24,9 @@
 // OSSOptions::rebalance) and the buckets follow the new owners; a frozen parameter's optimizer
 // state is kept for when it is unfrozen.
 //
+// Mixed precision (OSSOptions::mixed_precision): gradients are reduced in its reduce_dtype, and
+// forward() casts floating-point tensor arguments to its param_dtype.
+//
 // forward() calls the module's own forward: through torch::nn::AnyModule for a (non-template)
 // forward method, directly for a torch::nn::Sequential (any arguments), and as Tensor(Tensor) for
 // another module whose forward is a template that takes one tensor. For any other module
@@ -40,6 +43,7 @@
 #include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
 
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -103,14 +107,14 @@ class ShardedDDP {
       // Sequential's forward is a template, which AnyModule cannot hold: call it directly.
       if (auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_)) {
         pre_forward();
-        return sequential->forward<R>(std::forward<Args>(args)...);
+        return sequential->forward<R>(cast_input(std::forward<Args>(args))...);
       }
     }
     SHARDOPT_CHECK(callable_, "ShardedDDP::forward needs a module with a (non-template) forward() method, a "
                    "Sequential, or a template forward that takes one tensor; for this module call pre_forward() "
                    "and then the module yourself");
     pre_forward();
-    return callable_->forward<R>(std::forward<Args>(args)...);
+    return callable_->forward<R>(cast_input(std::forward<Args>(args))...);
   }
 
   // What forward() does before calling the module: trainability check (and rebuild), buffer
@@ -164,6 +168,20 @@ class ShardedDDP {
     }
   }
 
+  // Under mixed precision, a floating-point tensor argument of forward() in param_dtype;
+  // anything else as it is.
+  template <class T>
+  decltype(auto) cast_input(T&& arg) const {
+    if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+      if (input_dtype_ && arg.defined() && arg.is_floating_point() && arg.scalar_type() != *input_dtype_) {
+        return at::Tensor(arg.to(*input_dtype_));
+      }
+      return at::Tensor(std::forward<T>(arg));
+    } else {
+      return std::forward<T>(arg);
+    }
+  }
+
   // Buckets, entries and hooks from the optimizers' layouts.
   void build();
   // Appends the executor's bucket and entries for bucket `index` of `optimizer`'s layout.
@@ -199,6 +217,7 @@ class ShardedDDP {
   ProcessGroup* global_ = nullptr;       // every rank: trainability checks, start-up sync, buffers
   ProcessGroup* replica_ = nullptr;      // hierarchical sharding: this rank's replicas in the other blocks
   ShardedDDPOptions options_;
+  std::optional<c10::ScalarType> input_dtype_;  // mixed precision's param_dtype: forward() casts inputs to it
 
   std::vector<at::Tensor> params_;  // the module's parameters, in module order
   std::vector<std::string> names_;

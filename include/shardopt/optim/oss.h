@@ -27,6 +27,7 @@
 #include <shardopt/comm/process_group.h>
 #include <shardopt/compat.h>
 #include <shardopt/optim/flat_layout.h>
+#include <shardopt/optim/mixed_precision.h>
 #include <shardopt/optim/partition.h>
 
 #include <ATen/core/ivalue.h>
@@ -104,6 +105,9 @@ struct OSSOptions {
   // each owned shard across the blocks; the parameter sync stays within the block.
   TORCH_ARG(int, shard_group_size) = 0;
   TORCH_ARG(double, rebalance_threshold) = 0.1;
+  // Low-precision parameters and gradients, fp32 master weights and state on the owners only
+  // (shardopt/optim/mixed_precision.h). Off by default.
+  TORCH_ARG(MixedPrecision, mixed_precision) = {};
   // How the flat buffers are laid out (ShardedDDP sets bucket_bytes from its own options).
   TORCH_ARG(LayoutOptions, layout) = {};
 };
@@ -131,6 +135,12 @@ class OSS : public torch::optim::Optimizer {
 
   // Clears the gradients of all parameters (not only the owned ones), like the base class.
   void zero_grad(bool set_to_none = true);
+
+  // The gradients this rank holds for trainable parameters: with `owned_only`, only the ranges
+  // it owns (each element of the model on exactly one rank: what a norm or a non-finite check
+  // counts); otherwise every gradient tensor it holds, each once (what clipping and unscaling
+  // scale). Under mixed precision they are in param_dtype or reduce_dtype, not fp32.
+  std::vector<at::Tensor> grads(bool owned_only) const;
 
   // Clips the gradients as if torch::nn::utils::clip_grad_norm_ saw the full gradient of all
   // trainable parameters; returns that global norm. Collective. Each rank counts the ranges it
@@ -173,7 +183,14 @@ class OSS : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
+  // Mixed precision: starts the masters of the ranges this rank owns from the parameters' current
+  // values (after changing the parameters without the optimizer's state). Local.
+  void refresh_master_weights();
+
   // ---- introspection ----
+  const OSSOptions& options() const { return options_; }
+  // Bytes of the fp32 master weights this rank holds (mixed precision; 0 otherwise).
+  int64_t local_master_bytes() const;
   // The group the state is sharded over: the whole group, or this rank's block.
   ProcessGroup& process_group() const { return *group_; }
   // The group OSS was given (every rank), and, with shard_group_size, the group of this rank's
@@ -249,6 +266,7 @@ class OSS : public torch::optim::Optimizer {
   // The saved state entries of a state dict, by parameter index (shapes checked).
   std::unordered_map<size_t, c10::impl::GenericDict> saved_entries(const c10::impl::GenericDict& dict) const;
   c10::impl::GenericList param_groups_value() const;
+  void load_masters(const c10::impl::GenericDict& dict);
   // The gradient of holding h of parameter i on this rank, or undefined.
   at::Tensor holding_grad(size_t i, const detail::Holding& h) const;
 
@@ -279,6 +297,8 @@ class OSS : public torch::optim::Optimizer {
   std::vector<uint8_t> balanced_for_;   // the trainable set the partition was last decided for
   int64_t partition_version_ = 0;
   RebalanceStats last_rebalance_;
+  bool mixed_ = false;                      // mixed precision: the holdings' tensors are fp32 masters
+  std::vector<at::Tensor> master_sources_;  // during construction: the fp32 values masters start from
   std::optional<torch::IValue> consolidated_;
   int last_recipient_ = -1;
 };

@@ -1,0 +1,300 @@
+// Mixed precision (OSSOptions::mixed_precision) and the sharded gradient scaler, against a
+// single-process reference that follows the same recipe with plain torch::optim::Adam: fp32
+// master weights, low-precision copies for forward and backward, gradients averaged in the
+// reduction dtype, clipped and unscaled there, upcast, stepped in fp32, rounded back.
+#include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/grad_scaler.h>
+
+#include "harness.h"
+#include "model.h"
+#include "named_net.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
+#include <torch/csrc/api/include/torch/nn/modules/linear.h>
+#include <torch/csrc/api/include/torch/nn/modules/activation.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+
+#include <cmath>
+#include <limits>
+
+namespace shardopt {
+namespace {
+
+namespace optim = torch::optim;
+using Params = std::vector<at::Tensor>;
+using Net = testing::NamedNet;
+
+constexpr double kLr = 1e-2;
+
+OptimizerFactory adam() { return optimizer<optim::Adam>(optim::AdamOptions(kLr)); }
+
+// The reference: every rank's batch run through low-precision copies of fp32 masters, in one
+// process.
+struct Recipe {
+  Recipe(c10::ScalarType dtype, c10::ScalarType reduce, int world)
+      : dtype(dtype), reduce(reduce), world(world), master(testing::clone_params(testing::make_params())),
+        opt(master, optim::AdamOptions(kLr)) {}
+
+  // One step of the global batch; `frozen` parameters get no gradient; loss_scale multiplies
+  // the loss and is divided out in the reduction dtype; `skip` drops the step (non-finite).
+  void step(int step, const std::vector<bool>& frozen, double clip, double loss_scale = 1.0, bool skip = false) {
+    Params low;
+    for (size_t i = 0; i < master.size(); ++i) low.push_back(master[i].detach().to(dtype).requires_grad_(!frozen[i]));
+    Params sum(master.size());
+    for (int r = 0; r < world; ++r) {
+      for (auto& p : low) p.mutable_grad() = at::Tensor();
+      const auto data = testing::rank_data(step, r, 3);
+      (testing::loss_of(testing::output(low, data.x.to(dtype)), data, 3) * loss_scale).backward();
+      for (size_t i = 0; i < low.size(); ++i) {
+        if (!low[i].grad().defined()) continue;
+        const at::Tensor g = low[i].grad().to(reduce);
+        sum[i] = sum[i].defined() ? sum[i] + g : g.clone();
+      }
+    }
+    if (skip) return;
+    at::NoGradGuard no_grad;
+    double squares = 0.0;
+    for (auto& g : sum) {
+      if (!g.defined()) continue;
+      g.div_(world);
+      if (loss_scale != 1.0) g.mul_(1.0 / loss_scale);
+      squares += std::pow(at::linalg_vector_norm(g, 2, c10::nullopt, false, at::kDouble).item<double>(), 2);
+    }
+    const double coef = clip / (std::sqrt(squares) + 1e-6);
+    for (size_t i = 0; i < master.size(); ++i) {
+      if (sum[i].defined() && clip > 0 && coef < 1.0) sum[i].mul_(coef);
+      master[i].mutable_grad() = sum[i].defined() ? sum[i].to(at::kFloat) : at::Tensor();
+    }
+    opt.step();
+  }
+
+  c10::ScalarType dtype, reduce;
+  int world;
+  Params master;
+  optim::Adam opt;
+};
+
+// The consolidated master weights (on rank 0), by parameter position.
+Params consolidated_masters(OSS& oss, size_t n) {
+  oss.consolidate_state_dict(0);
+  Params out;
+  if (oss.process_group().rank() != 0) return out;
+  const auto sd = oss.state_dict().toGenericDict();
+  EXPECT_TRUE(sd.contains("master_weights"));
+  const auto masters = sd.at("master_weights").toGenericDict();
+  for (size_t i = 0; i < n; ++i) out.push_back(masters.at(static_cast<int64_t>(i)).toTensor());
+  return out;
+}
+
+struct Case {
+  c10::ScalarType dtype, reduce;
+  int world;
+  PartitionMode partition;
+};
+
+TEST(MixedPrecision, ShardedDdpFollowsTheRecipeWithFreezingAndClipping) {
+  for (const Case& c : {Case{at::kBFloat16, at::kFloat, 3, PartitionMode::kWholeParameters},
+                        Case{at::kBFloat16, at::kFloat, 3, PartitionMode::kSplit},
+                        Case{at::kBFloat16, at::kBFloat16, 2, PartitionMode::kSplit},
+                        Case{at::kHalf, at::kFloat, 2, PartitionMode::kWholeParameters}}) {
+    SCOPED_TRACE(std::string(c10::toString(c.dtype)) + " reduced in " + c10::toString(c.reduce) + " at world " +
+                 std::to_string(c.world) + (c.partition == PartitionMode::kSplit ? ", split" : ", whole"));
+    testing::run_ranks(c.world, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      OSS oss(net->parameters(), adam(), g,
+              OSSOptions().partition(c.partition).mixed_precision(
+                  MixedPrecision().param_dtype(c.dtype).reduce_dtype(c.reduce)));
+      ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(64));
+      Recipe ref(c.dtype, c.reduce, c.world);
+      for (const auto& p : net->params) ASSERT_EQ(p.scalar_type(), c.dtype) << "the module runs in param_dtype";
+      for (int step = 0; step < 6; ++step) {
+        const bool freeze = step == 2 || step == 3;
+        net->params[2].requires_grad_(!freeze);
+        net->params[3].requires_grad_(!freeze);
+        const auto data = testing::rank_data(step, g->rank(), 3);
+        if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+        ddp.zero_grad();
+        testing::loss_of(ddp.forward(data.x), data, 3).backward();  // forward() casts x
+        oss.clip_grad_norm(0.5);
+        oss.step();
+        ref.step(step, {false, false, freeze, freeze, false}, 0.5);
+        for (size_t i = 0; i < ref.master.size(); ++i) {
+          // The rounded masters, one param_dtype step apart at most where fp32 sums differ in
+          // their last bit.
+          EXPECT_LE(testing::rel_diff(net->params[i].to(at::kFloat), ref.master[i].to(c.dtype).to(at::kFloat)), 1e-2)
+              << "step " << step << " parameter " << i;
+        }
+        ASSERT_TRUE(testing::same_on_all_ranks(net->params, *g)) << "step " << step;
+        const Params masters = consolidated_masters(oss, ref.master.size());
+        for (size_t i = 0; i < masters.size(); ++i) {
+          ASSERT_EQ(masters[i].scalar_type(), at::kFloat);
+          EXPECT_LE(testing::rel_diff(masters[i], ref.master[i]), 1e-4) << "step " << step << " master " << i;
+        }
+      }
+      // The masters carry what the low-precision copy cannot hold.
+      if (g->rank() == 0) {
+        const Params masters = consolidated_masters(oss, ref.master.size());
+        EXPECT_GT(testing::rel_diff(masters[0], net->params[0].to(at::kFloat)), 1e-5);
+      } else {
+        consolidated_masters(oss, ref.master.size());
+      }
+    });
+  }
+}
+
+TEST(MixedPrecision, MasterWeightsAndStateAreTwelveBytesOverWorldAndGradientsTwo) {
+  for (int world : {2, 4}) {
+    testing::run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      torch::manual_seed(3);
+      auto net = torch::nn::Sequential(torch::nn::Linear(256, 256), torch::nn::ReLU(), torch::nn::Linear(256, 256),
+                                       torch::nn::ReLU(), torch::nn::Linear(256, 64));
+      int64_t psi = 0;
+      for (const auto& p : net->parameters()) psi += p.numel();
+      OSS oss(net->parameters(), adam(), g,
+              OSSOptions().partition(PartitionMode::kSplit).mixed_precision(
+                  MixedPrecision().param_dtype(at::kBFloat16)));
+      ShardedDDP ddp(net.ptr(), oss);
+      for (int step = 0; step < 2; ++step) {
+        ddp.zero_grad();
+        at::Tensor x = at::randn({8, 256}) + g->rank();
+        ddp.forward(x).to(at::kFloat).pow(2).mean().backward();
+        const double grads = static_cast<double>(ddp.local_grad_bytes());
+        EXPECT_NEAR(grads / (2.0 * psi / world), 1.0, 0.03) << "gradient bytes, rank " << g->rank();
+        oss.step();
+      }
+      const double state = static_cast<double>(oss.local_state_bytes() + oss.local_master_bytes());
+      EXPECT_NEAR(state / (12.0 * psi / world), 1.0, 0.03) << "state + master bytes, rank " << g->rank();
+      EXPECT_NEAR(static_cast<double>(oss.local_master_bytes()) / (4.0 * psi / world), 1.0, 0.03);
+      int64_t param_bytes = 0;
+      for (const auto& p : net->parameters()) param_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+      EXPECT_EQ(param_bytes, 2 * psi);
+    });
+  }
+}
+
+TEST(MixedPrecision, GradScalerSkipsTheSameStepOnEveryRankWhenOneRankOverflows) {
+  testing::run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g,
+            OSSOptions().mixed_precision(MixedPrecision().param_dtype(at::kHalf).reduce_dtype(at::kFloat)));
+    ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(64));
+    ShardedGradScaler scaler(GradScalerOptions().init_scale(1024).growth_interval(2));
+    Recipe ref(at::kHalf, at::kFloat, 2);
+    const std::vector<double> scales_after{1024, 2048, 1024, 1024, 2048};
+    for (int step = 0; step < 5; ++step) {
+      const bool overflow = step == 2;
+      const double scale = scaler.get_scale();
+      const auto data = testing::rank_data(step, g->rank(), 3);
+      // Only rank 1's gradient of w1 overflows; its owner sees inf after the reduction.
+      unsigned hook = 0;
+      if (overflow && g->rank() == 1) {
+        hook = net->params[0].register_hook(
+            [](const at::Tensor& grad) { return at::full_like(grad, std::numeric_limits<float>::infinity()); });
+      }
+      Params before;
+      if (overflow) before = consolidated_masters(oss, net->params.size());
+      const Params params_before = testing::clone_params(net->params);
+      ddp.zero_grad();
+      scaler.scale(testing::loss_of(ddp.forward(data.x), data, 3)).backward();
+      if (overflow && g->rank() == 1) net->params[0].remove_hook(hook);
+      scaler.unscale_(oss);
+      oss.clip_grad_norm(0.5);
+      const bool stepped = scaler.step(oss);
+      scaler.update();
+      EXPECT_EQ(stepped, !overflow) << "step " << step << " on rank " << g->rank();
+      EXPECT_EQ(scaler.get_scale(), scales_after[step]) << "step " << step;
+      ref.step(step, {false, false, false, false, false}, 0.5, scale, overflow);
+      if (overflow) {
+        for (size_t i = 0; i < net->params.size(); ++i) EXPECT_TRUE(net->params[i].equal(params_before[i]));
+        const Params after = consolidated_masters(oss, net->params.size());
+        for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i].equal(before[i])) << "master " << i;
+      }
+      const Params masters = consolidated_masters(oss, ref.master.size());
+      for (size_t i = 0; i < masters.size(); ++i) {
+        EXPECT_LE(testing::rel_diff(masters[i], ref.master[i]), 1e-4) << "step " << step << " master " << i;
+      }
+      ASSERT_TRUE(testing::same_on_all_ranks(net->params, *g));
+    }
+    // The skipped step left Adam's step count behind: 4 steps taken, not 5.
+    oss.consolidate_state_dict(0);
+    if (g->rank() == 0) {
+      const auto state = oss.state_dict().toGenericDict().at("state").toGenericDict();
+      const c10::IValue steps = state.at(int64_t{0}).toGenericDict().at("step");
+      EXPECT_EQ(steps.isTensor() ? steps.toTensor().item<int64_t>() : steps.toInt(), 4);
+    }
+  });
+}
+
+TEST(MixedPrecision, StateDictCarriesTheMastersToAnotherWorldSize) {
+  c10::IValue saved;
+  Params masters_saved;
+  testing::run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g,
+            OSSOptions().partition(PartitionMode::kSplit).mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
+    ShardedDDP ddp(net, oss);
+    for (int step = 0; step < 3; ++step) {
+      const auto data = testing::rank_data(step, g->rank(), 3);
+      ddp.zero_grad();
+      testing::loss_of(ddp.forward(data.x), data, 3).backward();
+      oss.step();
+    }
+    oss.consolidate_state_dict(0);
+    if (g->rank() == 0) {
+      saved = oss.state_dict();
+      const auto m = saved.toGenericDict().at("master_weights").toGenericDict();
+      for (size_t i = 0; i < net->params.size(); ++i) masters_saved.push_back(m.at(static_cast<int64_t>(i)).toTensor());
+    }
+  });
+  testing::run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g,
+            OSSOptions().partition(PartitionMode::kWholeParameters).mixed_precision(
+                MixedPrecision().param_dtype(at::kBFloat16)));
+    oss.load_state_dict(saved);
+    oss.consolidate_state_dict(1);
+    if (g->rank() == 1) {
+      const auto m = oss.state_dict().toGenericDict().at("master_weights").toGenericDict();
+      for (size_t i = 0; i < masters_saved.size(); ++i) {
+        EXPECT_TRUE(m.at(static_cast<int64_t>(i)).toTensor().equal(masters_saved[i])) << "master " << i;
+      }
+    }
+    // A state without masters starts them from the parameters.
+    auto plain = saved.toGenericDict().copy();
+    ASSERT_EQ(plain.erase("master_weights"), 1u);
+    oss.load_state_dict(plain);
+    oss.consolidate_state_dict(0);
+    if (g->rank() == 0) {
+      const auto m = oss.state_dict().toGenericDict().at("master_weights").toGenericDict();
+      for (size_t i = 0; i < net->params.size(); ++i) {
+        EXPECT_TRUE(m.at(static_cast<int64_t>(i)).toTensor().equal(net->params[i].to(at::kFloat))) << "master " << i;
+      }
+    }
+  });
+}
+
+TEST(MixedPrecision, BadOptionsAreErrorsOnEveryRank) {
+  const std::vector<std::pair<MixedPrecision, std::string>> cases{
+      {MixedPrecision().param_dtype(at::kDouble), "param_dtype must be kBFloat16 or kHalf, got Double"},
+      {MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kHalf),
+       "reduce_dtype must be kFloat32 or the param_dtype (BFloat16), got Half"},
+      {MixedPrecision().reduce_dtype(at::kFloat), "reduce_dtype is set but param_dtype is not"}};
+  for (const auto& [options, message] : cases) {
+    const MixedPrecision mp = options;
+    auto errors = testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+      OSS oss(testing::make_params(), adam(), g, OSSOptions().mixed_precision(mp));
+    });
+    for (const auto& e : errors) EXPECT_NE(e.find(message), std::string::npos) << e;
+  }
+  // One rank's bad option stops every rank, the others naming where to look.
+  auto errors = testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+    OSS oss(testing::make_params(), adam(), g,
+            OSSOptions().mixed_precision(MixedPrecision().param_dtype(g->rank() == 1 ? at::kDouble : at::kBFloat16)));
+  });
+  EXPECT_NE(errors[0].find("another rank has bad options"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("got Double"), std::string::npos) << errors[1];
+}
+
+}  // namespace
+}  // namespace shardopt
