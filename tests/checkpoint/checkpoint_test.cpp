@@ -73,13 +73,14 @@ void train(Net& net, OSS& oss, ShardedDDP& ddp, ProcessGroup& g, int from, int t
 
 // 6 steps at world w1 uninterrupted; and 3 steps at w1, saved, loaded at w2 into fresh objects,
 // 3 more steps. Returns both final parameter sets (rank 0's).
-std::pair<Params, Params> interrupted_and_not(int w1, int w2, OptimizerStateLayout layout, const std::string& dir) {
+std::pair<Params, Params> interrupted_and_not(int w1, int w2, OptimizerStateLayout layout, const std::string& dir,
+                                              OSSOptions options = {}) {
   Params straight, resumed;
   std::mutex mu;
   const std::string path = dir + "/run.ckpt";
   run_ranks(w1, [&](std::shared_ptr<ProcessGroup> g) {
     auto net = std::make_shared<Net>();
-    OSS oss(net->parameters(), adam(), g);
+    OSS oss(net->parameters(), adam(), g, options);
     ShardedDDP ddp(net, oss);
     train(*net, oss, ddp, *g, 0, 3);
     TrainingState state;
@@ -97,7 +98,7 @@ std::pair<Params, Params> interrupted_and_not(int w1, int w2, OptimizerStateLayo
       at::NoGradGuard no_grad;
       for (auto& p : net->params) p.mul_(0.5);  // not the saved values: load must restore them
     }
-    OSS oss(net->parameters(), adam(), g);
+    OSS oss(net->parameters(), adam(), g, options);
     ShardedDDP ddp(net, oss);
     TrainingState state = load_checkpoint(path, *net, oss);
     EXPECT_EQ(state.step, 3);
@@ -118,6 +119,21 @@ TEST(Checkpoint, ResumeAtTheSameWorldSizeIsBitExact) {
     auto [straight, resumed] = interrupted_and_not(2, 2, layout, dir);
     ASSERT_EQ(straight.size(), resumed.size());
     for (size_t i = 0; i < straight.size(); ++i) {
+      EXPECT_TRUE(at::equal(straight[i], resumed[i])) << "parameter " << i << ", layout " << static_cast<int>(layout);
+    }
+    remove_tree(dir);
+  }
+}
+
+// Mixed precision: the checkpoint carries the fp32 masters, so a resumed run steps from them
+// (not from the bf16 parameters) and ends bitwise where the uninterrupted one does.
+TEST(Checkpoint, MixedPrecisionResumeIsBitExact) {
+  const auto options = OSSOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
+  for (auto layout : {OptimizerStateLayout::kConsolidated, OptimizerStateLayout::kSharded}) {
+    const auto dir = temp_dir("mixed");
+    auto [straight, resumed] = interrupted_and_not(2, 2, layout, dir, options);
+    for (size_t i = 0; i < straight.size(); ++i) {
+      ASSERT_EQ(straight[i].scalar_type(), at::kBFloat16);
       EXPECT_TRUE(at::equal(straight[i], resumed[i])) << "parameter " << i << ", layout " << static_cast<int>(layout);
     }
     remove_tree(dir);

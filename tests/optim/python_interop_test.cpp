@@ -99,6 +99,60 @@ TEST(PythonInterop, ConsolidatedStateLoadsIntoTorchOptimAndTakesTheSameStep) {
   }
 }
 
+// Mixed precision: the consolidated state (with "master_weights") loads into torch.optim.Adam
+// over the fp32 masters, and its next step equals OSS's next step of the masters.
+TEST(PythonInterop, MixedPrecisionStateResumesInTorchOptimFromTheMasters) {
+  const std::string dir = ::testing::TempDir();
+  const std::string in_path = dir + "/oss_mixed_state.pt", out_path = dir + "/oss_mixed_after.pt";
+  const auto all = cases();
+  const auto& c = all[0];  // Adam, amsgrad and weight decay on
+  std::mutex mu;
+  Params masters_after;
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    Params p = testing::make_params();
+    OSS oss(p, c.factory, g,
+            OSSOptions().partition(PartitionMode::kSplit).mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
+    auto backward = [&](int64_t step) {
+      const auto data = testing::rank_data(step, g->rank(), 6);
+      testing::loss_of(testing::output(p, data.x.to(at::kBFloat16)), data, 12).backward();
+      testing::allreduce_grads(p, *g, /*average=*/false);
+    };
+    for (int s = 0; s < 3; ++s) {
+      oss.zero_grad(true);
+      backward(s);
+      oss.step();
+    }
+    oss.consolidate_state_dict(0);
+    oss.zero_grad(true);
+    backward(3);
+    if (g->rank() == 0) {
+      auto blob = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+      c10::impl::GenericList params(c10::AnyType::get()), grads(c10::AnyType::get());
+      for (auto& t : p) params.push_back(t.detach().to(at::kFloat)), grads.push_back(t.grad().to(at::kFloat));
+      blob.insert("optimizer", std::string(c.name));
+      blob.insert("params", params);
+      blob.insert("grads", grads);
+      blob.insert("state", oss.state_dict());
+      auto bytes = torch::pickle_save(blob);
+      std::ofstream(in_path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    }
+    oss.step();
+    oss.consolidate_state_dict(0);
+    if (g->rank() == 0) {
+      const auto m = oss.state_dict().toGenericDict().at("master_weights").toGenericDict();
+      std::lock_guard<std::mutex> lock(mu);
+      for (size_t i = 0; i < p.size(); ++i) masters_after.push_back(m.at(static_cast<int64_t>(i)).toTensor());
+    }
+  });
+  const std::string cmd = python("step " + in_path + " " + out_path);
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  auto after_py = torch::pickle_load(read_file(out_path)).toList();
+  ASSERT_EQ(after_py.size(), masters_after.size());
+  for (size_t i = 0; i < masters_after.size(); ++i) {
+    EXPECT_LE(testing::rel_diff(masters_after[i], after_py.get(i).toTensor()), 1e-6) << "master " << i;
+  }
+}
+
 TEST(PythonInterop, TorchOptimStateLoadsIntoOssAtWorldSizesTwoAndThree) {
   for (const auto& c : cases()) {
     SCOPED_TRACE(c.name);

@@ -3,7 +3,8 @@
     optim_interop.py step IN OUT   IN holds {"optimizer": name, "params", "grads", "state"} written by
                                    torch::pickle_save (a consolidated OSS state); loads the state
                                    into torch.optim.<name>, takes one step with the grads, writes
-                                   the parameters to OUT (torch.save).
+                                   the parameters to OUT (torch.save). With mixed precision the
+                                   state's fp32 "master_weights" are the parameters.
     optim_interop.py make NAME OUT runs torch.optim.<NAME> for three steps on fixed parameters and
                                    gradients, writes {"params", "state", "grads", "after"} to OUT:
                                    the state, the next step's gradients and the parameters after
@@ -30,6 +31,11 @@ def step(src: str, dst: str) -> None:
     # and keep the safe (weights-only) loader.
     with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
         blob = torch.load(src)
+    # A mixed-precision state carries the fp32 master weights beside "state": Python resumes
+    # from them (torch.optim ignores the extra key).
+    masters = blob["state"].get("master_weights")
+    if masters is not None:
+        blob["params"] = [masters[i] for i in range(len(blob["params"]))]
     params = [p.clone().requires_grad_(True) for p in blob["params"]]
     opt = getattr(torch.optim, blob["optimizer"])(params, lr=0.123)  # options come from the state
     opt.load_state_dict(blob["state"])
