@@ -66,9 +66,10 @@ void add_memory_options(CLI::App& memory, MemoryOptions& o) {
   memory.add_option("--preset", o.preset, "cnn, gpt2-small or many-small")->capture_default_str();
   memory.add_option("--spec", o.spec, "a JSON file {\"layers\": [{\"name\": ..., \"shape\": [...]}, ...]} instead of a preset");
   memory.add_option("--world-sizes", o.world_sizes, "world sizes to measure")->delimiter(',')->capture_default_str();
-  memory.add_option("--modes", o.modes, "ddp, zero1, zero2")
+  memory.add_option("--modes", o.modes, "ddp, zero1, zero2, and zero1-bf16, zero2-bf16 (bf16 parameters and "
+                                      "gradients, fp32 master weights and state sharded)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"ddp", "zero1", "zero2"}))
+      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "zero1-bf16", "zero2-bf16"}))
       ->capture_default_str();
   memory.add_option("--steps", o.steps, "steps before each measurement")->capture_default_str();
   memory.add_option("--freeze-fraction", o.freeze_fraction, "fraction of the parameters (leading layers) frozen for "

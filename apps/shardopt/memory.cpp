@@ -28,7 +28,7 @@ int64_t available_memory_bytes() { return proc_kib("/proc/meminfo", "MemAvailabl
 // What one rank of `mode` needs, from the formula, plus the runtime (about 400 MB for LibTorch).
 double estimate_per_rank(const std::string& mode, int world, int64_t numel) {
   const auto f = zero_formula(mode, world, numel, numel, numel);
-  const double buckets = mode == "zero2" ? 0.0 : 4.0 * numel;
+  const double buckets = mode.rfind("zero2", 0) == 0 ? 0.0 : 4.0 * numel;
   const double transient = 4.0 * numel;  // the backward's temporaries and the step's
   return f["params"].get<double>() + f["grads"].get<double>() + f["state"].get<double>() + buckets + transient + 400e6;
 }
@@ -83,10 +83,11 @@ const nlohmann::json* largest(const nlohmann::json& rows, int world, const std::
 }
 
 void print_table(const nlohmann::json& rows, const nlohmann::json& skipped, const ModelSpec& spec) {
-  std::printf("\nmemory per rank, %s (%s parameters, fp32, Adam): the largest rank of each run; every rank is in the "
-              "JSON and CSV files. formula = the ZeRO paper's params + grads + state\n",
+  std::printf("\nmemory per rank, %s (%s parameters, Adam; fp32, or bf16 with fp32 masters counted as state): the "
+              "largest rank of each run; every rank is in the JSON and CSV files. formula = the ZeRO paper's params + "
+              "grads + state\n",
               spec.name.c_str(), count_text(spec.numel()).c_str());
-  std::printf("%-6s %5s  %-14s %10s %10s %10s %10s %10s %10s | %10s\n", "mode", "world", "scenario", "params", "grads",
+  std::printf("%-10s %5s  %-14s %10s %10s %10s %10s %10s %10s | %10s\n", "mode", "world", "scenario", "params", "grads",
               "state", "buckets", "other", "peak RSS", "formula");
   std::vector<std::string> scenarios;
   for (const auto& r : rows) {
@@ -103,7 +104,7 @@ void print_table(const nlohmann::json& rows, const nlohmann::json& skipped, cons
       const double counted = (*b)["params"].get<double>() + (*b)["grads"].get<double>() + (*b)["state"].get<double>() +
                              (*b)["buckets"].get<double>();
       const auto& f = (*b)["formula"];
-      std::printf("%-6s %5d  %-14s %10s %10s %10s %10s %10s %10s | %10s\n", key.second.c_str(), key.first,
+      std::printf("%-10s %5d  %-14s %10s %10s %10s %10s %10s %10s | %10s\n", key.second.c_str(), key.first,
                   scenario.c_str(), bytes_text((*b)["params"]).c_str(), bytes_text((*b)["grads"]).c_str(),
                   bytes_text((*b)["state"]).c_str(), bytes_text((*b)["buckets"]).c_str(),
                   bytes_text(std::max(0.0, (*b)["peak_rss"].get<double>() - counted)).c_str(),

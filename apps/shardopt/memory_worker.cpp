@@ -76,7 +76,8 @@ struct FlatAllReduce {
     }
     int64_t n = 0;
     for (const auto& g : grads) n += g.numel();
-    if (!bucket.defined() || bucket.numel() < n) bucket = at::empty({n}, at::kFloat);
+    if (grads.empty()) return;
+    if (!bucket.defined() || bucket.numel() < n) bucket = at::empty({n}, grads.front().options());
     at::NoGradGuard no_grad;
     at::Tensor used = bucket.narrow(0, 0, n);
     at::cat_out(used, grads);
@@ -100,16 +101,21 @@ int64_t proc_kib(const std::string& file, const std::string& key) {
 
 nlohmann::json zero_formula(const std::string& mode, int world, int64_t numel, int64_t trainable, int64_t with_state) {
   const double w = world;
+  const bool bf16 = mode.size() > 5 && mode.compare(mode.size() - 5, 5, "-bf16") == 0;
+  const bool zero2 = mode.rfind("zero2", 0) == 0;
+  const double low = bf16 ? 2.0 : 4.0;  // bytes of a parameter or a gradient
   nlohmann::json f;
-  f["params"] = 4.0 * numel;
-  f["grads"] = mode == "zero2" ? 4.0 * trainable / w : 4.0 * trainable;
-  f["state"] = mode == "ddp" ? 8.0 * with_state : 8.0 * with_state / w;
+  f["params"] = low * numel;
+  f["grads"] = zero2 ? low * trainable / w : low * trainable;
+  f["state"] = bf16 ? 12.0 * with_state / w : mode == "ddp" ? 8.0 * with_state : 8.0 * with_state / w;
   return f;
 }
 
 void run_memory_worker(const ModelSpec& spec, const std::string& mode, int steps, double freeze_fraction,
                        const std::string& out) {
-  SHARDOPT_CHECK(mode == "ddp" || mode == "zero1" || mode == "zero2", "mode '", mode, "' is not one of ddp, zero1, zero2");
+  SHARDOPT_CHECK(mode == "ddp" || mode == "zero1" || mode == "zero2" || mode == "zero1-bf16" || mode == "zero2-bf16",
+                 "mode '", mode, "' is not one of ddp, zero1, zero2, zero1-bf16, zero2-bf16");
+  const bool bf16 = mode.find("-bf16") != std::string::npos;
   at::set_num_threads(1);
   auto group = init_process_group(InitOptions().backend("gloo").timeout(std::chrono::minutes(10)));
   at::manual_seed(0);
@@ -122,8 +128,10 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, int steps
   if (mode == "ddp") {
     plain = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-4));
   } else {
-    oss = std::make_unique<OSS>(params, optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-4)), group);
-    if (mode == "zero2") ddp = std::make_unique<ShardedDDP>(model, *oss);
+    OSSOptions options;
+    if (bf16) options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
+    oss = std::make_unique<OSS>(params, optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-4)), group, options);
+    if (mode.rfind("zero2", 0) == 0) ddp = std::make_unique<ShardedDDP>(model, *oss);
   }
   auto step = [&] {
     if (ddp) {
@@ -141,7 +149,9 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, int steps
   auto measure = [&] {
     std::vector<double> mine = {static_cast<double>(storage_bytes(params)),
                                 static_cast<double>(ddp ? ddp->local_grad_bytes() : grad_bytes(params)),
-                                static_cast<double>(plain ? torch_state_bytes(*plain) : oss->local_state_bytes()),
+                                // Under mixed precision the fp32 masters count as state, as in ZeRO's 12 bytes.
+                                static_cast<double>(plain ? torch_state_bytes(*plain)
+                                                          : oss->local_state_bytes() + oss->local_master_bytes()),
                                 static_cast<double>(allreduce.bucket.defined() ? allreduce.bucket.nbytes() : 0),
                                 static_cast<double>(peak_rss_bytes())};
     const int64_t fields = static_cast<int64_t>(mine.size());

@@ -16,9 +16,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-PARTS = [("params", "parameters"), ("grads", "gradients"), ("state", "optimizer state"), ("buckets", "buckets")]
+PARTS = [("params", "parameters"), ("grads", "gradients"), ("state", "optimizer state (+ fp32 masters)"),
+         ("buckets", "buckets")]
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#BBBBBB"]
-MODE_NAMES = {"ddp": "DDP", "zero1": "OSS (ZeRO-1)", "zero2": "OSS + ShardedDDP (ZeRO-2)"}
+MODE_NAMES = {"ddp": "DDP", "zero1": "OSS (ZeRO-1)", "zero2": "OSS + ShardedDDP (ZeRO-2)",
+              "zero1-bf16": "OSS bf16 (ZeRO-1)", "zero2-bf16": "OSS + ShardedDDP bf16 (ZeRO-2)"}
 
 
 def largest(rows):
@@ -43,7 +45,7 @@ def main():
     best = largest(rows)
     scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
     worlds = sorted({r["world"] for r in rows})
-    modes = [m for m in ("ddp", "zero1", "zero2") if any(r["mode"] == m for r in rows)]
+    modes = [m for m in MODE_NAMES if any(r["mode"] == m for r in rows)]
     fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 5.2), sharey=True, squeeze=False)
     width = 0.8 / len(modes)
     for ax, scenario in zip(axes[0], scenarios):

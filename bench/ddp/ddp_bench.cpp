@@ -10,6 +10,7 @@
 //                    the 38.6M-element embedding is 31% of the model)
 //        small     = 300 small tensors (150 layers of 16x16 + bias): overhead-bound
 // partition (sharded): auto (split ranges for Adam), split, whole (whole parameters per owner)
+// mixed-precision (sharded): off, bf16, fp16 (parameters and gradients; fp32 masters and state)
 // Prints one JSON line per rank: median step time, peak RSS and RSS added since start-up, and for
 // `sharded` the time pre_forward() blocks per step (the trainability check is started there and
 // awaited by backward after the forward), then a freeze (--freeze): the time of the rebuild, of
@@ -146,6 +147,9 @@ int main(int argc, char** argv) {
   app.add_option("--fused-step", fused, "OSSOptions::fused_step (sharded)");
   int shard_group_size = 0;
   app.add_option("--shard-group-size", shard_group_size, "OSSOptions::shard_group_size (sharded; 0: whole group)");
+  std::string mixed = "off";
+  app.add_option("--mixed-precision", mixed, "OSSOptions::mixed_precision param_dtype (sharded): off, bf16, fp16")
+      ->check(CLI::IsMember({"off", "bf16", "fp16"}));
   app.add_option("--freeze", freeze, "which tensors the freeze measurement freezes (sharded)")
       ->check(CLI::IsMember({"embeddings", "lower", "alternate"}));
   CLI11_PARSE(app, argc, argv);
@@ -180,8 +184,12 @@ int main(int argc, char** argv) {
       const auto mode = partition == "split"   ? shardopt::PartitionMode::kSplit
                         : partition == "whole" ? shardopt::PartitionMode::kWholeParameters
                                                : shardopt::PartitionMode::kAuto;
-      oss = std::make_unique<shardopt::OSS>(module->parameters(), factory, group,
-                                            shardopt::OSSOptions().rebalance(rebalance).partition(mode).fused_step(fused).shard_group_size(shard_group_size));
+      auto options =
+          shardopt::OSSOptions().rebalance(rebalance).partition(mode).fused_step(fused).shard_group_size(shard_group_size);
+      if (mixed != "off") {
+        options.mixed_precision(shardopt::MixedPrecision().param_dtype(mixed == "bf16" ? at::kBFloat16 : at::kHalf));
+      }
+      oss = std::make_unique<shardopt::OSS>(module->parameters(), factory, group, options);
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss);
     } else {
       adam = std::make_unique<torch::optim::Adam>(module->parameters(), torch::optim::AdamOptions(1e-4));
@@ -263,7 +271,7 @@ int main(int argc, char** argv) {
 
     double check_ms = 0, rebuild_ms = 0, grad_fraction = 1, kept_imbalance = 0, freeze_imbalance = 0,
            rebalance_ms = 0, after_freeze_ms = 0;
-    int64_t moved_bytes = 0, grad_bytes = 0, state_bytes = 0;
+    int64_t moved_bytes = 0, grad_bytes = 0, state_bytes = 0, master_bytes = 0;
     // The busiest rank's trainable elements against 1/world, as trained above (before the freeze).
     const double imbalance = oss ? oss->imbalance() : 0.0;
     if (ddp) {
@@ -272,9 +280,10 @@ int main(int argc, char** argv) {
       ddp->pre_forward();
       loss_fn(0).backward();
       grad_bytes = ddp->local_grad_bytes();
-      grad_fraction = static_cast<double>(grad_bytes) / (4.0 * nparams);
+      grad_fraction = static_cast<double>(grad_bytes) / (static_cast<double>(params[0].element_size()) * nparams);
       oss->step();
       state_bytes = oss->local_state_bytes();
+      master_bytes = oss->local_master_bytes();
       ddp->zero_grad(true);
       // What the trainability check costs a step: pre_forward() only starts it (backward waits
       // for it after the forward has run), so this is its blocking time.
@@ -332,7 +341,8 @@ int main(int argc, char** argv) {
         {"kept_imbalance", kept_imbalance}, {"freeze_imbalance", freeze_imbalance}, {"rebalance_ms", rebalance_ms},
         {"moved_state_bytes", moved_bytes}, {"after_freeze_step_ms", after_freeze_ms},
         {"peak_rss_with_freeze_mb", peak_rss_mb()}, {"split", oss && oss->split()}, {"state_bytes", state_bytes},
-        {"grad_bytes", grad_bytes}, {"block_bytes_per_step", block_bytes_per_step},
+        {"grad_bytes", grad_bytes}, {"master_bytes", master_bytes}, {"mixed_precision", mixed},
+        {"block_bytes_per_step", block_bytes_per_step},
         {"cross_block_bytes_per_step", cross_bytes_per_step}};
     std::printf("%s\n", row.dump().c_str());
     return 0;

@@ -161,12 +161,20 @@ class CliTest(unittest.TestCase):
             json.dump({"layers": [{"name": "embed", "shape": [1000, 64]}, {"name": "fc", "shape": [64, 64]},
                                   {"shape": [64]}]}, f)
         out = self.path("mem")
-        run(["memory", "--spec", spec, "--world-sizes", "1,2", "--modes", "zero2", "--steps", "1", "-o", out])
+        run(["memory", "--spec", spec, "--world-sizes", "1,2", "--modes", "zero2,zero2-bf16", "--steps", "1", "-o", out])
         with open(os.path.join(out, "memory.json")) as f:
             report = json.load(f)
-        self.assertEqual(report["numel"], 1000 * 64 + 64 * 64 + 64)
-        one = [r for r in report["rows"] if r["world"] == 1 and r["scenario"] == "all trainable"][0]
-        self.assertEqual(one["state"], 8 * report["numel"])  # exp_avg and exp_avg_sq, fp32
+        n = report["numel"]
+        self.assertEqual(n, 1000 * 64 + 64 * 64 + 64)
+        rows = [r for r in report["rows"] if r["scenario"] == "all trainable"]
+        one = [r for r in rows if r["world"] == 1 and r["mode"] == "zero2"][0]
+        self.assertEqual(one["state"], 8 * n)  # exp_avg and exp_avg_sq, fp32
+        # Mixed precision: bf16 parameters everywhere, fp32 master + Adam state (12 bytes) and bf16
+        # gradients (2 bytes) over the world size on every rank.
+        for r in (r for r in rows if r["mode"] == "zero2-bf16"):
+            self.assertEqual(r["params"], 2 * n)
+            self.assertAlmostEqual(r["state"] / (12 * n / r["world"]), 1.0, delta=0.03, msg=str(r))
+            self.assertAlmostEqual(r["grads"] / (2 * n / r["world"]), 1.0, delta=0.03, msg=str(r))
         with open(spec, "w") as f:
             f.write('{"layers": [{"shape": [3, -1]}]}')
         p = run(["memory", "--spec", spec], check=False)
