@@ -7,6 +7,8 @@
 //   mp_worker hello          one all-reduce; prints rank, world size, local rank
 //   mp_worker die_in PHASE R rank R kills itself with SIGKILL in PHASE at step 2
 //   mp_worker soak STEPS DIR  a long run: memory, threads, descriptors and parity (tools/soak.sh)
+//   mp_worker wire_bytes     bytes each rank writes to the network per step: OSS + ShardedDDP
+//                            against an all-reduce of the gradients (DDP's exchange)
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/ddp/sharded_ddp.h>
@@ -24,6 +26,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <functional>
 #include <iostream>
 
 namespace optim = torch::optim;
@@ -190,6 +194,91 @@ void soak(std::shared_ptr<ProcessGroup> group, int64_t steps, const std::string&
 
 }  // namespace
 
+// Eight 512 x 512 layers with biases (2.1M parameters): gradients large enough that the bytes
+// of control messages (trainability checks, heartbeats) do not matter.
+struct WideNet : torch::nn::Module {
+  WideNet() {
+    at::manual_seed(5);
+    for (int i = 0; i < 8; ++i) {
+      ws.push_back(register_parameter("w" + std::to_string(i), (at::randn({512, 512}) * 0.04).requires_grad_()));
+      bs.push_back(register_parameter("b" + std::to_string(i), at::zeros({512}).requires_grad_()));
+    }
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (size_t i = 0; i < ws.size(); ++i) x = at::tanh(at::linear(x, ws[i], bs[i]));
+    return x;
+  }
+  std::vector<at::Tensor> ws, bs;
+};
+
+// Bytes this process wrote with write/writev (Gloo's TCP transport writes with writev).
+int64_t written_bytes() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "wchar:") return value;
+  }
+  TORCH_CHECK(false, "/proc/self/io has no wchar");
+}
+
+// Mean bytes written per call of `step` over `steps` calls, after one unmeasured call.
+double written_per_step(const std::function<void()>& step, int steps) {
+  step();
+  const int64_t before = written_bytes();
+  for (int s = 0; s < steps; ++s) step();
+  return static_cast<double>(written_bytes() - before) / steps;
+}
+
+void wire_bytes(std::shared_ptr<ProcessGroup> group) {
+  const int rank = group->rank(), world = group->size();
+  auto data = [&](int step) { return at::randn({4, 512}) * (1 + rank) + step; };
+  auto sharded_net = std::make_shared<WideNet>();
+  OSS oss(sharded_net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), group);
+  ShardedDDP ddp(sharded_net, oss);
+  int step = 0;
+  const double sharded = written_per_step([&] {
+    ddp.zero_grad();
+    ddp.forward(data(step++)).pow(2).mean().backward();
+    oss.step();
+  }, 3);
+  // DDP's exchange: every gradient all-reduced (in one flat buffer) and averaged on every rank.
+  auto plain_net = std::make_shared<WideNet>();
+  optim::Adam adam(plain_net->parameters(), optim::AdamOptions(1e-3));
+  const double allreduce = written_per_step([&] {
+    adam.zero_grad();
+    plain_net->forward(data(step++)).pow(2).mean().backward();
+    std::vector<at::Tensor> grads;
+    for (auto& p : plain_net->parameters()) grads.push_back(p.grad().reshape(-1));
+    at::Tensor flat = at::cat(grads);
+    group->allreduce(flat);
+    flat.div_(world);
+    int64_t at = 0;
+    for (auto& p : plain_net->parameters()) p.mutable_grad().view(-1).copy_(flat.narrow(0, at, p.numel())), at += p.numel();
+    adam.step();
+  }, 3);
+  at::Tensor all = at::zeros({2 * world}, at::kDouble);
+  all[2 * rank] = sharded;
+  all[2 * rank + 1] = allreduce;
+  group->allreduce(all);
+  double total_sharded = 0, total_allreduce = 0;
+  for (int r = 0; r < world; ++r) {
+    total_sharded += all[2 * r].item<double>();
+    total_allreduce += all[2 * r + 1].item<double>();
+    if (rank == 0) {
+      std::printf("rank %d: %.0f bytes per step sharded, %.0f all-reduce\n", r, all[2 * r].item<double>(),
+                  all[2 * r + 1].item<double>());
+    }
+  }
+  const double gradient_bytes = 4.0 * 8 * (512 * 512 + 512);
+  // Both move 2(N-1)/N of the gradients per rank; what control messages add is far below 64 KiB.
+  TORCH_CHECK(total_allreduce >= 2.0 * (world - 1) * gradient_bytes * 0.99, "the all-reduce wrote ", total_allreduce,
+              " bytes per step on all ranks, less than a ring all-reduce must: is /proc/self/io counting?");
+  TORCH_CHECK(total_sharded <= total_allreduce + 65536, "OSS + ShardedDDP wrote ", total_sharded,
+              " bytes per step on all ranks, more than the all-reduce's ", total_allreduce);
+  if (rank == 0) std::printf("wire bytes ok at world %d: %.0f sharded <= %.0f all-reduce\n", world, total_sharded, total_allreduce);
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::cerr << "usage: mp_worker oss_parity | fail_rank R" << std::endl;
@@ -212,6 +301,10 @@ int main(int argc, char** argv) {
     const char* timeout_env = std::getenv("SHARDOPT_TEST_TIMEOUT_S");
     const auto timeout = std::chrono::seconds(timeout_env ? std::atoi(timeout_env) : 60);
     auto group = init_process_group(InitOptions().backend("gloo").timeout(timeout));
+    if (std::strcmp(argv[1], "wire_bytes") == 0) {
+      wire_bytes(group);
+      return 0;
+    }
     if (std::strcmp(argv[1], "hello") == 0) {
       // One all-reduce of the ranks' numbers: the group works under this launcher's variables.
       at::Tensor t = at::full({1}, static_cast<double>(group->rank()), at::kDouble);

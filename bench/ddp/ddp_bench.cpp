@@ -49,6 +49,17 @@ double peak_rss_mb() {
   getrusage(RUSAGE_SELF, &u);
   return u.ru_maxrss / 1024.0;
 }
+// Bytes this process has written with write/writev (Gloo's TCP transport sends with writev):
+// the bytes that left it on the wire, headers aside.
+int64_t written_bytes() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "wchar:") return value;
+  }
+  return 0;
+}
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -254,6 +265,7 @@ int main(int argc, char** argv) {
     auto block_total = [&] { return oss ? oss->process_group().stats().total_bytes() : group->stats().total_bytes(); };
     auto cross_total = [&] { return oss && oss->replica_group() ? oss->replica_group()->stats().total_bytes() : int64_t{0}; };
     const int64_t block_before = block_total(), cross_before = cross_total();
+    const int64_t written_before = written_bytes();
     std::vector<double> times;
     for (int s = 0; s < steps; ++s) {
       group->barrier();
@@ -262,6 +274,7 @@ int main(int argc, char** argv) {
       times.push_back(ms_since(t0));
     }
     const double step_ms = median(times);
+    const double wire_bytes_per_step = static_cast<double>(written_bytes() - written_before) / steps;
     const double block_bytes_per_step = static_cast<double>(block_total() - block_before) / steps;
     const double cross_bytes_per_step = static_cast<double>(cross_total() - cross_before) / steps;
     const double train_peak_mb = peak_rss_mb();  // before the freeze measurement below
@@ -343,7 +356,7 @@ int main(int argc, char** argv) {
         {"peak_rss_with_freeze_mb", peak_rss_mb()}, {"split", oss && oss->split()}, {"state_bytes", state_bytes},
         {"grad_bytes", grad_bytes}, {"master_bytes", master_bytes}, {"mixed_precision", mixed},
         {"block_bytes_per_step", block_bytes_per_step},
-        {"cross_block_bytes_per_step", cross_bytes_per_step}};
+        {"cross_block_bytes_per_step", cross_bytes_per_step}, {"wire_bytes_per_step", wire_bytes_per_step}};
     std::printf("%s\n", row.dump().c_str());
     return 0;
   } catch (const std::exception& e) {

@@ -66,12 +66,15 @@ PendingWork::~PendingWork() = default;
 PendingWork::PendingWork(PendingWork&&) noexcept = default;
 PendingWork& PendingWork::operator=(PendingWork&&) noexcept = default;
 
+void PendingWork::also_wait_for(c10::intrusive_ptr<c10d::Work> work) { more_.push_back(std::move(work)); }
+
 void PendingWork::wait() {
   if (!work_) return;
   auto work = std::move(work_);
+  auto more = std::move(more_);
   try {
-    bool done = work->wait(timeout_);
-    TORCH_CHECK(done, "not completed");
+    TORCH_CHECK(work->wait(timeout_), "not completed");
+    for (auto& w : more) TORCH_CHECK(w->wait(timeout_), "not completed");
   } catch (const std::exception& e) {
     const std::string gone = diagnose_ ? diagnose_() : std::string();
     std::string cause = e.what();
@@ -176,25 +179,45 @@ void ProcessGroup::allreduce(at::Tensor& tensor, Reduction op) {
   allreduce_async(tensor, op).wait();
 }
 
-// Note [Reduce between two ranks]
-// Gloo's reduce is ring-based: between two ranks it sends 1.5x the buffer (a reduce-scatter,
-// then the second half to the root). A reduce of two ranks is one transfer: the other rank sends
-// its buffer, the root receives it into a scratch tensor and adds it when the work is waited on.
-// Tags come from a per-group sequence, the same on every rank because every rank issues its
-// collectives in the same order; they start above the tags callers of send/recv use.
+// Note [Reduce to one owner]
+// Gloo's reduce is ring-based and moves more than the buffer: measured per rank with /proc/self/io
+// (Gloo's TCP transport writes with writev), one reduce of a 1/N shard to each of N owners
+// sends 1.16x the whole buffer at 2 ranks, 1.11x at 3 and 1.03x at 4, where (N-1)/N of it is
+// the least any scheme can send (every rank's gradient of a range it does not own must leave
+// it once), and Gloo's reduce-scatter is an all-reduce (2(N-1)/N). So a sum to one root is N-1
+// direct transfers: every other rank sends its buffer, the root receives each into a scratch
+// tensor and adds them, in rank order, when the work is waited on. With the owners of the
+// buckets spread over the ranks, each rank sends (N-1)/N of the gradients per step, and with
+// the parameter broadcast (Gloo's sends (N-1)/N of the buffer per rank) a step moves
+// 2(N-1)/N, what a ring all-reduce moves (docs/benchmarks.md, bytes on the wire). Tags come
+// from a per-group sequence, the same on every rank because every rank issues its collectives
+// in the same order; they start above the tags callers of send/recv use.
 PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction op) {
   SHARDOPT_CHECK(root >= 0 && root < size_, "reduce root ", root, " is outside [0, ", size_, ")");
   check_in(CommStats::kReduce, nbytes(tensor), root);
-  if (size_ == 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {
+  if (size_ >= 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {
     constexpr uint32_t kFirstTag = 1u << 24;
     const int tag = static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
     if (rank_ != root) {
       std::vector<at::Tensor> ts{tensor};
       return track(CommStats::kReduce, nbytes(tensor), backend_->send(ts, root, tag));
     }
-    std::vector<at::Tensor> ts{at::empty_like(tensor)};
-    auto work = track(CommStats::kReduce, nbytes(tensor), backend_->recv(ts, 1 - rank_, tag));
-    work.set_then([tensor, incoming = ts[0]]() mutable { tensor.add_(incoming); });
+    std::vector<at::Tensor> incoming;
+    PendingWork work;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      std::vector<at::Tensor> ts{at::empty_like(tensor)};
+      incoming.push_back(ts[0]);
+      auto recv = backend_->recv(ts, r, tag);
+      if (!work.valid()) {
+        work = track(CommStats::kReduce, nbytes(tensor), std::move(recv));
+      } else {
+        work.also_wait_for(std::move(recv));
+      }
+    }
+    work.set_then([tensor, incoming]() mutable {
+      for (const auto& t : incoming) tensor.add_(t);
+    });
     return work;
   }
   std::vector<at::Tensor> ts{tensor};

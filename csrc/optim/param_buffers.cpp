@@ -43,7 +43,11 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
     std::vector<PendingWork> pending;
     for (size_t g = 0; g < buffers.size(); ++g) {
       for (int r = 0; r < world; ++r) {
-        at::Tensor segment = shard(g, r);
+        // Only the elements the owner's pieces occupy: a whole-parameter shard's padding up to
+        // the longest shard is never sent.
+        const int64_t used = layout.groups()[g].used[r];
+        if (used == 0) continue;
+        at::Tensor segment = shard(g, r).narrow(0, 0, used);
         pending.push_back(group.broadcast_async(segment, r));
       }
     }

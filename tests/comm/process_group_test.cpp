@@ -48,29 +48,33 @@ TEST(Comm, CollectivesMoveDataAndCountBytes) {
   });
 }
 
-// Between two ranks a sum-reduce is a single transfer (Note [Reduce between two ranks]): several
-// in flight to either root, waited in any order, each lands in its own tensor; other reductions
+// A sum-reduce is N-1 direct transfers to the root (Note [Reduce to one owner]): several in
+// flight to different roots, waited in any order, each lands in its own tensor; other reductions
 // still go through Gloo.
-TEST(Comm, TwoRankReducesInFlightToEitherRoot) {
-  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
-    const int r = g->rank();
-    std::vector<at::Tensor> ts;
-    std::vector<PendingWork> works;
-    for (int k = 0; k < 6; ++k) {
-      ts.push_back(at::arange(1000, at::kFloat) * (k + 1) + 1000 * r);
-      works.push_back(g->reduce_async(ts.back(), k % 2));
-    }
-    for (int k = 5; k >= 0; --k) works[k].wait();
-    for (int k = 0; k < 6; ++k) {
-      if (r != k % 2) continue;
-      EXPECT_TRUE(ts[k].equal(at::arange(1000, at::kFloat) * (2 * (k + 1)) + 1000)) << "reduce " << k;
-    }
-    at::Tensor m = at::full({3}, static_cast<float>(5 * r));
-    g->reduce(m, 0, Reduction::kMax);
-    if (r == 0) EXPECT_TRUE(m.equal(at::full({3}, 5.0f)));
-    EXPECT_EQ(g->stats().calls[CommStats::kReduce], 7);
-    EXPECT_EQ(g->stats().bytes[CommStats::kReduce], 6 * 4000 + 12);
-  });
+TEST(Comm, ReducesInFlightToAnyRoot) {
+  for (int world : {2, 3, 4}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank();
+      std::vector<at::Tensor> ts;
+      std::vector<PendingWork> works;
+      for (int k = 0; k < 6; ++k) {
+        ts.push_back(at::arange(1000, at::kFloat) * (k + 1) + 1000 * r);
+        works.push_back(g->reduce_async(ts.back(), k % world));
+      }
+      for (int k = 5; k >= 0; --k) works[k].wait();
+      const float rank_sum = 1000.0f * world * (world - 1) / 2;
+      for (int k = 0; k < 6; ++k) {
+        if (r != k % world) continue;
+        EXPECT_TRUE(ts[k].equal(at::arange(1000, at::kFloat) * (world * (k + 1)) + rank_sum))
+            << "reduce " << k << " at world " << world;
+      }
+      at::Tensor m = at::full({3}, static_cast<float>(5 * r));
+      g->reduce(m, 0, Reduction::kMax);
+      if (r == 0) EXPECT_TRUE(m.equal(at::full({3}, 5.0f * (world - 1))));
+      EXPECT_EQ(g->stats().calls[CommStats::kReduce], 7);
+      EXPECT_EQ(g->stats().bytes[CommStats::kReduce], 6 * 4000 + 12);
+    });
+  }
 }
 
 // Two ranks, one thread each, rendezvous through `init_method`; each contributes rank + 1.

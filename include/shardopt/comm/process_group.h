@@ -89,9 +89,12 @@ class PendingWork {
   bool valid() const { return static_cast<bool>(work_); }
   // Work to finish the operation on this rank after the transfer (for example a local sum).
   void set_then(std::function<void()> then) { then_ = std::move(then); }
+  // More transfers of the same operation, waited for after the first one (several receives).
+  void also_wait_for(c10::intrusive_ptr<c10d::Work> work);
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> more_;
   std::function<void()> then_;
   std::function<std::string()> diagnose_;
   std::string what_;
