@@ -1,10 +1,13 @@
-/* Status codes of the CUDA kernel layer to come.
+/* Status codes of the CUDA kernel layer (kernels/).
  *
- * No kernel or entry point exists yet, and nothing in csrc/ includes this header; the build
- * only compiles it as C99. The contract for the kernels to come: kernels/ is a C ABI whose
- * headers take raw pointers, int64_t element counts and a cudaStream_t last, and carry no
- * LibTorch (or other C++) types; csrc/ is to adapt tensors to it. Every entry point is to
- * return a shardopt_kernel_status, which the caller checks at every call. */
+ * kernels/ is a C ABI: its headers take raw pointers, int64_t element counts and a cudaStream_t
+ * last, and carry no LibTorch (or other C++) types; csrc/ adapts tensors to it. Every entry
+ * point (adamw.h, sgd.h, norm.h) returns a shardopt_kernel_status, which the caller checks at
+ * every call. An entry point checks its arguments before any CUDA call: one that returns
+ * SHARDOPT_KERNEL_INVALID_ARGUMENT has enqueued nothing and touched no CUDA state.
+ *
+ * The entry points live in the static library shardopt_kernels_cuda, built where a CUDA
+ * compiler is found; the headers compile as C99 without the CUDA toolkit. */
 #ifndef SHARDOPT_KERNELS_STATUS_H_
 #define SHARDOPT_KERNELS_STATUS_H_
 
@@ -14,11 +17,18 @@ extern "C" {
 
 typedef enum shardopt_kernel_status {
   SHARDOPT_KERNEL_OK = 0,
-  SHARDOPT_KERNEL_INVALID_ARGUMENT = 1, /* a null pointer, a negative count, a misaligned buffer */
-  SHARDOPT_KERNEL_CUDA_ERROR = 2        /* a CUDA runtime call failed; cudaGetLastError() says which */
+  SHARDOPT_KERNEL_INVALID_ARGUMENT = 1, /* a null pointer, a negative count, a misaligned buffer,
+                                           a hyper-parameter out of range, an unknown enum value */
+  SHARDOPT_KERNEL_CUDA_ERROR = 2        /* a CUDA runtime call failed:
+                                           shardopt_kernel_last_cuda_error() says which */
 } shardopt_kernel_status;
 
-/* A short English name of `status`, for error messages. */
+/* A short English name of `status`, for error messages. (Marked unused for nvcc: its host pass
+ * sees this header inside the preprocessed translation unit, where clang reports unused static
+ * inline functions.) */
+#if defined(__GNUC__)
+__attribute__((unused))
+#endif
 static inline const char* shardopt_kernel_status_string(shardopt_kernel_status status) {
   switch (status) {
     case SHARDOPT_KERNEL_OK: return "ok";
@@ -27,6 +37,17 @@ static inline const char* shardopt_kernel_status_string(shardopt_kernel_status s
   }
   return "unknown status";
 }
+
+/* The cudaError_t, as an int, of the CUDA runtime call that made the latest entry point called
+ * on this thread return SHARDOPT_KERNEL_CUDA_ERROR; 0 (cudaSuccess) on a thread where none has.
+ * cudaGetErrorString((cudaError_t)e) names it.
+ *
+ * After each kernel launch the entry points take the runtime's pending error with
+ * cudaGetLastError() (as ATen does after its launches), so an error left pending by earlier
+ * work on this thread is reported by the next entry point and cleared. Errors of kernels that
+ * already ran asynchronously (an illegal address) surface at the caller's next synchronising
+ * call, as for any CUDA work. */
+int shardopt_kernel_last_cuda_error(void);
 
 #ifdef __cplusplus
 }

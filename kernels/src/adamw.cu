@@ -1,0 +1,185 @@
+// The fused Adam / AdamW step (shardopt_kernels/adamw.h): a checked host entry, one kernel template
+// over the buffers' element types, and the per-element math apart from the loads and stores.
+#include <shardopt_kernels/adamw.h>
+
+#include "common.cuh"
+
+#include <cmath>
+
+namespace shardopt_kernels {
+namespace {
+
+enum class WeightDecay : int { kNone, kCoupled, kDecoupled };
+
+// The step's scalars in fp32, each computed in double first, as the CPU fused step computes them.
+struct AdamScalars {
+  float beta1, one_minus_beta1, beta2, one_minus_beta2;
+  float weight_decay;  // Adam:  g = fma(p, weight_decay, g)
+  float decay;         // AdamW: p = p * decay, decay = 1 - lr * weight_decay
+  float inv_sqrt_bias_correction2, eps, neg_step_size;
+  WeightDecay mode;
+};
+
+AdamScalars scalars_of(const shardopt_adamw_hparams& h) {
+  const double step = static_cast<double>(h.step);
+  const double bias_correction1 = 1 - std::pow(h.beta1, step);
+  const double bias_correction2 = 1 - std::pow(h.beta2, step);
+  AdamScalars s;
+  s.beta1 = static_cast<float>(h.beta1);
+  s.one_minus_beta1 = static_cast<float>(1 - h.beta1);
+  s.beta2 = static_cast<float>(h.beta2);
+  s.one_minus_beta2 = static_cast<float>(1 - h.beta2);
+  s.weight_decay = static_cast<float>(h.weight_decay);
+  s.decay = static_cast<float>(1 - h.lr * h.weight_decay);
+  s.inv_sqrt_bias_correction2 = static_cast<float>(1 / std::sqrt(bias_correction2));
+  s.eps = static_cast<float>(h.eps);
+  s.neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
+  s.mode = h.weight_decay == 0 ? WeightDecay::kNone : h.decoupled ? WeightDecay::kDecoupled : WeightDecay::kCoupled;
+  return s;
+}
+
+// torch.optim's ranges; NaN fails every comparison, so it is refused too.
+bool valid(const shardopt_adamw_hparams* h) {
+  return h != nullptr && h->lr >= 0 && h->beta1 >= 0 && h->beta1 < 1 && h->beta2 >= 0 && h->beta2 < 1 &&
+         h->eps >= 0 && h->weight_decay >= 0 && h->step >= 1 && std::isfinite(h->lr) && std::isfinite(h->eps) &&
+         std::isfinite(h->weight_decay);
+}
+
+// max(a, b), NaN when either is NaN, as at::vec::maximum in the CPU step.
+__device__ __forceinline__ float max_or_nan(float a, float b) {
+  return (isnan(a) || isnan(b)) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+}
+
+// One element's update; g is already unscaled and signed. Each product and sum is rounded on its
+// own (the __f*_rn intrinsics are never contracted into an fma) and each fma is explicit, in the
+// CPU step's order (csrc/optim/fused_kernels.inc).
+template <bool kAmsgrad>
+__device__ __forceinline__ void adam_element(float& p, float g, float& m, float& v, float& v_max, const AdamScalars& s) {
+  if (s.mode == WeightDecay::kDecoupled) {
+    p = __fmul_rn(p, s.decay);
+  } else if (s.mode == WeightDecay::kCoupled) {
+    g = __fmaf_rn(p, s.weight_decay, g);
+  }
+  m = __fmaf_rn(g, s.one_minus_beta1, __fmul_rn(m, s.beta1));
+  v = __fadd_rn(__fmul_rn(v, s.beta2), __fmul_rn(__fmul_rn(s.one_minus_beta2, g), g));
+  float second_moment = v;
+  if constexpr (kAmsgrad) {
+    v_max = max_or_nan(v_max, v);
+    second_moment = v_max;
+  }
+  const float denom = __fmaf_rn(__fsqrt_rn(second_moment), s.inv_sqrt_bias_correction2, s.eps);
+  p = __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step_size, m), denom));
+}
+
+// The buffers of one segment. CopyT is void in the fp32 step (there the master is the parameter).
+template <class GradT, class CopyT>
+struct AdamBuffers {
+  float* master;
+  const GradT* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;
+  CopyT* copy;
+};
+
+// Loads the Width elements at i, updates them, stores them.
+template <int Width, bool kAmsgrad, class GradT, class CopyT>
+__device__ __forceinline__ void adam_pack(const AdamBuffers<GradT, CopyT>& b, int64_t i, float grad_factor,
+                                          const AdamScalars& s) {
+  Pack<float, Width> p = load<Width>(b.master + i);
+  Pack<float, Width> m = load<Width>(b.exp_avg + i);
+  Pack<float, Width> v = load<Width>(b.exp_avg_sq + i);
+  const Pack<GradT, Width> g = load_readonly<Width>(b.grad + i);
+  Pack<float, Width> v_max{};
+  if constexpr (kAmsgrad) v_max = load<Width>(b.max_exp_avg_sq + i);
+#pragma unroll
+  for (int k = 0; k < Width; ++k) {
+    adam_element<kAmsgrad>(p.v[k], __fmul_rn(to_float(g.v[k]), grad_factor), m.v[k], v.v[k], v_max.v[k], s);
+  }
+  store<Width>(b.master + i, p);
+  store<Width>(b.exp_avg + i, m);
+  store<Width>(b.exp_avg_sq + i, v);
+  if constexpr (kAmsgrad) store<Width>(b.max_exp_avg_sq + i, v_max);
+  if constexpr (!std::is_void_v<CopyT>) store<Width>(b.copy + i, round_pack<CopyT>(p));
+}
+
+// sign is -1 to maximize, 1 otherwise; it and *inv_scale fold into one exact factor of the gradient
+// (a product with -1 only flips the sign bit).
+template <int Width, bool kAmsgrad, class GradT, class CopyT>
+__global__ void __launch_bounds__(kThreads)
+    adam_kernel(AdamBuffers<GradT, CopyT> b, int64_t n, Split split, AdamScalars s, float sign,
+                const float* __restrict__ inv_scale, const float* __restrict__ found_inf) {
+  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  const float grad_factor = inv_scale != nullptr ? __fmul_rn(sign, *inv_scale) : sign;
+  for_each_pack<Width>(n, split, [&](auto width, int64_t i) {
+    adam_pack<decltype(width)::value, kAmsgrad>(b, i, grad_factor, s);
+  });
+}
+
+template <class GradT, class CopyT>
+shardopt_kernel_status launch(const AdamBuffers<GradT, CopyT>& b, int64_t n, const shardopt_adamw_hparams& h,
+                              const float* inv_scale, const float* found_inf, cudaStream_t stream) {
+  using Copy = std::conditional_t<std::is_void_v<CopyT>, float, CopyT>;
+  constexpr int kWidth = kVectorBytes / static_cast<int>(std::min(sizeof(GradT), sizeof(Copy)));
+  const Split split = split_for_vectors(n, kWidth,
+                                        {{b.master, 4}, {b.grad, sizeof(GradT)}, {b.exp_avg, 4}, {b.exp_avg_sq, 4},
+                                         {b.max_exp_avg_sq, 4}, {b.copy, sizeof(Copy)}});
+  auto* kernel = h.amsgrad ? adam_kernel<kWidth, true, GradT, CopyT> : adam_kernel<kWidth, false, GradT, CopyT>;
+  int blocks = 0;
+  SHARDOPT_CUDA_TRY(blocks_for(kernel, std::max(split.vectors, n - split.vectors * kWidth), &blocks));
+  kernel<<<blocks, kThreads, 0, stream>>>(b, n, split, scalars_of(h), h.maximize ? -1.0f : 1.0f, inv_scale,
+                                          found_inf);
+  SHARDOPT_CUDA_TRY(cudaGetLastError());
+  return SHARDOPT_KERNEL_OK;
+}
+
+// The checks both entry points share once the element types are known.
+template <class GradT, class CopyT>
+shardopt_kernel_status checked_launch(const AdamBuffers<GradT, CopyT>& b, int64_t n, const shardopt_adamw_hparams& h,
+                                      const float* inv_scale, const float* found_inf, cudaStream_t stream) {
+  using Copy = std::conditional_t<std::is_void_v<CopyT>, float, CopyT>;
+  const bool usable_buffers = usable(b.master, 4) && usable(b.grad, sizeof(GradT)) && usable(b.exp_avg, 4) &&
+                              usable(b.exp_avg_sq, 4) && (!h.amsgrad || usable(b.max_exp_avg_sq, 4)) &&
+                              (std::is_void_v<CopyT> || usable(b.copy, sizeof(Copy))) &&
+                              usable_if_given(inv_scale, 4) && usable_if_given(found_inf, 4);
+  if (!usable_buffers ||
+      !disjoint({bytes_of(b.master, n, 4), bytes_of(b.grad, n, sizeof(GradT)), bytes_of(b.exp_avg, n, 4),
+                 bytes_of(b.exp_avg_sq, n, 4), bytes_of(b.max_exp_avg_sq, n, 4), bytes_of(b.copy, n, sizeof(Copy)),
+                 bytes_of(inv_scale, 1, 4), bytes_of(found_inf, 1, 4)})) {
+    return SHARDOPT_KERNEL_INVALID_ARGUMENT;
+  }
+  return launch(b, n, h, inv_scale, found_inf, stream);
+}
+
+}  // namespace
+}  // namespace shardopt_kernels
+
+using namespace shardopt_kernels;
+
+extern "C" shardopt_kernel_status shardopt_adamw_fp32(float* param, const float* grad, float* exp_avg,
+                                                      float* exp_avg_sq, float* max_exp_avg_sq, int64_t n,
+                                                      const shardopt_adamw_hparams* hparams, const float* inv_scale,
+                                                      const float* found_inf, cudaStream_t stream) {
+  if (!valid(hparams) || n < 0) return SHARDOPT_KERNEL_INVALID_ARGUMENT;
+  if (n == 0) return SHARDOPT_KERNEL_OK;
+  const AdamBuffers<float, void> buffers{param, grad, exp_avg, exp_avg_sq, hparams->amsgrad ? max_exp_avg_sq : nullptr,
+                                         nullptr};
+  return checked_launch(buffers, n, *hparams, inv_scale, found_inf, stream);
+}
+
+extern "C" shardopt_kernel_status shardopt_adamw_mixed(void* param, shardopt_kernel_dtype param_dtype,
+                                                       const void* grad, shardopt_kernel_dtype grad_dtype,
+                                                       float* master, float* exp_avg, float* exp_avg_sq,
+                                                       float* max_exp_avg_sq, int64_t n,
+                                                       const shardopt_adamw_hparams* hparams, const float* inv_scale,
+                                                       const float* found_inf, cudaStream_t stream) {
+  if (!valid(hparams) || n < 0) return SHARDOPT_KERNEL_INVALID_ARGUMENT;
+  return dispatch_mixed(param_dtype, grad_dtype, [&](auto copy_tag, auto grad_tag) {
+    using CopyT = typename decltype(copy_tag)::type;
+    using GradT = typename decltype(grad_tag)::type;
+    if (n == 0) return SHARDOPT_KERNEL_OK;
+    const AdamBuffers<GradT, CopyT> buffers{master, static_cast<const GradT*>(grad), exp_avg, exp_avg_sq,
+                                            hparams->amsgrad ? max_exp_avg_sq : nullptr, static_cast<CopyT*>(param)};
+    return checked_launch(buffers, n, *hparams, inv_scale, found_inf, stream);
+  });
+}
