@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Runs the data-parallel comparison side by side and prints a markdown table.
 
-    python3 bench/ddp/run_ddp_comparison.py --build build --python $VENV/bin/python [--rounds 3]
+    bash bench/ddp/setup_peers.sh $VENV/bin/python       # fairscale 0.4.13 into that environment
+    python3 bench/ddp/run_ddp_comparison.py --build build --python $VENV/bin/python [--rounds 3] [--world 2]
 
 For each model, every implementation runs once per round (rounds interleave the
-implementations, so machine noise spreads over all of them), each as 2 processes through
-tools/launch. Reports, per implementation: the median over rounds of rank 0's median step
+implementations, so machine noise spreads over all of them), each as --world processes through
+tools/launch. The peers: DDP + ZeroRedundancyOptimizer, DDP + Adam, FSDP2, fairscale's
+ShardedDataParallel + OSS, DDP + fairscale's OSS. Reports, per implementation: the median over rounds of rank 0's median step
 time, the largest per-rank peak RSS, and for shardopt the blocking cost of the trainability
 check per step, one rebuild after a freeze, and the freeze measured with the partition kept
 and re-partitioned (the re-partitioned runs are the main ones; kept runs add one per round).
@@ -18,7 +20,9 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-IMPLS = ["shardopt-sharded", "shardopt-allreduce", "torch-ddp_zero", "torch-ddp_adam", "torch-fsdp2"]
+IMPLS = ["shardopt-sharded", "shardopt-allreduce", "torch-ddp_zero", "torch-ddp_adam", "torch-fsdp2", "torch-fs_sdp",
+         "torch-ddp_fsoss"]
+PEERS = ["torch-ddp_zero", "torch-ddp_adam", "torch-fsdp2", "torch-fs_sdp", "torch-ddp_fsoss"]
 
 
 def run(impl, model, args, extra=()):
@@ -27,7 +31,8 @@ def run(impl, model, args, extra=()):
     else:
         cmd = [args.python, os.path.join(ROOT, "bench", "ddp", "peers", "ddp_peers.py"), "--impl", impl.split("-")[1]]
     cmd += ["--model", model, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "launch"), "-n", "2", "--timeout", "900", *cmd],
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "launch"), "-n", str(args.world), "--timeout", "900",
+                          *cmd],
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{impl} {model} failed:\n{out.stdout}\n{out.stderr}")
@@ -43,7 +48,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
+    try:
+        subprocess.run([args.python, "-c", "import fairscale"], check=True, capture_output=True)
+    except subprocess.CalledProcessError:
+        raise SystemExit("fairscale is not installed in that environment: run bench/ddp/setup_peers.sh " + args.python)
 
     for model in args.models.split(","):
         results = {impl: [] for impl in IMPLS}
@@ -56,14 +66,15 @@ def main():
         peak = {i: max(max(r[k]["peak_rss_mb"] for k in r) for r in results[i]) for i in IMPLS}
         added = {i: max(max(r[k]["added_rss_mb"] for k in r) for r in results[i]) for i in IMPLS}
         params = results[IMPLS[0]][0][0]["params"]
-        print(f"\n### model {model} ({params:,} parameters), world 2, Gloo, 1 intra-op thread per rank\n")
+        print(f"\n### model {model} ({params:,} parameters), world {args.world}, Gloo, 1 intra-op thread per rank\n")
         print("| implementation | step time (ms, median) | peak RSS per rank (MB) | RSS added after start-up (MB) |")
         print("|---|---|---|---|")
         for i in IMPLS:
             print(f"| {i} | {step[i]:.1f} | {peak[i]:.0f} | {added[i]:.0f} |")
-        best_peer = min(step["torch-ddp_zero"], step["torch-fsdp2"])
-        print(f"\n(a)/(c) step time shardopt-sharded / torch DDP+ZeRO: {step['shardopt-sharded'] / step['torch-ddp_zero']:.2f}; "
-              f"(a) / fastest of (c),(e): {step['shardopt-sharded'] / best_peer:.2f}")
+        fastest = min(PEERS, key=lambda i: step[i])
+        leanest = min(PEERS, key=lambda i: peak[i])
+        print(f"\nstep time shardopt-sharded / fastest peer ({fastest}): {step['shardopt-sharded'] / step[fastest]:.2f}; "
+              f"peak RSS shardopt-sharded / leanest peer ({leanest}): {peak['shardopt-sharded'] / peak[leanest]:.2f}")
         checks = [r[0]["check_ms"] for r in results["shardopt-sharded"]]
         rebuilds = [r[0]["rebuild_ms"] for r in results["shardopt-sharded"]]
         print(f"trainability check, blocking time per step: {statistics.median(checks):.3f} ms "

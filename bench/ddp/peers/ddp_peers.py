@@ -5,6 +5,9 @@
 impl: ddp_zero = DistributedDataParallel + ZeroRedundancyOptimizer(Adam)
       ddp_adam = DistributedDataParallel + Adam
       fsdp2    = fully_shard (FSDP2) with reshard_after_forward=False (its ZeRO-2 mode) + Adam
+      fs_sdp   = fairscale ShardedDataParallel + fairscale OSS(Adam) (ZeRO-2)
+      ddp_fsoss = DistributedDataParallel + fairscale OSS(Adam) (ZeRO-1)
+(fairscale 0.4.13 from PyPI: bench/ddp/setup_peers.sh installs it.)
 The models mirror bench/ddp/ddp_bench.cpp exactly (shapes, forward, batch). Prints one JSON line per
 rank, in the same format as the C++ bench.
 """
@@ -80,7 +83,7 @@ class SmallTensors(nn.Module):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=["ddp_zero", "ddp_adam", "fsdp2"], required=True)
+    parser.add_argument("--impl", choices=["ddp_zero", "ddp_adam", "fsdp2", "fs_sdp", "ddp_fsoss"], required=True)
     parser.add_argument("--model", choices=["gpt2", "small"], default="gpt2")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
@@ -95,7 +98,19 @@ def main() -> None:
     model = GPT2Like() if args.model == "gpt2" else SmallTensors()
     nparams = sum(p.numel() for p in model.parameters())
 
-    if args.impl == "fsdp2":
+    if args.impl in ("fs_sdp", "ddp_fsoss"):
+        from fairscale.optim import OSS
+
+        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4)
+        if args.impl == "fs_sdp":
+            from fairscale.nn.data_parallel import ShardedDataParallel
+
+            wrapped = ShardedDataParallel(model, opt)
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            wrapped = DDP(model)
+    elif args.impl == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
