@@ -103,10 +103,16 @@ struct GPT2Like : torch::nn::Module {
     lnf_w = register_parameter("lnf_w", at::ones({kD}).requires_grad_());
     lnf_b = register_parameter("lnf_b", at::zeros({kD}).requires_grad_());
   }
+  // Called with each part's parameters before the forward uses them (ShardedDDP::wait_param_sync
+  // under --overlap-sync).
+  std::function<void(const std::vector<at::Tensor>&)> before_use = [](const std::vector<at::Tensor>&) {};
   at::Tensor forward(at::Tensor tokens) {
     const int64_t t = tokens.size(0);
+    before_use({wte, wpe});
     at::Tensor x = at::embedding(wte, tokens) + wpe.narrow(0, 0, t);
     for (auto& b : blocks) {
+      before_use({b.ln1_w, b.ln1_b, b.attn_w, b.attn_b, b.proj_w, b.proj_b, b.ln2_w, b.ln2_b, b.fc_w, b.fc_b, b.out_w,
+                  b.out_b});
       at::Tensor a = at::layer_norm(x, {kD}, b.ln1_w, b.ln1_b);
       auto qkv = at::linear(a, b.attn_w, b.attn_b).chunk(3, -1);
       at::Tensor att = at::softmax(at::matmul(qkv[0], qkv[1].t()) / std::sqrt(double(kD)), -1);
@@ -114,6 +120,7 @@ struct GPT2Like : torch::nn::Module {
       at::Tensor m = at::layer_norm(x, {kD}, b.ln2_w, b.ln2_b);
       x = x + at::linear(at::gelu(at::linear(m, b.fc_w, b.fc_b)), b.out_w, b.out_b);
     }
+    before_use({lnf_w, lnf_b});
     return at::matmul(at::layer_norm(x, {kD}, lnf_w, lnf_b), wte.t());
   }
   at::Tensor wte, wpe, lnf_w, lnf_b;
@@ -158,6 +165,8 @@ int main(int argc, char** argv) {
   app.add_option("--fused-step", fused, "OSSOptions::fused_step (sharded)");
   int shard_group_size = 0;
   app.add_option("--shard-group-size", shard_group_size, "OSSOptions::shard_group_size (sharded; 0: whole group)");
+  bool overlap = false;
+  app.add_option("--overlap-sync", overlap, "ShardedDDPOptions::overlap_param_sync (sharded; gpt2 waits per block)");
   std::string mixed = "off";
   app.add_option("--mixed-precision", mixed, "OSSOptions::mixed_precision param_dtype (sharded): off, bf16, fp16")
       ->check(CLI::IsMember({"off", "bf16", "fp16"}));
@@ -201,7 +210,11 @@ int main(int argc, char** argv) {
         options.mixed_precision(shardopt::MixedPrecision().param_dtype(mixed == "bf16" ? at::kBFloat16 : at::kHalf));
       }
       oss = std::make_unique<shardopt::OSS>(module->parameters(), factory, group, options);
-      ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss);
+      ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss,
+                                                   shardopt::ShardedDDPOptions().overlap_param_sync(overlap));
+      if (auto gpt = std::dynamic_pointer_cast<GPT2Like>(module); gpt && overlap) {
+        gpt->before_use = [d = ddp.get()](const std::vector<at::Tensor>& ps) { d->wait_param_sync(ps); };
+      }
     } else {
       adam = std::make_unique<torch::optim::Adam>(module->parameters(), torch::optim::AdamOptions(1e-4));
     }
@@ -213,7 +226,7 @@ int main(int argc, char** argv) {
       if (ddp) {
         ddp->zero_grad(true);
         auto t0 = std::chrono::steady_clock::now();
-        ddp->pre_forward();
+        ddp->pre_forward(/*finish_sync=*/!overlap);
         checks.push_back(ms_since(t0));
         at::Tensor loss = loss_fn(step);
         auto t1 = std::chrono::steady_clock::now();
@@ -266,12 +279,18 @@ int main(int argc, char** argv) {
     auto cross_total = [&] { return oss && oss->replica_group() ? oss->replica_group()->stats().total_bytes() : int64_t{0}; };
     const int64_t block_before = block_total(), cross_before = cross_total();
     const int64_t written_before = written_bytes();
+    // Steps back to back, each timed from the end of the one before: what a step costs in a
+    // training loop, the parameter sync left in flight by one step (--overlap-sync) included in
+    // the next (and finished inside the last).
     std::vector<double> times;
+    if (ddp) ddp->finish_param_sync();
+    group->barrier();
+    auto last = std::chrono::steady_clock::now();
     for (int s = 0; s < steps; ++s) {
-      group->barrier();
-      auto t0 = std::chrono::steady_clock::now();
       one_step(warmup + s);
-      times.push_back(ms_since(t0));
+      if (ddp && s + 1 == steps) ddp->finish_param_sync();
+      times.push_back(ms_since(last));
+      last = std::chrono::steady_clock::now();
     }
     const double step_ms = median(times);
     const double wire_bytes_per_step = static_cast<double>(written_bytes() - written_before) / steps;

@@ -239,6 +239,7 @@ std::vector<char> checkpoint_bytes(const torch::IValue& payload) {
 void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer, const TrainingState& state,
                      CheckpointOptions options) {
   ProcessGroup& group = optimizer.global_group();
+  optimizer.finish_param_sync();  // the module's parameters are read below
   CommPhase phase("saving a checkpoint");
   const int rank = group.rank(), world = group.size();
   // The optimizer's shards are those of its shard group (with hierarchical sharding, block 0's
@@ -312,6 +313,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& op
 
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer) {
   ProcessGroup& group = optimizer.global_group();
+  optimizer.finish_param_sync();  // nothing in flight may land on the loaded parameters
   CommPhase phase("loading a checkpoint");
   TrainingState state;
   std::string error;

@@ -69,6 +69,9 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
     const auto& mp = opt->options().mixed_precision();
     if (mp.enabled() && !input_dtype_) input_dtype_ = mp.param_dtype();
   }
+  if (options_.overlap_param_sync()) {
+    for (OSS* opt : optimizers_) opt->set_overlap_param_sync(true);
+  }
   group_ = std::shared_ptr<ProcessGroup>(&optimizers_[0]->process_group(), [](ProcessGroup*) {});
   global_ = &optimizers_[0]->global_group();
   replica_ = optimizers_[0]->replica_group();
@@ -193,6 +196,13 @@ void ShardedDDP::follow_layouts() {
 
 ShardedDDP::~ShardedDDP() {
   remove_hooks();
+  for (OSS* opt : optimizers_) {
+    try {
+      opt->set_overlap_param_sync(false);
+    } catch (const std::exception&) {
+      // A failed sync was the last thing these optimizers did; not for a destructor to raise.
+    }
+  }
 }
 
 void ShardedDDP::remove_hooks() {
@@ -305,7 +315,7 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
 
 // ---- forward ------------------------------------------------------------------------------------
 
-void ShardedDDP::pre_forward() {
+void ShardedDDP::pre_forward(bool finish_sync) {
   CommPhase phase("forward (trainability check, buffers)");
   if (options_.auto_refresh_trainable()) {
     await_mask_check();  // from here on mask_ is known to be the same on every rank
@@ -326,6 +336,20 @@ void ShardedDDP::pre_forward() {
     at::NoGradGuard no_grad;
     for (auto& b : module_->buffers()) global_->broadcast(b, 0);
   }
+  if (finish_sync) finish_param_sync();
+}
+
+void ShardedDDP::wait_param_sync(const std::vector<at::Tensor>& params) {
+  for (const auto& p : params) {
+    auto it = module_index_.find(p.unsafeGetTensorImpl());
+    if (it == module_index_.end()) continue;  // not one of ours (ignored, or another module's)
+    const auto& [k, i] = place_[it->second];
+    optimizers_[k]->finish_param_sync(i);
+  }
+}
+
+void ShardedDDP::finish_param_sync() {
+  for (OSS* opt : optimizers_) opt->finish_param_sync();
 }
 
 // Note [Overlapped trainability check]

@@ -103,7 +103,13 @@ OSS::OSS(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory factor
   init(std::move(groups), std::move(factory));
 }
 
-OSS::~OSS() = default;
+OSS::~OSS() {
+  try {
+    finish_param_sync();
+  } catch (const std::exception&) {
+    // A failed sync was the last thing this OSS did; its error is not for a destructor to raise.
+  }
+}
 
 void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory factory) {
   // Every rank learns of any rank's bad input, so no rank is left waiting in a collective.
@@ -231,6 +237,7 @@ FlatLayout OSS::plan_layout(const std::vector<uint8_t>& trainable) const {
 }
 
 void OSS::lay_out(const std::vector<uint8_t>& trainable) {
+  finish_param_sync();  // the data moves to new buffers: it must be current first
   layout_ = plan_layout(trainable);
   laid_out_for_ = trainable;
   buffers_.clear();  // the parameters still hold the old buffers' data until they are copied out
@@ -337,6 +344,7 @@ bool OSS::lay_out_for(const std::vector<uint8_t>& trainable) {
 void OSS::set_bucket_bytes(int64_t bytes) {
   SHARDOPT_CHECK(bytes >= 0, "bucket bytes must be >= 0, got ", bytes);
   if (bytes == options_.layout().bucket_bytes()) return;
+  finish_param_sync();  // the in-flight work is indexed by the old buckets
   options_.layout().bucket_bytes(bytes);
   FlatLayout next = plan_layout(laid_out_for_);
   TORCH_INTERNAL_ASSERT(next.same_placement(layout_), "new bucket cuts moved parameters in the flat buffers");
@@ -382,6 +390,7 @@ torch::Tensor OSS::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  finish_param_sync();
   if (options_.check_trainable_every_step()) {
     agree_on_trainable(false);
     lay_out_for(trainable_);  // agreed: every rank lays out alike
@@ -436,7 +445,11 @@ torch::Tensor OSS::step(LossClosure closure) {
     for (const auto& [i, h] : stepped) detail::write_back(params_[i], h->tensor, h->in_param);
   }
 
-  sync_params();
+  if (overlap_sync_ && options_.sync() == ParamSync::kBroadcast && group_->size() > 1) {
+    start_param_sync();
+  } else {
+    sync_params();
+  }
   // The set was just agreed on, so every rank takes the same decision.
   if (options_.check_trainable_every_step()) rebalance(trainable_);
   return loss;
@@ -492,7 +505,59 @@ void OSS::set_local_groups() {
   }
 }
 
+// Note [Overlapped parameter sync]
+// After the step, each gradient bucket's range of the parameter buffer is broadcast from its
+// owner: the same ranges the owner just stepped (frozen parameters do not change, shard padding
+// is not sent). The buckets go out in reverse order: the trainable run holds the parameters in
+// reverse order (Note [Bucket order]), so the last buckets hold the first layers, which the next
+// forward needs first. ShardedDDP waits, before each child of a Sequential (or where the user
+// calls wait_param_sync), only for the buckets of that child's parameters, so the rest of the
+// sync runs beside the forward; without per-child waits it finishes everything in pre_forward.
+// Anything that lays the buffers out again or reads the parameters here finishes it first.
+void OSS::start_param_sync() {
+  CommPhase phase("step (parameter sync, overlapped)");
+  const auto& buckets = layout_.buckets();
+  bucket_sync_.clear();
+  bucket_sync_.resize(buckets.size());
+  for (size_t k = buckets.size(); k-- > 0;) {
+    const FlatBucket& b = buckets[k];
+    const int64_t begin = layout_.groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
+    at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
+    bucket_sync_[k] = group_->broadcast_async(range, b.owner);
+    ++sync_in_flight_;
+  }
+}
+
+void OSS::finish_param_sync() {
+  if (sync_in_flight_ == 0) return;
+  CommPhase phase("parameter sync (finishing)");
+  for (size_t k = bucket_sync_.size(); k-- > 0;) {
+    if (!bucket_sync_[k].valid()) continue;
+    --sync_in_flight_;
+    bucket_sync_[k].wait();
+  }
+  sync_in_flight_ = 0;
+}
+
+void OSS::finish_param_sync(size_t param) {
+  if (sync_in_flight_ == 0) return;
+  SHARDOPT_CHECK(param < params_.size(), "finish_param_sync: parameter ", param, " of ", params_.size());
+  CommPhase phase("parameter sync (finishing)");
+  for (size_t k : layout_.pieces_of(param)) {
+    const int64_t b = layout_.pieces()[k].bucket;
+    if (b < 0 || !bucket_sync_[b].valid()) continue;
+    --sync_in_flight_;
+    bucket_sync_[b].wait();
+  }
+}
+
+void OSS::set_overlap_param_sync(bool on) {
+  if (!on) finish_param_sync();
+  overlap_sync_ = on;
+}
+
 void OSS::sync_params() {
+  finish_param_sync();
   CommPhase phase("step (parameter sync)");
   detail::sync_params(*group_, layout_, buffers_, options_.sync());
 }
@@ -596,6 +661,7 @@ std::string OSS::describe() const {
 
 void OSS::refresh_master_weights() {
   if (!mixed_) return;
+  finish_param_sync();
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     for (const auto& h : holdings_[i]) {

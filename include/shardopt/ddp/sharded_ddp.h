@@ -67,6 +67,13 @@ struct ShardedDDPOptions {
   // trainability; their gradients stay this rank's local ones. They must not be in any of its
   // OSS optimizers, and every rank must list the same module parameters.
   TORCH_ARG(std::vector<at::Tensor>, ignored_parameters) = {};
+  // The parameter sync after OSS::step() runs beside the next forward (Note [Overlapped
+  // parameter sync] in csrc/optim/oss.cpp): forward() of a Sequential waits before each child
+  // for that child's parameters only; other modules wait in pre_forward(), or, after
+  // pre_forward(false), where their forward calls wait_param_sync(params). Parameters read
+  // between step() and the next forward need
+  // finish_param_sync() first. Off by default.
+  TORCH_ARG(bool, overlap_param_sync) = false;
 };
 
 class ShardedDDP;
@@ -106,8 +113,23 @@ class ShardedDDP {
     if (!callable_) {
       // Sequential's forward is a template, which AnyModule cannot hold: call it directly.
       if (auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_)) {
-        pre_forward();
-        return sequential->forward<R>(cast_input(std::forward<Args>(args))...);
+        if (!options_.overlap_param_sync() || sequential->is_empty()) {
+          pre_forward();
+          return sequential->forward<R>(cast_input(std::forward<Args>(args))...);
+        }
+        // Sequential::forward, child by child, each after its own parameters arrived.
+        pre_forward(/*finish_sync=*/false);
+        auto it = sequential->begin();
+        wait_param_sync(it->ptr()->parameters());
+        torch::nn::AnyValue value = it->any_forward(cast_input(std::forward<Args>(args))...);
+        for (++it; it != sequential->end(); ++it) {
+          wait_param_sync(it->ptr()->parameters());
+          value = it->any_forward(std::move(value));
+        }
+        finish_param_sync();  // parameters of no child (registered on the Sequential itself)
+        if (auto* result = value.try_get<R>()) return std::move(*result);
+        SHARDOPT_CHECK(false, "ShardedDDP::forward: the Sequential's last module returned another type than the one "
+                       "asked for");
       }
     }
     SHARDOPT_CHECK(callable_, "ShardedDDP::forward needs a module with a (non-template) forward() method, a "
@@ -118,8 +140,14 @@ class ShardedDDP {
   }
 
   // What forward() does before calling the module: trainability check (and rebuild), buffer
-  // broadcast. Collective.
-  void pre_forward();
+  // broadcast, and (overlap_param_sync) waiting for the whole parameter sync, unless
+  // `finish_sync` is false: then the module's forward calls wait_param_sync() before using each
+  // part of its parameters. Collective.
+  void pre_forward(bool finish_sync = true);
+  // overlap_param_sync: waits for the sync of these parameters only (a module's forward calls it
+  // before using them), or of all parameters. Local.
+  void wait_param_sync(const std::vector<at::Tensor>& params);
+  void finish_param_sync();
   void zero_grad(bool set_to_none = true);
   // Agrees across ranks on the trainable set and rebuilds buckets and hooks. Collective.
   void refresh_trainable();

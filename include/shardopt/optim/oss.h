@@ -218,6 +218,17 @@ class OSS : public torch::optim::Optimizer {
   int64_t local_state_bytes() const;
   // Makes every rank's copy of the parameters equal to the owner's. Collective.
   void sync_params();
+  // Note [Overlapped parameter sync]: with it on (ShardedDDPOptions::overlap_param_sync sets
+  // it), step() starts one broadcast per gradient bucket, the buckets the forward needs first
+  // first, and returns; the parameters are current once finish_param_sync() returned (every
+  // rank's copy), or, for one parameter, finish_param_sync(index). Everything in OSS that reads
+  // or lays out the parameters finishes the sync first; user code that reads parameters between
+  // step() and the next ShardedDDP forward calls finish_param_sync(). Local waits: every rank
+  // started the same broadcasts in step().
+  void set_overlap_param_sync(bool on);
+  void finish_param_sync();
+  void finish_param_sync(size_t param);
+  bool param_sync_in_flight() const { return sync_in_flight_ > 0; }
   // ShardedDDP checks the trainable set at every forward, lays the buffers out for it, and turns
   // the step's check (and lay-out) off.
   void set_check_trainable_every_step(bool on) {
@@ -267,6 +278,9 @@ class OSS : public torch::optim::Optimizer {
   std::unordered_map<size_t, c10::impl::GenericDict> saved_entries(const c10::impl::GenericDict& dict) const;
   c10::impl::GenericList param_groups_value() const;
   void load_masters(const c10::impl::GenericDict& dict);
+  // Starts the broadcast of every bucket from its owner, in reverse bucket order (Note
+  // [Overlapped parameter sync]).
+  void start_param_sync();
   // The gradient of holding h of parameter i on this rank, or undefined.
   at::Tensor holding_grad(size_t i, const detail::Holding& h) const;
 
@@ -297,6 +311,9 @@ class OSS : public torch::optim::Optimizer {
   std::vector<uint8_t> balanced_for_;   // the trainable set the partition was last decided for
   int64_t partition_version_ = 0;
   RebalanceStats last_rebalance_;
+  bool overlap_sync_ = false;                // step() leaves the parameter sync in flight
+  std::vector<PendingWork> bucket_sync_;     // per layout bucket: its broadcast, while in flight
+  size_t sync_in_flight_ = 0;                // buckets not finished yet
   bool mixed_ = false;                      // mixed precision: the holdings' tensors are fp32 masters
   std::vector<at::Tensor> master_sources_;  // during construction: the fp32 values masters start from
   std::optional<torch::IValue> consolidated_;
