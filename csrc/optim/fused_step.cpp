@@ -3,6 +3,7 @@
 #include <shardopt/check.h>
 #include <shardopt/compat.h>
 
+#include "cuda/kernels_adapter.h"
 #include "optim/fused_kernels.h"
 
 #include <ATen/ATen.h>
@@ -44,9 +45,12 @@ void sgd_kernel(T* p, const T* g, T* buf, int64_t n, const SgdScalars& s) {
   }
 }
 
+// What the fused step runs on: a dense contiguous float/double CPU tensor, or an fp32 CUDA
+// tensor where this build carries kernels/'s CUDA kernels.
 bool dense_cpu_float(const at::Tensor& t) {
-  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() &&
-         (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
+  if (!t.defined() || t.layout() != at::kStrided || !t.is_contiguous()) return false;
+  if (t.device().is_cuda()) return t.scalar_type() == at::kFloat && detail::cuda_kernels_built();
+  return t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
 }
 
 bool amsgrad_of(const optim::OptimizerOptions& o) {
@@ -93,6 +97,11 @@ void adam_like_step(optim::Optimizer& opt, bool decoupled) {
       at::NoGradGuard no_grad;
       const at::Tensor grad = p.grad(), m = st.exp_avg(), v = st.exp_avg_sq();
       const at::Tensor vmax = s.amsgrad ? st.max_exp_avg_sq() : at::Tensor();
+      if (p.is_cuda()) {
+        detail::cuda_adam(p, grad, m, v, vmax, s, st.step());
+        p.unsafeGetTensorImpl()->bump_version();
+        continue;
+      }
       AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "shardopt_fused_adam", [&] {
         adam_kernel<scalar_t>(p.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                               v.data_ptr<scalar_t>(), vmax.defined() ? vmax.data_ptr<scalar_t>() : nullptr, p.numel(), s);
@@ -127,6 +136,11 @@ void sgd_step(optim::Optimizer& opt) {
         buf = static_cast<optim::SGDParamState&>(*it->second).momentum_buffer();
       }
       at::NoGradGuard no_grad;
+      if (p.is_cuda()) {
+        detail::cuda_sgd(p, p.grad(), buf, s);
+        p.unsafeGetTensorImpl()->bump_version();
+        continue;
+      }
       AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "shardopt_fused_sgd", [&] {
         sgd_kernel<scalar_t>(p.data_ptr<scalar_t>(), p.grad().data_ptr<scalar_t>(),
                              buf.defined() ? buf.data_ptr<scalar_t>() : nullptr, p.numel(), s);
@@ -182,8 +196,10 @@ std::string fused_step_unsupported(const optim::Optimizer& optimizer) {
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      if (!dense_cpu_float(p) || !dense_cpu_float(p.grad()) || p.scalar_type() != p.grad().scalar_type()) {
-        return "a parameter or its gradient is not a dense contiguous float/double CPU tensor of the same dtype";
+      if (!dense_cpu_float(p) || !dense_cpu_float(p.grad()) || p.scalar_type() != p.grad().scalar_type() ||
+          p.device() != p.grad().device()) {
+        return "a parameter or its gradient is not a dense contiguous float/double CPU tensor (or fp32 CUDA tensor, "
+               "with the CUDA kernels built) of the same dtype and device";
       }
       auto it = optimizer.state().find(compat::state_key(p));
       if (it == optimizer.state().end()) continue;

@@ -1,6 +1,7 @@
 // OSS and ShardedDDP on CUDA tensors over NCCL. These run where a CUDA device is visible and are
 // reported as skipped (not passed) everywhere else.
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/fused_step.h>
 
 #include "parity.h"
 
@@ -54,6 +55,8 @@ TEST(Cuda, OssAndShardedDdpOnCudaMatchTorchOptim) {
     ddp.zero_grad(true);
     ddp.forward(x).sub(y).pow(2).mean().backward();
     oss.step();
+    // fp32 CUDA parameters take kernels/'s fused AdamW/Adam kernel (a build with nvcc).
+    EXPECT_TRUE(oss.stepped_fused()) << fused_step_unsupported(oss.local_optimizer());
     ref_opt.zero_grad();
     ref->forward(x).sub(y).pow(2).mean().backward();
     ref_opt.step();

@@ -46,6 +46,20 @@ std::vector<char> read_file(const std::string& path) {
   return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
+// The input of optim_interop.py's `step`: the optimizer's name, the parameters and gradients
+// (fp32 copies), and the consolidated state.
+void write_step_input(const std::string& path, const std::string& name, const Params& p, const c10::IValue& state) {
+  auto blob = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+  c10::impl::GenericList params(c10::AnyType::get()), grads(c10::AnyType::get());
+  for (auto& t : p) params.push_back(t.detach().to(at::kFloat, false, true)), grads.push_back(t.grad().to(at::kFloat, false, true));
+  blob.insert("optimizer", name);
+  blob.insert("params", params);
+  blob.insert("grads", grads);
+  blob.insert("state", state);
+  auto bytes = torch::pickle_save(blob);
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
 // Gradients summed over ranks of a global batch of 12: the same on every world size.
 void backward_global(const Params& params, int64_t step, ProcessGroup& g) {
   const int per_rank = 12 / g.size();
@@ -73,15 +87,7 @@ TEST(PythonInterop, ConsolidatedStateLoadsIntoTorchOptimAndTakesTheSameStep) {
       oss.zero_grad(true);
       backward_global(p, 3, *g);
       if (g->rank() == 0) {
-        auto blob = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
-        c10::impl::GenericList params(c10::AnyType::get()), grads(c10::AnyType::get());
-        for (auto& t : p) params.push_back(t.detach().clone()), grads.push_back(t.grad().clone());
-        blob.insert("optimizer", std::string(c.name));
-        blob.insert("params", params);
-        blob.insert("grads", grads);
-        blob.insert("state", oss.state_dict());
-        auto bytes = torch::pickle_save(blob);
-        std::ofstream(in_path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+        write_step_input(in_path, c.name, p, oss.state_dict());
       }
       oss.step();
       if (g->rank() == 0) {
@@ -126,15 +132,7 @@ TEST(PythonInterop, MixedPrecisionStateResumesInTorchOptimFromTheMasters) {
     oss.zero_grad(true);
     backward(3);
     if (g->rank() == 0) {
-      auto blob = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
-      c10::impl::GenericList params(c10::AnyType::get()), grads(c10::AnyType::get());
-      for (auto& t : p) params.push_back(t.detach().to(at::kFloat)), grads.push_back(t.grad().to(at::kFloat));
-      blob.insert("optimizer", std::string(c.name));
-      blob.insert("params", params);
-      blob.insert("grads", grads);
-      blob.insert("state", oss.state_dict());
-      auto bytes = torch::pickle_save(blob);
-      std::ofstream(in_path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+      write_step_input(in_path, c.name, p, oss.state_dict());
     }
     oss.step();
     oss.consolidate_state_dict(0);
