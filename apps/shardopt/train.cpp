@@ -96,6 +96,8 @@ class Trainer {
   std::vector<at::Tensor> params_;
   std::unique_ptr<OSS> oss_;
   std::unique_ptr<ShardedDDP> ddp_;
+  std::unique_ptr<ShardedGradScaler> scaler_;  // fp16
+  int64_t skipped_steps_ = 0;                  // fp16 steps skipped for inf/nan gradients
   std::unique_ptr<BalancedSampler> sampler_;
   FreezeSchedule schedule_;
   int64_t steps_per_epoch_ = 0, total_steps_ = 0, step_ = 0, epoch_ = 0, first_epoch_step_ = 0;
@@ -135,7 +137,12 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   steps_per_epoch_ = sampler_->steps_per_epoch();
   total_steps_ = steps_per_epoch_ * o.epochs;
   schedule_.validate(names_, steps_per_epoch_, total_steps_);
-  oss_ = std::make_unique<OSS>(params_, make_optimizer(o), group_);
+  OSSOptions oss_options;
+  if (o.mixed_precision != "off") {
+    oss_options.mixed_precision(MixedPrecision().param_dtype(o.mixed_precision == "bf16" ? at::kBFloat16 : at::kHalf));
+  }
+  oss_ = std::make_unique<OSS>(params_, make_optimizer(o), group_, oss_options);
+  if (o.mixed_precision == "fp16") scaler_ = std::make_unique<ShardedGradScaler>();
   // Each rank's loss is the sum over its real samples; gradients are divided by the real
   // samples of the global step, so a padded last step weighs exactly right.
   ddp_ = std::make_unique<ShardedDDP>(model_.ptr(), *oss_, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples));
@@ -146,6 +153,11 @@ void Trainer::restore() {
   const TrainingState state = load_checkpoint(o_.checkpoint_dir + "/last.ckpt", *model_, *oss_);
   SHARDOPT_CHECK(state.sampler.has_value(), "checkpoint '", o_.checkpoint_dir, "/last.ckpt' has no sampler position");
   sampler_->restore(*state.sampler);
+  if (scaler_ && state.scalars.count("loss_scale")) {
+    scaler_->load(state.scalars.at("loss_scale"),
+                  static_cast<int64_t>(state.scalars.count("loss_scale_growth_tracker")
+                                           ? state.scalars.at("loss_scale_growth_tracker") : 0));
+  }
   step_ = state.step;
   epoch_ = state.sampler->epoch;
   first_epoch_step_ = state.sampler->next_step;
@@ -169,13 +181,21 @@ double Trainer::train_step(int64_t epoch_step) {
   ddp_->zero_grad(true);
   ddp_->set_global_samples(b.global_real);
   const at::Tensor out = ddp_->forward(normalise(data_.train_images.index_select(0, idx)));
+  // The loss in fp32 whatever the model's dtype.
   const at::Tensor per_sample = torch::nn::functional::cross_entropy(
-      out, data_.train_labels.index_select(0, idx), torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+      out.to(at::kFloat), data_.train_labels.index_select(0, idx),
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
   const at::Tensor loss = (per_sample * real).sum();
-  loss.backward();
+  (scaler_ ? scaler_->scale(loss) : loss).backward();
+  if (scaler_) scaler_->unscale_(*oss_);  // clipping and the step see the unscaled gradients
   if (o_.clip > 0) oss_->clip_grad_norm(o_.clip);
   last_grad_bytes_ = ddp_->local_grad_bytes();
-  oss_->step();
+  if (scaler_) {
+    skipped_steps_ += scaler_->step(*oss_) ? 0 : 1;
+    scaler_->update();
+  } else {
+    oss_->step();
+  }
   return loss.item<double>() / std::max<double>(1.0, real.sum().item<double>());
 }
 
@@ -266,7 +286,8 @@ std::pair<int64_t, int64_t> Trainer::evaluate() {
   const at::Tensor mine = at::arange(rank_, n, world_, at::kLong);
   for (int64_t start = 0; start < mine.size(0); start += 1000) {
     const at::Tensor idx = mine.narrow(0, start, std::min<int64_t>(1000, mine.size(0) - start));
-    const at::Tensor pred = model_->forward(normalise(data_.test_images.index_select(0, idx))).argmax(1);
+    const at::Tensor images = normalise(data_.test_images.index_select(0, idx)).to(params_[0].scalar_type());
+    const at::Tensor pred = model_->forward(images).argmax(1);
     correct += pred.eq(data_.test_labels.index_select(0, idx)).sum().item<int64_t>();
     seen += idx.size(0);
   }
@@ -282,6 +303,10 @@ void Trainer::save(int64_t next_epoch_step) {
   state.step = step_;
   state.epoch = epoch_;
   state.sampler = sampler_->state(next_epoch_step);
+  if (scaler_) {
+    state.scalars["loss_scale"] = scaler_->get_scale();
+    state.scalars["loss_scale_growth_tracker"] = static_cast<double>(scaler_->growth_tracker());
+  }
   save_checkpoint(o_.checkpoint_dir + "/last.ckpt", *model_, *oss_, state,
                   CheckpointOptions().optimizer_state(o_.sharded_checkpoint ? OptimizerStateLayout::kSharded
                                                                            : OptimizerStateLayout::kConsolidated));
@@ -295,7 +320,8 @@ int64_t Trainer::model_numel() const {
 
 // The run's result and what sharding saved on each rank, measured.
 void Trainer::summary() {
-  const auto state = per_rank(*group_, oss_->local_state_bytes());
+  // Under mixed precision the fp32 master weights count with the state (ZeRO's 12 bytes).
+  const auto state = per_rank(*group_, oss_->local_state_bytes() + oss_->local_master_bytes());
   const auto grads = per_rank(*group_, last_grad_bytes_);
   if (rank_ != 0) return;
   int64_t state_total = 0;
@@ -307,8 +333,13 @@ void Trainer::summary() {
   std::printf("done: %lld steps in %.1f s (%.0f samples/s)%s\n", static_cast<long long>(steps), seconds,
               static_cast<double>(steps * o_.batch_size) / std::max(seconds, 1e-9),
               last_accuracy_ >= 0 ? fmt::format(", test accuracy {:.2f}%", 100.0 * last_accuracy_).c_str() : "");
-  std::printf("memory per rank: optimizer state %s of %s unsharded; gradients after the last backward %s of %s "
+  if (scaler_) {
+    std::printf("fp16: %lld steps skipped for inf/nan gradients, loss scale %g at the end\n",
+                static_cast<long long>(skipped_steps_), scaler_->get_scale());
+  }
+  std::printf("memory per rank: optimizer state%s %s of %s unsharded; gradients after the last backward %s of %s "
               "(all trainable gradients)\n",
+              o_.mixed_precision != "off" ? " + fp32 master weights" : "",
               per_rank_bytes(state).c_str(), bytes_text(static_cast<double>(state_total)).c_str(),
               per_rank_bytes(grads).c_str(), bytes_text(static_cast<double>(grad_total)).c_str());
   std::fflush(stdout);

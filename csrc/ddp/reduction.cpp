@@ -221,6 +221,7 @@ void ShardedDDP::hand_over_reduced() {
   if (options_.grad_scaling() == GradScaling::kGlobalSamples) divisor = static_cast<double>(global_samples_);
   const int rank = group_->rank();
   at::NoGradGuard no_grad;
+  std::vector<at::Tensor> flag_parts;
   for (auto& b : buckets_) {
     if (b.owner != rank) continue;
     // Hierarchical sharding: the block's sum, summed over the blocks (flags included).
@@ -230,14 +231,19 @@ void ShardedDDP::hand_over_reduced() {
     }
     at::Tensor grads = b.buffer.narrow(0, 0, b.numel);
     if (divisor != 1.0) grads.div_(divisor);
-    // The flags of the whole bucket, read in one go (one copy off the device, if any).
-    const at::Tensor flags =
-        b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).to(at::kCPU, at::kDouble);
-    const double* flag = flags.data_ptr<double>();
-    for (size_t k = 0; k < b.entries.size(); ++k) {
+    flag_parts.push_back(b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).to(at::kDouble));
+  }
+  if (flag_parts.empty()) return;
+  // Every owned bucket's flags, read off the device in one copy (one host synchronisation on a
+  // GPU, not one per bucket).
+  const at::Tensor all_flags = at::cat(flag_parts).to(at::kCPU);
+  const double* flag = all_flags.data_ptr<double>();
+  for (auto& b : buckets_) {
+    if (b.owner != rank) continue;
+    for (size_t k = 0; k < b.entries.size(); ++k, ++flag) {
       Entry& entry = entries_[b.entries[k]];
       at::Tensor& p = entry.target;  // the parameter, or the owner's tensor of its piece
-      if (flag[k] == 0) {
+      if (*flag == 0) {
         // No rank had a gradient: a whole parameter keeps what it holds, as under DDP.
         if (!entry.whole) p.mutable_grad().reset();
         continue;

@@ -88,6 +88,27 @@ class CliTest(unittest.TestCase):
         opt.step()
         self.assertTrue(torch.equal(opt.state[params[0]]["exp_avg"].mul(0), torch.zeros_like(params[0])))
 
+    def test_mixed_precision_bf16_trains_and_resumes_bit_exact(self):
+        args = ["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE, "--mixed-precision", "bf16"]
+        full = run([*args, "--checkpoint-dir", self.path("full")])
+        losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", full.stdout)]
+        self.assertLess(losses[-1], 0.7 * losses[0], f"the loss did not fall: {losses}")
+        self.assertIn("optimizer state + fp32 master weights", full.stdout)
+        part = [*args, "--checkpoint-dir", self.path("part"), "--checkpoint-every", "40"]
+        run([*part, "--stop-after-steps", "130"])
+        run([*part, "--resume"])
+        a = read_checkpoint.load(self.path("full/last.ckpt"))
+        b = read_checkpoint.load(self.path("part/last.ckpt"))
+        for k in a["model"]:
+            self.assertEqual(a["model"][k].dtype, torch.bfloat16, k)
+            self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
+        # The fp32 masters travel with the optimizer state and are the bf16 parameters, rounded.
+        masters = a["optimizer"]["master_weights"]
+        for i, k in enumerate(a["model"]):
+            self.assertEqual(masters[i].dtype, torch.float32)
+            self.assertTrue(torch.equal(masters[i], b["optimizer"]["master_weights"][i]), k)
+            self.assertTrue(torch.equal(masters[i].to(torch.bfloat16), a["model"][k]), k)
+
     def test_one_rank_and_four_ranks_end_within_1e_4(self):
         run(["train", *TINY, "--checkpoint-dir", self.path("one")])
         run(["train", *TINY, "-n", "4", "--checkpoint-dir", self.path("four")])
