@@ -91,21 +91,26 @@ struct Case {
   c10::ScalarType dtype, reduce;
   int world;
   PartitionMode partition;
+  int shard_group_size = 0;      // hierarchical sharding
+  bool overlap_sync = false;     // ShardedDDPOptions::overlap_param_sync
 };
 
 TEST(MixedPrecision, ShardedDdpFollowsTheRecipeWithFreezingAndClipping) {
   for (const Case& c : {Case{at::kBFloat16, at::kFloat, 3, PartitionMode::kWholeParameters},
                         Case{at::kBFloat16, at::kFloat, 3, PartitionMode::kSplit},
                         Case{at::kBFloat16, at::kBFloat16, 2, PartitionMode::kSplit},
-                        Case{at::kHalf, at::kFloat, 2, PartitionMode::kWholeParameters}}) {
+                        Case{at::kHalf, at::kFloat, 2, PartitionMode::kWholeParameters},
+                        Case{at::kBFloat16, at::kFloat, 4, PartitionMode::kSplit, /*shard_group_size=*/2},
+                        Case{at::kBFloat16, at::kFloat, 2, PartitionMode::kWholeParameters, 0, /*overlap_sync=*/true}}) {
     SCOPED_TRACE(std::string(c10::toString(c.dtype)) + " reduced in " + c10::toString(c.reduce) + " at world " +
-                 std::to_string(c.world) + (c.partition == PartitionMode::kSplit ? ", split" : ", whole"));
+                 std::to_string(c.world) + (c.partition == PartitionMode::kSplit ? ", split" : ", whole") +
+                 ", shard_group_size " + std::to_string(c.shard_group_size) + (c.overlap_sync ? ", overlapped sync" : ""));
     testing::run_ranks(c.world, [&](std::shared_ptr<ProcessGroup> g) {
       auto net = std::make_shared<Net>();
       OSS oss(net->parameters(), adam(), g,
-              OSSOptions().partition(c.partition).mixed_precision(
+              OSSOptions().partition(c.partition).shard_group_size(c.shard_group_size).mixed_precision(
                   MixedPrecision().param_dtype(c.dtype).reduce_dtype(c.reduce)));
-      ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(64));
+      ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(64).overlap_param_sync(c.overlap_sync));
       Recipe ref(c.dtype, c.reduce, c.world);
       for (const auto& p : net->params) ASSERT_EQ(p.scalar_type(), c.dtype) << "the module runs in param_dtype";
       for (int step = 0; step < 6; ++step) {
@@ -118,6 +123,7 @@ TEST(MixedPrecision, ShardedDdpFollowsTheRecipeWithFreezingAndClipping) {
         testing::loss_of(ddp.forward(data.x), data, 3).backward();  // forward() casts x
         oss.clip_grad_norm(0.5);
         oss.step();
+        ddp.finish_param_sync();
         ref.step(step, {false, false, freeze, freeze, false}, 0.5);
         for (size_t i = 0; i < ref.master.size(); ++i) {
           // The rounded masters, one param_dtype step apart at most where fp32 sums differ in
