@@ -293,6 +293,16 @@ TEST(MixedPrecision, BadOptionsAreErrorsOnEveryRank) {
     });
     for (const auto& e : errors) EXPECT_NE(e.find(message), std::string::npos) << e;
   }
+  // The masters are fp32 copies: parameters of another dtype are refused, naming the first.
+  auto wrong_dtype = testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+    std::vector<at::Tensor> params;
+    for (const auto& p : testing::make_params()) params.push_back(p.detach().to(at::kDouble).requires_grad_());
+    OSS oss(params, adam(), g, OSSOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
+  });
+  for (const auto& e : wrong_dtype) {
+    EXPECT_NE(e.find("mixed precision needs fp32 parameters to start from (the masters are fp32); parameter 0 is Double"),
+              std::string::npos) << e;
+  }
   // One rank's bad option stops every rank, the others naming where to look.
   auto errors = testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
     OSS oss(testing::make_params(), adam(), g,
