@@ -1,0 +1,156 @@
+// OSS's parameters and gradients around the step: the parameter sync after it (Note [Parameter
+// sync], overlapped or not), clearing and clipping the gradients this rank holds, and mixed
+// precision's master weights.
+#include <shardopt/optim/oss.h>
+#include <shardopt/check.h>
+
+#include "optim/param_buffers.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace shardopt {
+
+// ---- the parameter sync -------------------------------------------------------------------------
+
+// Note [Overlapped parameter sync]
+// After the step, each gradient bucket's range of the parameter buffer is broadcast from its
+// owner: the same ranges the owner just stepped (frozen parameters do not change, shard padding
+// is not sent). The buckets go out in reverse order: the trainable run holds the parameters in
+// reverse order (Note [Bucket order]), so the last buckets hold the first layers, which the next
+// forward needs first. ShardedDDP waits, before each child of a Sequential (or where the user
+// calls wait_param_sync), only for the buckets of that child's parameters, so the rest of the
+// sync runs beside the forward; without per-child waits it finishes everything in pre_forward.
+// Anything that lays the buffers out again or reads the parameters here finishes it first.
+void OSS::start_param_sync() {
+  CommPhase phase("step (parameter sync, overlapped)");
+  const auto& buckets = layout_.buckets();
+  bucket_sync_.clear();
+  bucket_sync_.resize(buckets.size());
+  for (size_t k = buckets.size(); k-- > 0;) {
+    const FlatBucket& b = buckets[k];
+    const int64_t begin = layout_.groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
+    at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
+    bucket_sync_[k] = group_->broadcast_async(range, b.owner);
+    ++sync_in_flight_;
+  }
+}
+
+void OSS::finish_param_sync() {
+  if (sync_in_flight_ == 0) return;
+  CommPhase phase("parameter sync (finishing)");
+  for (size_t k = bucket_sync_.size(); k-- > 0;) {
+    if (!bucket_sync_[k].valid()) continue;
+    --sync_in_flight_;
+    bucket_sync_[k].wait();
+  }
+  sync_in_flight_ = 0;
+}
+
+void OSS::finish_param_sync(size_t param) {
+  if (sync_in_flight_ == 0) return;
+  SHARDOPT_CHECK(param < params_.size(), "finish_param_sync: parameter ", param, " of ", params_.size());
+  CommPhase phase("parameter sync (finishing)");
+  for (size_t k : layout_.pieces_of(param)) {
+    const int64_t b = layout_.pieces()[k].bucket;
+    if (b < 0 || !bucket_sync_[b].valid()) continue;
+    --sync_in_flight_;
+    bucket_sync_[b].wait();
+  }
+}
+
+void OSS::set_overlap_param_sync(bool on) {
+  if (!on) finish_param_sync();
+  overlap_sync_ = on;
+}
+
+void OSS::sync_params() {
+  finish_param_sync();
+  CommPhase phase("step (parameter sync)");
+  detail::sync_params(*group_, layout_, buffers_, options_.sync());
+}
+
+void OSS::zero_grad(bool set_to_none) {
+  auto clear = [set_to_none](const at::Tensor& t) {
+    if (!t.grad().defined()) return;
+    if (set_to_none) {
+      t.mutable_grad() = at::Tensor();
+    } else {
+      t.mutable_grad().detach_();
+      t.mutable_grad().zero_();
+    }
+  };
+  for (auto& p : params_) clear(p);
+  for (const auto& t : piece_tensors_) {
+    if (t.defined()) clear(t);
+  }
+}
+
+std::vector<at::Tensor> OSS::grads(bool owned_only) const {
+  // A rank that owns a range counts it (owned_only); every gradient this rank holds is listed
+  // otherwise, not only the owned ones: a step that lays the buffers out for a new trainable
+  // set may hand a range to a rank that did not own it at the time of a clip.
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    // The flags as they are now, not as of the last step(): unfreezing takes effect at once.
+    if (!params_[i].requires_grad()) continue;
+    const bool full = params_[i].grad().defined();
+    if (full && !owned_only) out.push_back(params_[i].grad());
+    for (const auto& h : holdings_[i]) {
+      if (h.rank != group_->rank() || (full && !owned_only)) continue;
+      at::Tensor g = holding_grad(i, h);
+      if (g.defined()) out.push_back(g);
+    }
+  }
+  return out;
+}
+
+double OSS::clip_grad_norm(double max_norm, double norm_type) {
+  SHARDOPT_CHECK(max_norm >= 0, "clip_grad_norm max_norm must be >= 0, got ", max_norm);
+  SHARDOPT_CHECK(norm_type > 0, "clip_grad_norm norm_type must be > 0 (or inf), got ", norm_type);
+  const bool inf = std::isinf(norm_type);
+  const std::vector<at::Tensor> owned = grads(/*owned_only=*/true), held = grads(/*owned_only=*/false);
+  double local = 0.0;
+  for (const auto& g : owned) {
+    // In double: low-precision gradients lose nothing to the sum.
+    const double n = at::linalg_vector_norm(g, norm_type, c10::nullopt, false, at::kDouble).item<double>();
+    local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
+  }
+  at::Tensor t = at::scalar_tensor(local, at::kDouble).reshape({1});
+  group_->allreduce(t, inf ? Reduction::kMax : Reduction::kSum);
+  const double total = inf ? t.item<double>() : std::pow(t.item<double>(), 1.0 / norm_type);
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0) {
+    at::NoGradGuard no_grad;
+    for (const auto& g : held) g.mul_(coef);
+  }
+  return total;
+}
+
+// ---- master weights ---------------------------------------------------------------------------
+
+void OSS::refresh_master_weights() {
+  if (!mixed_) return;
+  finish_param_sync();
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& h : holdings_[i]) {
+      if (h.rank == group_->rank()) h.tensor.view(-1).copy_(params_[i].detach().reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()));
+    }
+  }
+}
+
+int64_t OSS::local_master_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& list : holdings_) {
+    for (const auto& h : list) {
+      if (mixed_ && h.rank == group_->rank()) bytes += static_cast<int64_t>(h.tensor.nbytes());
+    }
+  }
+  return bytes;
+}
+
+}  // namespace shardopt
