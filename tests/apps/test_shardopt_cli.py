@@ -88,7 +88,7 @@ class CliTest(unittest.TestCase):
         opt.step()
         self.assertTrue(torch.equal(opt.state[params[0]]["exp_avg"].mul(0), torch.zeros_like(params[0])))
 
-    def test_mixed_precision_bf16_trains_and_resumes_bit_exact(self):
+    def test_mixed_precision_trains_and_resumes_bit_exact(self):
         args = ["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE, "--mixed-precision", "bf16"]
         full = run([*args, "--checkpoint-dir", self.path("full")])
         losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", full.stdout)]
@@ -108,6 +108,10 @@ class CliTest(unittest.TestCase):
             self.assertEqual(masters[i].dtype, torch.float32)
             self.assertTrue(torch.equal(masters[i], b["optimizer"]["master_weights"][i]), k)
             self.assertTrue(torch.equal(masters[i].to(torch.bfloat16), a["model"][k]), k)
+        # fp16 runs through the sharded loss scaler and says what it skipped.
+        fp16 = run(["train", "-n", "2", *TINY, "--mixed-precision", "fp16"])
+        self.assertRegex(fp16.stdout, r"fp16: \d+ steps skipped for inf/nan gradients, loss scale \d+")
+        self.assertRegex(fp16.stdout, r"test accuracy \d+\.\d+%")
 
     def test_one_rank_and_four_ranks_end_within_1e_4(self):
         run(["train", *TINY, "--checkpoint-dir", self.path("one")])
