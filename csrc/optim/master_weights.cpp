@@ -43,14 +43,9 @@ namespace detail {
 // construction (rank 0's), so nothing of the fp32 initialisation is lost to the cast.
 std::vector<at::Tensor> cast_to_param_dtype(ProcessGroup& global, const std::vector<at::Tensor>& params,
                                             const MixedPrecision& options) {
-  std::string problem = options.problem();
-  for (size_t i = 0; i < params.size() && problem.empty(); ++i) {
-    if (params[i].scalar_type() != at::kFloat) {
-      problem = "mixed precision needs fp32 parameters to start from (the masters are fp32); parameter " +
-                std::to_string(i) + " is " + std::string(c10::toString(params[i].scalar_type()));
-    }
-  }
-  // The parameters' dtypes were agreed on already; the options are agreed on here.
+  // The parameters are floating point (OSS checked) and their dtypes agreed on; the options are
+  // agreed on here.
+  const std::string problem = options.problem();
   at::Tensor bad = at::full({1}, problem.empty() ? 0 : 1, at::kLong);
   global.allreduce(bad, Reduction::kMax);
   SHARDOPT_CHECK(problem.empty(), problem);
@@ -59,7 +54,8 @@ std::vector<at::Tensor> cast_to_param_dtype(ProcessGroup& global, const std::vec
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> fp32;
   for (const auto& p : params) {
-    at::Tensor values = p.detach().clone();
+    // Whatever the parameters' floating dtype, the masters start from their values in fp32.
+    at::Tensor values = p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     if (global.size() > 1) global.broadcast(values, 0);
     fp32.push_back(values);
   }

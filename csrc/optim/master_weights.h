@@ -12,10 +12,10 @@
 
 namespace shardopt::detail {
 
-// Checks `options` and the parameters on every rank (an error names the first bad parameter or
-// option, on every rank), makes every parameter global rank 0's values, and casts the
-// parameters to param_dtype (set_data: the module keeps its tensors). Returns the fp32 values
-// the masters start from, one per parameter. Collective over `global`.
+// Checks `options` on every rank (an error names the bad option, on every rank), makes every
+// parameter global rank 0's values, and casts the parameters to param_dtype (set_data: the
+// module keeps its tensors). Returns the fp32 values the masters start from (the parameters'
+// values, whatever their floating dtype), one per parameter. Collective over `global`.
 std::vector<at::Tensor> cast_to_param_dtype(ProcessGroup& global, const std::vector<at::Tensor>& params,
                                             const MixedPrecision& options);
 

@@ -6,8 +6,9 @@
 //                         shardopt::MixedPrecision().param_dtype(torch::kBFloat16)));
 //
 // What OSS does with it (Note [Mixed precision] in csrc/optim/master_weights.cpp):
-//   - at construction every parameter (fp32) takes global rank 0's values, and each rank keeps
-//     an fp32 copy (the master weight) of the ranges it owns; then the parameters become
+//   - at construction every parameter (fp32 usually; any floating dtype) takes global rank 0's
+//     values, and each rank keeps an fp32 copy (the master weight) of the ranges it owns; then
+//     the parameters become
 //     param_dtype: the module's forward and backward run in it. Inputs must be param_dtype too
 //     (ShardedDDP::forward casts floating-point tensor arguments).
 //   - the wrapped optimizer steps the masters, with the owned gradient upcast to fp32, so its
