@@ -39,6 +39,21 @@ T get(const char* p) {
   return value;
 }
 
+uint32_t crc_of(const char* data, size_t size);
+
+// The file's header for `body`: magic, format version, payload length, CRC-32 of the payload.
+std::vector<char> checkpoint_header(const std::vector<char>& body) {
+  std::vector<char> out;
+  out.insert(out.end(), kMagic, kMagic + sizeof(kMagic));
+  put<uint32_t>(out, kCheckpointFormatVersion);
+  put<uint32_t>(out, 0);
+  put<uint64_t>(out, body.size());
+  put<uint32_t>(out, crc_of(body.data(), body.size()));
+  return out;
+}
+
+torch::IValue parse_owned(std::vector<char> bytes, const std::string& path);
+
 uint32_t crc_of(const char* data, size_t n) {
   uLong crc = crc32(0L, Z_NULL, 0);
   while (n > 0) {  // crc32 takes a uInt length
@@ -163,12 +178,16 @@ void check_keys(const std::string& path, const Dict& d, std::initializer_list<co
 }  // namespace
 
 void write_checkpoint_file(const std::string& path, const torch::IValue& payload) {
-  const std::vector<char> bytes = checkpoint_bytes(payload);
+  // The header and the payload go to the file one after the other: the payload is not copied
+  // behind a header in memory.
+  const std::vector<char> body = torch::pickle_save(payload);
+  const std::vector<char> header = checkpoint_header(body);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   SHARDOPT_CHECK(fd >= 0, "checkpoint '", path, "': cannot create '", tmp, "': ", std::strerror(errno));
   try {
-    write_all(fd, bytes.data(), bytes.size(), path);
+    write_all(fd, header.data(), header.size(), path);
+    write_all(fd, body.data(), body.size(), path);
     SHARDOPT_CHECK(::fsync(fd) == 0, "checkpoint '", path, "': fsync failed: ", std::strerror(errno));
   } catch (...) {
     ::close(fd);
@@ -192,19 +211,31 @@ void write_checkpoint_file(const std::string& path, const torch::IValue& payload
 torch::IValue read_checkpoint_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   SHARDOPT_CHECK(fd >= 0, "checkpoint '", path, "': cannot open: ", std::strerror(errno));
-  std::vector<char> bytes;
-  char buf[1 << 16];
+  // Read into one buffer of the file's size (it grows only if the file did meanwhile).
+  struct stat st {};
+  std::vector<char> bytes(::fstat(fd, &st) == 0 && st.st_size > 0 ? static_cast<size_t>(st.st_size) : 0);
+  size_t used = 0;
   for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (used == bytes.size()) bytes.resize(std::max<size_t>(bytes.size() * 2, 1 << 16));
+    const ssize_t n = ::read(fd, bytes.data() + used, bytes.size() - used);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
-    bytes.insert(bytes.end(), buf, buf + n);
+    used += static_cast<size_t>(n);
   }
   ::close(fd);
-  return parse_checkpoint(bytes, path);
+  bytes.resize(used);
+  return parse_owned(std::move(bytes), path);
 }
 
 torch::IValue parse_checkpoint(const std::vector<char>& bytes, const std::string& path) {
+  return parse_owned(std::vector<char>(bytes), path);
+}
+
+namespace {
+
+// Checks the header and the CRC, then unpickles the payload in place (the header is cut off
+// the same buffer: no second copy of the payload).
+torch::IValue parse_owned(std::vector<char> bytes, const std::string& path) {
   SHARDOPT_CHECK(bytes.size() >= kHeaderBytes && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0,
                  "checkpoint '", path, "' is not a shardopt checkpoint (", bytes.size(), " bytes, no SHRDCKPT header)");
   const auto version = get<uint32_t>(bytes.data() + 8);
@@ -216,22 +247,20 @@ torch::IValue parse_checkpoint(const std::vector<char>& bytes, const std::string
                  "announces ", length, " bytes of payload, the file holds ", bytes.size() - kHeaderBytes);
   const char* body = bytes.data() + kHeaderBytes;
   SHARDOPT_CHECK(crc_of(body, length) == crc, "checkpoint '", path, "' is corrupted (CRC-32 mismatch)");
+  bytes.erase(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(kHeaderBytes));
   try {
-    return torch::pickle_load(std::vector<char>(body, body + length));
+    return torch::pickle_load(bytes);
   } catch (const std::exception& e) {
     SHARDOPT_CHECK(false, "checkpoint '", path, "': its payload does not unpickle: ", strip_prefix(e.what()));
   }
   return {};
 }
 
+}  // namespace
+
 std::vector<char> checkpoint_bytes(const torch::IValue& payload) {
   const std::vector<char> body = torch::pickle_save(payload);
-  std::vector<char> out;
-  out.insert(out.end(), kMagic, kMagic + sizeof(kMagic));
-  put<uint32_t>(out, kCheckpointFormatVersion);
-  put<uint32_t>(out, 0);
-  put<uint64_t>(out, body.size());
-  put<uint32_t>(out, crc_of(body.data(), body.size()));
+  std::vector<char> out = checkpoint_header(body);
   out.insert(out.end(), body.begin(), body.end());
   return out;
 }
