@@ -152,14 +152,31 @@ std::string ProcessGroup::label(std::string what) const {
   return what;
 }
 
+// Note [CPU tensors on NCCL]
+// NCCL moves CUDA tensors only, while the small control messages (agreement checks, the
+// trainability hash, clipping's norm, the scaler's found-inf, serialized state and its sizes)
+// are CPU tensors. In an NCCL group such a tensor travels through a copy on this rank's current
+// CUDA device, and the result is copied back when the work is waited on. Gloo takes both.
+at::Tensor ProcessGroup::staged(const at::Tensor& tensor) const {
+  if (backend_name_ != "nccl" || !tensor.device().is_cpu()) return tensor;
+  return tensor.to(at::Device(at::kCUDA), /*non_blocking=*/false, /*copy=*/true);
+}
+
+void ProcessGroup::unstage_after(PendingWork& work, at::Tensor tensor, const at::Tensor& staged) {
+  if (staged.is_same(tensor)) return;
+  work.set_then([tensor, staged]() mutable { tensor.copy_(staged); });
+}
+
 PendingWork ProcessGroup::broadcast_async(at::Tensor& tensor, int root) {
   SHARDOPT_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is outside [0, ", size_, ")");
   check_in(CommStats::kBroadcast, nbytes(tensor), root);
-  std::vector<at::Tensor> ts{tensor};
+  std::vector<at::Tensor> ts{staged(tensor)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = timeout_;
-  return track(CommStats::kBroadcast, nbytes(tensor), backend_->broadcast(ts, opts));
+  auto work = track(CommStats::kBroadcast, nbytes(tensor), backend_->broadcast(ts, opts));
+  unstage_after(work, tensor, ts[0]);
+  return work;
 }
 
 void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
@@ -168,11 +185,13 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
 
 PendingWork ProcessGroup::allreduce_async(at::Tensor& tensor, Reduction op) {
   check_in(CommStats::kAllreduce, nbytes(tensor), -1);
-  std::vector<at::Tensor> ts{tensor};
+  std::vector<at::Tensor> ts{staged(tensor)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   opts.timeout = timeout_;
-  return track(CommStats::kAllreduce, nbytes(tensor), backend_->allreduce(ts, opts));
+  auto work = track(CommStats::kAllreduce, nbytes(tensor), backend_->allreduce(ts, opts));
+  unstage_after(work, tensor, ts[0]);
+  return work;
 }
 
 void ProcessGroup::allreduce(at::Tensor& tensor, Reduction op) {
@@ -220,12 +239,14 @@ PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction o
     });
     return work;
   }
-  std::vector<at::Tensor> ts{tensor};
+  std::vector<at::Tensor> ts{staged(tensor)};
   c10d::ReduceOptions opts;
   opts.rootRank = root;
   opts.reduceOp = to_c10d(op);
   opts.timeout = timeout_;
-  return track(CommStats::kReduce, nbytes(tensor), backend_->reduce(ts, opts));
+  auto work = track(CommStats::kReduce, nbytes(tensor), backend_->reduce(ts, opts));
+  unstage_after(work, tensor, ts[0]);
+  return work;
 }
 
 void ProcessGroup::reduce(at::Tensor& tensor, int root, Reduction op) {
@@ -238,11 +259,15 @@ void ProcessGroup::allgather(std::vector<at::Tensor>& outputs, const at::Tensor&
   int64_t bytes = 0;
   for (const auto& o : outputs) bytes += nbytes(o);
   check_in(CommStats::kAllgather, bytes, -1);
-  std::vector<std::vector<at::Tensor>> out{outputs};
-  std::vector<at::Tensor> in{input};
+  std::vector<std::vector<at::Tensor>> out{{}};
+  for (const auto& o : outputs) out[0].push_back(staged(o));
+  std::vector<at::Tensor> in{staged(input)};
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;
   track(CommStats::kAllgather, bytes, backend_->allgather(out, in, opts)).wait();
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    if (!out[0][r].is_same(outputs[r])) outputs[r].copy_(out[0][r]);
+  }
 }
 
 void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs) {
@@ -262,15 +287,17 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& i
 void ProcessGroup::send(at::Tensor& tensor, int dst, int tag) {
   SHARDOPT_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send to rank ", dst,
               " from rank ", rank_, " of ", size_, " is invalid");
-  std::vector<at::Tensor> ts{tensor};
+  std::vector<at::Tensor> ts{staged(tensor)};
   track(CommStats::kSend, nbytes(tensor), backend_->send(ts, dst, tag)).wait();
 }
 
 void ProcessGroup::recv(at::Tensor& tensor, int src, int tag) {
   SHARDOPT_CHECK(src >= 0 && src < size_ && src != rank_, "recv from rank ", src,
               " on rank ", rank_, " of ", size_, " is invalid");
-  std::vector<at::Tensor> ts{tensor};
-  track(CommStats::kRecv, nbytes(tensor), backend_->recv(ts, src, tag)).wait();
+  std::vector<at::Tensor> ts{staged(tensor)};
+  auto work = track(CommStats::kRecv, nbytes(tensor), backend_->recv(ts, src, tag));
+  unstage_after(work, tensor, ts[0]);
+  work.wait();
 }
 
 void ProcessGroup::send_bytes(const std::vector<char>& bytes, int dst, int tag) {

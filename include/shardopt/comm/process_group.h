@@ -172,6 +172,11 @@ class ProcessGroup {
 
  private:
   PendingWork track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work);
+  // What the backend is handed for `tensor`: the tensor itself, or, for a CPU tensor in an NCCL
+  // group, a copy on this rank's CUDA device (Note [CPU tensors on NCCL]).
+  at::Tensor staged(const at::Tensor& tensor) const;
+  // After `work`, copies a staged tensor back into `tensor` (no-op when it was not staged).
+  static void unstage_after(PendingWork& work, at::Tensor tensor, const at::Tensor& staged);
   // `what` with the phase and, in a sub-group, its global ranks: how errors name an operation.
   std::string label(std::string what) const;
   // The desync check before a collective (when on): every rank's (sequence, kind, bytes, root).
