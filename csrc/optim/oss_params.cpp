@@ -113,13 +113,19 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
   SHARDOPT_CHECK(norm_type > 0, "clip_grad_norm norm_type must be > 0 (or inf), got ", norm_type);
   const bool inf = std::isinf(norm_type);
   const std::vector<at::Tensor> owned = grads(/*owned_only=*/true), held = grads(/*owned_only=*/false);
-  double local = 0.0;
+  // Each norm in double (low-precision gradients lose nothing to the sum), all of them combined
+  // where they are, and one copy to the host: one synchronisation per clip on a GPU, not one per
+  // tensor.
+  std::vector<at::Tensor> norms;
   for (const auto& g : owned) {
-    // In double: low-precision gradients lose nothing to the sum.
-    const double n = at::linalg_vector_norm(g, norm_type, c10::nullopt, false, at::kDouble).item<double>();
-    local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
+    at::Tensor n = at::linalg_vector_norm(g, norm_type, c10::nullopt, false, at::kDouble);
+    norms.push_back(norms.empty() ? n : n.to(norms.front().device()));
   }
-  at::Tensor t = at::scalar_tensor(local, at::kDouble).reshape({1});
+  at::Tensor t = at::zeros({1}, at::kDouble);
+  if (!norms.empty()) {
+    const at::Tensor all = at::stack(norms);
+    t = (inf ? all.max() : all.pow(norm_type).sum()).reshape({1}).to(at::kCPU);
+  }
   group_->allreduce(t, inf ? Reduction::kMax : Reduction::kSum);
   const double total = inf ? t.item<double>() : std::pow(t.item<double>(), 1.0 / norm_type);
   const double coef = max_norm / (total + 1e-6);
