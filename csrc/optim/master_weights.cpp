@@ -76,6 +76,11 @@ at::Tensor make_master(const at::Tensor& param, const at::Tensor& fp32_source, R
   return whole ? master.view(param.sizes()) : master;
 }
 
+void set_master(const at::Tensor& master, const at::Tensor& values, Range in_param) {
+  at::NoGradGuard no_grad;
+  master.view(-1).copy_(values.detach().reshape(-1).narrow(0, in_param.begin, in_param.size()));
+}
+
 void write_back(const at::Tensor& param, const at::Tensor& master, Range in_param) {
   at::NoGradGuard no_grad;
   param.detach().view(-1).narrow(0, in_param.begin, in_param.size()).copy_(master.reshape(-1));

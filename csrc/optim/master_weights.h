@@ -24,6 +24,10 @@ std::vector<at::Tensor> cast_to_param_dtype(ProcessGroup& global, const std::vec
 // whole range, flat otherwise.
 at::Tensor make_master(const at::Tensor& param, const at::Tensor& fp32_source, Range in_param);
 
+// Sets `master` (a master for elements `in_param`) from those elements of `values`, a tensor of
+// the parameter's shape in any dtype (the parameter itself, or a saved master weight).
+void set_master(const at::Tensor& master, const at::Tensor& values, Range in_param);
+
 // Writes the rounded `master` into elements `in_param` of `param`.
 void write_back(const at::Tensor& param, const at::Tensor& master, Range in_param);
 

@@ -4,6 +4,7 @@
 #include <shardopt/optim/oss.h>
 #include <shardopt/check.h>
 
+#include "optim/master_weights.h"
 #include "optim/param_buffers.h"
 
 #include <ATen/ATen.h>
@@ -141,10 +142,9 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
 void OSS::refresh_master_weights() {
   if (!mixed_) return;
   finish_param_sync();
-  at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     for (const auto& h : holdings_[i]) {
-      if (h.rank == group_->rank()) h.tensor.view(-1).copy_(params_[i].detach().reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()));
+      if (h.rank == group_->rank()) detail::set_master(h.tensor, params_[i], h.in_param);
     }
   }
 }

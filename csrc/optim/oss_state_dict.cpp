@@ -4,6 +4,7 @@
 #include <shardopt/comm/agree.h>
 
 #include "optim/codec.h"
+#include "optim/master_weights.h"
 #include "optim/state_migration.h"
 
 #include <ATen/ATen.h>
@@ -283,19 +284,20 @@ void OSS::load_state_dict(const torch::IValue& sd) {
 // The masters of this rank's ranges from the state's "master_weights" (by parameter position),
 // or from the parameters where it has none (a state saved without mixed precision).
 void OSS::load_masters(const GenericDict& dict) {
-  refresh_master_weights();
-  if (!dict.contains("master_weights")) return;
-  const auto masters = dict.at("master_weights").toGenericDict();
-  at::NoGradGuard no_grad;
+  finish_param_sync();  // the parameters are read below
+  const bool saved_any = dict.contains("master_weights");
+  const GenericDict masters =
+      saved_any ? dict.at("master_weights").toGenericDict() : GenericDict(c10::IntType::get(), c10::AnyType::get());
   for (size_t i = 0; i < params_.size(); ++i) {
     const c10::IValue key(static_cast<int64_t>(i));
-    if (!masters.contains(key)) continue;
-    const at::Tensor saved = masters.at(key).toTensor();
-    SHARDOPT_CHECK(saved.sizes() == params_[i].sizes(), "load_state_dict: the master weight of parameter ", i,
-                   " has shape ", saved.sizes(), " but the parameter has shape ", params_[i].sizes());
+    at::Tensor source = params_[i];
+    if (saved_any && masters.contains(key)) {
+      source = masters.at(key).toTensor();
+      SHARDOPT_CHECK(source.sizes() == params_[i].sizes(), "load_state_dict: the master weight of parameter ", i,
+                     " has shape ", source.sizes(), " but the parameter has shape ", params_[i].sizes());
+    }
     for (const auto& h : holdings_[i]) {
-      if (h.rank != group_->rank()) continue;
-      h.tensor.view(-1).copy_(saved.reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()));
+      if (h.rank == group_->rank()) detail::set_master(h.tensor, source, h.in_param);
     }
   }
 }
