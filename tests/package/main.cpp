@@ -2,6 +2,12 @@
 // step, a checkpoint saved and loaded.
 #include <shardopt/shardopt.h>
 #include <shardopt/checkpoint.h>
+// The paths docs/api.md names for each piece, as a user includes them.
+#include <shardopt/comm.h>
+#include <shardopt/grad_scaler.h>
+#include <shardopt/oss.h>
+#include <shardopt/sampler.h>
+#include <shardopt/sharded_ddp.h>
 
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
