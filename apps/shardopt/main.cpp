@@ -60,6 +60,9 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
   train.add_option("--test-samples", o.test_samples, "use only the first N test images (0: all)");
   train.add_option("--threads", o.threads, "intra-op threads per rank (0: cores / local ranks)");
   train.add_option("--timeout", o.timeout_s, "seconds any collective may wait")->capture_default_str();
+  train.add_option("--device", o.device, "cpu (Gloo) or cuda (NCCL; each rank takes the GPU of its local rank)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   train.add_option("--mixed-precision", o.mixed_precision, "off, bf16 or fp16: parameters and gradients in that "
                    "dtype, fp32 master weights and optimizer state sharded (fp16 with loss scaling)")
       ->check(CLI::IsMember({"off", "bf16", "fp16"}))

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
+#include <torch/csrc/api/include/torch/cuda.h>
 #include <torch/csrc/api/include/torch/nn/functional/loss.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
@@ -94,6 +95,7 @@ class Trainer {
   Cnn model_;
   std::vector<std::string> names_;
   std::vector<at::Tensor> params_;
+  at::Device device_ = at::kCPU;
   std::unique_ptr<OSS> oss_;
   std::unique_ptr<ShardedDDP> ddp_;
   std::unique_ptr<ShardedGradScaler> scaler_;  // fp16
@@ -116,18 +118,32 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   SHARDOPT_CHECK(o.lr > 0, "--lr must be positive, got ", o.lr);
   lr_at(o, 0, 1);  // rejects an unknown schedule before any work
   schedule_ = FreezeSchedule::parse(o.freeze, o.unfreeze);
-  group_ = init_process_group(InitOptions().backend("gloo").timeout(std::chrono::seconds(o.timeout_s)));
+  const bool cuda = o.device == "cuda";
+  SHARDOPT_CHECK(!cuda || torch::cuda::is_available(), "--device cuda: no CUDA device is visible");
+  group_ = init_process_group(
+      InitOptions().backend(cuda ? "nccl" : "gloo").timeout(std::chrono::seconds(o.timeout_s)));
   rank_ = group_->rank();
   world_ = group_->size();
+  // One GPU per rank: its local rank's (the NCCL group made it the current device).
+  // cuDNN's deterministic algorithms: a resumed run repeats the uninterrupted one bit for bit.
+  if (cuda) {
+    at::globalContext().setDeterministicCuDNN(true);
+    at::globalContext().setBenchmarkCuDNN(false);
+  }
+  if (cuda) device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(std::max(0, local_rank()) % torch::cuda::device_count()));
   SHARDOPT_CHECK(o.batch_size > 0 && o.batch_size % world_ == 0, "--batch-size ", o.batch_size,
                  " (global) must be a positive multiple of the world size ", world_);
   at::set_num_threads(o.threads > 0 ? o.threads
                                     : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
                                                       local_world_size(world_)));
   data_ = load_fashion_mnist(o.data_dir, o.train_samples, o.test_samples);
+  for (at::Tensor* t : {&data_.train_images, &data_.train_labels, &data_.test_images, &data_.test_labels}) {
+    *t = t->to(device_);
+  }
 
   at::manual_seed(o.seed);  // the same initial weights on every rank and at every world size
   model_ = Cnn();
+  model_->to(device_);
   for (const auto& p : model_->named_parameters()) {
     names_.push_back(p.key());
     params_.push_back(p.value());
@@ -175,8 +191,8 @@ void Trainer::apply_schedule(int64_t step) {
 
 double Trainer::train_step(int64_t epoch_step) {
   const Batch b = sampler_->batch(epoch_step);
-  const at::Tensor idx = at::tensor(b.indices, at::kLong);
-  const at::Tensor real = at::tensor(std::vector<float>(b.real.begin(), b.real.end()));
+  const at::Tensor idx = at::tensor(b.indices, at::kLong).to(device_);
+  const at::Tensor real = at::tensor(std::vector<float>(b.real.begin(), b.real.end())).to(device_);
   for (auto& g : oss_->param_groups()) g.options().set_lr(lr_at(o_, step_, total_steps_));
   ddp_->zero_grad(true);
   ddp_->set_global_samples(b.global_real);
@@ -258,10 +274,11 @@ int Trainer::run() {
   progress_ = std::make_unique<Progress>(rank_ == 0, step_, total_steps_, o_.batch_size,
                                          std::max<int64_t>(1, steps_per_epoch_ / 4));
   if (rank_ == 0) {
-    progress_->print(fmt::format("training the CNN ({} parameters) on {} Fashion-MNIST images: {} ranks, global batch {}, "
+    progress_->print(fmt::format("training the CNN ({} parameters) on {} Fashion-MNIST images: {} ranks on {}, global batch {}, "
                                  "{} steps per epoch, {}; {}",
                                  count_text(model_numel()),
-                                 count_text(data_.train_images.size(0)), world_, o_.batch_size, steps_per_epoch_,
+                                 count_text(data_.train_images.size(0)), world_, device_.is_cuda() ? "CUDA (NCCL)" : "CPU (Gloo)",
+                                 o_.batch_size, steps_per_epoch_,
                                  o_.optimizer, oss_->describe()));
   }
   const int64_t stop = o_.stop_after_steps > 0 ? std::min(o_.stop_after_steps, total_steps_) : total_steps_;
@@ -283,7 +300,7 @@ std::pair<int64_t, int64_t> Trainer::evaluate() {
   const int64_t n = data_.test_images.size(0);
   int64_t correct = 0, seen = 0;
   // This rank's share: every world-th sample.
-  const at::Tensor mine = at::arange(rank_, n, world_, at::kLong);
+  const at::Tensor mine = at::arange(rank_, n, world_, at::TensorOptions().dtype(at::kLong).device(device_));
   for (int64_t start = 0; start < mine.size(0); start += 1000) {
     const at::Tensor idx = mine.narrow(0, start, std::min<int64_t>(1000, mine.size(0) - start));
     const at::Tensor images = normalise(data_.test_images.index_select(0, idx)).to(params_[0].scalar_type());

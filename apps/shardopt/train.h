@@ -31,6 +31,7 @@ struct TrainOptions {
   int threads = 0;                   // intra-op threads per rank; 0: the cores / local ranks
   int64_t timeout_s = 300;           // of every collective
   std::string mixed_precision = "off";  // off | bf16 | fp16 (fp16 with the sharded gradient scaler)
+  std::string device = "cpu";        // cpu (Gloo) | cuda (NCCL, the GPU of each rank's LOCAL_RANK)
 };
 
 // Trains; returns the process exit code. Throws c10::Error on bad input.

@@ -138,6 +138,24 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroup::native() const {
   return backend_;
 }
 
+// Starting a collective can fail too: NCCL makes its communicator at a group's first collective,
+// and gives up when a peer has not come within the timeout (Note [NCCL timeouts]). That failure
+// names the collective and the rank like a failed wait.
+PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes,
+                                const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = start();
+  } catch (const std::exception& e) {
+    std::string what = CommStats::name(kind);
+    if (kind != CommStats::kSend && kind != CommStats::kRecv) what += " #" + std::to_string(sequence_);
+    std::string cause = e.what();
+    SHARDOPT_CHECK(false, "", label(what), " on rank ", rank_, " could not start within the timeout (",
+                   timeout_.count(), " ms); a peer may have exited or not called it: ", cause.substr(0, cause.find('\n')));
+  }
+  return track(kind, bytes, std::move(work));
+}
+
 PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work) {
   stats_.calls[kind] += 1;
   stats_.bytes[kind] += bytes;
@@ -174,7 +192,7 @@ PendingWork ProcessGroup::broadcast_async(at::Tensor& tensor, int root) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = timeout_;
-  auto work = track(CommStats::kBroadcast, nbytes(tensor), backend_->broadcast(ts, opts));
+  auto work = track(CommStats::kBroadcast, nbytes(tensor), [&] { return backend_->broadcast(ts, opts); });
   unstage_after(work, tensor, ts[0]);
   return work;
 }
@@ -189,7 +207,7 @@ PendingWork ProcessGroup::allreduce_async(at::Tensor& tensor, Reduction op) {
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   opts.timeout = timeout_;
-  auto work = track(CommStats::kAllreduce, nbytes(tensor), backend_->allreduce(ts, opts));
+  auto work = track(CommStats::kAllreduce, nbytes(tensor), [&] { return backend_->allreduce(ts, opts); });
   unstage_after(work, tensor, ts[0]);
   return work;
 }
@@ -219,7 +237,7 @@ PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction o
     const int tag = static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
     if (rank_ != root) {
       std::vector<at::Tensor> ts{tensor};
-      return track(CommStats::kReduce, nbytes(tensor), backend_->send(ts, root, tag));
+      return track(CommStats::kReduce, nbytes(tensor), [&] { return backend_->send(ts, root, tag); });
     }
     std::vector<at::Tensor> incoming;
     PendingWork work;
@@ -244,7 +262,7 @@ PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction o
   opts.rootRank = root;
   opts.reduceOp = to_c10d(op);
   opts.timeout = timeout_;
-  auto work = track(CommStats::kReduce, nbytes(tensor), backend_->reduce(ts, opts));
+  auto work = track(CommStats::kReduce, nbytes(tensor), [&] { return backend_->reduce(ts, opts); });
   unstage_after(work, tensor, ts[0]);
   return work;
 }
@@ -264,7 +282,7 @@ void ProcessGroup::allgather(std::vector<at::Tensor>& outputs, const at::Tensor&
   std::vector<at::Tensor> in{staged(input)};
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;
-  track(CommStats::kAllgather, bytes, backend_->allgather(out, in, opts)).wait();
+  track(CommStats::kAllgather, bytes, [&] { return backend_->allgather(out, in, opts); }).wait();
   for (size_t r = 0; r < outputs.size(); ++r) {
     if (!out[0][r].is_same(outputs[r])) outputs[r].copy_(out[0][r]);
   }
@@ -281,21 +299,21 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& i
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
-  track(CommStats::kReduceScatter, bytes, backend_->reduce_scatter(out, in, opts)).wait();
+  track(CommStats::kReduceScatter, bytes, [&] { return backend_->reduce_scatter(out, in, opts); }).wait();
 }
 
 void ProcessGroup::send(at::Tensor& tensor, int dst, int tag) {
   SHARDOPT_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send to rank ", dst,
               " from rank ", rank_, " of ", size_, " is invalid");
   std::vector<at::Tensor> ts{staged(tensor)};
-  track(CommStats::kSend, nbytes(tensor), backend_->send(ts, dst, tag)).wait();
+  track(CommStats::kSend, nbytes(tensor), [&] { return backend_->send(ts, dst, tag); }).wait();
 }
 
 void ProcessGroup::recv(at::Tensor& tensor, int src, int tag) {
   SHARDOPT_CHECK(src >= 0 && src < size_ && src != rank_, "recv from rank ", src,
               " on rank ", rank_, " of ", size_, " is invalid");
   std::vector<at::Tensor> ts{staged(tensor)};
-  auto work = track(CommStats::kRecv, nbytes(tensor), backend_->recv(ts, src, tag));
+  auto work = track(CommStats::kRecv, nbytes(tensor), [&] { return backend_->recv(ts, src, tag); });
   unstage_after(work, tensor, ts[0]);
   work.wait();
 }
@@ -324,7 +342,7 @@ void ProcessGroup::barrier() {
   check_in(CommStats::kBarrier, 0, -1);
   c10d::BarrierOptions opts;
   opts.timeout = timeout_;
-  track(CommStats::kBarrier, 0, backend_->barrier(opts)).wait();
+  track(CommStats::kBarrier, 0, [&] { return backend_->barrier(opts); }).wait();
 }
 
 std::vector<std::vector<int64_t>> ProcessGroup::allgather_ints(const std::vector<int64_t>& values) {

@@ -8,8 +8,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <ATen/ATen.h>
 #include <shardopt_kernels/adamw.h>
+#include <shardopt_kernels/norm.h>
 #include <shardopt_kernels/sgd.h>
+
+#include <cstring>
 
 namespace shardopt::detail {
 
@@ -32,6 +36,31 @@ void check_status(shardopt_kernel_status status, const char* kernel) {
   SHARDOPT_CHECK(false, kernel, " failed: ", shardopt_kernel_status_string(status), cuda);
 }
 
+bool kernel_dtype(at::ScalarType t, shardopt_kernel_dtype* out) {
+  switch (t) {
+    case at::kFloat: *out = SHARDOPT_KERNEL_FLOAT32; return true;
+    case at::kBFloat16: *out = SHARDOPT_KERNEL_BFLOAT16; return true;
+    case at::kHalf: *out = SHARDOPT_KERNEL_FLOAT16; return true;
+    default: return false;
+  }
+}
+
+shardopt_adamw_hparams adam_hparams(const AdamScalars& s, int64_t step) {
+  shardopt_adamw_hparams h{};
+  h.lr = s.lr;
+  h.beta1 = s.beta1;
+  h.beta2 = s.beta2;
+  h.eps = s.eps;
+  h.weight_decay = s.weight_decay;
+  h.step = step;
+  h.decoupled = s.decoupled ? 1 : 0;
+  h.amsgrad = s.amsgrad ? 1 : 0;
+  h.maximize = 0;
+  return h;
+}
+
+cudaStream_t current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
 }  // namespace
 
 bool cuda_kernels_built() { return true; }
@@ -44,18 +73,9 @@ void cuda_adam(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, co
   check_operand(v, p, "exp_avg_sq");
   if (s.amsgrad) check_operand(vmax, p, "max_exp_avg_sq");
   const c10::cuda::CUDAGuard guard(p.device());
-  shardopt_adamw_hparams h{};
-  h.lr = s.lr;
-  h.beta1 = s.beta1;
-  h.beta2 = s.beta2;
-  h.eps = s.eps;
-  h.weight_decay = s.weight_decay;
-  h.step = step;
-  h.decoupled = s.decoupled ? 1 : 0;
-  h.amsgrad = s.amsgrad ? 1 : 0;
-  h.maximize = 0;
+  const shardopt_adamw_hparams h = adam_hparams(s, step);
   check_status(shardopt_adamw_fp32(f32(p), f32(g), f32(m), f32(v), s.amsgrad ? f32(vmax) : nullptr, p.numel(), &h,
-                                   nullptr, nullptr, c10::cuda::getCurrentCUDAStream(p.device().index()).stream()),
+                                   nullptr, nullptr, current_stream(p)),
                "shardopt_adamw_fp32");
 }
 
@@ -75,6 +95,72 @@ void cuda_sgd(const at::Tensor& p, const at::Tensor& g, const at::Tensor& buf, c
   check_status(shardopt_sgd_fp32(f32(p), f32(g), f32(buf), p.numel(), &h, nullptr, nullptr,
                                  c10::cuda::getCurrentCUDAStream(p.device().index()).stream()),
                "shardopt_sgd_fp32");
+}
+
+void cuda_adam_mixed(const at::Tensor& copy, const at::Tensor& g, const at::Tensor& master, const at::Tensor& m,
+                     const at::Tensor& v, const at::Tensor& vmax, const AdamScalars& s, int64_t step) {
+  check_operand(master, master, "master weight");
+  check_operand(m, master, "exp_avg");
+  check_operand(v, master, "exp_avg_sq");
+  if (s.amsgrad) check_operand(vmax, master, "max_exp_avg_sq");
+  shardopt_kernel_dtype copy_dtype{}, grad_dtype{};
+  SHARDOPT_CHECK(kernel_dtype(copy.scalar_type(), &copy_dtype) && copy_dtype != SHARDOPT_KERNEL_FLOAT32 &&
+                     copy.device() == master.device() && copy.is_contiguous() && copy.numel() == master.numel(),
+                 "fused CUDA mixed-precision step: the parameter copy is not a contiguous bf16/fp16 tensor of ",
+                 master.numel(), " elements on ", master.device());
+  SHARDOPT_CHECK(kernel_dtype(g.scalar_type(), &grad_dtype) && (grad_dtype == copy_dtype || grad_dtype == SHARDOPT_KERNEL_FLOAT32) &&
+                     g.device() == master.device() && g.is_contiguous() && g.numel() == master.numel(),
+                 "fused CUDA mixed-precision step: the gradient is not a contiguous ", copy.scalar_type(),
+                 " or fp32 tensor of ", master.numel(), " elements on ", master.device());
+  const c10::cuda::CUDAGuard guard(master.device());
+  const shardopt_adamw_hparams h = adam_hparams(s, step);
+  check_status(shardopt_adamw_mixed(copy.data_ptr(), copy_dtype, g.data_ptr(), grad_dtype, f32(master), f32(m), f32(v),
+                                    s.amsgrad ? f32(vmax) : nullptr, master.numel(), &h, nullptr, nullptr,
+                                    current_stream(master)),
+               "shardopt_adamw_mixed");
+}
+
+at::Tensor cuda_norm(const std::vector<at::Tensor>& tensors, bool inf) {
+  if (tensors.empty()) return {};
+  const at::Tensor& first = tensors.front();
+  shardopt_kernel_dtype dtype{};
+  if (!first.is_cuda() || !kernel_dtype(first.scalar_type(), &dtype)) return {};
+  // Segments in order, a tensor that starts where the last one ends extending it (the owned
+  // gradients of one bucket are adjacent).
+  std::vector<shardopt_norm_segment> segments;
+  const int64_t element = static_cast<int64_t>(first.element_size());
+  for (const auto& t : tensors) {
+    if (!t.is_cuda() || t.device() != first.device() || t.scalar_type() != first.scalar_type() || !t.is_contiguous()) {
+      return {};
+    }
+    if (t.numel() == 0) continue;
+    if (!segments.empty()) {
+      auto& last = segments.back();
+      if (static_cast<const char*>(last.data) + last.count * element == static_cast<const char*>(t.data_ptr())) {
+        last.count += t.numel();
+        continue;
+      }
+    }
+    segments.push_back({t.data_ptr(), t.numel()});
+  }
+  const c10::cuda::CUDAGuard guard(first.device());
+  const auto on_device = at::TensorOptions().device(first.device());
+  at::Tensor out = at::zeros({2}, on_device.dtype(at::kFloat));
+  if (segments.empty()) return out;
+  const int64_t descriptor_bytes = static_cast<int64_t>(segments.size() * sizeof(shardopt_norm_segment));
+  at::Tensor host = at::empty({descriptor_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), segments.data(), static_cast<size_t>(descriptor_bytes));
+  // non_blocking from pinned memory: the caching allocator keeps `host` until the copy has run.
+  const at::Tensor descriptors = host.to(on_device.dtype(at::kByte), /*non_blocking=*/true);
+  size_t workspace_bytes = 0;
+  check_status(shardopt_norm_workspace_bytes(&workspace_bytes), "shardopt_norm_workspace_bytes");
+  const at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, on_device.dtype(at::kByte));
+  check_status(shardopt_norm(static_cast<const shardopt_norm_segment*>(descriptors.data_ptr()),
+                             static_cast<int64_t>(segments.size()), dtype,
+                             inf ? SHARDOPT_NORM_INF : SHARDOPT_NORM_L2_SQUARED, workspace.data_ptr(), workspace_bytes,
+                             out.data_ptr<float>(), out.data_ptr<float>() + 1, current_stream(first)),
+               "shardopt_norm");
+  return out;
 }
 
 }  // namespace shardopt::detail

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace shardopt::detail {
 
@@ -21,5 +22,18 @@ void cuda_adam(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, co
 
 // One SGD step of an fp32 CUDA parameter; `buf` undefined without momentum.
 void cuda_sgd(const at::Tensor& p, const at::Tensor& g, const at::Tensor& buf, const SgdScalars& s);
+
+// The mixed-precision Adam/AdamW step (Note [Mixed precision]): the fp32 `master` and its state
+// take the update from `g` (the copy's dtype or fp32), and `copy` (bf16 or fp16, as many elements,
+// contiguous) becomes the updated master rounded, in the same pass.
+void cuda_adam_mixed(const at::Tensor& copy, const at::Tensor& g, const at::Tensor& master, const at::Tensor& m,
+                     const at::Tensor& v, const at::Tensor& vmax, const AdamScalars& s, int64_t step);
+
+// The L2 norm squared (or, with `inf`, the largest magnitude) of every element of `tensors`, and
+// whether any is inf or NaN, as a 2-element fp32 tensor on their device, with no host
+// synchronisation: kernels/'s two-stage norm over the tensors' memory (adjacent tensors merged
+// into one segment). Undefined when the kernel cannot take them: not all contiguous CUDA tensors of
+// one device and one dtype among fp32, bf16 and fp16, or none at all.
+at::Tensor cuda_norm(const std::vector<at::Tensor>& tensors, bool inf);
 
 }  // namespace shardopt::detail

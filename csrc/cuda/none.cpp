@@ -17,4 +17,11 @@ void cuda_sgd(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Sgd
   SHARDOPT_CHECK(false, "this shardopt was built without CUDA kernels");
 }
 
+void cuda_adam_mixed(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, const AdamScalars&, int64_t) {
+  SHARDOPT_CHECK(false, "this shardopt was built without CUDA kernels");
+}
+
+at::Tensor cuda_norm(const std::vector<at::Tensor>&, bool) { return {}; }
+
 }  // namespace shardopt::detail

@@ -5,6 +5,7 @@
 
 #include "cuda/kernels_adapter.h"
 #include "optim/fused_kernels.h"
+#include "optim/fused_step_mixed.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -67,8 +68,13 @@ State& state_of(optim::Optimizer& opt, const at::Tensor& p, const std::function<
   return static_cast<State&>(*it->second);
 }
 
+const at::Tensor* copy_of(const detail::LowPrecisionCopies& copies, const at::Tensor& p) {
+  auto it = copies.find(p.unsafeGetTensorImpl());
+  return it == copies.end() ? nullptr : &it->second;
+}
+
 template <class Options>
-void adam_like_step(optim::Optimizer& opt, bool decoupled) {
+void adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::LowPrecisionCopies& copies) {
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const Options&>(group.options());
     for (auto& p : group.params()) {
@@ -97,6 +103,12 @@ void adam_like_step(optim::Optimizer& opt, bool decoupled) {
       at::NoGradGuard no_grad;
       const at::Tensor grad = p.grad(), m = st.exp_avg(), v = st.exp_avg_sq();
       const at::Tensor vmax = s.amsgrad ? st.max_exp_avg_sq() : at::Tensor();
+      if (const at::Tensor* copy = copy_of(copies, p)) {
+        detail::cuda_adam_mixed(*copy, grad, p, m, v, vmax, s, st.step());
+        p.unsafeGetTensorImpl()->bump_version();
+        copy->unsafeGetTensorImpl()->bump_version();
+        continue;
+      }
       if (p.is_cuda()) {
         detail::cuda_adam(p, grad, m, v, vmax, s, st.step());
         p.unsafeGetTensorImpl()->bump_version();
@@ -189,6 +201,16 @@ void detail::parallel_ranges(int64_t n, int64_t grain, const std::function<void(
 }
 
 std::string fused_step_unsupported(const optim::Optimizer& optimizer) {
+  return detail::fused_step_unsupported(optimizer, {});
+}
+
+void fused_step(optim::Optimizer& optimizer) { detail::fused_step(optimizer, {}); }
+
+bool detail::adam_like(const optim::Optimizer& optimizer) {
+  return dynamic_cast<const optim::Adam*>(&optimizer) != nullptr || dynamic_cast<const optim::AdamW*>(&optimizer) != nullptr;
+}
+
+std::string detail::fused_step_unsupported(const optim::Optimizer& optimizer, const LowPrecisionCopies& copies) {
   const bool adam = dynamic_cast<const optim::Adam*>(&optimizer) != nullptr;
   const bool adamw = dynamic_cast<const optim::AdamW*>(&optimizer) != nullptr;
   const bool sgd = dynamic_cast<const optim::SGD*>(&optimizer) != nullptr;
@@ -196,7 +218,17 @@ std::string fused_step_unsupported(const optim::Optimizer& optimizer) {
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      if (!dense_cpu_float(p) || !dense_cpu_float(p.grad()) || p.scalar_type() != p.grad().scalar_type() ||
+      if (const at::Tensor* copy = copy_of(copies, p)) {
+        const at::Tensor& g = p.grad();
+        const bool low = copy->scalar_type() == at::kBFloat16 || copy->scalar_type() == at::kHalf;
+        if (!(adam || adamw) || !low || !detail::cuda_kernels_built() || !p.is_cuda() ||
+            p.scalar_type() != at::kFloat || !p.is_contiguous() || !copy->is_contiguous() ||
+            copy->device() != p.device() || copy->numel() != p.numel() || !g.is_contiguous() ||
+            g.device() != p.device() || g.numel() != p.numel() ||
+            (g.scalar_type() != at::kFloat && g.scalar_type() != copy->scalar_type())) {
+          return "a master weight, its gradient or its parameter copy does not fit the mixed CUDA step";
+        }
+      } else if (!dense_cpu_float(p) || !dense_cpu_float(p.grad()) || p.scalar_type() != p.grad().scalar_type() ||
           p.device() != p.grad().device()) {
         return "a parameter or its gradient is not a dense contiguous float/double CPU tensor (or fp32 CUDA tensor, "
                "with the CUDA kernels built) of the same dtype and device";
@@ -222,15 +254,15 @@ std::string fused_step_unsupported(const optim::Optimizer& optimizer) {
   return {};
 }
 
-void fused_step(optim::Optimizer& optimizer) {
+void detail::fused_step(optim::Optimizer& optimizer, const LowPrecisionCopies& copies) {
   if (dynamic_cast<optim::AdamW*>(&optimizer)) {
-    adam_like_step<optim::AdamWOptions>(optimizer, /*decoupled=*/true);
+    adam_like_step<optim::AdamWOptions>(optimizer, /*decoupled=*/true, copies);
   } else if (dynamic_cast<optim::Adam*>(&optimizer)) {
-    adam_like_step<optim::AdamOptions>(optimizer, /*decoupled=*/false);
+    adam_like_step<optim::AdamOptions>(optimizer, /*decoupled=*/false, copies);
   } else if (dynamic_cast<optim::SGD*>(&optimizer)) {
     sgd_step(optimizer);
   } else {
-    SHARDOPT_CHECK(false, "fused_step: ", fused_step_unsupported(optimizer));
+    SHARDOPT_CHECK(false, "fused_step: ", fused_step_unsupported(optimizer, copies));
   }
 }
 

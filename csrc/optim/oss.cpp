@@ -5,6 +5,8 @@
 #include <shardopt/comm/agree.h>
 
 #include "optim/codec.h"
+#include "cuda/kernels_adapter.h"
+#include "optim/fused_step_mixed.h"
 #include "optim/master_weights.h"
 #include "optim/param_buffers.h"
 #include "optim/state_migration.h"
@@ -407,8 +409,12 @@ torch::Tensor OSS::step(LossClosure closure) {
   // frozen: its gradient is hidden from the wrapped optimizer for the duration of its step. A
   // range of a parameter gets its part of the parameter's full gradient when there is one.
   // Under mixed precision the stepped tensor is the fp32 master and gets its gradient upcast.
+  // On CUDA with the fused step, Adam/AdamW masters take the gradient as reduced and write their
+  // parameter's range themselves (kernels/'s mixed step): no upcast copy, no write-back pass.
   std::vector<std::pair<at::Tensor, at::Tensor>> restore;  // (tensor, gradient it had)
   std::vector<std::pair<size_t, const detail::Holding*>> stepped;
+  detail::LowPrecisionCopies copies;
+  const bool mixed_kernel = mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*local_);
   for (size_t i = 0; i < params_.size(); ++i) {
     for (const auto& h : holdings_[i]) {
       if (h.rank != group_->rank()) continue;
@@ -420,7 +426,12 @@ torch::Tensor OSS::step(LossClosure closure) {
         grad = at::Tensor();
       } else {
         if (!h.tensor.is_same(params_[i]) && params_[i].grad().defined()) grad = holding_grad(i, h);
-        if (grad.defined() && grad.scalar_type() != h.tensor.scalar_type()) grad = grad.to(h.tensor.scalar_type());
+        if (grad.defined() && mixed_kernel && h.tensor.is_cuda() && grad.is_contiguous() && params_[i].is_contiguous()) {
+          copies[h.tensor.unsafeGetTensorImpl()] =
+              params_[i].detach().view(-1).narrow(0, h.in_param.begin, h.in_param.size());
+        } else if (grad.defined() && grad.scalar_type() != h.tensor.scalar_type()) {
+          grad = grad.to(h.tensor.scalar_type());
+        }
         if (grad.defined()) stepped.emplace_back(i, &h);
       }
       if (!grad.is_same(h.tensor.grad())) {
@@ -430,9 +441,15 @@ torch::Tensor OSS::step(LossClosure closure) {
     }
   }
   try {
-    stepped_fused_ = options_.fused_step() && fused_step_unsupported(*local_).empty();
+    stepped_fused_ = options_.fused_step() && detail::fused_step_unsupported(*local_, copies).empty();
+    if (!stepped_fused_ && !copies.empty()) {
+      // Not all of it fits the fused step: every master steps on the wrapped optimizer, upcast.
+      for (const auto& [i, h] : stepped) {
+        if (copies.erase(h->tensor.unsafeGetTensorImpl()) != 0) h->tensor.mutable_grad() = h->tensor.grad().to(at::kFloat);
+      }
+    }
     if (stepped_fused_) {
-      fused_step(*local_);
+      detail::fused_step(*local_, copies);
     } else {
       local_->step();
     }
@@ -442,7 +459,9 @@ torch::Tensor OSS::step(LossClosure closure) {
   }
   for (auto& [t, g] : restore) t.mutable_grad() = g;
   if (mixed_) {
-    for (const auto& [i, h] : stepped) detail::write_back(params_[i], h->tensor, h->in_param);
+    for (const auto& [i, h] : stepped) {
+      if (copies.count(h->tensor.unsafeGetTensorImpl()) == 0) detail::write_back(params_[i], h->tensor, h->in_param);
+    }
   }
 
   if (overlap_sync_ && options_.sync() == ParamSync::kBroadcast && group_->size() > 1) {

@@ -4,6 +4,7 @@
 #include <shardopt/optim/oss.h>
 #include <shardopt/check.h>
 
+#include "cuda/kernels_adapter.h"
 #include "optim/master_weights.h"
 #include "optim/param_buffers.h"
 
@@ -117,13 +118,21 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
   // Each norm in double (low-precision gradients lose nothing to the sum), all of them combined
   // where they are, and one copy to the host: one synchronisation per clip on a GPU, not one per
   // tensor.
+  // On CUDA, the L2 and inf norms of gradients of one dtype are kernels/'s two-stage norm over
+  // their memory (two launches, whatever the number of tensors).
+  const at::Tensor fused = norm_type == 2 || inf ? detail::cuda_norm(owned, inf) : at::Tensor();
   std::vector<at::Tensor> norms;
-  for (const auto& g : owned) {
+  for (const auto& g : fused.defined() ? std::vector<at::Tensor>{} : owned) {
     at::Tensor n = at::linalg_vector_norm(g, norm_type, c10::nullopt, false, at::kDouble);
     norms.push_back(norms.empty() ? n : n.to(norms.front().device()));
   }
   at::Tensor t = at::zeros({1}, at::kDouble);
-  if (!norms.empty()) {
+  if (fused.defined()) {
+    // {value, found non-finite}: a NaN leaves the inf norm's value finite, and must show.
+    const at::Tensor both = fused.to(at::kCPU, at::kDouble);
+    const double value = both[0].item<double>();
+    t.fill_(both[1].item<double>() != 0 && std::isfinite(value) ? std::nan("") : value);
+  } else if (!norms.empty()) {
     const at::Tensor all = at::stack(norms);
     t = (inf ? all.max() : all.pow(norm_type).sum()).reshape({1}).to(at::kCPU);
   }

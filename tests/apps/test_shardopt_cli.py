@@ -113,6 +113,27 @@ class CliTest(unittest.TestCase):
         self.assertRegex(fp16.stdout, r"fp16: \d+ steps skipped for inf/nan gradients, loss scale \d+")
         self.assertRegex(fp16.stdout, r"test accuracy \d+\.\d+%")
 
+    @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device visible: not run")
+    def test_cuda_trains_freezes_and_resumes_bit_exact(self):
+        # NCCL, the model and the data on the GPU, through a freeze and an unfreeze (TINY), in fp32
+        # and in bf16 (the mixed kernel steps the masters); an interrupted run resumes bit-exactly.
+        for precision in ["off", "bf16"]:
+            args = ["train", *TINY, "--device", "cuda", "--mixed-precision", precision, "--clip", "1"]
+            full = run([*args, "--checkpoint-dir", self.path(f"full-{precision}")])
+            self.assertIn("1 ranks on CUDA (NCCL)", full.stdout)
+            self.assertRegex(full.stdout, r"step 10 \(epoch 1\): froze conv")
+            self.assertRegex(full.stdout, r"step 20 \(epoch 1\): unfroze conv")
+            accuracy = float(re.findall(r"test accuracy (\d+\.\d+)%", full.stdout)[-1])
+            self.assertGreater(accuracy, 50.0, full.stdout)
+            part = [*args, "--checkpoint-dir", self.path(f"part-{precision}"), "--checkpoint-every", "5"]
+            run([*part, "--stop-after-steps", "15"])
+            run([*part, "--resume"])
+            a = read_checkpoint.load(self.path(f"full-{precision}/last.ckpt"))
+            b = read_checkpoint.load(self.path(f"part-{precision}/last.ckpt"))
+            for k in a["model"]:
+                self.assertEqual(a["model"][k].dtype, torch.bfloat16 if precision == "bf16" else torch.float32, k)
+                self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
+
     def test_one_rank_and_four_ranks_end_within_1e_4(self):
         run(["train", *TINY, "--checkpoint-dir", self.path("one")])
         run(["train", *TINY, "-n", "4", "--checkpoint-dir", self.path("four")])
@@ -143,6 +164,9 @@ class CliTest(unittest.TestCase):
         fails(["fly"], "fly")
         fails(["train", "--no-such-option"], "--no-such-option")
         fails(["memory", "--preset", "nope"], "nope")
+        fails(["train", "--device", "tpu"], "tpu")
+        if not torch.cuda.is_available():
+            fails(["train", "--device", "cuda", *SMALL], "--device cuda: no CUDA device is visible")
         fails(["train", "-n", "2", "--freeze", "nope@1", *SMALL], "no parameter name starts with 'nope'", ranks=2)
         fails(["train", "-n", "2", "--freeze", "conv@1", "--freeze", "fc@1", *SMALL],
               "freezes every parameter of the model", ranks=2)

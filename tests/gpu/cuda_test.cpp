@@ -2,6 +2,7 @@
 // reported as skipped (not passed) everywhere else.
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/fused_step.h>
+#include <shardopt/optim/mixed_precision.h>
 
 #include "parity.h"
 
@@ -9,6 +10,13 @@
 #include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <future>
+#include <limits>
+#include <thread>
+#include <utility>
 
 namespace shardopt {
 namespace {
@@ -33,6 +41,38 @@ TEST(Cuda, NcclGroupRefusesCpuParametersNamingThem) {
     EXPECT_NE(std::string(e.what()).find("parameter 0 is on cpu but the process group uses NCCL"), std::string::npos)
         << e.what();
   }
+}
+
+// A collective that a peer never joins is an error naming the collective and the rank, within
+// the group's timeout, not a hang: rank 1 of an NCCL world of 2 joins the group but never calls
+// the all-reduce rank 0 waits in (both in this process, so one GPU is enough: rank 1 never makes
+// an NCCL communicator).
+TEST(Cuda, NcclCollectiveThatAPeerNeverJoinsTimesOutNamingItAndTheRank) {
+  SHARDOPT_NEEDS_CUDA();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const auto options = [](int rank) {
+    return InitOptions().backend("nccl").rank(rank).world_size(2).timeout(std::chrono::seconds(5));
+  };
+  std::promise<void> done;
+  std::thread peer([&, finished = done.get_future()]() mutable {
+    auto g = init_process_group(store, options(1));
+    finished.wait();
+  });
+  std::string error;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    auto g = init_process_group(store, options(0));
+    at::Tensor t = at::ones({4}, at::kCUDA);
+    g->allreduce(t);
+  } catch (const c10::Error& e) {
+    error = e.what();
+  }
+  const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  done.set_value();
+  peer.join();
+  EXPECT_NE(error.find("allreduce"), std::string::npos) << error;
+  EXPECT_NE(error.find("rank 0"), std::string::npos) << error;
+  EXPECT_LT(seconds, 60.0) << "the timeout is 5 s";
 }
 
 // A CUDA model under OSS + ShardedDDP steps like torch::optim::Adam on a copy, through a freeze
@@ -65,6 +105,93 @@ TEST(Cuda, OssAndShardedDdpOnCudaMatchTorchOptim) {
   for (size_t i = 0; i < mine.size(); ++i) {
     EXPECT_TRUE(mine[i].is_cuda());
     EXPECT_LE(testing::rel_diff(mine[i].cpu(), theirs[i].cpu()), 1e-5) << "parameter " << i;
+  }
+}
+
+// Mixed precision on CUDA: low-precision parameters and gradients, fp32 masters stepped by
+// kernels/'s mixed Adam kernel (the copy written in the same pass), gradients clipped by the norm
+// kernel; against the recipe on torch::optim::Adam: fp32 masters, the model's low-precision
+// gradients upcast, clipped, stepped and rounded, through a freeze of the first layer.
+TEST(Cuda, MixedPrecisionOnCudaFollowsTheRecipeThroughAFreezeWithClipping) {
+  SHARDOPT_NEEDS_CUDA();
+  for (const auto& [dtype, reduce] : {std::pair{at::kBFloat16, at::kFloat}, std::pair{at::kHalf, at::kHalf}}) {
+    SCOPED_TRACE(std::string(c10::toString(dtype)) + " reduced in " + c10::toString(reduce));
+    auto g = nccl_world_of_one();
+    torch::manual_seed(0);
+    auto model = torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::Linear(64, 4));
+    model->to(at::kCUDA);
+    std::vector<at::Tensor> master;
+    for (const auto& p : model->parameters()) master.push_back(p.detach().clone().requires_grad_());
+    optim::Adam ref_opt(master, optim::AdamOptions(1e-2));
+    OSS oss(model->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
+            OSSOptions().mixed_precision(MixedPrecision().param_dtype(dtype).reduce_dtype(reduce)));
+    ShardedDDP ddp(model.ptr(), oss);
+    for (const auto& p : model->parameters()) ASSERT_EQ(p.scalar_type(), dtype);
+    for (int step = 0; step < 6; ++step) {
+      const bool frozen = step >= 2 && step < 4;
+      for (auto& p : model[0]->parameters()) p.requires_grad_(!frozen);
+      const at::Tensor x = torch::randn({8, 16}, at::kCUDA), y = torch::randn({8, 4}, at::kCUDA);
+      ddp.zero_grad(true);
+      ddp.forward(x).to(at::kFloat).sub(y).pow(2).mean().backward();
+      const double norm = oss.clip_grad_norm(0.05);
+      oss.step();
+      EXPECT_TRUE(oss.stepped_fused()) << "the mixed CUDA kernel steps the masters";
+
+      // The recipe: the same low-precision copies run the batch; gradients upcast, clipped, stepped.
+      std::vector<at::Tensor> low;
+      for (size_t i = 0; i < master.size(); ++i) {
+        low.push_back(master[i].detach().to(dtype).requires_grad_(!(frozen && i < 2)));
+      }
+      const at::Tensor h = at::linear(x.to(dtype), low[0], low[1]);
+      at::linear(h, low[2], low[3]).to(at::kFloat).sub(y).pow(2).mean().backward();
+      at::NoGradGuard no_grad;
+      double squares = 0;
+      for (size_t i = 0; i < master.size(); ++i) {
+        master[i].mutable_grad() = low[i].grad().defined() ? low[i].grad().to(reduce).to(at::kFloat) : at::Tensor();
+        if (master[i].grad().defined()) squares += master[i].grad().to(at::kDouble).pow(2).sum().item<double>();
+      }
+      EXPECT_NEAR(norm, std::sqrt(squares), 1e-3 * std::sqrt(squares)) << "step " << step;
+      const double coef = 0.05 / (std::sqrt(squares) + 1e-6);
+      for (auto& m : master) {
+        if (m.grad().defined() && coef < 1) m.mutable_grad() = m.grad().to(reduce).mul_(coef).to(at::kFloat);
+      }
+      ref_opt.step();
+      oss.consolidate_state_dict(0);
+      const auto sd = oss.state_dict().toGenericDict().at("master_weights").toGenericDict();
+      const auto params = model->parameters();
+      for (size_t i = 0; i < master.size(); ++i) {
+        const at::Tensor mine = sd.at(static_cast<int64_t>(i)).toTensor();
+        ASSERT_EQ(mine.scalar_type(), at::kFloat);
+        EXPECT_LE(testing::rel_diff(mine.cpu(), master[i].detach().cpu()), 1e-4) << "step " << step << " master " << i;
+        // The copy is the master rounded, written by the kernel.
+        EXPECT_TRUE(params[i].cpu().equal(mine.cpu().to(dtype))) << "step " << step << " parameter " << i;
+      }
+    }
+  }
+}
+
+// Clipping on CUDA takes the norm kernel: the L2 and inf norms of gradients of several tensors
+// equal at::linalg_vector_norm's, and a NaN gradient gives a NaN norm.
+TEST(Cuda, ClipGradNormOnCudaMatchesAtenAndSeesNaN) {
+  SHARDOPT_NEEDS_CUDA();
+  auto g = nccl_world_of_one();
+  torch::manual_seed(1);
+  std::vector<at::Tensor> params;
+  for (int64_t n : {1000, 7, 4099, 65536}) params.push_back(torch::randn({n}, at::kCUDA).requires_grad_());
+  OSS oss(params, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+  for (const double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+    for (auto& p : params) p.mutable_grad() = torch::randn_like(p) * 3;
+    std::vector<at::Tensor> before;
+    for (auto& p : params) before.push_back(p.grad().clone());
+    const at::Tensor all = at::cat(before);
+    const double expected = at::linalg_vector_norm(all.to(at::kDouble), norm_type).item<double>();
+    const double total = oss.clip_grad_norm(1.0, norm_type);
+    EXPECT_NEAR(total, expected, 1e-5 * expected) << "norm_type " << norm_type;
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_LE(testing::rel_diff(params[i].grad().cpu(), (before[i] * (1.0 / (expected + 1e-6))).cpu()), 1e-5);
+    }
+    params[2].mutable_grad()[5] = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_TRUE(std::isnan(oss.clip_grad_norm(1.0, norm_type))) << "norm_type " << norm_type;
   }
 }
 

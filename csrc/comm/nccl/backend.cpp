@@ -8,6 +8,11 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
 namespace shardopt::detail {
 
 bool nccl_compiled() {
@@ -26,6 +31,20 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
   if (local >= 0 && devices > 0) c10::cuda::set_device(static_cast<c10::DeviceIndex>(local % devices));
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
+  // Note [NCCL timeouts]
+  // A group's communicator is made at its first collective, and a blocking ncclCommInitRank waits
+  // for every peer for ever: a rank whose peer never reaches a collective would hang there (seen
+  // on an H100: a world of 2 whose rank 1 never called the all-reduce rank 0 waited in). In
+  // nonblocking mode c10d polls the communicator's creation and gives up after
+  // TORCH_NCCL_NONBLOCKING_TIMEOUT seconds, which is set to the group's timeout unless the user set
+  // it (c10d reads it once per process: the first NCCL group's timeout holds for all). Once the
+  // communicator exists, waiting for a collective gives up after the timeout too
+  // (PendingWork::wait passes it; c10d then blocks the host thread until completion or timeout).
+  options->config.blocking = 0;
+  if (std::getenv("TORCH_NCCL_NONBLOCKING_TIMEOUT") == nullptr) {
+    const auto seconds = std::max<int64_t>(1, std::chrono::ceil<std::chrono::seconds>(timeout).count());
+    setenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", std::to_string(seconds).c_str(), /*overwrite=*/0);
+  }
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
 }
 
