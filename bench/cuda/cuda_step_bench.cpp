@@ -20,10 +20,15 @@
 //                           the whole step over GPT-2 small's 148 parameters (124M elements): OSS
 //                           (world 1, NCCL) against torch::optim::AdamW::step and against
 //                           at::_fused_adamw_ over the same list
+//   TrainStep/{ShardedDdp,TorchOptim}/mlp
+//                           a whole training step of a 33.6M-parameter MLP: OSS + ShardedDDP
+//                           (world 1, NCCL) against the module with torch::optim::AdamW
 //
-// Every benchmark reports GB/s (bytes it must move, per second). On a machine without a CUDA
-// device the program prints "no CUDA device" and exits with status 1.
+// Every benchmark reports GB/s: the bytes its update must move (TrainStep: the optimizer's), per
+// second. On a machine without a CUDA device the program prints "no CUDA device" and exits with
+// status 1.
 #include <shardopt/comm/process_group.h>
+#include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/oss.h>
 
 #include <shardopt_kernels/adamw.h>
@@ -32,6 +37,9 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/csrc/api/include/torch/nn/modules/activation.h>
+#include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
+#include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
@@ -277,6 +285,53 @@ void oss_step_bench(benchmark::State& state, Stepper stepper) {
   c10::cuda::CUDACachingAllocator::emptyCache();
 }
 
+// A whole training step (zero_grad, forward, backward, step) of an MLP of 4 blocks of
+// 1024 -> 4096 -> 1024 (33.6M parameters) on a batch of 256: OSS + ShardedDDP (world 1, NCCL)
+// against the module with torch::optim::AdamW.
+void train_step_bench(benchmark::State& state, bool sharded) {
+  try {
+    torch::manual_seed(0);
+    torch::nn::Sequential model;
+    for (int block = 0; block < 4; ++block) {
+      model->push_back(torch::nn::Linear(1024, 4096));
+      model->push_back(torch::nn::GELU());
+      model->push_back(torch::nn::Linear(4096, 1024));
+    }
+    model->to(at::kCUDA);
+    int64_t n = 0;
+    for (const auto& p : model->parameters()) n += p.numel();
+    const at::Tensor x = at::randn({256, 1024}, at::kCUDA), y = at::randn({256, 1024}, at::kCUDA);
+    const torch::optim::AdamWOptions options = torch::optim::AdamWOptions(kLr).weight_decay(kWeightDecay);
+    std::function<void(int64_t)> step;
+    std::shared_ptr<shardopt::ProcessGroup> group;
+    std::unique_ptr<shardopt::OSS> oss;
+    std::unique_ptr<shardopt::ShardedDDP> ddp;
+    std::unique_ptr<torch::optim::AdamW> plain;
+    if (sharded) {
+      group = shardopt::init_process_group(c10::make_intrusive<c10d::HashStore>(),
+                                           shardopt::InitOptions().backend("nccl").rank(0).world_size(1));
+      oss = std::make_unique<shardopt::OSS>(model->parameters(), shardopt::optimizer<torch::optim::AdamW>(options), group);
+      ddp = std::make_unique<shardopt::ShardedDDP>(model.ptr(), *oss);
+      step = [&](int64_t) {
+        ddp->zero_grad(true);
+        ddp->forward(x).sub(y).pow(2).mean().backward();
+        oss->step();
+      };
+    } else {
+      plain = std::make_unique<torch::optim::AdamW>(model->parameters(), options);
+      step = [&](int64_t) {
+        plain->zero_grad();
+        model->forward(x).sub(y).pow(2).mean().backward();
+        plain->step();
+      };
+    }
+    run(state, kAdamBytes * n, 1, step);
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+  c10::cuda::CUDACachingAllocator::emptyCache();
+}
+
 void register_all(size_t free_bytes) {
   const int64_t sizes[] = {int64_t{1} << 20, int64_t{16} << 20, 100'000'000, 400'000'000, 1'000'000'000};
   struct Entry {
@@ -313,6 +368,12 @@ void register_all(size_t free_bytes) {
            {"OssStep/AtenFused/gpt2", Stepper::kAtenFused}}) {
     const Stepper s = stepper;
     benchmark::RegisterBenchmark(name.c_str(), [s](benchmark::State& state) { oss_step_bench(state, s); })
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (const bool sharded : {true, false}) {
+    benchmark::RegisterBenchmark(sharded ? "TrainStep/ShardedDdp/mlp" : "TrainStep/TorchOptim/mlp",
+                                 [sharded](benchmark::State& state) { train_step_bench(state, sharded); })
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }

@@ -23,6 +23,7 @@ struct ShardedDDP::Entry {
   int64_t slot_end = 0; // end of its slot: the alignment gap up to the next gradient included
   int64_t flag = 0;     // element that counts the ranks that produced a gradient
   bool ready = false;
+  bool local_grad = false;  // this rank had a gradient for it in this backward (so its flag is >= 1)
   at::Tensor carried;   // on the owner, during a backward: the gradient handed over before it
   // The owner's gradient as handed over by the last reduction, without keeping its storage alive,
   // and its version then: Note [Accumulating across reductions].

@@ -117,6 +117,7 @@ void ShardedDDP::fill_param(size_t h) {
       slot.zero_();
     }
     entry.ready = true;
+    entry.local_grad = has_grad;
     TORCH_INTERNAL_ASSERT(b.pending > 0, "bucket ", entry.bucket, " filled more often than it has entries");
     --b.pending;
   }
@@ -155,7 +156,8 @@ void ShardedDDP::launch_ready_buckets() {
   CommPhase phase("backward (gradient reductions)");
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_++];
-    b.work = group_->reduce_async(b.buffer, b.owner);
+    // A sum over one rank is its own buffer: no collective (and, on a GPU, no wait for one).
+    if (group_->size() > 1) b.work = group_->reduce_async(b.buffer, b.owner);
   }
 }
 
@@ -207,6 +209,7 @@ void ShardedDDP::finish_reduction() {
   }
   for (auto& entry : entries_) {
     entry.ready = false;
+    entry.local_grad = false;
     entry.carried = at::Tensor();
   }
   next_launch_ = 0;
@@ -222,6 +225,14 @@ void ShardedDDP::hand_over_reduced() {
   const int rank = group_->rank();
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> flag_parts;
+  // A flag counts the ranks that had a gradient, so one this rank had a gradient for is nonzero
+  // whatever the others did. When that holds for every owned entry (every trainable parameter got
+  // a gradient: the usual step), the flags are not read: no host synchronisation on a GPU.
+  bool all_local = true;
+  for (auto& b : buckets_) {
+    if (b.owner != rank) continue;
+    for (size_t e : b.entries) all_local = all_local && entries_[e].local_grad;
+  }
   for (auto& b : buckets_) {
     if (b.owner != rank) continue;
     // Hierarchical sharding: the block's sum, summed over the blocks (flags included).
@@ -231,19 +242,19 @@ void ShardedDDP::hand_over_reduced() {
     }
     at::Tensor grads = b.buffer.narrow(0, 0, b.numel);
     if (divisor != 1.0) grads.div_(divisor);
-    flag_parts.push_back(b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).to(at::kDouble));
+    if (!all_local) flag_parts.push_back(b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).to(at::kDouble));
   }
-  if (flag_parts.empty()) return;
-  // Every owned bucket's flags, read off the device in one copy (one host synchronisation on a
-  // GPU, not one per bucket).
-  const at::Tensor all_flags = at::cat(flag_parts).to(at::kCPU);
-  const double* flag = all_flags.data_ptr<double>();
+  // Otherwise every owned bucket's flags, read off the device in one copy (one host
+  // synchronisation on a GPU, not one per bucket).
+  const at::Tensor all_flags = all_local ? at::Tensor() : (flag_parts.empty() ? at::Tensor() : at::cat(flag_parts).to(at::kCPU));
+  if (!all_local && !all_flags.defined()) return;
+  const double* flag = all_local ? nullptr : all_flags.data_ptr<double>();
   for (auto& b : buckets_) {
     if (b.owner != rank) continue;
-    for (size_t k = 0; k < b.entries.size(); ++k, ++flag) {
+    for (size_t k = 0; k < b.entries.size(); ++k, flag = flag ? flag + 1 : nullptr) {
       Entry& entry = entries_[b.entries[k]];
       at::Tensor& p = entry.target;  // the parameter, or the owner's tensor of its piece
-      if (*flag == 0) {
+      if (!all_local && *flag == 0) {
         // No rank had a gradient: a whole parameter keeps what it holds, as under DDP.
         if (!entry.whole) p.mutable_grad().reset();
         continue;
