@@ -221,10 +221,12 @@ int main(int argc, char** argv) {
     auto params = module->parameters();
 
     std::vector<double> checks;  // time pre_forward() blocks in each step
-    std::vector<double> phases[3];  // forward, backward, step
+    std::vector<double> phases[4];  // forward, backward, step, zero_grad
     auto one_step = [&](int step) {
       if (ddp) {
+        auto tz = std::chrono::steady_clock::now();
         ddp->zero_grad(true);
+        phases[3].push_back(ms_since(tz));
         auto t0 = std::chrono::steady_clock::now();
         ddp->pre_forward(/*finish_sync=*/!overlap);
         checks.push_back(ms_since(t0));
@@ -238,7 +240,9 @@ int main(int argc, char** argv) {
         phases[2].push_back(ms_since(t2));
         return;
       }
+      auto tz = std::chrono::steady_clock::now();
       adam->zero_grad(true);
+      phases[3].push_back(ms_since(tz));
       auto t0 = std::chrono::steady_clock::now();
       at::Tensor loss = loss_fn(step);
       auto t1 = std::chrono::steady_clock::now();
@@ -298,8 +302,8 @@ int main(int argc, char** argv) {
     const double cross_bytes_per_step = static_cast<double>(cross_total() - cross_before) / steps;
     const double train_peak_mb = peak_rss_mb();  // before the freeze measurement below
     for (auto& p : phases) p.erase(p.begin(), p.begin() + warmup);
-    std::fprintf(stderr, "phases ms: forward %.1f backward %.1f step %.1f\n", median(phases[0]), median(phases[1]),
-                 median(phases[2]));
+    std::fprintf(stderr, "phases ms: zero_grad %.2f forward %.1f backward %.1f step %.1f\n", median(phases[3]),
+                 median(phases[0]), median(phases[1]), median(phases[2]));
 
     double check_ms = 0, rebuild_ms = 0, grad_fraction = 1, kept_imbalance = 0, freeze_imbalance = 0,
            rebalance_ms = 0, after_freeze_ms = 0;

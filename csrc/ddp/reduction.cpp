@@ -5,6 +5,8 @@
 
 #include "ddp/executor.h"
 
+#include <cstring>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -79,16 +81,41 @@ void ShardedDDP::on_grad_ready(size_t h) {
 
 at::Tensor ShardedDDP::bucket_buffer(Bucket& b) {
   if (!b.buffer.defined()) {
-    // Only the flags start at zero: every gradient slot is written (copied or zeroed).
+    // Every gradient slot is written (copied or zeroed), and the flags when the bucket is full.
     if (b.storage.defined() && b.storage.storage().use_count() == 1) {
       b.buffer = b.storage;
     } else {
       b.buffer = at::empty({b.numel + static_cast<int64_t>(b.entries.size())}, b.options);
       if (b.owner == group_->rank()) b.storage = b.buffer;
     }
-    b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).zero_();
   }
   return b.buffer;
+}
+
+// A small gradient on the CPU, contiguous and of the bucket's dtype, goes into its slot by
+// memcpy (and a missing one, and the alignment gap, by memset): a model of many small tensors
+// spends more on the dispatcher than on the bytes. Larger ones, other dtypes and devices take
+// copy_. Returns whether it filled the slot.
+// `offset`, `numel`, `slot_end`: the entry's slot in the bucket; `from`: its first element in the
+// gradient.
+static bool fill_small_on_host(int64_t offset, int64_t numel, int64_t slot_end, int64_t from_element,
+                               const at::Tensor& buffer, const at::Tensor& grad) {
+  constexpr int64_t kSmallBytes = 64 << 10;
+  const int64_t element = static_cast<int64_t>(buffer.element_size());
+  if (!buffer.is_cpu() || (slot_end - offset) * element > kSmallBytes) return false;
+  if (grad.defined() && (!grad.is_cpu() || !grad.is_contiguous() || grad.scalar_type() != buffer.scalar_type())) {
+    return false;
+  }
+  char* slot = static_cast<char*>(buffer.data_ptr()) + offset * element;
+  const int64_t bytes = numel * element;
+  if (grad.defined()) {
+    const char* from = static_cast<const char*>(grad.data_ptr()) + from_element * element;
+    if (from != slot) std::memcpy(slot, from, static_cast<size_t>(bytes));
+  } else {
+    std::memset(slot, 0, static_cast<size_t>(bytes));
+  }
+  std::memset(slot + bytes, 0, static_cast<size_t>((slot_end - offset) * element - bytes));
+  return true;
 }
 
 void ShardedDDP::fill_param(size_t h) {
@@ -102,19 +129,24 @@ void ShardedDDP::fill_param(size_t h) {
     if (entry.ready) continue;
     Bucket& b = buckets_[entry.bucket];
     at::Tensor buffer = bucket_buffer(b);
-    at::Tensor slot = buffer.narrow(0, entry.offset, entry.numel);
-    if (entry.slot_end > entry.offset + entry.numel) {
-      buffer.narrow(0, entry.offset + entry.numel, entry.slot_end - entry.offset - entry.numel).zero_();
-    }
-    if (has_grad) {
-      const at::Tensor grad = p.grad();
-      if (grad.data_ptr() != slot.data_ptr()) {
-        slot.copy_(entry.whole ? grad.reshape(-1) : grad.reshape(-1).narrow(0, entry.in_param.begin, entry.numel));
-      }
-      buffer[entry.flag].fill_(1);
-      if (entry.whole && b.owner == group_->rank()) owned_slot = slot;
+    const bool owned_whole = has_grad && entry.whole && b.owner == group_->rank();
+    if (fill_small_on_host(entry.offset, entry.numel, entry.slot_end, entry.whole ? 0 : entry.in_param.begin, buffer,
+                           has_grad ? p.grad() : at::Tensor())) {
+      if (owned_whole) owned_slot = buffer.narrow(0, entry.offset, entry.numel);
     } else {
-      slot.zero_();
+      at::Tensor slot = buffer.narrow(0, entry.offset, entry.numel);
+      if (entry.slot_end > entry.offset + entry.numel) {
+        buffer.narrow(0, entry.offset + entry.numel, entry.slot_end - entry.offset - entry.numel).zero_();
+      }
+      if (has_grad) {
+        const at::Tensor grad = p.grad();
+        if (grad.data_ptr() != slot.data_ptr()) {
+          slot.copy_(entry.whole ? grad.reshape(-1) : grad.reshape(-1).narrow(0, entry.in_param.begin, entry.numel));
+        }
+        if (owned_whole) owned_slot = slot;
+      } else {
+        slot.zero_();
+      }
     }
     entry.ready = true;
     entry.local_grad = has_grad;
@@ -156,6 +188,19 @@ void ShardedDDP::launch_ready_buckets() {
   CommPhase phase("backward (gradient reductions)");
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_++];
+    // The flags (1 where this rank had a gradient), in one operation when every entry had one.
+    const int64_t n = static_cast<int64_t>(b.entries.size());
+    at::Tensor flags = b.buffer.narrow(0, b.numel, n);
+    int64_t with = 0;
+    for (size_t e : b.entries) with += entries_[e].local_grad ? 1 : 0;
+    if (with == n) {
+      flags.fill_(1);
+    } else {
+      flags.zero_();
+      for (int64_t k = 0; k < n && with > 0; ++k) {
+        if (entries_[b.entries[k]].local_grad) flags.narrow(0, k, 1).fill_(1);
+      }
+    }
     // A sum over one rank is its own buffer: no collective (and, on a GPU, no wait for one).
     if (group_->size() > 1) b.work = group_->reduce_async(b.buffer, b.owner);
   }
