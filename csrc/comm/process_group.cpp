@@ -150,8 +150,8 @@ PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes,
     std::string what = CommStats::name(kind);
     if (kind != CommStats::kSend && kind != CommStats::kRecv) what += " #" + std::to_string(sequence_);
     std::string cause = e.what();
-    SHARDOPT_CHECK(false, "", label(what), " on rank ", rank_, " could not start within the timeout (",
-                   timeout_.count(), " ms); a peer may have exited or not called it: ", cause.substr(0, cause.find('\n')));
+    SHARDOPT_CHECK(false, "", label(what), " on rank ", rank_, " could not start (timeout ", timeout_.count(),
+                   " ms; a peer that exited or never called it ends here too): ", cause.substr(0, cause.find('\n')));
   }
   return track(kind, bytes, std::move(work));
 }
@@ -491,7 +491,7 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
       return finish_group(group, store, options);
     } catch (const std::exception& e) {
       SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),
-                  " could not create its NCCL group within ", options.timeout().count(), " ms: ", e.what());
+                  " could not create its NCCL group (timeout ", options.timeout().count(), " ms): ", e.what());
     }
   }
   try {

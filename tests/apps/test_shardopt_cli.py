@@ -133,6 +133,13 @@ class CliTest(unittest.TestCase):
             for k in a["model"]:
                 self.assertEqual(a["model"][k].dtype, torch.bfloat16 if precision == "bf16" else torch.float32, k)
                 self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
+        # More local ranks than GPUs: NCCL would refuse two ranks on one GPU; every rank says why,
+        # in one line, at once.
+        ranks = torch.cuda.device_count() + 1
+        p = run(["train", "-n", str(ranks), "--device", "cuda", *TINY], check=False, timeout=120)
+        self.assertNotEqual(p.returncode, 0)
+        lines = [l for l in p.stderr.splitlines() if "NCCL needs a GPU of its own for each rank" in l]
+        self.assertEqual(len(lines), ranks, p.stderr)
 
     def test_one_rank_and_four_ranks_end_within_1e_4(self):
         run(["train", *TINY, "--checkpoint-dir", self.path("one")])

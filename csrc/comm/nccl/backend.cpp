@@ -2,6 +2,7 @@
 // toolkit are found; see CMakeLists.txt.
 #include "comm/backends.h"
 
+#include <shardopt/check.h>
 #include <shardopt/comm/process_group.h>
 
 #include <ATen/Context.h>
@@ -28,6 +29,16 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
   // One device per rank: the launcher's local rank picks it (NCCL refuses two ranks on one GPU).
   const int local = local_rank();
   const int devices = static_cast<int>(c10::cuda::device_count());
+  // NCCL refuses two ranks on one GPU ("invalid usage", at the first collective): said here, at
+  // the group's creation, in words.
+  int local_size = -1;  // the launcher's count of ranks on this machine, where it gives one
+  for (const char* name : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    if (const char* v = std::getenv(name); v != nullptr && local_size < 0) local_size = std::atoi(v);
+  }
+  SHARDOPT_CHECK(devices == 0 || local_size <= devices, local_size,
+                 " ranks on this machine (LOCAL_WORLD_SIZE) but ", devices,
+                 " CUDA device(s) visible: NCCL needs a GPU of its own for each rank; start at most ", devices,
+                 " ranks per machine, or use the Gloo backend (shardopt train --device cpu)");
   if (local >= 0 && devices > 0) c10::cuda::set_device(static_cast<c10::DeviceIndex>(local % devices));
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
