@@ -139,21 +139,28 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroup::native() const {
 }
 
 // Starting a collective can fail too: NCCL makes its communicator at a group's first collective,
-// and gives up when a peer has not come within the timeout (Note [NCCL timeouts]). That failure
-// names the collective and the rank like a failed wait.
-PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes,
-                                const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
-  c10::intrusive_ptr<c10d::Work> work;
+// and gives up when a peer has not come within the timeout (Note [NCCL timeouts]); Gloo refuses a
+// send or receive at once on a connection a dead peer closed. That failure names the collective,
+// the rank and, by the roll call, a peer that is gone, like a failed wait.
+c10::intrusive_ptr<c10d::Work> ProcessGroup::start(CommStats::Kind kind,
+                                                   const std::function<c10::intrusive_ptr<c10d::Work>()>& call) {
   try {
-    work = start();
+    return call();
   } catch (const std::exception& e) {
     std::string what = CommStats::name(kind);
     if (kind != CommStats::kSend && kind != CommStats::kRecv) what += " #" + std::to_string(sequence_);
-    std::string cause = e.what();
-    SHARDOPT_CHECK(false, "", label(what), " on rank ", rank_, " could not start (timeout ", timeout_.count(),
-                   " ms; a peer that exited or never called it ends here too): ", cause.substr(0, cause.find('\n')));
+    const std::string gone = roll_call();
+    const std::string cause = e.what();
+    SHARDOPT_CHECK(false, "", label(what), " on rank ", rank_, " could not start (timeout ", timeout_.count(), " ms)",
+                   gone.empty() ? std::string("; a peer may have exited or not called it") : "; " + gone, ": ",
+                   cause.substr(0, cause.find('\n')));
   }
-  return track(kind, bytes, std::move(work));
+  return {};
+}
+
+PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes,
+                                const std::function<c10::intrusive_ptr<c10d::Work>()>& call) {
+  return track(kind, bytes, start(kind, call));
 }
 
 PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work) {
@@ -245,7 +252,7 @@ PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction o
       if (r == rank_) continue;
       std::vector<at::Tensor> ts{at::empty_like(tensor)};
       incoming.push_back(ts[0]);
-      auto recv = backend_->recv(ts, r, tag);
+      auto recv = start(CommStats::kReduce, [&] { return backend_->recv(ts, r, tag); });
       if (!work.valid()) {
         work = track(CommStats::kReduce, nbytes(tensor), std::move(recv));
       } else {

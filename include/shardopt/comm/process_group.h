@@ -172,7 +172,10 @@ class ProcessGroup {
 
  private:
   PendingWork track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work);
-  PendingWork track(CommStats::Kind kind, int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
+  PendingWork track(CommStats::Kind kind, int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& call);
+  // Runs `call` (the backend's call that starts a collective); a failure becomes an error naming
+  // the collective, this rank and any peer the roll call finds gone.
+  c10::intrusive_ptr<c10d::Work> start(CommStats::Kind kind, const std::function<c10::intrusive_ptr<c10d::Work>()>& call);
   // What the backend is handed for `tensor`: the tensor itself, or, for a CPU tensor in an NCCL
   // group, a copy on this rank's CUDA device (Note [CPU tensors on NCCL]).
   at::Tensor staged(const at::Tensor& tensor) const;
