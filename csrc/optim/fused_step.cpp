@@ -14,6 +14,7 @@
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <exception>
@@ -170,33 +171,39 @@ void detail::parallel_ranges(int64_t n, int64_t grain, const std::function<void(
     body(0, n);
     return;
   }
-  // Ranges of whole 64-element blocks, so that each starts aligned as the tensor does.
-  const int64_t chunk = ((n + tasks - 1) / tasks + 63) / 64 * 64;
+  // Chunks of whole 64-element blocks (each starts aligned as the tensor does), about 8 per
+  // thread, taken in order by whichever thread is free: a helper from LibTorch's inter-op pool
+  // that wakes late takes fewer, instead of holding back the half it was given.
+  const int64_t chunk = std::max<int64_t>(grain, (n / (tasks * 8) + 63) / 64 * 64);
+  std::atomic<int64_t> next{0};
   std::mutex mu;
   std::condition_variable done;
-  int64_t left = 0;
+  int64_t left = tasks - 1;
   std::exception_ptr error;
-  for (int64_t begin = chunk; begin < n; begin += chunk) {
-    const int64_t end = std::min(n, begin + chunk);
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      ++left;
-    }
-    at::launch([&, begin, end] {
-      std::exception_ptr e;
-      try {
-        body(begin, end);
-      } catch (...) {
-        e = std::current_exception();
+  const auto work = [&] {
+    std::exception_ptr e;
+    try {
+      for (int64_t begin = next.fetch_add(chunk); begin < n; begin = next.fetch_add(chunk)) {
+        body(begin, std::min(n, begin + chunk));
       }
+    } catch (...) {
+      e = std::current_exception();
+      next.store(n);  // the others stop taking chunks
+    }
+    return e;
+  };
+  for (int64_t t = 1; t < tasks; ++t) {
+    at::launch([&] {
+      std::exception_ptr e = work();
       std::lock_guard<std::mutex> lock(mu);
       if (e && !error) error = e;
       if (--left == 0) done.notify_one();
     });
   }
-  body(0, std::min(n, chunk));
+  std::exception_ptr mine = work();
   std::unique_lock<std::mutex> lock(mu);
   done.wait(lock, [&] { return left == 0; });
+  if (mine) std::rethrow_exception(mine);
   if (error) std::rethrow_exception(error);
 }
 
