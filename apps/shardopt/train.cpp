@@ -124,13 +124,14 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
       InitOptions().backend(cuda ? "nccl" : "gloo").timeout(std::chrono::seconds(o.timeout_s)));
   rank_ = group_->rank();
   world_ = group_->size();
-  // One GPU per rank: its local rank's (the NCCL group made it the current device).
-  // cuDNN's deterministic algorithms: a resumed run repeats the uninterrupted one bit for bit.
   if (cuda) {
+    // One GPU per rank: its local rank's (the NCCL group made it the current device). cuDNN's
+    // deterministic algorithms: a resumed run repeats the uninterrupted one bit for bit.
+    device_ = at::Device(at::kCUDA,
+                         static_cast<c10::DeviceIndex>(std::max(0, local_rank()) % torch::cuda::device_count()));
     at::globalContext().setDeterministicCuDNN(true);
     at::globalContext().setBenchmarkCuDNN(false);
   }
-  if (cuda) device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(std::max(0, local_rank()) % torch::cuda::device_count()));
   SHARDOPT_CHECK(o.batch_size > 0 && o.batch_size % world_ == 0, "--batch-size ", o.batch_size,
                  " (global) must be a positive multiple of the world size ", world_);
   at::set_num_threads(o.threads > 0 ? o.threads

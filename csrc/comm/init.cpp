@@ -1,0 +1,261 @@
+// Creating process groups: init_process_group from a store, env://, tcp:// or file://; the
+// agreement every rank checks at the join (shardopt version, backend, world size, timeout); the
+// NCCL or Gloo backend behind the group; the launcher's local rank.
+#include <shardopt/comm/process_group.h>
+#include <shardopt/check.h>
+#include <shardopt/comm/agree.h>
+#include <shardopt/comm/launch_env.h>
+#include <shardopt/version.h>
+
+#include "comm/backends.h"
+#include "comm/heartbeat.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <arpa/inet.h>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <netinet/in.h>
+#include <sstream>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace shardopt {
+
+namespace {
+
+const char* getenv_or_null(const char* name) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? v : nullptr;
+}
+
+int parse_int(const std::string& text, const std::string& what) {
+  try {
+    size_t pos = 0;
+    int v = std::stoi(text, &pos);
+    TORCH_CHECK(pos == text.size(), "trailing characters");
+    return v;
+  } catch (const std::exception&) {
+    SHARDOPT_CHECK(false, "", what, " must be an integer, got '", text, "'");
+  }
+}
+
+}  // namespace
+
+int local_rank() {
+  for (const char* name : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+    if (const char* v = getenv_or_null(name)) {
+      const int r = parse_int(v, name);
+      SHARDOPT_CHECK(r >= 0, name, " must be >= 0, got ", r);
+      return r;
+    }
+  }
+  return -1;
+}
+
+namespace {
+
+// Rank and world size from the launcher's variables where the options leave them open.
+void rank_from_env(InitOptions& options) {
+  if (options.rank() >= 0 && options.world_size() >= 0) return;
+  const LaunchEnv e = read_launch_env(/*need_master=*/false);
+  if (options.rank() < 0) options.rank(e.rank);
+  if (options.world_size() < 0) options.world_size(e.world_size);
+}
+
+// "1.2.3" as 1002003, and back, for the join agreement.
+int64_t version_number(const std::string& v) {
+  int64_t major = 0, minor = 0, patch = 0;
+  std::sscanf(v.c_str(), "%ld.%ld.%ld", &major, &minor, &patch);
+  return major * 1000000 + minor * 1000 + patch;
+}
+std::string version_text(const std::vector<int64_t>& v) {
+  return std::to_string(v[0] / 1000000) + "." + std::to_string(v[0] / 1000 % 1000) + "." + std::to_string(v[0] % 1000);
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+std::string resolve_backend(const std::string& requested) {
+  SHARDOPT_CHECK(requested == "auto" || requested == "gloo" || requested == "nccl",
+              "unknown backend '", requested, "' (expected \"gloo\", \"nccl\" or \"auto\")");
+  if (requested == "nccl") {
+    SHARDOPT_CHECK(detail::nccl_compiled(), "backend 'nccl' was requested but this build has no NCCL "
+                "backend; use \"gloo\" (CPU tensors)");
+    SHARDOPT_CHECK(detail::nccl_usable(), "backend 'nccl' was requested but no CUDA device is visible");
+    return "nccl";
+  }
+  if (requested == "auto" && detail::nccl_usable()) return "nccl";
+  return "gloo";
+}
+
+// Every rank learns, before any backend connects, whether the ranks were started alike: a rank
+// that chose another backend or world size would otherwise leave the others waiting.
+void agree_on_init(c10d::Store& store, const InitOptions& options, const std::string& backend) {
+  // SHARDOPT_ANNOUNCE_VERSION replaces the announced shardopt version (to test the refusal).
+  const char* announced = std::getenv("SHARDOPT_ANNOUNCE_VERSION");
+  Agreement("init_process_group")
+      .field("world_size", options.world_size())
+      .field("shardopt version", version_number(announced && *announced ? announced : version()), version_text)
+      .field("LibTorch version", version_number(torch_version()), version_text)
+      .field("backend", backend == "nccl" ? 1 : 0,
+             [](const std::vector<int64_t>& v) { return std::string(v[0] ? "nccl" : "gloo"); })
+      .field("timeout (ms)", static_cast<int64_t>(options.timeout().count()))
+      .hint("start every rank with the same options")
+      .check(store, "init_process_group", options.rank(), options.world_size());
+}
+
+std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, const c10::intrusive_ptr<c10d::Store>& store,
+                                           const InitOptions& options) {
+  group->set_store(store);
+  const char* env = std::getenv("SHARDOPT_CHECK_DESYNC");
+  group->set_check_desync(options.check_desync() || (env && std::string(env) == "1"));
+  return group;
+}
+
+std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                         const InitOptions& options, const std::string& host) {
+  const std::string backend = resolve_backend(options.backend());
+  agree_on_init(*store, options, backend);
+  ProcessGroup::BackendFactory factory;
+  if (backend == "nccl") {
+    factory = [timeout = options.timeout()](const c10::intrusive_ptr<c10d::Store>& s, int rank, int size) {
+      return detail::make_nccl_backend(s, rank, size, timeout);
+    };
+  } else {
+    const bool loopback = host.empty() || is_loopback(host);
+    factory = [timeout = options.timeout(), loopback](const c10::intrusive_ptr<c10d::Store>& s, int rank, int size) {
+      auto gloo_opts = c10d::ProcessGroupGloo::Options::create(timeout);
+      gloo_opts->devices.push_back(loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                            : c10d::ProcessGroupGloo::createDefaultDevice());
+      gloo_opts->threads = 1;
+      return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<c10d::ProcessGroupGloo>(s, rank, size, gloo_opts));
+    };
+  }
+  if (backend == "nccl") {
+    try {
+      auto pg = factory(store, options.rank(), options.world_size());
+      auto group = std::make_shared<ProcessGroup>(pg, options.timeout());
+      group->set_backend_factory(factory);
+      return finish_group(group, store, options);
+    } catch (const std::exception& e) {
+      SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),
+                  " could not create its NCCL group (timeout ", options.timeout().count(), " ms): ", e.what());
+    }
+  }
+  try {
+    auto group = std::make_shared<ProcessGroup>(factory(store, options.rank(), options.world_size()), options.timeout());
+    group->set_backend_factory(factory);
+    return finish_group(group, store, options);
+  } catch (const std::exception& e) {
+    SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),
+                " could not connect to its peers within ", options.timeout().count(),
+                " ms (init_method '", options.init_method(), "'; a rank may not have started): ", e.what());
+  }
+}
+
+void check_rank(const InitOptions& options) {
+  SHARDOPT_CHECK(options.world_size() >= 1, "world_size must be at least 1, got ", options.world_size());
+  SHARDOPT_CHECK(options.rank() >= 0 && options.rank() < options.world_size(), "rank ",
+              options.rank(), " is outside [0, ", options.world_size(), ")");
+  SHARDOPT_CHECK(options.timeout().count() > 0, "timeout must be positive, got ",
+              options.timeout().count(), " ms");
+}
+
+c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, const InitOptions& options) {
+  SHARDOPT_CHECK(port > 0 && port < 65536, "port ", port, " is outside (0, 65536)");
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(port);
+  // Under torchrun the agent already serves the store at MASTER_ADDR:MASTER_PORT (and says so):
+  // every rank connects to it as a client, as torch.distributed does.
+  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  opts.isServer = options.rank() == 0 && !(agent_store && std::string(agent_store) == "True");
+  opts.numWorkers = options.world_size();
+  opts.waitWorkers = false;
+  opts.timeout = options.timeout();
+  // A loopback rendezvous listens on loopback only: rank 0 binds the socket itself and hands it
+  // to the store (which otherwise listens on every interface).
+  if (opts.isServer && is_loopback(host) && host != "::1") {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    SHARDOPT_CHECK(fd >= 0, "cannot create the store's socket: ", std::strerror(errno));
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, host == "localhost" ? "127.0.0.1" : host.c_str(), &addr.sin_addr);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      const int err = errno;
+      ::close(fd);
+      SHARDOPT_CHECK(false, "rank 0 cannot listen on ", host, ":", port, " for the rendezvous store: ", std::strerror(err));
+    }
+    opts.masterListenFd = fd;
+  }
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, opts);
+  } catch (const std::exception& e) {
+    SHARDOPT_CHECK(false, "rank ", options.rank(), " could not reach the store at ", host, ":",
+                port, " within ", options.timeout().count(), " ms: ", e.what());
+  }
+}
+
+}  // namespace
+
+// Note [Several ranks in one process]
+// c10d's FlightRecorder (a process-wide debugging ring buffer of recent collectives) updates a
+// shared map without a lock when several Gloo groups of one process start collectives at once,
+// and crashes. Ranks sharing a store in one process are exactly that case, so the recorder is
+// turned off here unless the user configured it (TORCH_FR_BUFFER_SIZE).
+std::shared_ptr<ProcessGroup> init_process_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                 InitOptions options) {
+  SHARDOPT_CHECK(store, "init_process_group got a null store");
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+  check_rank(options);
+  resolve_backend(options.backend());
+  store->setTimeout(options.timeout());
+  return make_group(store, options, "");
+}
+
+std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
+  const std::string method = options.init_method();
+  resolve_backend(options.backend());
+  if (method == "env://") {
+    const LaunchEnv e = read_launch_env(/*need_master=*/true);
+    if (options.rank() < 0) options.rank(e.rank);
+    if (options.world_size() < 0) options.world_size(e.world_size);
+    check_rank(options);
+    auto store = tcp_store(e.master_addr, e.master_port, options);
+    return make_group(store, options, e.master_addr);
+  }
+  if (method.rfind("tcp://", 0) == 0) {
+    std::string rest = method.substr(6);
+    auto colon = rest.rfind(':');
+    SHARDOPT_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < rest.size(),
+                "malformed init_method '", method, "' (expected tcp://HOST:PORT)");
+    std::string host = rest.substr(0, colon);
+    int port = parse_int(rest.substr(colon + 1), "the port of init_method '" + method + "'");
+    rank_from_env(options);
+    check_rank(options);
+    return make_group(tcp_store(host, port, options), options, host);
+  }
+  if (method.rfind("file://", 0) == 0) {
+    std::string path = method.substr(7);
+    SHARDOPT_CHECK(!path.empty() && path[0] == '/', "malformed init_method '", method,
+                "' (expected file:///ABSOLUTE/PATH)");
+    rank_from_env(options);
+    check_rank(options);
+    auto store = c10::make_intrusive<c10d::FileStore>(path, options.world_size());
+    store->setTimeout(options.timeout());
+    return make_group(store, options, "");
+  }
+  SHARDOPT_CHECK(false, "malformed init_method '", method,
+              "' (expected \"env://\", \"tcp://HOST:PORT\" or \"file:///PATH\")");
+}
+
+}  // namespace shardopt
