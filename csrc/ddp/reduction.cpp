@@ -287,19 +287,21 @@ void ShardedDDP::hand_over_reduced() {
     }
     at::Tensor grads = b.buffer.narrow(0, 0, b.numel);
     if (divisor != 1.0) grads.div_(divisor);
-    if (!all_local) flag_parts.push_back(b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).to(at::kDouble));
+    if (!all_local) {
+      flag_parts.push_back(b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).to(at::kDouble));
+    }
   }
   // Otherwise every owned bucket's flags, read off the device in one copy (one host
   // synchronisation on a GPU, not one per bucket).
-  const at::Tensor all_flags = all_local ? at::Tensor() : (flag_parts.empty() ? at::Tensor() : at::cat(flag_parts).to(at::kCPU));
-  if (!all_local && !all_flags.defined()) return;
+  const at::Tensor all_flags = all_local ? at::Tensor() : at::cat(flag_parts).to(at::kCPU);
   const double* flag = all_local ? nullptr : all_flags.data_ptr<double>();
+  int64_t next_flag = 0;
   for (auto& b : buckets_) {
     if (b.owner != rank) continue;
-    for (size_t k = 0; k < b.entries.size(); ++k, flag = flag ? flag + 1 : nullptr) {
+    for (size_t k = 0; k < b.entries.size(); ++k, ++next_flag) {
       Entry& entry = entries_[b.entries[k]];
       at::Tensor& p = entry.target;  // the parameter, or the owner's tensor of its piece
-      if (!all_local && *flag == 0) {
+      if (!all_local && flag[next_flag] == 0) {
         // No rank had a gradient: a whole parameter keeps what it holds, as under DDP.
         if (!entry.whole) p.mutable_grad().reset();
         continue;

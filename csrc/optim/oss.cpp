@@ -443,10 +443,11 @@ torch::Tensor OSS::step(LossClosure closure) {
   try {
     stepped_fused_ = options_.fused_step() && detail::fused_step_unsupported(*local_, copies).empty();
     if (!stepped_fused_ && !copies.empty()) {
-      // Not all of it fits the fused step: every master steps on the wrapped optimizer, upcast.
+      // Not all of it fits the mixed kernel: every master steps upcast, fused where it can.
       for (const auto& [i, h] : stepped) {
         if (copies.erase(h->tensor.unsafeGetTensorImpl()) != 0) h->tensor.mutable_grad() = h->tensor.grad().to(at::kFloat);
       }
+      stepped_fused_ = options_.fused_step() && fused_step_unsupported(*local_).empty();
     }
     if (stepped_fused_) {
       detail::fused_step(*local_, copies);
