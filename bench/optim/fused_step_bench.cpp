@@ -16,6 +16,8 @@
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -80,6 +82,51 @@ void BM_OssStepWorldOne(benchmark::State& state) {
   report(state);
 }
 
+// Side by side in one loop: ATen's fused kernel and OSS::step (world size 1, per-parameter step
+// counts and all) take turns on the very same parameter, gradient and state tensors (OSS's own),
+// 40 pairs per iteration. Separate benchmarks run minutes apart on this shared machine and land
+// on memory placed differently; pairs see the same conditions. Counters: each one's median (ms)
+// and the median of the per-pair ratios ATen / OSS (above 1: OSS is faster).
+void BM_PairedAtenVsOssStep(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  auto group = shardopt::init_process_group(c10::make_intrusive<c10d::HashStore>(),
+                                            shardopt::InitOptions().backend("gloo").rank(0).world_size(1));
+  at::Tensor p = param();
+  at::Tensor g = p.grad().clone();
+  shardopt::OSS opt({p}, shardopt::optimizer<optim::AdamW>(options()), group);
+  p.mutable_grad() = g;
+  opt.step();  // creates the state
+  auto& st = static_cast<optim::AdamWParamState&>(*opt.local_optimizer().state().begin()->second);
+  at::Tensor pd = p.detach(), m = st.exp_avg(), v = st.exp_avg_sq();
+  at::Tensor step = at::zeros({}, at::kFloat);
+  std::vector<double> aten, oss, ratio;
+  using Clock = std::chrono::steady_clock;
+  const auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  for (auto _ : state) {
+    for (int pair = 0; pair < 40; ++pair) {
+      const auto t0 = Clock::now();
+      step.add_(1);
+      at::_fused_adamw_({pd}, {g}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false, std::nullopt,
+                        std::nullopt);
+      const auto t1 = Clock::now();
+      p.mutable_grad() = g;
+      opt.step();
+      const auto t2 = Clock::now();
+      aten.push_back(ms(t1 - t0));
+      oss.push_back(ms(t2 - t1));
+      ratio.push_back(aten.back() / oss.back());
+    }
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  state.counters["aten_ms"] = median(aten);
+  state.counters["oss_ms"] = median(oss);
+  state.counters["aten/oss"] = median(ratio);
+  state.counters["fused"] = opt.stepped_fused() ? 1 : 0;
+}
+
 // The floor: each element read from 4 arrays and written to 3, with a few flops, as AdamW does.
 void BM_StreamingFloor(benchmark::State& state) {
   at::set_num_threads(static_cast<int>(state.range(0)));
@@ -121,6 +168,7 @@ BENCHMARK(BM_TorchOptimAdamW)->Apply(threads);
 BENCHMARK(BM_AtenFusedAdamW)->Apply(threads);
 BENCHMARK(BM_ShardoptFusedStep)->Apply(threads);
 BENCHMARK(BM_OssStepWorldOne)->Apply(threads);
+BENCHMARK(BM_PairedAtenVsOssStep)->Apply(threads)->Iterations(3);
 
 }  // namespace
 

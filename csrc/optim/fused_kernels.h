@@ -36,9 +36,8 @@ SHARDOPT_FUSED_KERNELS(kernels_avx512)
 #undef SHARDOPT_FUSED_KERNELS
 
 // Runs body(begin, end) over [0, n) in up to at::get_num_threads() ranges of at least `grain`
-// elements, on this thread and LibTorch's inter-op pool (at::launch), and waits for all.
-// (at::parallel_for's OpenMP loop is inlined into the caller, and this library is not built
-// with OpenMP, so it would run on one thread here.)
+// elements, on LibTorch's intra-op threads (Note [The fused step's threads] in fused_step.cpp),
+// and waits for all.
 void parallel_ranges(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body);
 
 // The widest build this CPU runs: 2 for AVX-512 (F, BW, VL, DQ), 1 for AVX2 + FMA, 0 otherwise;

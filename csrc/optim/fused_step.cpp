@@ -14,6 +14,10 @@
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 
+#include <ATen/Config.h>
+
+#include <dlfcn.h>
+
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -165,46 +169,82 @@ void sgd_step(optim::Optimizer& opt) {
 
 }  // namespace
 
+// Note [The fused step's threads]
+// The step's ranges run on LibTorch's own intra-op threads. With an OpenMP build of LibTorch
+// (the PyPI wheel), those are the team of the libgomp that LibTorch loaded, which this library
+// reaches through libgomp's entry point for a parallel region (GOMP_parallel, what a compiler
+// emits for `#pragma omp parallel`), looked up in the process: at::parallel_for's OpenMP loop is
+// a header template, and this library is not compiled with OpenMP (clang would bring a second
+// runtime, LLVM's, beside LibTorch's). Threads of another pool beside the OpenMP team fight it
+// for the cores: after every parallel ATen operator, the team's threads spin a while waiting for
+// the next, and on two cores a helper from the inter-op pool then barely runs. Without OpenMP
+// (or without the symbol), the helpers come from the inter-op pool (at::launch). Either way the
+// range is cut into chunks of whole 64-element blocks (each starts aligned as the tensor does),
+// about 8 per thread, taken in order by whichever thread is free, so a thread that starts late
+// takes fewer instead of holding back a fixed share.
+namespace {
+
+using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+
+GompParallel gomp_parallel() {
+#if AT_PARALLEL_OPENMP
+  static const auto fn = reinterpret_cast<GompParallel>(dlvsym(RTLD_DEFAULT, "GOMP_parallel", "GOMP_4.0"));
+  return fn;
+#else
+  return nullptr;
+#endif
+}
+
+struct Chunks {
+  int64_t n, chunk;
+  const std::function<void(int64_t, int64_t)>* body;
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  std::exception_ptr error;
+
+  void work() {
+    try {
+      for (int64_t begin = next.fetch_add(chunk); begin < n; begin = next.fetch_add(chunk)) {
+        (*body)(begin, std::min(n, begin + chunk));
+      }
+    } catch (...) {
+      next.store(n);  // the others stop taking chunks
+      std::lock_guard<std::mutex> lock(mu);
+      if (!error) error = std::current_exception();
+    }
+  }
+};
+
+}  // namespace
+
 void detail::parallel_ranges(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
   const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
   if (tasks <= 1 || at::in_parallel_region()) {
     body(0, n);
     return;
   }
-  // Chunks of whole 64-element blocks (each starts aligned as the tensor does), about 8 per
-  // thread, taken in order by whichever thread is free: a helper from LibTorch's inter-op pool
-  // that wakes late takes fewer, instead of holding back the half it was given.
-  const int64_t chunk = std::max<int64_t>(grain, (n / (tasks * 8) + 63) / 64 * 64);
-  std::atomic<int64_t> next{0};
-  std::mutex mu;
-  std::condition_variable done;
-  int64_t left = tasks - 1;
-  std::exception_ptr error;
-  const auto work = [&] {
-    std::exception_ptr e;
-    try {
-      for (int64_t begin = next.fetch_add(chunk); begin < n; begin = next.fetch_add(chunk)) {
-        body(begin, std::min(n, begin + chunk));
-      }
-    } catch (...) {
-      e = std::current_exception();
-      next.store(n);  // the others stop taking chunks
+  Chunks chunks;
+  chunks.n = n;
+  chunks.chunk = std::max<int64_t>(grain, (n / (tasks * 8) + 63) / 64 * 64);
+  chunks.body = &body;
+  if (GompParallel parallel = gomp_parallel()) {
+    // Every thread of the team (this one included) takes chunks; returns when all are done.
+    parallel([](void* c) { static_cast<Chunks*>(c)->work(); }, &chunks, static_cast<unsigned>(tasks), 0);
+  } else {
+    std::condition_variable done;
+    int64_t left = tasks - 1;
+    for (int64_t t = 1; t < tasks; ++t) {
+      at::launch([&] {
+        chunks.work();
+        std::lock_guard<std::mutex> lock(chunks.mu);
+        if (--left == 0) done.notify_one();
+      });
     }
-    return e;
-  };
-  for (int64_t t = 1; t < tasks; ++t) {
-    at::launch([&] {
-      std::exception_ptr e = work();
-      std::lock_guard<std::mutex> lock(mu);
-      if (e && !error) error = e;
-      if (--left == 0) done.notify_one();
-    });
+    chunks.work();
+    std::unique_lock<std::mutex> lock(chunks.mu);
+    done.wait(lock, [&] { return left == 0; });
   }
-  std::exception_ptr mine = work();
-  std::unique_lock<std::mutex> lock(mu);
-  done.wait(lock, [&] { return left == 0; });
-  if (mine) std::rethrow_exception(mine);
-  if (error) std::rethrow_exception(error);
+  if (chunks.error) std::rethrow_exception(chunks.error);
 }
 
 std::string fused_step_unsupported(const optim::Optimizer& optimizer) {
