@@ -36,6 +36,9 @@ struct ShardedDDP::Hooked {
   at::Tensor param;
   std::vector<size_t> entries;
   unsigned pre_hook = 0;  // position of our hook before accumulation (Tensor::register_hook)
+  // The gradient fill_param() made this backward: an alias of the owned whole slot (compared,
+  // never dereferenced).
+  const c10::TensorImpl* slot_alias = nullptr;
 };
 
 // One layout bucket, as the executor runs it.

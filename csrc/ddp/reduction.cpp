@@ -17,12 +17,17 @@ namespace shardopt {
 
 namespace {
 
-// A tensor that shares `view`'s memory without being an autograd view of it, so that
-// detach_() (Module::zero_grad(false), Optimizer::zero_grad(false)) works on a gradient that
-// lives in a bucket, and zero_() keeps it there.
-at::Tensor alias_of(const at::Tensor& view, at::IntArrayRef sizes) {
-  at::Tensor shaped = view.view(sizes);
-  return at::empty({0}, shaped.options()).set_(shaped.storage(), shaped.storage_offset(), shaped.sizes(), shaped.strides());
+// A tensor of `sizes` over `buffer`'s memory from element `offset` on, without being an autograd
+// view of it, so that detach_() (Module::zero_grad(false), Optimizer::zero_grad(false)) works on
+// a gradient that lives in a bucket, and zero_() keeps it there. Made directly (no dispatcher
+// calls): a backward of many small parameters makes one or two per parameter.
+at::Tensor alias_at(const at::Tensor& buffer, int64_t offset, at::IntArrayRef sizes) {
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(),
+                                                           buffer.dtype());
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  impl->set_storage_offset(buffer.storage_offset() + offset);
+  impl->set_sizes_contiguous(sizes);
+  return t;
 }
 
 }  // namespace
@@ -123,16 +128,18 @@ void ShardedDDP::fill_param(size_t h) {
   at::Tensor& p = hooked.param;
   at::NoGradGuard no_grad;
   const bool has_grad = p.grad().defined();
-  at::Tensor owned_slot;  // the slot that becomes this rank's gradient of the whole parameter
+  const Entry* owned = nullptr;  // the slot that becomes this rank's gradient of the whole parameter
+  bool filled = false;
   for (size_t e : hooked.entries) {
     Entry& entry = entries_[e];
     if (entry.ready) continue;
+    filled = true;
     Bucket& b = buckets_[entry.bucket];
     at::Tensor buffer = bucket_buffer(b);
     const bool owned_whole = has_grad && entry.whole && b.owner == group_->rank();
     if (fill_small_on_host(entry.offset, entry.numel, entry.slot_end, entry.whole ? 0 : entry.in_param.begin, buffer,
                            has_grad ? p.grad() : at::Tensor())) {
-      if (owned_whole) owned_slot = buffer.narrow(0, entry.offset, entry.numel);
+      if (owned_whole) owned = &entry;
     } else {
       at::Tensor slot = buffer.narrow(0, entry.offset, entry.numel);
       if (entry.slot_end > entry.offset + entry.numel) {
@@ -143,7 +150,7 @@ void ShardedDDP::fill_param(size_t h) {
         if (grad.data_ptr() != slot.data_ptr()) {
           slot.copy_(entry.whole ? grad.reshape(-1) : grad.reshape(-1).narrow(0, entry.in_param.begin, entry.numel));
         }
-        if (owned_whole) owned_slot = slot;
+        if (owned_whole) owned = &entry;
       } else {
         slot.zero_();
       }
@@ -153,12 +160,17 @@ void ShardedDDP::fill_param(size_t h) {
     TORCH_INTERNAL_ASSERT(b.pending > 0, "bucket ", entry.bucket, " filled more often than it has entries");
     --b.pending;
   }
+  // Filled earlier in this backward (the end of backward passes every parameter): the gradient is
+  // already what the first fill left.
+  if (!filled) return;
   // The local gradient is released as soon as it is in the buckets: the owner of the whole
   // parameter keeps a view of its slot (the reduction overwrites it with the sum), every other
   // rank drops it.
+  hooked.slot_alias = nullptr;
   if (has_grad) {
-    if (owned_slot.defined()) {
-      p.mutable_grad() = alias_of(owned_slot, p.sizes());
+    if (owned) {
+      p.mutable_grad() = alias_at(buckets_[owned->bucket].buffer, owned->offset, p.sizes());
+      hooked.slot_alias = p.grad().unsafeGetTensorImpl();
     } else {
       p.mutable_grad().reset();
     }
@@ -252,6 +264,7 @@ void ShardedDDP::finish_reduction() {
     b.buffer = at::Tensor();
     b.pending = b.entries.size();
   }
+  for (auto& hooked : hooked_) hooked.slot_alias = nullptr;
   for (auto& entry : entries_) {
     entry.ready = false;
     entry.local_grad = false;
@@ -309,13 +322,13 @@ void ShardedDDP::hand_over_reduced() {
       // The owner's gradient lives in the reduced bucket: no second copy. What the last
       // reduction handed over, if still there, gets it added (Note [Accumulating across
       // reductions]).
-      at::Tensor reduced = alias_of(b.buffer.narrow(0, entry.offset, entry.numel), p.sizes());
       if (!entry.carried.defined() && (entry.whole || carry_split_) && is_handed_over(entry)) entry.carried = p.grad();
       if (entry.carried.defined()) {
-        p.mutable_grad() = entry.carried.add_(reduced);
-      } else {
-        p.mutable_grad() = reduced;
-      }
+        p.mutable_grad() = entry.carried.add_(alias_at(b.buffer, entry.offset, p.sizes()));
+      } else if (!entry.whole || !p.grad().defined() ||
+                 p.grad().unsafeGetTensorImpl() != hooked_[entry.hooked].slot_alias) {
+        p.mutable_grad() = alias_at(b.buffer, entry.offset, p.sizes());
+      }  // else the gradient is already the alias of this slot that fill_param() made
       entry.handed_over.emplace(p.grad().getIntrusivePtr());
       entry.handed_version = static_cast<int64_t>(p.grad()._version());
     }
