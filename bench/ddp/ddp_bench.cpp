@@ -167,6 +167,11 @@ int main(int argc, char** argv) {
   app.add_option("--shard-group-size", shard_group_size, "OSSOptions::shard_group_size (sharded; 0: whole group)");
   bool overlap = false;
   app.add_option("--overlap-sync", overlap, "ShardedDDPOptions::overlap_param_sync (sharded; gpt2 waits per block)");
+  std::string clearing = "none";
+  app.add_option("--zero-grad", clearing, "how each step clears gradients: none (set to none) or zero (in place)")
+      ->check(CLI::IsMember({"none", "zero"}));
+  bool bucket_view = true;
+  app.add_option("--bucket-view", bucket_view, "ShardedDDPOptions::gradient_as_bucket_view (sharded)");
   std::string mixed = "off";
   app.add_option("--mixed-precision", mixed, "OSSOptions::mixed_precision param_dtype (sharded): off, bf16, fp16")
       ->check(CLI::IsMember({"off", "bf16", "fp16"}));
@@ -211,7 +216,7 @@ int main(int argc, char** argv) {
       }
       oss = std::make_unique<shardopt::OSS>(module->parameters(), factory, group, options);
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss,
-                                                   shardopt::ShardedDDPOptions().overlap_param_sync(overlap));
+                                                   shardopt::ShardedDDPOptions().overlap_param_sync(overlap).gradient_as_bucket_view(bucket_view));
       if (auto gpt = std::dynamic_pointer_cast<GPT2Like>(module); gpt && overlap) {
         gpt->before_use = [d = ddp.get()](const std::vector<at::Tensor>& ps) { d->wait_param_sync(ps); };
       }
@@ -225,7 +230,7 @@ int main(int argc, char** argv) {
     auto one_step = [&](int step) {
       if (ddp) {
         auto tz = std::chrono::steady_clock::now();
-        ddp->zero_grad(true);
+        ddp->zero_grad(/*set_to_none=*/clearing == "none");
         phases[3].push_back(ms_since(tz));
         auto t0 = std::chrono::steady_clock::now();
         ddp->pre_forward(/*finish_sync=*/!overlap);
@@ -241,7 +246,7 @@ int main(int argc, char** argv) {
         return;
       }
       auto tz = std::chrono::steady_clock::now();
-      adam->zero_grad(true);
+      adam->zero_grad(/*set_to_none=*/clearing == "none");
       phases[3].push_back(ms_since(tz));
       auto t0 = std::chrono::steady_clock::now();
       at::Tensor loss = loss_fn(step);

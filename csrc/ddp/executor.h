@@ -43,6 +43,7 @@ struct ShardedDDP::Hooked {
 
 // One layout bucket, as the executor runs it.
 struct ShardedDDP::Bucket {
+  const OSS* optimizer = nullptr;  // whose layout it comes from
   int owner = 0;
   std::vector<size_t> entries;
   int64_t numel = 0;   // gradient elements (gaps included); one flag per entry follows them
@@ -52,6 +53,9 @@ struct ShardedDDP::Bucket {
   // (the gradients that were views of it are cleared): its memory is the owner's gradients,
   // which it holds after every backward anyway, and reusing it spares the allocator.
   at::Tensor storage;
+  // This backward accumulates into `storage` where the owner's zeroed gradients live (Note
+  // [Gradients as bucket views]).
+  bool in_place = false;
   size_t pending = 0;  // entries not yet copied in
   PendingWork work;
 };

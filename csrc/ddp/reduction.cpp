@@ -58,12 +58,82 @@ bool ShardedDDP::is_handed_over(const Entry& e) const {
 // gradient still as the last reduction handed it over is set aside, so that the reduction of
 // this backward's fresh gradients can be added to it.
 void ShardedDDP::before_accumulation(size_t h) {
+  if (!views_decided_ && !no_sync_ && !unreduced_local_grads_) decide_bucket_views();
   for (size_t k : hooked_[h].entries) {
     Entry& e = entries_[k];
     if (!e.whole || !e.target.defined() || !is_handed_over(e)) continue;
+    // Zeroed where the bucket is (decide_bucket_views): autograd adds into its slot.
+    const Bucket& b = buckets_[e.bucket];
+    if (b.in_place && e.target.grad().storage().unsafeGetStorageImpl() == b.buffer.storage().unsafeGetStorageImpl()) {
+      continue;
+    }
     uncleared_ |= static_cast<int64_t>(e.target.grad()._version()) == e.handed_version;
     e.carried = e.target.grad();
     e.target.mutable_grad() = at::Tensor();
+  }
+}
+
+// Note [Gradients as bucket views]
+// After a reduction, the owner's gradients are views of its bucket's memory (`storage`), kept
+// between steps. When every gradient that refers to that memory was zeroed in place by the last
+// zero_grad(false) of its OSS (or ShardedDDP's, which calls it) and is unchanged since, and
+// nothing else holds the memory, the next backward uses that very memory as the bucket: those
+// gradients stay in place, autograd adds each new gradient into its slot (its in-place path for
+// a gradient that exists), and nothing is copied in for them; a gradient that is not there (set
+// to none, or never handed over) is copied into its slot as usual. Zero plus the local gradient is
+// the local gradient bit for bit, so the reduction and its result are those of the copying path.
+// The decision is taken per owned bucket at the first gradient of a backward, before autograd
+// has accumulated anything, and not under no_sync() or with unreduced local gradients. Buckets
+// holding part of a split parameter, whose pieces' gradients autograd never accumulates, and
+// buckets of another dtype than their gradients (a reduce_dtype) copy as before. Any other
+// clearing style (none, Module::zero_grad, setting p.grad()) leaves gradients the executor
+// cannot prove to be zero without reading them, and they take the copying path, with the
+// Note [Accumulating across reductions] semantics.
+void ShardedDDP::decide_bucket_views() {
+  views_decided_ = true;
+  if (!options_.gradient_as_bucket_view()) return;
+  const int rank = group_->rank();
+  for (auto& b : buckets_) {
+    if (b.owner != rank || b.buffer.defined()) continue;
+    const int64_t elements = b.numel + static_cast<int64_t>(b.entries.size());
+    // The memory the owned gradients live in: the bucket's own, or that of an earlier bucket,
+    // where a backward that copied left them (Note [Accumulating across reductions] adds into the
+    // gradient as it is).
+    const c10::StorageImpl* own = b.storage.defined() ? b.storage.storage().unsafeGetStorageImpl() : nullptr;
+    c10::Storage memory = b.storage.defined() ? b.storage.storage() : c10::Storage();
+    bool eligible = true;
+    for (size_t k : b.entries) {
+      const Entry& e = entries_[k];
+      if (!e.whole || !e.target.defined() || e.target.dtype() != b.options.dtype()) {
+        eligible = false;
+        break;
+      }
+      const at::Tensor& g = e.target.grad();
+      if (g.defined() && b.optimizer->grad_zeroed(g) && g.storage().unsafeGetStorageImpl() != own) {
+        memory = g.storage();
+        break;
+      }
+    }
+    if (!eligible || !memory) continue;
+    const c10::StorageImpl* impl = memory.unsafeGetStorageImpl();
+    if (static_cast<int64_t>(memory.nbytes()) != elements * static_cast<int64_t>(b.options.dtype().itemsize())) continue;
+    int64_t zeroed = 0;  // owned gradients in that memory, each zeroed and at its own slot
+    for (size_t k : b.entries) {
+      const Entry& e = entries_[k];
+      const at::Tensor& g = e.target.grad();
+      if (!g.defined() || g.storage().unsafeGetStorageImpl() != impl) continue;
+      if (!b.optimizer->grad_zeroed(g) || g.storage_offset() != e.offset || g.numel() != e.numel) {
+        eligible = false;
+        break;
+      }
+      ++zeroed;
+    }
+    // Nothing else (another view the user holds, a stale reference) may see the memory change.
+    const int64_t ours = impl == own ? 1 : 0;
+    if (!eligible || static_cast<int64_t>(memory.use_count()) != ours + zeroed + 1 /* `memory` */) continue;
+    if (impl != own) b.storage = at::empty({0}, b.options).set_(memory, 0, {elements}, {1});
+    b.in_place = true;
+    b.buffer = b.storage;
   }
 }
 
@@ -104,7 +174,7 @@ at::Tensor ShardedDDP::bucket_buffer(Bucket& b) {
 // `offset`, `numel`, `slot_end`: the entry's slot in the bucket; `from`: its first element in the
 // gradient.
 static bool fill_small_on_host(int64_t offset, int64_t numel, int64_t slot_end, int64_t from_element,
-                               const at::Tensor& buffer, const at::Tensor& grad) {
+                               const at::Tensor& buffer, const at::Tensor& grad, int64_t& copied) {
   constexpr int64_t kSmallBytes = 64 << 10;
   const int64_t element = static_cast<int64_t>(buffer.element_size());
   if (!buffer.is_cpu() || (slot_end - offset) * element > kSmallBytes) return false;
@@ -115,7 +185,10 @@ static bool fill_small_on_host(int64_t offset, int64_t numel, int64_t slot_end, 
   const int64_t bytes = numel * element;
   if (grad.defined()) {
     const char* from = static_cast<const char*>(grad.data_ptr()) + from_element * element;
-    if (from != slot) std::memcpy(slot, from, static_cast<size_t>(bytes));
+    if (from != slot) {
+      std::memcpy(slot, from, static_cast<size_t>(bytes));
+      copied += bytes;
+    }
   } else {
     std::memset(slot, 0, static_cast<size_t>(bytes));
   }
@@ -138,7 +211,7 @@ void ShardedDDP::fill_param(size_t h) {
     at::Tensor buffer = bucket_buffer(b);
     const bool owned_whole = has_grad && entry.whole && b.owner == group_->rank();
     if (fill_small_on_host(entry.offset, entry.numel, entry.slot_end, entry.whole ? 0 : entry.in_param.begin, buffer,
-                           has_grad ? p.grad() : at::Tensor())) {
+                           has_grad ? p.grad() : at::Tensor(), copying_)) {
       if (owned_whole) owned = &entry;
     } else {
       at::Tensor slot = buffer.narrow(0, entry.offset, entry.numel);
@@ -149,6 +222,7 @@ void ShardedDDP::fill_param(size_t h) {
         const at::Tensor grad = p.grad();
         if (grad.data_ptr() != slot.data_ptr()) {
           slot.copy_(entry.whole ? grad.reshape(-1) : grad.reshape(-1).narrow(0, entry.in_param.begin, entry.numel));
+          copying_ += static_cast<int64_t>(slot.nbytes());
         }
         if (owned_whole) owned = &entry;
       } else {
@@ -262,8 +336,12 @@ void ShardedDDP::finish_reduction() {
   // The executor is ready for the next backward whatever happened.
   for (auto& b : buckets_) {
     b.buffer = at::Tensor();
+    b.in_place = false;
     b.pending = b.entries.size();
   }
+  views_decided_ = false;
+  copied_bytes_ = copying_;
+  copying_ = 0;
   for (auto& hooked : hooked_) hooked.slot_alias = nullptr;
   for (auto& entry : entries_) {
     entry.ready = false;

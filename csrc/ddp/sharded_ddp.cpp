@@ -280,6 +280,7 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
   const FlatBucket& lb = layout.buckets()[index];
   const FlatGroup& group = layout.groups()[lb.group];
   Bucket b;
+  b.optimizer = &optimizer;
   b.owner = lb.owner;
   b.numel = lb.numel();
   // Mixed precision reduces in reduce_dtype: an fp32 bucket upcasts each gradient as it is copied in.
@@ -387,16 +388,9 @@ void ShardedDDP::refresh_trainable() {
 }
 
 void ShardedDDP::zero_grad(bool set_to_none) {
-  for (auto& p : params_) {
-    if (!p.grad().defined()) continue;
-    if (set_to_none) {
-      p.mutable_grad().reset();
-    } else {
-      p.mutable_grad().detach_();
-      p.mutable_grad().zero_();
-    }
-  }
-  for (OSS* opt : optimizers_) opt->zero_grad(set_to_none);  // and the owners' pieces
+  // Every module parameter ShardedDDP handles is in one of the optimizers, which clear the
+  // owners' pieces too and note what they zeroed (Note [Gradients as bucket views]).
+  for (OSS* opt : optimizers_) opt->zero_grad(set_to_none);
 }
 
 std::string ShardedDDP::name(size_t param) const {

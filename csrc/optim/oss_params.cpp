@@ -76,19 +76,33 @@ void OSS::sync_params() {
 }
 
 void OSS::zero_grad(bool set_to_none) {
-  auto clear = [set_to_none](const at::Tensor& t) {
+  zeroed_.clear();
+  auto clear = [this, set_to_none](const at::Tensor& t) {
     if (!t.grad().defined()) return;
     if (set_to_none) {
       t.mutable_grad() = at::Tensor();
     } else {
-      t.mutable_grad().detach_();
-      t.mutable_grad().zero_();
+      at::Tensor& g = t.mutable_grad();
+      g.detach_();
+      g.zero_();
+      zeroed_.insert_or_assign(g.unsafeGetTensorImpl(),
+                               Zeroed{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
+                                          g.getIntrusivePtr()),
+                                      static_cast<int64_t>(g._version())});
     }
   };
   for (auto& p : params_) clear(p);
   for (const auto& t : piece_tensors_) {
     if (t.defined()) clear(t);
   }
+}
+
+bool OSS::grad_zeroed(const at::Tensor& grad) const {
+  if (!grad.defined()) return false;
+  auto it = zeroed_.find(grad.unsafeGetTensorImpl());
+  return it != zeroed_.end() && !it->second.grad.expired() &&
+         it->second.grad._unsafe_get_target() == grad.unsafeGetTensorImpl() &&
+         static_cast<int64_t>(grad._version()) == it->second.version;
 }
 
 std::vector<at::Tensor> OSS::grads(bool owned_only) const {

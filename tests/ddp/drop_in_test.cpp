@@ -164,6 +164,67 @@ TEST(DropIn, AccumulationWithoutNoSyncAddsEachAveragedGradient) {
   }
 }
 
+// Gradients zeroed in place through the OSS or ShardedDDP stay in their owner's bucket, and the
+// next backward accumulates into them there: only the gradients of parameters another rank owns
+// are copied into buckets. Without gradient_as_bucket_view, or for the gradients of a bucket whose
+// memory the user holds another view of, every gradient is copied. DDP's result either way, and a
+// gradient the user holds is the gradient after backward, as in LibTorch.
+TEST(DropIn, GradientsZeroedInPlaceStayInTheirBucketWithDdpsResult) {
+  for (bool view : {true, false}) {
+    run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      Params ref = testing::clone_params(net->params);
+      optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+      OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
+              OSSOptions().partition(PartitionMode::kWholeParameters));
+      ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(160).gradient_as_bucket_view(view));
+      int64_t all_bytes = 0, others_bytes = 0;  // every gradient; those of parameters another rank owns
+      for (const auto& p : net->params) {
+        all_bytes += static_cast<int64_t>(p.nbytes());
+        if (oss.owner(p) != g->rank()) others_bytes += static_cast<int64_t>(p.nbytes());
+      }
+      ASSERT_LT(others_bytes, all_bytes) << "every rank owns a parameter here";
+      for (int step = 0; step < 6; ++step) {
+        ref_opt.zero_grad(true);
+        if (step % 2) {
+          ddp.zero_grad(false);
+        } else {
+          oss.zero_grad(false);
+        }
+        at::Tensor held, other_view;  // step 3: the user keeps a gradient, step 4 another view of one
+        for (auto& p : net->params) {
+          if (p.grad().defined() && step == 3) held = p.grad();
+          if (p.grad().defined() && step == 4) other_view = p.grad().view(-1);
+        }
+        auto data = testing::rank_data(step, g->rank(), 4);
+        if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+        testing::loss(ref, data, 4).backward();
+        testing::allreduce_grads(ref, *g);
+        testing::loss_of(ddp.forward(data.x), data, 4).backward();
+        // Step 0 has no bucket yet to accumulate into; step 4's held view keeps one bucket copying.
+        const bool in_place = view && step > 0 && step != 4;
+        if (in_place) {
+          EXPECT_EQ(ddp.copied_grad_bytes(), others_bytes) << "step " << step;
+        } else if (step != 4) {
+          EXPECT_EQ(ddp.copied_grad_bytes(), all_bytes) << "step " << step;
+        } else {
+          EXPECT_GT(ddp.copied_grad_bytes(), others_bytes) << "step " << step;
+        }
+        if (held.defined()) {
+          for (const auto& p : net->params) {
+            if (p.grad().defined() && p.grad().data_ptr() == held.data_ptr()) EXPECT_TRUE(at::equal(p.grad(), held));
+          }
+        }
+        ref_opt.step();
+        oss.step();
+        ASSERT_TRUE(testing::matches_reference(net->params, ref, *g, 1e-5))
+            << "after step " << step << (view ? " with" : " without") << " gradient_as_bucket_view";
+      }
+    });
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
 // Three SGD steps through ddp.forward() against `reference` (a copy of the module's parameters,
 // called as `reference_forward`) with its gradients all-reduced: DDP's result.
 template <class F>

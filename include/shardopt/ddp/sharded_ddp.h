@@ -74,6 +74,12 @@ struct ShardedDDPOptions {
   // between step() and the next forward need
   // finish_param_sync() first. Off by default.
   TORCH_ARG(bool, overlap_param_sync) = false;
+  // Gradients zeroed in place (OSS's or ShardedDDP's zero_grad(false)) stay where the last
+  // reduction left them, in their owner's bucket, and the next backward accumulates into them
+  // there: no copy into the bucket, no second bucket, for the gradients this rank owns (Note
+  // [Gradients as bucket views] in csrc/ddp/reduction.cpp). Other clearing styles copy, as
+  // without it; results are the same either way.
+  TORCH_ARG(bool, gradient_as_bucket_view) = true;
 };
 
 class ShardedDDP;
@@ -162,6 +168,9 @@ class ShardedDDP {
   // Bytes of gradients this rank holds now.
   int64_t local_grad_bytes() const;
   size_t num_buckets() const;
+  // Bytes of gradients the last reduction copied into buckets: gradients autograd accumulated
+  // where their bucket is (gradient_as_bucket_view) are not copied.
+  int64_t copied_grad_bytes() const { return copied_bytes_; }
   int64_t rebuild_count() const { return rebuilds_; }
 
  private:
@@ -230,6 +239,8 @@ class ShardedDDP {
   at::Tensor bucket_buffer(Bucket& bucket);  // allocated (or reused) at its first gradient
   // Sets aside an owner's gradient that the last reduction handed over (a hook of hooked_[h]).
   void before_accumulation(size_t hooked);
+  // At the first gradient of a backward: which owned buckets it accumulates into in place.
+  void decide_bucket_views();
   bool is_handed_over(const Entry& entry) const;
   at::Tensor clearing_evidence() const;
   // Divides the owned buckets and makes them the owners' gradients.
@@ -262,6 +273,9 @@ class ShardedDDP {
   std::vector<Bucket> buckets_;
   size_t next_launch_ = 0;
   bool in_backward_ = false;
+  bool views_decided_ = false;  // decide_bucket_views() ran in this backward
+  int64_t copying_ = 0;         // bytes copied into buckets in this backward so far
+  int64_t copied_bytes_ = 0;    // ... in the last one
   bool no_sync_ = false;
   bool unreduced_local_grads_ = false;
   int64_t global_samples_ = -1;

@@ -247,6 +247,10 @@ class OSS : public torch::optim::Optimizer {
   // piece, a view of the piece's elements otherwise; undefined when another rank owns it.
   // ShardedDDP hands it the reduced gradient of its range.
   const at::Tensor& piece_tensor(size_t piece) const { return piece_tensors_.at(piece); }
+  // Whether `grad` is a gradient the last zero_grad(false) zeroed in place and nothing has
+  // written since (its version unchanged): ShardedDDP lets autograd accumulate into such a
+  // gradient where it lives, in its bucket (Note [Gradients as bucket views]).
+  bool grad_zeroed(const at::Tensor& grad) const;
   // Counts re-partitions: owner() answers differently after it changed.
   int64_t partition_version() const { return partition_version_; }
   // What the last move of optimizer state between ranks did on this rank, and how many moves
@@ -305,6 +309,13 @@ class OSS : public torch::optim::Optimizer {
   bool stepped_fused_ = false;
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::vector<at::Tensor> piece_tensors_;               // per layout piece, on its owner
+  // The gradients the last zero_grad(false) zeroed, without keeping them alive, with their
+  // versions right after.
+  struct Zeroed {
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> grad;
+    int64_t version;
+  };
+  std::unordered_map<const c10::TensorImpl*, Zeroed> zeroed_;
   std::unique_ptr<torch::optim::Optimizer> local_;
   std::vector<uint8_t> trainable_;
   std::vector<int64_t> weights_;        // bytes of each parameter, what the partition balances
