@@ -208,5 +208,41 @@ class RankDeath(unittest.TestCase):
         self.assertLess(elapsed, 20 + 10)
 
 
+class Launcher(unittest.TestCase):
+    """tools/launch itself: a failing rank is one line, and stopping the launcher stops the ranks."""
+
+    LAUNCH = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "launch")
+
+    def test_a_rank_that_fails_at_once_is_one_line_every_time(self):
+        # The ranks exit while the launcher is stopping the others: no traceback, ever.
+        for attempt in range(10):
+            p = subprocess.run([sys.executable, self.LAUNCH, "-n", "3", sys.executable, "-c", "import sys; sys.exit(3)"],
+                               env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               timeout=60)
+            self.assertEqual(p.returncode, 1, p.stdout)
+            self.assertNotIn("Traceback", p.stdout, f"attempt {attempt}")
+            self.assertRegex(p.stdout, r"launch: rank \d exited with code 3; stopped the other ranks")
+
+    def test_stopping_the_launcher_stops_every_rank(self):
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            code = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+            p = subprocess.Popen([sys.executable, self.LAUNCH, "-n", "2", sys.executable, "-c", code], env=base_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            pids = {}
+            deadline = time.monotonic() + 60
+            while len(pids) < 2 and time.monotonic() < deadline:
+                m = re.match(r"\[rank (\d)\] (\d+)", p.stdout.readline())
+                if m:
+                    pids[int(m.group(1))] = int(m.group(2))
+            self.assertEqual(len(pids), 2, "both ranks started")
+            p.send_signal(sig)
+            out, _ = p.communicate(timeout=30)
+            self.assertEqual(p.returncode, 128 + sig, out)
+            self.assertIn(f"launch: stopped by signal {int(sig)}; stopped every rank", out)
+            for rank, pid in pids.items():
+                with self.assertRaises(ProcessLookupError, msg=f"rank {rank} (pid {pid}) still runs"):
+                    os.kill(pid, 0)
+
+
 if __name__ == "__main__":
     unittest.main()
