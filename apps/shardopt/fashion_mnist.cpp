@@ -41,8 +41,9 @@ at::Tensor first(const at::Tensor& t, int64_t limit) { return limit > 0 && limit
 
 FashionMnist load_fashion_mnist(const std::string& dir, int64_t train_limit, int64_t test_limit) {
   struct stat st {};
-  SHARDOPT_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "data folder '", dir,
+  SHARDOPT_CHECK(::stat(dir.c_str(), &st) == 0, "data folder '", dir,
                  "' does not exist (install Debian's dataset-fashion-mnist, or pass --data)");
+  SHARDOPT_CHECK(S_ISDIR(st.st_mode), "--data '", dir, "' is not a folder (pass the folder with Fashion-MNIST's files)");
   FashionMnist d;
   d.train_images = first(read_idx(dir + "/train-images-idx3-ubyte.gz"), train_limit);
   d.train_labels = first(read_idx(dir + "/train-labels-idx1-ubyte.gz"), train_limit).to(at::kLong);

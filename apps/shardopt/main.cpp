@@ -32,6 +32,23 @@ std::string one_line(const std::exception& e) {
   return m.rfind(prefix, 0) == 0 ? m.substr(prefix.size()) : m;
 }
 
+// Number checks whose message names the value: "--clip: must be non-negative, got -1".
+CLI::Validator number_at_least(double low, const char* what) {
+  return CLI::Validator(
+      [low, what](std::string& text) -> std::string {
+        try {
+          size_t used = 0;
+          const double v = std::stod(text, &used);
+          if (used == text.size() && v >= low) return "";
+        } catch (const std::exception&) {
+        }
+        return std::string("must be ") + what + ", got " + text;
+      },
+      low > 0 ? "POSITIVE" : "NON-NEGATIVE");
+}
+const CLI::Validator kNonNegative = number_at_least(0, "non-negative");
+const CLI::Validator kPositive = number_at_least(1e-300, "positive");
+
 void add_train_options(CLI::App& train, TrainOptions& o) {
   train.add_option("--data", o.data_dir, "folder with Fashion-MNIST's gzipped IDX files")->capture_default_str();
   train.add_option("--epochs", o.epochs, "epochs")->capture_default_str();
@@ -43,23 +60,57 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
   train.add_option("--lr-schedule", o.lr_schedule, "constant, cosine (to 0 over the run) or step (x0.1 at 2/3)")
       ->check(CLI::IsMember({"constant", "cosine", "step"}))
       ->capture_default_str();
-  train.add_option("--warmup-steps", o.warmup_steps, "linear learning-rate warm-up")->capture_default_str();
-  train.add_option("--weight-decay", o.weight_decay, "weight decay")->capture_default_str();
-  train.add_option("--clip", o.clip, "clip the gradients' global L2 norm to this (0: off)")->capture_default_str();
-  train.add_option("--seed", o.seed, "seed of the initial weights and the data order")->capture_default_str();
+  train.add_option("--warmup-steps", o.warmup_steps, "linear learning-rate warm-up")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  train.add_option("--weight-decay", o.weight_decay, "weight decay")->check(kNonNegative)->capture_default_str();
+  train.add_option("--clip", o.clip, "clip the gradients' global L2 norm to this (0: off)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  train.add_option("--seed", o.seed, "seed of the initial weights and the data order")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            const bool digits = !text.empty() && text.size() <= 20 &&
+                                text.find_first_not_of("0123456789") == std::string::npos;
+            if (digits && (text.size() < 20 || text <= "18446744073709551615")) return "";
+            return "must be an integer from 0 to 18446744073709551615, got " + text;
+          },
+          "UINT64"))
+      ->capture_default_str();
   train.add_option("--freeze", o.freeze, "PREFIX@EPOCH or PREFIX@sSTEP: freeze parameters whose names start with PREFIX "
                                          "(e.g. conv@2: from the start of epoch 2; fc1@s300: from step 300)");
   train.add_option("--unfreeze", o.unfreeze, "PREFIX@EPOCH or PREFIX@sSTEP: make them trainable again");
-  train.add_option("--checkpoint-dir", o.checkpoint_dir, "save DIR/last.ckpt at each epoch's end (and every "
-                                                         "--checkpoint-every steps)");
-  train.add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints within an epoch (0: epochs only)");
-  train.add_flag("--sharded-checkpoint", o.sharded_checkpoint, "each rank writes its own optimizer state");
+  CLI::Option* dir = train.add_option("--checkpoint-dir", o.checkpoint_dir, "save DIR/last.ckpt at each epoch's end "
+                                                                           "(and every --checkpoint-every steps)");
+  train.add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints within an epoch (0: epochs only)")
+      ->check(kNonNegative)
+      ->needs(dir)
+      ->capture_default_str();
+  train.add_flag("--sharded-checkpoint", o.sharded_checkpoint, "each rank writes its own optimizer state")->needs(dir);
   train.add_flag("--resume", o.resume, "continue from DIR/last.ckpt");
-  train.add_option("--stop-after-steps", o.stop_after_steps, "stop after this many steps of the run (0: run to the end)");
-  train.add_option("--train-samples", o.train_samples, "use only the first N training images (0: all)");
-  train.add_option("--test-samples", o.test_samples, "use only the first N test images (0: all)");
-  train.add_option("--threads", o.threads, "intra-op threads per rank (0: cores / local ranks)");
-  train.add_option("--timeout", o.timeout_s, "seconds any collective may wait")->capture_default_str();
+  train.add_option("--stop-after-steps", o.stop_after_steps, "stop after this many steps of the run (0: run to the end)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  train.add_option("--train-samples", o.train_samples, "use only the first N training images (0: all)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  train.add_option("--test-samples", o.test_samples, "use only the first N test images (0: all)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  train.add_option("--threads", o.threads, "intra-op threads per rank (0: cores / local ranks)")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            try {
+              size_t used = 0;
+              const int v = std::stoi(text, &used);
+              if (used == text.size() && v >= 0 && v <= 1024) return "";
+            } catch (const std::exception&) {
+            }
+            return "must be from 0 to 1024, got " + text;
+          },
+          "0-1024"))
+      ->capture_default_str();
+  train.add_option("--timeout", o.timeout_s, "seconds any collective may wait")->check(kPositive)->capture_default_str();
   train.add_option("--device", o.device, "cpu (Gloo) or cuda (NCCL; each rank takes the GPU of its local rank)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
@@ -98,7 +149,8 @@ int main(int argc, char** argv) {
   train_options.data_dir = kDefaultFashionMnistDir;
   CLI::App* train = app.add_subcommand("train", "train a CNN on Fashion-MNIST with OSS + ShardedDDP, a freeze "
                                                 "schedule and checkpoints");
-  train->add_option("-n,--nproc", ranks, "start N local ranks (without a launcher)");
+  train->add_option("-n,--nproc", ranks, "start N local ranks (without a launcher; default: 1, or the launcher's)")
+      ->check(kPositive);
   add_train_options(*train, train_options);
   MemoryOptions memory_options;
   CLI::App* memory = app.add_subcommand("memory", "measure memory per rank for plain data parallel, OSS (ZeRO-1) "
@@ -118,7 +170,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "shardopt: %s (see shardopt --help)\n", e.what());
+    const char* sub = *train ? " train" : *memory ? " memory" : "";
+    std::fprintf(stderr, "shardopt: %s (see shardopt%s --help)\n", e.what(), sub);
     return e.get_exit_code() == 0 ? 2 : e.get_exit_code();
   }
 

@@ -17,8 +17,10 @@
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <cstdlib>
 #include <thread>
 
@@ -118,6 +120,15 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   SHARDOPT_CHECK(o.lr > 0, "--lr must be positive, got ", o.lr);
   lr_at(o, 0, 1);  // rejects an unknown schedule before any work
   schedule_ = FreezeSchedule::parse(o.freeze, o.unfreeze);
+  SHARDOPT_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  if (!o.checkpoint_dir.empty()) {  // a folder it can write to, before any training
+    ::mkdir(o.checkpoint_dir.c_str(), 0755);
+    struct stat st {};
+    SHARDOPT_CHECK(::stat(o.checkpoint_dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "--checkpoint-dir '",
+                   o.checkpoint_dir, "' is not a folder and cannot be made one");
+    SHARDOPT_CHECK(::access(o.checkpoint_dir.c_str(), W_OK) == 0, "--checkpoint-dir '", o.checkpoint_dir,
+                   "' is not writable");
+  }
   const bool cuda = o.device == "cuda";
   SHARDOPT_CHECK(!cuda || torch::cuda::is_available(), "--device cuda: no CUDA device is visible");
   group_ = init_process_group(
@@ -165,9 +176,53 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   ddp_ = std::make_unique<ShardedDDP>(model_.ptr(), *oss_, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples));
 }
 
+// The options a checkpoint must be resumed with, as numbers (TrainingState::scalars): their
+// position in each option's list of choices.
+const std::vector<std::pair<const char*, std::vector<std::string>>>& resume_choices() {
+  static const std::vector<std::pair<const char*, std::vector<std::string>>> choices = {
+      {"optimizer", {"adam", "adamw", "sgd"}}, {"mixed-precision", {"off", "bf16", "fp16"}}};
+  return choices;
+}
+
+const std::string& choice_of(const TrainOptions& o, const std::string& option) {
+  return option == "optimizer" ? o.optimizer : o.mixed_precision;
+}
+
+// Before anything is loaded: a checkpoint written with another optimizer, precision, batch or
+// training set is one line naming the option (instead of a failure deep in the optimizer's
+// state, or state silently dropped). Checkpoints without these entries are not checked.
+void check_resume_options(const std::string& path, const TrainOptions& o, int64_t dataset_size) {
+  const c10::impl::GenericDict d = read_checkpoint_file(path).toGenericDict();
+  if (d.contains("scalars")) {
+    const auto scalars = d.at("scalars").toGenericDict();
+    for (const auto& [option, values] : resume_choices()) {
+      const std::string key = std::string("option ") + option;
+      if (!scalars.contains(key)) continue;
+      const auto index = static_cast<size_t>(scalars.at(key).toDouble());
+      const std::string saved = index < values.size() ? values[index] : "?";
+      SHARDOPT_CHECK(saved == choice_of(o, option), "checkpoint '", path, "' was written with --", option, " ", saved,
+                     "; resume it with --", option, " ", saved, " (this run has ", choice_of(o, option), ")");
+    }
+  }
+  if (d.contains("sampler") && d.at("sampler").isGenericDict()) {
+    const auto sampler = d.at("sampler").toGenericDict();
+    if (sampler.contains("global_batch_size")) {
+      const int64_t batch = sampler.at("global_batch_size").toInt();
+      SHARDOPT_CHECK(batch == o.batch_size, "checkpoint '", path, "' was written with --batch-size ", batch,
+                     "; this run has ", o.batch_size);
+    }
+    if (sampler.contains("dataset_size")) {
+      const int64_t size = sampler.at("dataset_size").toInt();
+      SHARDOPT_CHECK(size == dataset_size, "checkpoint '", path, "' was written for ", size,
+                     " training images (--train-samples); this run has ", dataset_size);
+    }
+  }
+}
+
 void Trainer::restore() {
-  SHARDOPT_CHECK(!o_.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
-  const TrainingState state = load_checkpoint(o_.checkpoint_dir + "/last.ckpt", *model_, *oss_);
+  const std::string path = o_.checkpoint_dir + "/last.ckpt";
+  check_resume_options(path, o_, data_.train_images.size(0));
+  const TrainingState state = load_checkpoint(path, *model_, *oss_);
   SHARDOPT_CHECK(state.sampler.has_value(), "checkpoint '", o_.checkpoint_dir, "/last.ckpt' has no sampler position");
   sampler_->restore(*state.sampler);
   if (scaler_ && state.scalars.count("loss_scale")) {
@@ -275,11 +330,12 @@ int Trainer::run() {
   progress_ = std::make_unique<Progress>(rank_ == 0, step_, total_steps_, o_.batch_size,
                                          std::max<int64_t>(1, steps_per_epoch_ / 4));
   if (rank_ == 0) {
-    progress_->print(fmt::format("training the CNN ({} parameters) on {} Fashion-MNIST images: {} ranks on {}, global batch {}, "
-                                 "{} steps per epoch, {}; {}",
+    progress_->print(fmt::format("training the CNN ({} parameters) on {} Fashion-MNIST images: {} rank{} on {}, global batch {}, "
+                                 "{} step{} per epoch, {}; {}",
                                  count_text(model_numel()),
-                                 count_text(data_.train_images.size(0)), world_, device_.is_cuda() ? "CUDA (NCCL)" : "CPU (Gloo)",
-                                 o_.batch_size, steps_per_epoch_,
+                                 count_text(data_.train_images.size(0)), world_, world_ == 1 ? "" : "s",
+                                 device_.is_cuda() ? "CUDA (NCCL)" : "CPU (Gloo)", o_.batch_size, steps_per_epoch_,
+                                 steps_per_epoch_ == 1 ? "" : "s",
                                  o_.optimizer, oss_->describe()));
   }
   const int64_t stop = o_.stop_after_steps > 0 ? std::min(o_.stop_after_steps, total_steps_) : total_steps_;
@@ -321,6 +377,10 @@ void Trainer::save(int64_t next_epoch_step) {
   state.step = step_;
   state.epoch = epoch_;
   state.sampler = sampler_->state(next_epoch_step);
+  for (const auto& [option, values] : resume_choices()) {
+    const auto it = std::find(values.begin(), values.end(), choice_of(o_, option));
+    state.scalars[std::string("option ") + option] = static_cast<double>(it - values.begin());
+  }
   if (scaler_) {
     state.scalars["loss_scale"] = scaler_->get_scale();
     state.scalars["loss_scale_growth_tracker"] = static_cast<double>(scaler_->growth_tracker());

@@ -550,7 +550,7 @@ std::vector<int> OSS::owners(const torch::Tensor& param) const {
 
 std::string OSS::describe() const {
   std::ostringstream out;
-  out << "OSS over " << group_->size() << " ranks: "
+  out << "OSS over " << group_->size() << (group_->size() == 1 ? " rank: " : " ranks: ")
       << (split_ ? "parameters split into equal ranges (element-wise optimizer)"
                  : "whole parameters per owner")
       << ", trainable imbalance " << imbalance() * 100.0 << "%";

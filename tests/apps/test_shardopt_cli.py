@@ -120,7 +120,7 @@ class CliTest(unittest.TestCase):
         for precision in ["off", "bf16"]:
             args = ["train", *TINY, "--device", "cuda", "--mixed-precision", precision, "--clip", "1"]
             full = run([*args, "--checkpoint-dir", self.path(f"full-{precision}")])
-            self.assertIn("1 ranks on CUDA (NCCL)", full.stdout)
+            self.assertIn("1 rank on CUDA (NCCL)", full.stdout)
             self.assertRegex(full.stdout, r"step 10 \(epoch 1\): froze conv")
             self.assertRegex(full.stdout, r"step 20 \(epoch 1\): unfroze conv")
             accuracy = float(re.findall(r"test accuracy (\d+\.\d+)%", full.stdout)[-1])
@@ -184,6 +184,39 @@ class CliTest(unittest.TestCase):
             f.write(b"SHRDCKPT" + b"\0" * 40)
         fails(["train", "-n", "2", *SMALL, "--checkpoint-dir", self.path("bad"), "--resume"],
               f"checkpoint '{self.path('bad')}/last.ckpt'", ranks=2)
+        # Numbers out of range, options that need another, paths of the wrong kind: one line at once.
+        for option, value, needle in [("-n", "0", "--nproc: must be positive, got 0"),
+                                      ("--train-samples", "-5", "--train-samples: must be non-negative, got -5"),
+                                      ("--clip", "-1", "--clip: must be non-negative, got -1"),
+                                      ("--weight-decay", "-0.1", "--weight-decay: must be non-negative, got -0.1"),
+                                      ("--warmup-steps", "-3", "--warmup-steps: must be non-negative"),
+                                      ("--stop-after-steps", "-1", "--stop-after-steps: must be non-negative"),
+                                      ("--timeout", "0", "--timeout: must be positive, got 0"),
+                                      ("--threads", "5000", "--threads: must be from 0 to 1024, got 5000"),
+                                      ("--seed", "-1", "--seed: must be an integer from 0 to"),
+                                      ("--checkpoint-every", "5", "--checkpoint-every requires --checkpoint-dir")]:
+            fails(["train", option, value], needle)
+        fails(["train", "--sharded-checkpoint"], "--sharded-checkpoint requires --checkpoint-dir")
+        fails(["train", "--data", EXE], f"--data '{EXE}' is not a folder")
+        fails(["train", *SMALL, "--checkpoint-dir", EXE], f"--checkpoint-dir '{EXE}' is not a folder")
+
+    def test_resuming_with_other_options_names_the_option(self):
+        def tiny(samples="256", batch="64"):
+            return ["--epochs", "1", "--train-samples", samples, "--test-samples", "100", "--batch-size", batch]
+        run(["train", *tiny(), "--optimizer", "sgd", "--lr", "0.05", "--checkpoint-dir", self.dir])
+        ckpt = f"checkpoint '{self.dir}/last.ckpt' was written with"
+        for args, needle in [(tiny() + ["--optimizer", "adam"], f"{ckpt} --optimizer sgd; resume it with --optimizer sgd"),
+                             (tiny() + ["--optimizer", "sgd", "--mixed-precision", "bf16"],
+                              f"{ckpt} --mixed-precision off"),
+                             (tiny(batch="32") + ["--optimizer", "sgd"], f"{ckpt} --batch-size 64; this run has 32"),
+                             (tiny(samples="320") + ["--optimizer", "sgd"], "written for 256 training images")]:
+            p = run(["train", *args, "--checkpoint-dir", self.dir, "--resume"], check=False)
+            self.assertNotEqual(p.returncode, 0, args)
+            lines = [l for l in p.stderr.splitlines() if l.strip()]
+            self.assertEqual(len(lines), 1, p.stderr)
+            self.assertIn(needle, lines[0])
+        p = run(["train", *tiny(), "--optimizer", "sgd", "--lr", "0.05", "--checkpoint-dir", self.dir, "--resume"])
+        self.assertIn("resumed from", p.stdout)
 
     def test_memory_report_measures_one_worldth(self):
         out = self.path("mem")
