@@ -187,6 +187,13 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, int steps
     p.mutable_grad().reset();
     frozen += p.numel();
   }
+  // The new trainable set agreed and the shards re-balanced now, as the next forward() would do
+  // over two steps: the measurement sees the settled layout whatever --steps is.
+  if (ddp) {
+    ddp->refresh_trainable();
+  } else if (oss) {
+    oss->refresh_trainable();
+  }
   for (int s = 0; s < steps; ++s) step();
   record(fmt::format("{:.0f}% frozen", 100.0 * static_cast<double>(frozen) / static_cast<double>(numel)), measure(),
          numel - frozen);
