@@ -40,10 +40,14 @@ def load(path):
 
 
 def main():
-    if len(sys.argv) != 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    d = load(sys.argv[1])
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__, file=sys.stderr if len(sys.argv) != 2 else sys.stdout)
+        return 0 if len(sys.argv) == 2 else 2
+    try:
+        d = load(sys.argv[1])
+    except (OSError, ValueError) as e:  # one line, not a traceback
+        print(f"read_checkpoint: {e}", file=sys.stderr)
+        return 1
     for key in sorted(d):
         value = d[key]
         if isinstance(value, dict):

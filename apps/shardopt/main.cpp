@@ -88,7 +88,8 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
       ->capture_default_str();
   train.add_flag("--sharded-checkpoint", o.sharded_checkpoint, "each rank writes its own optimizer state")->needs(dir);
   train.add_flag("--resume", o.resume, "continue from DIR/last.ckpt");
-  train.add_option("--stop-after-steps", o.stop_after_steps, "stop after this many steps of the run (0: run to the end)")
+  train.add_option("--stop-after-steps", o.stop_after_steps, "stop after this many steps of the run (0: run to the end), as an "
+                   "interruption would: nothing is saved at the stop beyond the usual checkpoints")
       ->check(kNonNegative)
       ->capture_default_str();
   train.add_option("--train-samples", o.train_samples, "use only the first N training images (0: all)")
@@ -180,6 +181,11 @@ int main(int argc, char** argv) {
   try {
     if (*train) {
       if (ranks < 0) throw std::invalid_argument("-n must be positive, got " + std::to_string(ranks));
+      // Checked here too, so that N ranks do not each say it.
+      if (ranks > 0 && train_options.batch_size % ranks != 0) {
+        throw std::invalid_argument("--batch-size " + std::to_string(train_options.batch_size) +
+                                    " (global) must be a positive multiple of the world size " + std::to_string(ranks));
+      }
       if (!launched && ranks > 0) return run_local_ranks(ranks, argv);
       if (launched && ranks > 0 && std::getenv("WORLD_SIZE") && std::atoi(std::getenv("WORLD_SIZE")) != ranks) {
         throw std::invalid_argument("-n " + std::to_string(ranks) + " contradicts WORLD_SIZE=" +

@@ -143,7 +143,11 @@ int run_memory(const MemoryOptions& o, char** argv) {
   SHARDOPT_CHECK(o.freeze_fraction >= 0 && o.freeze_fraction < 1, "--freeze-fraction must be in [0, 1), got ", o.freeze_fraction);
   for (int w : o.world_sizes) SHARDOPT_CHECK(w >= 1, "--world-sizes: ", w, " is not a positive world size");
   ::mkdir(o.out_dir.c_str(), 0755);
-  SHARDOPT_CHECK(exists(o.out_dir), "cannot create the output folder '", o.out_dir, "'");
+  struct stat st {};
+  SHARDOPT_CHECK(::stat(o.out_dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::access(o.out_dir.c_str(), W_OK) == 0,
+                 "-o '", o.out_dir, "' is not a folder it can write to");
+  const std::string python = o.python.empty() ? std::string(SHARDOPT_APP_PYTHON) : o.python;
+  SHARDOPT_CHECK(::access(python.c_str(), X_OK) == 0, "--python '", python, "' is not an executable file");
   nlohmann::json rows = nlohmann::json::array(), skipped = nlohmann::json::array();
   for (int world : o.world_sizes) {
     for (const auto& mode : o.modes) {
@@ -173,7 +177,6 @@ int run_memory(const MemoryOptions& o, char** argv) {
   nlohmann::json report = {{"model", spec.name}, {"numel", spec.numel()}, {"rows", rows}, {"skipped", skipped}};
   std::ofstream(o.out_dir + "/memory.json") << report.dump(1) << "\n";
   write_csv(rows, o.out_dir + "/memory.csv");
-  const std::string python = o.python.empty() ? std::string(SHARDOPT_APP_PYTHON) : o.python;
   const int rc = run_command({python, plot_script(), o.out_dir + "/memory.json", o.out_dir + "/memory.png"});
   SHARDOPT_CHECK(rc == 0, "drawing the chart with '", python, "' failed (exit code ", rc,
                  "; it needs matplotlib: tools/setup.sh installs it)");
