@@ -17,6 +17,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 namespace {
@@ -33,21 +34,22 @@ std::string one_line(const std::exception& e) {
 }
 
 // Number checks whose message names the value: "--clip: must be non-negative, got -1".
-CLI::Validator number_at_least(double low, const char* what) {
+CLI::Validator number_in(double low, double high, const std::string& what) {
   return CLI::Validator(
-      [low, what](std::string& text) -> std::string {
+      [low, high, what](std::string& text) -> std::string {
         try {
           size_t used = 0;
           const double v = std::stod(text, &used);
-          if (used == text.size() && v >= low) return "";
+          if (used == text.size() && v >= low && v <= high) return "";
         } catch (const std::exception&) {
         }
-        return std::string("must be ") + what + ", got " + text;
+        return "must be " + what + ", got " + text;
       },
-      low > 0 ? "POSITIVE" : "NON-NEGATIVE");
+      what);
 }
-const CLI::Validator kNonNegative = number_at_least(0, "non-negative");
-const CLI::Validator kPositive = number_at_least(1e-300, "positive");
+constexpr double kUnbounded = std::numeric_limits<double>::max();
+const CLI::Validator kNonNegative = number_in(0, kUnbounded, "non-negative");
+const CLI::Validator kPositive = number_in(std::numeric_limits<double>::denorm_min(), kUnbounded, "positive");
 
 void add_train_options(CLI::App& train, TrainOptions& o) {
   train.add_option("--data", o.data_dir, "folder with Fashion-MNIST's gzipped IDX files")->capture_default_str();
@@ -99,17 +101,7 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
       ->check(kNonNegative)
       ->capture_default_str();
   train.add_option("--threads", o.threads, "intra-op threads per rank (0: cores / local ranks)")
-      ->check(CLI::Validator(
-          [](std::string& text) -> std::string {
-            try {
-              size_t used = 0;
-              const int v = std::stoi(text, &used);
-              if (used == text.size() && v >= 0 && v <= 1024) return "";
-            } catch (const std::exception&) {
-            }
-            return "must be from 0 to 1024, got " + text;
-          },
-          "0-1024"))
+      ->check(number_in(0, 1024, "from 0 to 1024"))
       ->capture_default_str();
   train.add_option("--timeout", o.timeout_s, "seconds any collective may wait")->check(kPositive)->capture_default_str();
   train.add_option("--device", o.device, "cpu (Gloo) or cuda (NCCL; each rank takes the GPU of its local rank)")

@@ -69,14 +69,22 @@ void BM_ShardoptFusedStep(benchmark::State& state) {
   report(state);
 }
 
-void BM_OssStepWorldOne(benchmark::State& state) {
-  at::set_num_threads(static_cast<int>(state.range(0)));
-  auto group = shardopt::init_process_group(c10::make_intrusive<c10d::HashStore>(),
-                                            shardopt::InitOptions().backend("gloo").rank(0).world_size(1));
+// OSS(AdamW) over one rank holding the shard, with a gradient.
+struct OssWorldOne {
+  explicit OssWorldOne(int threads) {
+    at::set_num_threads(threads);
+    p.mutable_grad() = g;
+  }
+  std::shared_ptr<shardopt::ProcessGroup> group = shardopt::init_process_group(
+      c10::make_intrusive<c10d::HashStore>(), shardopt::InitOptions().backend("gloo").rank(0).world_size(1));
   at::Tensor p = param();
   at::Tensor g = p.grad().clone();
-  shardopt::OSS opt({p}, shardopt::optimizer<optim::AdamW>(options()), group);
-  p.mutable_grad() = g;
+  shardopt::OSS opt{{p}, shardopt::optimizer<optim::AdamW>(options()), group};
+};
+
+void BM_OssStepWorldOne(benchmark::State& state) {
+  OssWorldOne w(static_cast<int>(state.range(0)));
+  shardopt::OSS& opt = w.opt;
   for (auto _ : state) opt.step();
   state.counters["fused"] = opt.stepped_fused() ? 1 : 0;
   report(state);
@@ -88,13 +96,9 @@ void BM_OssStepWorldOne(benchmark::State& state) {
 // on memory placed differently; pairs see the same conditions. Counters: each one's median (ms)
 // and the median of the per-pair ratios ATen / OSS (above 1: OSS is faster).
 void BM_PairedAtenVsOssStep(benchmark::State& state) {
-  at::set_num_threads(static_cast<int>(state.range(0)));
-  auto group = shardopt::init_process_group(c10::make_intrusive<c10d::HashStore>(),
-                                            shardopt::InitOptions().backend("gloo").rank(0).world_size(1));
-  at::Tensor p = param();
-  at::Tensor g = p.grad().clone();
-  shardopt::OSS opt({p}, shardopt::optimizer<optim::AdamW>(options()), group);
-  p.mutable_grad() = g;
+  OssWorldOne w(static_cast<int>(state.range(0)));
+  shardopt::OSS& opt = w.opt;
+  at::Tensor &p = w.p, &g = w.g;
   opt.step();  // creates the state
   auto& st = static_cast<optim::AdamWParamState&>(*opt.local_optimizer().state().begin()->second);
   at::Tensor pd = p.detach(), m = st.exp_avg(), v = st.exp_avg_sq();
