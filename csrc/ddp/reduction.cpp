@@ -89,8 +89,30 @@ void ShardedDDP::before_accumulation(size_t h) {
 // clearing style (none, Module::zero_grad, setting p.grad()) leaves gradients the executor
 // cannot prove to be zero without reading them, and they take the copying path, with the
 // Note [Accumulating across reductions] semantics.
+void ShardedDDP::drop_bucket_views() {
+  views_decided_ = false;
+  for (auto& b : buckets_) {
+    if (!b.in_place) continue;
+    b.in_place = false;
+    if (b.pending == b.entries.size()) b.buffer = at::Tensor();  // nothing went in yet
+  }
+}
+
 void ShardedDDP::decide_bucket_views() {
   views_decided_ = true;
+  // The decision holds for this backward only. One that reduces nothing (autograd::grad() runs
+  // the hooks before accumulation, never the ones after) drops it at its end; one that reduces
+  // drops it in finish_reduction().
+  // It also gives back the gradients set aside before accumulation (Note [Accumulating across
+  // reductions]), which such a backward never adds to.
+  torch::autograd::Engine::get_default_engine().queue_callback([this] {
+    if (in_backward_) return;
+    drop_bucket_views();
+    for (auto& e : entries_) {
+      if (e.carried.defined() && e.target.defined() && !e.target.grad().defined()) e.target.mutable_grad() = e.carried;
+      e.carried = at::Tensor();
+    }
+  });
   if (!options_.gradient_as_bucket_view()) return;
   const int rank = group_->rank();
   for (auto& b : buckets_) {
@@ -101,7 +123,7 @@ void ShardedDDP::decide_bucket_views() {
     // gradient as it is).
     const c10::StorageImpl* own = b.storage.defined() ? b.storage.storage().unsafeGetStorageImpl() : nullptr;
     c10::Storage memory = b.storage.defined() ? b.storage.storage() : c10::Storage();
-    bool eligible = true;
+    bool eligible = true, found = false;
     for (size_t k : b.entries) {
       const Entry& e = entries_[k];
       if (!e.whole || !e.target.defined() || e.target.dtype() != b.options.dtype()) {
@@ -109,9 +131,9 @@ void ShardedDDP::decide_bucket_views() {
         break;
       }
       const at::Tensor& g = e.target.grad();
-      if (g.defined() && b.optimizer->grad_zeroed(g) && g.storage().unsafeGetStorageImpl() != own) {
+      if (!found && g.defined() && b.optimizer->grad_zeroed(g) && g.storage().unsafeGetStorageImpl() != own) {
         memory = g.storage();
-        break;
+        found = true;
       }
     }
     if (!eligible || !memory) continue;
@@ -122,7 +144,9 @@ void ShardedDDP::decide_bucket_views() {
       const Entry& e = entries_[k];
       const at::Tensor& g = e.target.grad();
       if (!g.defined() || g.storage().unsafeGetStorageImpl() != impl) continue;
-      if (!b.optimizer->grad_zeroed(g) || g.storage_offset() != e.offset || g.numel() != e.numel) {
+      // Zeroed, at its own slot, laid out as the slot is (so that autograd's add lands in order).
+      if (!b.optimizer->grad_zeroed(g) || g.storage_offset() != e.offset || g.numel() != e.numel ||
+          !g.is_contiguous() || g.dtype() != b.options.dtype()) {
         eligible = false;
         break;
       }

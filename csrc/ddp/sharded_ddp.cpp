@@ -318,6 +318,7 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
 
 void ShardedDDP::pre_forward(bool finish_sync) {
   CommPhase phase("forward (trainability check, buffers)");
+  if (!in_backward_) drop_bucket_views();  // a backward that ended early took its decision along
   if (options_.auto_refresh_trainable()) {
     await_mask_check();  // from here on mask_ is known to be the same on every rank
     follow_partition(mask_ != balanced_for_);
@@ -388,6 +389,7 @@ void ShardedDDP::refresh_trainable() {
 }
 
 void ShardedDDP::zero_grad(bool set_to_none) {
+  if (!in_backward_) drop_bucket_views();
   // Every module parameter ShardedDDP handles is in one of the optimizers, which clear the
   // owners' pieces too and note what they zeroed (Note [Gradients as bucket views]).
   for (OSS* opt : optimizers_) opt->zero_grad(set_to_none);

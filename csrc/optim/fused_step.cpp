@@ -181,7 +181,8 @@ void sgd_step(optim::Optimizer& opt) {
 // (or without the symbol), the helpers come from the inter-op pool (at::launch). Either way the
 // range is cut into chunks of whole 64-element blocks (each starts aligned as the tensor does),
 // about 8 per thread, taken in order by whichever thread is free, so a thread that starts late
-// takes fewer instead of holding back a fixed share.
+// takes fewer instead of holding back a fixed share. The bodies are plain loops: LibTorch's
+// thread-local state is not carried into the team's threads, so a body must not call ATen.
 namespace {
 
 using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
@@ -228,8 +229,11 @@ void detail::parallel_ranges(int64_t n, int64_t grain, const std::function<void(
   chunks.chunk = std::max<int64_t>(grain, (n / (tasks * 8) + 63) / 64 * 64);
   chunks.body = &body;
   if (GompParallel parallel = gomp_parallel()) {
-    // Every thread of the team (this one included) takes chunks; returns when all are done.
-    parallel([](void* c) { static_cast<Chunks*>(c)->work(); }, &chunks, static_cast<unsigned>(tasks), 0);
+    // Every thread of the team (this one included) takes chunks; returns when all are done. The
+    // whole team (num_threads 0), as ATen's regions ask for: a smaller one makes libgomp end the
+    // surplus threads and the next full region start them again (PyTorch issue 32008); threads
+    // beyond `tasks` find no chunk left.
+    parallel([](void* c) { static_cast<Chunks*>(c)->work(); }, &chunks, 0, 0);
   } else {
     std::condition_variable done;
     int64_t left = tasks - 1;

@@ -8,6 +8,7 @@
 #include "parity.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
 #include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/nn/modules/activation.h>
@@ -223,6 +224,50 @@ TEST(DropIn, GradientsZeroedInPlaceStayInTheirBucketWithDdpsResult) {
     });
     if (::testing::Test::HasFatalFailure()) return;
   }
+}
+
+// torch::autograd::grad() runs the hooks before accumulation but reduces nothing: the gradients
+// are left as they were (a zeroed one stays where it is, none is set aside for good), and what the
+// user adds to them before the next backward counts, as under DDP: after zero_grad(false), a
+// weight-decay term added to each gradient, then backward, gives that term plus the average.
+TEST(DropIn, AutogradGradBeforeBackwardLeavesTheGradientsAsTheyWere) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    Params ref = testing::clone_params(net->params);
+    optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
+            OSSOptions().partition(PartitionMode::kWholeParameters));
+    ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(160));
+    constexpr double kDecay = 0.1;
+    for (int step = 0; step < 4; ++step) {
+      auto data = testing::rank_data(step, g->rank(), 4);
+      ref_opt.zero_grad(true);
+      testing::loss(ref, data, 4).backward();
+      testing::allreduce_grads(ref, *g);
+      ddp.zero_grad(false);
+      at::Tensor loss = testing::loss_of(ddp.forward(data.x), data, 4);
+      if (step >= 1) {  // gradients exist (zeroed) from here on
+        std::vector<at::Tensor> grads_before;
+        for (auto& p : net->params) grads_before.push_back(p.grad());
+        auto direct = torch::autograd::grad({loss}, net->params, {}, /*retain_graph=*/true);
+        ASSERT_EQ(direct.size(), net->params.size());
+        at::NoGradGuard no_grad;
+        for (size_t i = 0; i < net->params.size(); ++i) {
+          // Under DDP every rank adds the term to its gradient; here the owner holds the gradient.
+          ref[i].mutable_grad().add_(ref[i].detach(), kDecay);
+          const at::Tensor& grad = net->params[i].grad();
+          ASSERT_EQ(grad.defined(), grads_before[i].defined()) << "parameter " << i << ", step " << step;
+          if (!grad.defined()) continue;
+          EXPECT_EQ(grad.unsafeGetTensorImpl(), grads_before[i].unsafeGetTensorImpl());
+          grad.add_(net->params[i].detach(), kDecay);
+        }
+      }
+      loss.backward();
+      ref_opt.step();
+      oss.step();
+      ASSERT_TRUE(testing::matches_reference(net->params, ref, *g, 1e-5)) << "after step " << step;
+    }
+  });
 }
 
 // Three SGD steps through ddp.forward() against `reference` (a copy of the module's parameters,

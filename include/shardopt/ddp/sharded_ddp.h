@@ -241,6 +241,8 @@ class ShardedDDP {
   void before_accumulation(size_t hooked);
   // At the first gradient of a backward: which owned buckets it accumulates into in place.
   void decide_bucket_views();
+  // Forgets that decision where no reduction is under way (a backward that reduced nothing).
+  void drop_bucket_views();
   bool is_handed_over(const Entry& entry) const;
   at::Tensor clearing_evidence() const;
   // Divides the owned buckets and makes them the owners' gradients.
