@@ -267,7 +267,14 @@ void ShardedDDP::fill_param(size_t h) {
   hooked.slot_alias = nullptr;
   if (has_grad) {
     if (owned) {
-      p.mutable_grad() = alias_at(buckets_[owned->bucket].buffer, owned->offset, p.sizes());
+      // A gradient autograd accumulated where its slot is (Note [Gradients as bucket views]) stays
+      // the same tensor, as under DDP; any other becomes a view of its slot.
+      const at::Tensor& buffer = buckets_[owned->bucket].buffer;
+      const at::Tensor& g = p.grad();
+      const bool at_slot = g.is_contiguous() && g.dtype() == buffer.dtype() && g.sizes() == p.sizes() &&
+                           g.storage().unsafeGetStorageImpl() == buffer.storage().unsafeGetStorageImpl() &&
+                           g.storage_offset() == buffer.storage_offset() + owned->offset;
+      if (!at_slot) p.mutable_grad() = alias_at(buffer, owned->offset, p.sizes());
       hooked.slot_alias = p.grad().unsafeGetTensorImpl();
     } else {
       p.mutable_grad().reset();
@@ -424,7 +431,11 @@ void ShardedDDP::hand_over_reduced() {
       // The owner's gradient lives in the reduced bucket: no second copy. What the last
       // reduction handed over, if still there, gets it added (Note [Accumulating across
       // reductions]).
-      if (!entry.carried.defined() && (entry.whole || carry_split_) && is_handed_over(entry)) entry.carried = p.grad();
+      // A gradient that is already this reduction's slot (slot_alias) holds it, and nothing to carry.
+      if (!entry.carried.defined() && (entry.whole || carry_split_) && is_handed_over(entry) &&
+          p.grad().unsafeGetTensorImpl() != hooked_[entry.hooked].slot_alias) {
+        entry.carried = p.grad();
+      }
       if (entry.carried.defined()) {
         p.mutable_grad() = entry.carried.add_(alias_at(b.buffer, entry.offset, p.sizes()));
       } else if (!entry.whole || !p.grad().defined() ||

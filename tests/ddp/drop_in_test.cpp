@@ -215,6 +215,12 @@ TEST(DropIn, GradientsZeroedInPlaceStayInTheirBucketWithDdpsResult) {
           for (const auto& p : net->params) {
             if (p.grad().defined() && p.grad().data_ptr() == held.data_ptr()) EXPECT_TRUE(at::equal(p.grad(), held));
           }
+          // As under DDP, the gradient the user holds is still the parameter's gradient.
+          if (view) {
+            bool found = false;
+            for (const auto& p : net->params) found |= p.grad().unsafeGetTensorImpl() == held.unsafeGetTensorImpl();
+            EXPECT_TRUE(found) << "the held gradient is no longer any parameter's gradient";
+          }
         }
         ref_opt.step();
         oss.step();
