@@ -318,7 +318,12 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
 
 void ShardedDDP::pre_forward(bool finish_sync) {
   CommPhase phase("forward (trainability check, buffers)");
-  if (!in_backward_) drop_bucket_views();  // a backward that ended early took its decision along
+  // A backward that raised after its first gradient left its buckets half reduced: going on would
+  // pair this rank's next collectives with the wrong ones elsewhere.
+  SHARDOPT_CHECK(!in_backward_, "the last backward on this rank raised an error after gradients had started to "
+                 "reduce; ShardedDDP's reductions are incomplete and it cannot go on (start again from a "
+                 "checkpoint)");
+  drop_bucket_views();  // a backward that ended early took its decision along
   if (options_.auto_refresh_trainable()) {
     await_mask_check();  // from here on mask_ is known to be the same on every rank
     follow_partition(mask_ != balanced_for_);

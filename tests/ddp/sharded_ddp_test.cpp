@@ -8,6 +8,7 @@
 #include <torch/csrc/api/include/torch/nn/module.h>
 #include <torch/csrc/api/include/torch/nn/utils/clip_grad.h>
 #include <torch/csrc/api/include/torch/optim.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 namespace shardopt {
 namespace {
@@ -399,6 +400,51 @@ TEST(ShardedDDP, RefreshWhileNoSyncGradientsWaitIsAnError) {
     ddp.reduce();
     ddp.refresh_trainable();
     EXPECT_FALSE(net->params[0].grad().defined() && oss.owner(net->params[0]) != g->rank());
+  });
+}
+
+// A backward that raises after some gradients were reduced leaves the reductions incomplete: the
+// next forward() is an error saying so, on every rank that raised, not a collective paired with
+// the wrong one.
+struct RaiseInBackward : torch::autograd::Function<RaiseInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+    throw std::runtime_error("raised in backward");
+  }
+};
+
+struct Breakable : torch::nn::Module {
+  Breakable() {
+    a = register_module("a", torch::nn::Linear(5, 4));
+    b = register_module("b", torch::nn::Linear(4, 3));
+  }
+  at::Tensor forward(at::Tensor x) {
+    at::Tensor h = a->forward(x);
+    if (raise) h = RaiseInBackward::apply(h);
+    return b->forward(h);  // b's gradients are ready (and reduced) before the raise
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  bool raise = false;
+};
+
+TEST(ShardedDDP, ABackwardThatRaisedMidwayMakesTheNextForwardAnError) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Breakable>();
+    OSS oss(net->parameters(), optimizer<optim::SGD>(optim::SGDOptions(0.1)), g);
+    ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(0));
+    const at::Tensor x = at::ones({2, 5}) * (g->rank() + 1);
+    ddp.forward(x).sum().backward();
+    oss.step();
+    net->raise = true;
+    EXPECT_ANY_THROW(ddp.forward(x).sum().backward());
+    net->raise = false;
+    try {
+      ddp.forward(x);
+      ADD_FAILURE() << "forward() after a backward that raised must throw";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("the last backward on this rank raised an error"), std::string::npos)
+          << e.what();
+    }
   });
 }
 
