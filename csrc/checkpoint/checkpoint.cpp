@@ -9,6 +9,7 @@
 #include <zlib.h>
 
 #include <cerrno>
+#include <dirent.h>
 #include <cstring>
 #include <fcntl.h>
 #include <random>
@@ -82,6 +83,31 @@ void write_all(int fd, const char* data, size_t n, const std::string& path) {
 
 std::string shard_path(const std::string& path, int64_t rank, int64_t world) {
   return path + ".optim-" + std::to_string(rank) + "-of-" + std::to_string(world);
+}
+
+// Removes the shard files an earlier save to `path` left with another number of shards (a run
+// resumed at another world size, or switched to one consolidated file; 0: keep none): the main
+// file no longer names them. Other files beside it stay. Errors are ignored: a stale file is
+// never read.
+void remove_stale_shards(const std::string& path, int64_t shards) {
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash);
+  const std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".optim-";
+  const auto digits = [](const std::string& t) {
+    return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos;
+  };
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return;
+  while (const dirent* entry = ::readdir(d)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    const size_t of = name.find("-of-", prefix.size());
+    if (of == std::string::npos) continue;
+    const std::string rank = name.substr(prefix.size(), of - prefix.size()), world = name.substr(of + 4);
+    if (!digits(rank) || !digits(world) || (shards > 0 && world == std::to_string(shards))) continue;
+    ::unlink((dir + "/" + name).c_str());
+  }
+  ::closedir(d);
 }
 
 // Every rank learns whether any rank failed; the failing rank's own message is thrown there, the
@@ -338,6 +364,8 @@ void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& op
     }
   }
   agree_on_failure(group, error, "saving", path);
+  // Saved: the main file names its shards, and earlier ones of another count are of no use.
+  remove_stale_shards(path, sharded ? shard_world : 0);
 }
 
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer) {

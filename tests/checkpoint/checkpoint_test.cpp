@@ -154,6 +154,39 @@ TEST(Checkpoint, ResumeAtAnotherWorldSizeMatchesWithinFloatTolerance) {
   }
 }
 
+// A save leaves only its own shard files beside the main file: those of an earlier save with
+// another number of shards (another world size, or a consolidated save) are removed, and the
+// checkpoint still loads. Other files in the folder stay.
+TEST(Checkpoint, ASaveRemovesTheShardFilesOfEarlierWorldSizes) {
+  const auto dir = temp_dir("stale");
+  const std::string path = dir + "/last.ckpt";
+  std::ofstream(path + ".optim-notes") << "mine";
+  const auto exists = [](const std::string& p) { return ::access(p.c_str(), F_OK) == 0; };
+  const auto save_at = [&](int world, OptimizerStateLayout layout) {
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      OSS oss(net->parameters(), adam(), g);
+      ShardedDDP ddp(net, oss);
+      train(*net, oss, ddp, *g, 0, 1);
+      save_checkpoint(path, *net, oss, TrainingState{}, CheckpointOptions().optimizer_state(layout));
+    });
+  };
+  save_at(3, OptimizerStateLayout::kSharded);
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(exists(path + ".optim-" + std::to_string(r) + "-of-3"));
+  save_at(2, OptimizerStateLayout::kSharded);
+  for (int r = 0; r < 3; ++r) EXPECT_FALSE(exists(path + ".optim-" + std::to_string(r) + "-of-3")) << r;
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(exists(path + ".optim-" + std::to_string(r) + "-of-2")) << r;
+  save_at(1, OptimizerStateLayout::kConsolidated);
+  for (int r = 0; r < 2; ++r) EXPECT_FALSE(exists(path + ".optim-" + std::to_string(r) + "-of-2")) << r;
+  EXPECT_TRUE(exists(path + ".optim-notes"));
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g);
+    EXPECT_NO_THROW(load_checkpoint(path, *net, oss));
+  });
+  remove_tree(dir);
+}
+
 // The consolidated optimizer state in a checkpoint is PyTorch's layout: the same as
 // consolidate_state_dict() gives (which the Python interop tests load into torch.optim).
 TEST(Checkpoint, ConsolidatedOptimizerStateIsTorchOptimsLayout) {
