@@ -431,17 +431,18 @@ void ShardedDDP::hand_over_reduced() {
       // The owner's gradient lives in the reduced bucket: no second copy. What the last
       // reduction handed over, if still there, gets it added (Note [Accumulating across
       // reductions]).
-      // A gradient that is already this reduction's slot (slot_alias) holds it, and nothing to carry.
-      if (!entry.carried.defined() && (entry.whole || carry_split_) && is_handed_over(entry) &&
-          p.grad().unsafeGetTensorImpl() != hooked_[entry.hooked].slot_alias) {
+      // A gradient that already is this slot (the alias fill_param() kept) holds the reduction;
+      // nothing more is carried into it than was set aside before accumulation.
+      const bool at_slot = entry.whole && p.grad().defined() &&
+                           p.grad().unsafeGetTensorImpl() == hooked_[entry.hooked].slot_alias;
+      if (!at_slot && !entry.carried.defined() && (entry.whole || carry_split_) && is_handed_over(entry)) {
         entry.carried = p.grad();
       }
       if (entry.carried.defined()) {
         p.mutable_grad() = entry.carried.add_(alias_at(b.buffer, entry.offset, p.sizes()));
-      } else if (!entry.whole || !p.grad().defined() ||
-                 p.grad().unsafeGetTensorImpl() != hooked_[entry.hooked].slot_alias) {
+      } else if (!at_slot) {
         p.mutable_grad() = alias_at(b.buffer, entry.offset, p.sizes());
-      }  // else the gradient is already the alias of this slot that fill_param() made
+      }
       entry.handed_over.emplace(p.grad().getIntrusivePtr());
       entry.handed_version = static_cast<int64_t>(p.grad()._version());
     }
