@@ -2,7 +2,8 @@
 // model (24.3M fp32 elements, 97 MB), two ranks as threads of this process over Gloo (loopback),
 // one intra-op thread each: the gradient reduction (all-reduce as DDP, reduce of each half to its
 // owner as ShardedDDP, reduce-scatter) and the parameter sync (broadcast of each half from its
-// owner as OSS, all-gather). Median of 5 runs after one warm-up, rank 0's time.
+// owner as OSS, all-gather). Median of 5 runs after one warm-up, rank 0's time. Also the mean at
+// the owner, sum then div_ against reduce_mean_async, in pairs.
 //
 //   build/bench/collectives_bench --benchmark_counters_tabular=true
 #include <shardopt/comm/process_group.h>
@@ -88,12 +89,54 @@ void BM_Allgather(benchmark::State& state) {
   });
 }
 
+// The mean of each half at its owner, as ShardedDDP takes it: the sum then div_ on the owner's
+// half, against reduce_mean_async (the division in the pass that sums). The two take turns on the
+// same buffers (kPairs pairs, 2 ranks); counters: rank 0's medians and the median per-pair ratio
+// (above 1: the fused mean is faster).
+void BM_PairedMeanAtOwnerSumThenDivVsFused(benchmark::State& state) {
+  constexpr int kPairs = 9;
+  std::mutex mu;
+  std::vector<double> separate, fused, ratios;
+  for (auto _ : state) {
+    shardopt::testing::run_ranks(2, [&](std::shared_ptr<shardopt::ProcessGroup> g) {
+      at::Tensor buf = at::rand({kNumel});
+      std::vector<at::Tensor> halves{half(buf, 0), half(buf, 1)};
+      auto mean = [&](bool one_pass) {
+        g->barrier();
+        auto t0 = std::chrono::steady_clock::now();
+        std::vector<shardopt::PendingWork> pending;
+        for (int r = 0; r < 2; ++r) {
+          pending.push_back(one_pass ? g->reduce_mean_async(halves[r], r, halves[r].numel(), 2.0)
+                                     : g->reduce_async(halves[r], r));
+        }
+        for (auto& w : pending) w.wait();
+        if (!one_pass) halves[g->rank()].div_(2.0);
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      };
+      std::vector<double> a, b, q;
+      mean(false), mean(true);  // warm-up
+      for (int i = 0; i < kPairs; ++i) {
+        a.push_back(mean(false));
+        b.push_back(mean(true));
+        q.push_back(a.back() / b.back());
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      if (g->rank() == 0) separate = a, fused = b, ratios = q;
+    });
+    state.SetIterationTime(median(fused));
+  }
+  state.counters["sum_then_div_ms"] = median(separate) * 1e3;
+  state.counters["fused_ms"] = median(fused) * 1e3;
+  state.counters["ratio"] = median(ratios);
+}
+
 #define COLLECTIVE(fn) BENCHMARK(fn)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond)
 COLLECTIVE(BM_Allreduce);
 COLLECTIVE(BM_ReduceEachHalfToItsOwner);
 COLLECTIVE(BM_ReduceScatter);
 COLLECTIVE(BM_BroadcastEachHalfFromItsOwner);
 COLLECTIVE(BM_Allgather);
+COLLECTIVE(BM_PairedMeanAtOwnerSumThenDivVsFused);
 
 }  // namespace
 

@@ -171,6 +171,11 @@ int main(int argc, char** argv) {
   app.add_option("--zero-grad", clearing, "how each step clears gradients: none (set to none) or zero (in place)")
       ->check(CLI::IsMember({"none", "zero"}));
   bool bucket_view = true;
+  std::string timing = "back-to-back";
+  app.add_option("--timing", timing,
+                 "back-to-back: each step from the end of the one before; barrier: each step after a barrier, "
+                 "as a step alone")
+      ->check(CLI::IsMember({"back-to-back", "barrier"}));
   app.add_option("--bucket-view", bucket_view, "ShardedDDPOptions::gradient_as_bucket_view (sharded)");
   std::string mixed = "off";
   app.add_option("--mixed-precision", mixed, "OSSOptions::mixed_precision param_dtype (sharded): off, bf16, fp16")
@@ -296,6 +301,10 @@ int main(int argc, char** argv) {
     group->barrier();
     auto last = std::chrono::steady_clock::now();
     for (int s = 0; s < steps; ++s) {
+      if (timing == "barrier") {
+        group->barrier();
+        last = std::chrono::steady_clock::now();
+      }
       one_step(warmup + s);
       if (ddp && s + 1 == steps) ddp->finish_param_sync();
       times.push_back(ms_since(last));

@@ -7,7 +7,8 @@
 For each model, every implementation runs once per round (rounds interleave the
 implementations, so machine noise spreads over all of them), each as --world processes through
 tools/launch. The peers: DDP + ZeroRedundancyOptimizer, DDP + Adam, FSDP2, fairscale's
-ShardedDataParallel + OSS, DDP + fairscale's OSS. Reports, per implementation: the median over rounds of rank 0's median step
+ShardedDataParallel + OSS, DDP + fairscale's OSS. Every implementation times its steps the same
+way (--timing). Reports, per implementation: the median over rounds of rank 0's median step
 time, the largest per-rank peak RSS, and for shardopt the blocking cost of the trainability
 check per step, one rebuild after a freeze, and the freeze measured with the partition kept
 and re-partitioned (the re-partitioned runs are the main ones; kept runs add one per round).
@@ -30,7 +31,7 @@ def run(impl, model, args, extra=()):
         cmd = [os.path.join(args.build, "bench", "ddp_bench"), "--impl", impl.split("-")[1], *extra]
     else:
         cmd = [args.python, os.path.join(ROOT, "bench", "ddp", "peers", "ddp_peers.py"), "--impl", impl.split("-")[1]]
-    cmd += ["--model", model, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--model", model, "--steps", str(args.steps), "--warmup", str(args.warmup), "--timing", args.timing]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "launch"), "-n", str(args.world), "--timeout", "900",
                           *cmd],
                          capture_output=True, text=True)
@@ -49,6 +50,9 @@ def main():
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--timing", choices=["back-to-back", "barrier"], default="back-to-back",
+                        help="how every implementation times its steps: each from the end of the one before "
+                             "(what a training loop sees), or each after a barrier")
     args = parser.parse_args()
     try:
         subprocess.run([args.python, "-c", "import fairscale"], check=True, capture_output=True)
@@ -66,7 +70,8 @@ def main():
         peak = {i: max(max(r[k]["peak_rss_mb"] for k in r) for r in results[i]) for i in IMPLS}
         added = {i: max(max(r[k]["added_rss_mb"] for k in r) for r in results[i]) for i in IMPLS}
         params = results[IMPLS[0]][0][0]["params"]
-        print(f"\n### model {model} ({params:,} parameters), world {args.world}, Gloo, 1 intra-op thread per rank\n")
+        print(f"\n### model {model} ({params:,} parameters), world {args.world}, Gloo, 1 intra-op thread per rank, "
+              f"steps timed {args.timing}\n")
         print("| implementation | step time (ms, median) | peak RSS per rank (MB) | RSS added after start-up (MB) |")
         print("|---|---|---|---|")
         for i in IMPLS:

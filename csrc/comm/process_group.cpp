@@ -4,10 +4,13 @@
 #include "comm/heartbeat.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 
@@ -51,6 +54,17 @@ PendingWork::PendingWork(c10::intrusive_ptr<c10d::Work> work, std::string what, 
 PendingWork::~PendingWork() = default;
 PendingWork::PendingWork(PendingWork&&) noexcept = default;
 PendingWork& PendingWork::operator=(PendingWork&&) noexcept = default;
+
+void PendingWork::chain_then(std::function<void()> next) {
+  if (!then_) {
+    then_ = std::move(next);
+    return;
+  }
+  then_ = [first = std::move(then_), next = std::move(next)] {
+    first();
+    next();
+  };
+}
 
 void PendingWork::also_wait_for(c10::intrusive_ptr<c10d::Work> work) { more_.push_back(std::move(work)); }
 
@@ -222,9 +236,64 @@ void ProcessGroup::allreduce(at::Tensor& tensor, Reduction op) {
 // 2(N-1)/N, what a ring all-reduce moves (docs/benchmarks.md, bytes on the wire). Tags come
 // from a per-group sequence, the same on every rank because every rank issues its collectives
 // in the same order; they start above the tags callers of send/recv use.
+namespace {
+
+// tensor += each of `incoming` in turn; then tensor[0, numel) /= divisor. For dense float and
+// double in one pass over memory, chunk by chunk, with the rounding of add_ then div_ (each sum
+// rounded, then a true division by the divisor in the tensor's type); other types take those
+// two operators.
+template <typename T>
+void sum_then_divide(T* out, const std::vector<const T*>& in, int64_t begin, int64_t end, int64_t numel, T divisor) {
+  const size_t last = in.size() - 1;
+  for (size_t k = 0; k < last; ++k) {
+    const T* src = in[k];
+    for (int64_t i = begin; i < end; ++i) out[i] += src[i];
+  }
+  const T* src = in[last];
+  const int64_t split = std::clamp(numel, begin, end);
+  for (int64_t i = begin; i < split; ++i) out[i] = (out[i] + src[i]) / divisor;
+  for (int64_t i = split; i < end; ++i) out[i] += src[i];
+}
+
+void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64_t numel, double divisor) {
+  const bool fused = tensor.device().is_cpu() && tensor.is_contiguous() &&
+                     (tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kDouble);
+  if (!fused) {
+    for (const auto& t : incoming) tensor.add_(t);
+    if (divisor != 1.0 && numel > 0) tensor.narrow(0, 0, numel).div_(divisor);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES(tensor.scalar_type(), "reduce_sum_into", [&] {
+    std::vector<const scalar_t*> in;
+    for (const auto& t : incoming) in.push_back(t.const_data_ptr<scalar_t>());
+    scalar_t* out = tensor.data_ptr<scalar_t>();
+    const auto d = static_cast<scalar_t>(divisor);
+    // Chunks small enough that a partial sum stays in cache between the incoming tensors.
+    at::parallel_for(0, tensor.numel(), int64_t{1} << 14, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; b += int64_t{1} << 14) {
+        sum_then_divide(out, in, b, std::min(end, b + (int64_t{1} << 14)), numel, d);
+      }
+    });
+  });
+}
+
+}  // namespace
+
 PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction op) {
+  return reduce_to(tensor, root, op, 0, 1.0);
+}
+
+PendingWork ProcessGroup::reduce_mean_async(at::Tensor& tensor, int root, int64_t numel, double divisor) {
+  SHARDOPT_CHECK(numel >= 0 && numel <= tensor.numel(), "reduce_mean_async: ", numel, " leading elements of a tensor of ",
+                 tensor.numel());
+  SHARDOPT_CHECK(divisor > 0, "reduce_mean_async: divisor must be positive, got ", divisor);
+  return reduce_to(tensor, root, Reduction::kSum, numel, divisor);
+}
+
+PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, int64_t numel, double divisor) {
   SHARDOPT_CHECK(root >= 0 && root < size_, "reduce root ", root, " is outside [0, ", size_, ")");
   check_in(CommStats::kReduce, nbytes(tensor), root);
+  const bool divide = divisor != 1.0 && numel > 0;
   if (size_ >= 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {
     constexpr uint32_t kFirstTag = 1u << 24;
     const int tag = static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
@@ -245,9 +314,7 @@ PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction o
         work.also_wait_for(std::move(recv));
       }
     }
-    work.set_then([tensor, incoming]() mutable {
-      for (const auto& t : incoming) tensor.add_(t);
-    });
+    work.set_then([tensor, incoming, numel, divisor]() mutable { sum_into(tensor, incoming, numel, divisor); });
     return work;
   }
   std::vector<at::Tensor> ts{staged(tensor)};
@@ -257,6 +324,10 @@ PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction o
   opts.timeout = timeout_;
   auto work = track(CommStats::kReduce, nbytes(tensor), [&] { return backend_->reduce(ts, opts); });
   unstage_after(work, tensor, ts[0]);
+  if (divide && rank_ == root) {
+    // After the copy back, if staged: the mean of the leading elements, on the root only.
+    work.chain_then([tensor, numel, divisor]() mutable { tensor.narrow(0, 0, numel).div_(divisor); });
+  }
   return work;
 }
 

@@ -56,6 +56,8 @@ struct ShardedDDP::Bucket {
   // This backward accumulates into `storage` where the owner's zeroed gradients live (Note
   // [Gradients as bucket views]).
   bool in_place = false;
+  // Its reduction divided the gradients by grad_divisor() already (the owner's, when it sums).
+  bool divided = false;
   size_t pending = 0;  // entries not yet copied in
   PendingWork work;
 };

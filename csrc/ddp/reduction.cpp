@@ -319,8 +319,22 @@ void ShardedDDP::launch_ready_buckets() {
       }
     }
     // A sum over one rank is its own buffer: no collective (and, on a GPU, no wait for one).
-    if (group_->size() > 1) b.work = group_->reduce_async(b.buffer, b.owner);
+    if (group_->size() == 1) continue;
+    // The mean in the pass that sums, where nothing is summed after it (hierarchical sharding
+    // sums across blocks first).
+    const double divisor = grad_divisor();
+    b.divided = !replica_ && divisor != 1.0;
+    b.work = b.divided ? group_->reduce_mean_async(b.buffer, b.owner, b.numel, divisor)
+                       : group_->reduce_async(b.buffer, b.owner);
   }
+}
+
+double ShardedDDP::grad_divisor() const {
+  if (options_.grad_scaling() == GradScaling::kMean) return global_->size();
+  if (options_.grad_scaling() == GradScaling::kGlobalSamples && global_samples_ > 0) {
+    return static_cast<double>(global_samples_);
+  }
+  return 1.0;
 }
 
 void ShardedDDP::finish_reduction() {
@@ -368,6 +382,7 @@ void ShardedDDP::finish_reduction() {
   for (auto& b : buckets_) {
     b.buffer = at::Tensor();
     b.in_place = false;
+    b.divided = false;
     b.pending = b.entries.size();
   }
   views_decided_ = false;
@@ -386,9 +401,7 @@ void ShardedDDP::finish_reduction() {
 }
 
 void ShardedDDP::hand_over_reduced() {
-  double divisor = 1.0;
-  if (options_.grad_scaling() == GradScaling::kMean) divisor = global_->size();
-  if (options_.grad_scaling() == GradScaling::kGlobalSamples) divisor = static_cast<double>(global_samples_);
+  const double divisor = grad_divisor();
   const int rank = group_->rank();
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> flag_parts;
@@ -408,7 +421,7 @@ void ShardedDDP::hand_over_reduced() {
       replica_->allreduce(b.buffer);
     }
     at::Tensor grads = b.buffer.narrow(0, 0, b.numel);
-    if (divisor != 1.0) grads.div_(divisor);
+    if (divisor != 1.0 && !b.divided) grads.div_(divisor);
     if (!all_local) {
       flag_parts.push_back(b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).to(at::kDouble));
     }

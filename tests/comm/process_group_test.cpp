@@ -77,6 +77,52 @@ TEST(Comm, ReducesInFlightToAnyRoot) {
   }
 }
 
+// reduce_mean_async: the root's leading elements are the sum divided by the divisor, the rest the
+// plain sum, with the rounding of ATen's add_ in rank order then div_ (computed here from every
+// rank's tensor, gathered first): float and double in the one-pass loop (odd lengths across its
+// chunks), bfloat16 through ATen's operators.
+TEST(Comm, ReduceMeanDividesTheLeadingElementsAsSumThenDiv) {
+  for (int world : {2, 3, 4}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank();
+      for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+        for (double divisor : {static_cast<double>(world), 7.3}) {
+          const int64_t n = 40001, lead = n - 3;
+          const int root = (world - 1 + static_cast<int>(divisor)) % world;
+          at::manual_seed(100 + r);
+          at::Tensor mine = at::randn({n}, at::kDouble).to(dtype);
+          std::vector<at::Tensor> all;
+          for (int k = 0; k < world; ++k) all.push_back(at::empty_like(mine));
+          g->allgather(all, mine);
+          for (int k = 1; k < world; ++k) ASSERT_FALSE(all[k].equal(all[0])) << "ranks need different data";
+          at::Tensor t = mine.clone();
+          g->reduce_mean_async(t, root, lead, divisor).wait();
+          if (r != root) continue;
+          at::Tensor expected = all[root].clone();
+          for (int k = 0; k < world; ++k) {
+            if (k != root) expected.add_(all[k]);
+          }
+          expected.narrow(0, 0, lead).div_(divisor);
+          EXPECT_TRUE(t.equal(expected)) << "world " << world << " " << dtype << " divisor " << divisor << ": max diff "
+                                         << (t - expected).abs().max().item<double>();
+        }
+      }
+      at::Tensor t = at::ones({4});
+      EXPECT_THROW(
+          {
+            try {
+              g->reduce_mean_async(t, 0, 5, 2.0);
+            } catch (const c10::Error& e) {
+              EXPECT_NE(std::string(e.what()).find("5 leading elements of a tensor of 4"), std::string::npos) << e.what();
+              throw;
+            }
+          },
+          c10::Error);
+      EXPECT_THROW(g->reduce_mean_async(t, 0, 4, 0.0), c10::Error);
+    });
+  }
+}
+
 // Two ranks, one thread each, rendezvous through `init_method`; each contributes rank + 1.
 void two_ranks_through(const std::string& init_method) {
   std::vector<std::string> errors(2);

@@ -88,6 +88,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--timing", choices=["back-to-back", "barrier"], default="back-to-back",
+                        help="back-to-back: each step from the end of the one before; barrier: each step after a barrier")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -147,11 +149,16 @@ def main() -> None:
     for _ in range(args.warmup):
         one_step()
     times = []
+    dist.barrier()
+    t0 = time.perf_counter()
     for _ in range(args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
+        if args.timing == "barrier":
+            dist.barrier()
+            t0 = time.perf_counter()
         one_step()
-        times.append((time.perf_counter() - t0) * 1000)
+        t1 = time.perf_counter()
+        times.append((t1 - t0) * 1000)
+        t0 = t1
     times.sort()
     print(json.dumps({"impl": "torch-" + args.impl, "model": args.model, "rank": rank, "world": world,
                       "params": nparams, "median_step_ms": round(times[len(times) // 2], 2),

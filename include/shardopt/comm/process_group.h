@@ -89,6 +89,8 @@ class PendingWork {
   bool valid() const { return static_cast<bool>(work_); }
   // Work to finish the operation on this rank after the transfer (for example a local sum).
   void set_then(std::function<void()> then) { then_ = std::move(then); }
+  // More such work, after what set_then() gave.
+  void chain_then(std::function<void()> next);
   // More transfers of the same operation, waited for after the first one (several receives).
   void also_wait_for(c10::intrusive_ptr<c10d::Work> work);
 
@@ -133,6 +135,10 @@ class ProcessGroup {
 
   // Started, not waited: for overlapping communication with computation.
   PendingWork reduce_async(at::Tensor& tensor, int root, Reduction op = Reduction::kSum);
+  // The sum to `root`, whose first `numel` elements the root then divides by `divisor` (a mean of
+  // the leading elements; the ones after them, counts for example, stay sums). On Gloo the
+  // division is in the same pass over memory as the sum, with the rounding of sum then div_.
+  PendingWork reduce_mean_async(at::Tensor& tensor, int root, int64_t numel, double divisor);
   PendingWork allreduce_async(at::Tensor& tensor, Reduction op = Reduction::kSum);
   PendingWork broadcast_async(at::Tensor& tensor, int root);
 
@@ -185,6 +191,8 @@ class ProcessGroup {
   std::string label(std::string what) const;
   // The desync check before a collective (when on): every rank's (sequence, kind, bytes, root).
   void check_in(CommStats::Kind kind, int64_t bytes, int root);
+  // reduce_async and reduce_mean_async (numel 0: no division).
+  PendingWork reduce_to(at::Tensor& tensor, int root, Reduction op, int64_t numel, double divisor);
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::string backend_name_;

@@ -247,6 +247,8 @@ class ShardedDDP {
   at::Tensor clearing_evidence() const;
   // Divides the owned buckets and makes them the owners' gradients.
   void hand_over_reduced();
+  // What the owners divide reduced gradients by (grad_scaling; 1 for none).
+  double grad_divisor() const;
   void start_mask_check();
   void await_mask_check();
   std::string name(size_t param) const;  // "parameter 'fc.weight'", for messages
