@@ -55,17 +55,6 @@ PendingWork::~PendingWork() = default;
 PendingWork::PendingWork(PendingWork&&) noexcept = default;
 PendingWork& PendingWork::operator=(PendingWork&&) noexcept = default;
 
-void PendingWork::chain_then(std::function<void()> next) {
-  if (!then_) {
-    then_ = std::move(next);
-    return;
-  }
-  then_ = [first = std::move(then_), next = std::move(next)] {
-    first();
-    next();
-  };
-}
-
 void PendingWork::also_wait_for(c10::intrusive_ptr<c10d::Work> work) { more_.push_back(std::move(work)); }
 
 void PendingWork::wait() {
@@ -223,19 +212,6 @@ void ProcessGroup::allreduce(at::Tensor& tensor, Reduction op) {
   allreduce_async(tensor, op).wait();
 }
 
-// Note [Reduce to one owner]
-// Gloo's reduce is ring-based and moves more than the buffer: measured per rank with /proc/self/io
-// (Gloo's TCP transport writes with writev), one reduce of a 1/N shard to each of N owners
-// sends 1.16x the whole buffer at 2 ranks, 1.11x at 3 and 1.03x at 4, where (N-1)/N of it is
-// the least any scheme can send (every rank's gradient of a range it does not own must leave
-// it once), and Gloo's reduce-scatter is an all-reduce (2(N-1)/N). So a sum to one root is N-1
-// direct transfers: every other rank sends its buffer, the root receives each into a scratch
-// tensor and adds them, in rank order, when the work is waited on. With the owners of the
-// buckets spread over the ranks, each rank sends (N-1)/N of the gradients per step, and with
-// the parameter broadcast (Gloo's sends (N-1)/N of the buffer per rank) a step moves
-// 2(N-1)/N, what a ring all-reduce moves (docs/benchmarks.md, bytes on the wire). Tags come
-// from a per-group sequence, the same on every rank because every rank issues its collectives
-// in the same order; they start above the tags callers of send/recv use.
 namespace {
 
 // tensor += each of `incoming` in turn; then tensor[0, numel) /= divisor. For dense float and
@@ -269,16 +245,28 @@ void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64
     scalar_t* out = tensor.data_ptr<scalar_t>();
     const auto d = static_cast<scalar_t>(divisor);
     // Chunks small enough that a partial sum stays in cache between the incoming tensors.
-    at::parallel_for(0, tensor.numel(), int64_t{1} << 14, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; b += int64_t{1} << 14) {
-        sum_then_divide(out, in, b, std::min(end, b + (int64_t{1} << 14)), numel, d);
-      }
+    constexpr int64_t kChunk = int64_t{1} << 14;
+    at::parallel_for(0, tensor.numel(), kChunk, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; b += kChunk) sum_then_divide(out, in, b, std::min(end, b + kChunk), numel, d);
     });
   });
 }
 
 }  // namespace
 
+// Note [Reduce to one owner]
+// Gloo's reduce is ring-based and moves more than the buffer: measured per rank with /proc/self/io
+// (Gloo's TCP transport writes with writev), one reduce of a 1/N shard to each of N owners
+// sends 1.16x the whole buffer at 2 ranks, 1.11x at 3 and 1.03x at 4, where (N-1)/N of it is
+// the least any scheme can send (every rank's gradient of a range it does not own must leave
+// it once), and Gloo's reduce-scatter is an all-reduce (2(N-1)/N). So a sum to one root is N-1
+// direct transfers: every other rank sends its buffer, the root receives each into a scratch
+// tensor and adds them, in rank order, when the work is waited on. With the owners of the
+// buckets spread over the ranks, each rank sends (N-1)/N of the gradients per step, and with
+// the parameter broadcast (Gloo's sends (N-1)/N of the buffer per rank) a step moves
+// 2(N-1)/N, what a ring all-reduce moves (docs/benchmarks.md, bytes on the wire). Tags come
+// from a per-group sequence, the same on every rank because every rank issues its collectives
+// in the same order; they start above the tags callers of send/recv use.
 PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction op) {
   return reduce_to(tensor, root, op, 0, 1.0);
 }
@@ -293,7 +281,6 @@ PendingWork ProcessGroup::reduce_mean_async(at::Tensor& tensor, int root, int64_
 PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, int64_t numel, double divisor) {
   SHARDOPT_CHECK(root >= 0 && root < size_, "reduce root ", root, " is outside [0, ", size_, ")");
   check_in(CommStats::kReduce, nbytes(tensor), root);
-  const bool divide = divisor != 1.0 && numel > 0;
   if (size_ >= 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {
     constexpr uint32_t kFirstTag = 1u << 24;
     const int tag = static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
@@ -323,10 +310,14 @@ PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, 
   opts.reduceOp = to_c10d(op);
   opts.timeout = timeout_;
   auto work = track(CommStats::kReduce, nbytes(tensor), [&] { return backend_->reduce(ts, opts); });
-  unstage_after(work, tensor, ts[0]);
-  if (divide && rank_ == root) {
-    // After the copy back, if staged: the mean of the leading elements, on the root only.
-    work.chain_then([tensor, numel, divisor]() mutable { tensor.narrow(0, 0, numel).div_(divisor); });
+  if (divisor != 1.0 && numel > 0 && rank_ == root) {
+    // The mean of the leading elements, on the root only, after the copy back if staged.
+    work.set_then([tensor, staged = ts[0], numel, divisor]() mutable {
+      if (!staged.is_same(tensor)) tensor.copy_(staged);
+      tensor.narrow(0, 0, numel).div_(divisor);
+    });
+  } else {
+    unstage_after(work, tensor, ts[0]);
   }
   return work;
 }

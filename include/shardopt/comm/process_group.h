@@ -89,8 +89,6 @@ class PendingWork {
   bool valid() const { return static_cast<bool>(work_); }
   // Work to finish the operation on this rank after the transfer (for example a local sum).
   void set_then(std::function<void()> then) { then_ = std::move(then); }
-  // More such work, after what set_then() gave.
-  void chain_then(std::function<void()> next);
   // More transfers of the same operation, waited for after the first one (several receives).
   void also_wait_for(c10::intrusive_ptr<c10d::Work> work);
 
