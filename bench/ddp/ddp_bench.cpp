@@ -182,10 +182,12 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"off", "bf16", "fp16"}));
   app.add_option("--freeze", freeze, "which tensors the freeze measurement freezes (sharded)")
       ->check(CLI::IsMember({"embeddings", "lower", "alternate"}));
+  int transport_nice = shardopt::InitOptions().transport_thread_nice();
+  app.add_option("--transport-nice", transport_nice, "InitOptions::transport_thread_nice")->check(CLI::Range(0, 39));
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);
-    auto group = shardopt::init_process_group(shardopt::InitOptions().backend("gloo").timeout(std::chrono::minutes(2)));
+    auto group = shardopt::init_process_group(shardopt::InitOptions().backend("gloo").timeout(std::chrono::minutes(2)).transport_thread_nice(transport_nice));
     const double rss_start = rss_mb();
 
     std::shared_ptr<torch::nn::Module> module;

@@ -2,11 +2,19 @@
 
 #include "harness.h"
 
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <dirent.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <set>
 #include <thread>
 
 namespace shardopt {
@@ -154,6 +162,86 @@ TEST(Comm, InitThroughTcpAndFile) {
   std::remove(path.c_str());
   two_ranks_through("file://" + path);
   std::remove(path.c_str());
+}
+
+// Each thread of this process and its nice value.
+std::map<long, int> thread_nice() {
+  std::map<long, int> out;
+  DIR* dir = ::opendir("/proc/self/task");
+  if (!dir) return out;
+  while (dirent* e = ::readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    const long tid = std::strtol(e->d_name, nullptr, 10);
+    errno = 0;
+    const int nice = ::getpriority(PRIO_PROCESS, static_cast<id_t>(tid));
+    if (errno == 0) out[tid] = nice;
+  }
+  ::closedir(dir);
+  return out;
+}
+
+int own_nice() {
+  return ::getpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)));
+}
+
+// Gloo's transport thread runs transport_thread_nice levels below the thread that made the
+// group (Note [The transport thread's priority]); every other thread keeps its priority.
+TEST(Comm, TransportThreadRunsBelowTheCaller) {
+  const auto before = thread_nice();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(2);
+  std::vector<int> caller_before(2), caller_after(2);
+  std::vector<double> sums(2);
+  std::vector<std::shared_ptr<ProcessGroup>> groups(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        caller_before[r] = own_nice();
+        auto options = InitOptions().backend("gloo").rank(r).world_size(2).timeout(std::chrono::seconds(30));
+        if (r == 0) options.transport_thread_nice(7);  // rank 1: the default, 19
+        groups[r] = init_process_group(store, options);
+        caller_after[r] = own_nice();
+        at::Tensor t = at::full({1}, r + 1.0);
+        groups[r]->allreduce(t);
+        sums[r] = t.item<double>();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(sums[r], 3.0) << "rank " << r;
+    EXPECT_EQ(caller_after[r], caller_before[r]) << "rank " << r << "'s own priority changed";
+  }
+  const int base = caller_before[0];
+  std::multiset<int> lowered;
+  for (const auto& [tid, nice] : thread_nice()) {
+    if (before.count(tid)) {
+      EXPECT_EQ(nice, before.at(tid)) << "thread " << tid << " was there before and changed priority";
+    } else if (nice != base) {
+      lowered.insert(nice);
+    }
+  }
+  EXPECT_EQ(lowered, (std::multiset<int>{std::min(19, base + 7), std::min(19, base + 19)}));
+  groups.clear();
+}
+
+TEST(Comm, TransportThreadNiceOutOfRangeIsAnError) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  for (int bad : {-1, 40}) {
+    try {
+      init_process_group(store, InitOptions().backend("gloo").rank(0).world_size(1).transport_thread_nice(bad));
+      ADD_FAILURE() << "transport_thread_nice(" << bad << ") must throw";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("transport_thread_nice must be in [0, 39] (nice levels below the caller), got " +
+                                           std::to_string(bad)),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 // The launcher's local rank, which picks the CUDA device of an NCCL group: the first convention

@@ -41,6 +41,10 @@ struct InitOptions {
   // silent mix-up. Costs one small all-reduce per collective. Also on when the environment has
   // SHARDOPT_CHECK_DESYNC=1.
   TORCH_ARG(bool, check_desync) = false;
+  // Gloo only: how many nice levels below the calling thread Gloo's transport thread runs (the
+  // thread that polls the sockets and reads what arrives), capped at nice 19; 0 keeps it at the
+  // caller's. Note [The transport thread's priority] in csrc/comm/init.cpp says why.
+  TORCH_ARG(int, transport_thread_nice) = 19;
 };
 
 // What the calling thread is doing, named in the errors of the collectives it starts
