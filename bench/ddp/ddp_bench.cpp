@@ -184,10 +184,12 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"embeddings", "lower", "alternate"}));
   int transport_nice = shardopt::InitOptions().transport_thread_nice();
   app.add_option("--transport-nice", transport_nice, "InitOptions::transport_thread_nice")->check(CLI::Range(0, 39));
+  bool transport_batch = shardopt::InitOptions().transport_thread_batch();
+  app.add_option("--transport-batch", transport_batch, "InitOptions::transport_thread_batch");
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);
-    auto group = shardopt::init_process_group(shardopt::InitOptions().backend("gloo").timeout(std::chrono::minutes(2)).transport_thread_nice(transport_nice));
+    auto group = shardopt::init_process_group(shardopt::InitOptions().backend("gloo").timeout(std::chrono::minutes(2)).transport_thread_nice(transport_nice).transport_thread_batch(transport_batch));
     const double rss_start = rss_mb();
 
     std::shared_ptr<torch::nn::Module> module;

@@ -22,6 +22,8 @@
 #include <cstring>
 #include <netinet/in.h>
 #include <sstream>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -122,25 +124,33 @@ std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, 
   return group;
 }
 
-// Note [The transport thread's priority]
+// Note [The transport thread's scheduling]
 // Gloo's TCP transport has one thread per device that polls the sockets (level-triggered epoll)
 // and reads what arrives. When a message is waiting but another thread holds that peer's lock
 // (a send writes its whole payload with the lock held), the transport thread cannot take it and
 // goes straight back to epoll, which reports the same socket again: it spins until the lock is
-// free. On a machine with more busy threads than cores the spinner can take the CPU from the
-// lock holder and burn its whole time slice (measured on 2 cores with 2 ranks: about 1,000 empty
-// polls per step of the small-tensor model, and steps 3-4 ms longer in bursts of hundreds of
-// steps). Run a few nice levels down, the spinner yields to the holder, which finishes and lets
-// it in. A Linux thread inherits its creator's nice value, and the device starts its thread when
-// it is made, so the device is made on a short-lived thread set to the lower priority: no other
-// thread's priority changes, and no privilege is needed (only raising a priority needs one).
+// free. On a machine with more busy threads than cores, its wake-up can preempt the lock holder,
+// and then it burns its whole time slice (measured on 2 cores with 2 ranks: about 900 empty polls
+// per step of the small-tensor model, and steps 3-4 ms longer in bursts of hundreds of steps).
+// Under SCHED_BATCH its wake-ups no longer preempt the running thread, while it keeps a nice-0
+// share of a core for reading large messages when every core is busy; a nice value lowers that
+// share too (faster when the cores are otherwise idle, much slower when they are not:
+// docs/gloo.md). A Linux thread inherits its creator's policy and nice value, and the device
+// starts its thread when it is made, so the device is made on a short-lived thread set up that
+// way: no other thread changes, and no privilege is needed (only raising a priority needs one).
+// Both are hints: where the system refuses them, the thread keeps the caller's scheduling.
 c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options(std::chrono::milliseconds timeout, bool loopback,
-                                                                  int nice) {
+                                                                  bool batch, int nice) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
   std::shared_ptr<::gloo::transport::Device> device;
   std::exception_ptr error;
   std::thread maker([&] {
     try {
+      if (batch) {
+        sched_param param{};
+        param.sched_priority = 0;
+        ::pthread_setschedparam(::pthread_self(), SCHED_BATCH, &param);
+      }
       if (nice > 0) {
         const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
         errno = 0;
@@ -171,10 +181,10 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
     };
   } else {
     const bool loopback = host.empty() || is_loopback(host);
-    factory = [timeout = options.timeout(), loopback, nice = options.transport_thread_nice()](
-                  const c10::intrusive_ptr<c10d::Store>& s, int rank, int size) {
+    factory = [timeout = options.timeout(), loopback, batch = options.transport_thread_batch(),
+               nice = options.transport_thread_nice()](const c10::intrusive_ptr<c10d::Store>& s, int rank, int size) {
       return c10::intrusive_ptr<c10d::Backend>(
-          c10::make_intrusive<c10d::ProcessGroupGloo>(s, rank, size, gloo_options(timeout, loopback, nice)));
+          c10::make_intrusive<c10d::ProcessGroupGloo>(s, rank, size, gloo_options(timeout, loopback, batch, nice)));
     };
   }
   if (backend == "nccl") {

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <dirent.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -164,9 +165,9 @@ TEST(Comm, InitThroughTcpAndFile) {
   std::remove(path.c_str());
 }
 
-// Each thread of this process and its nice value.
-std::map<long, int> thread_nice() {
-  std::map<long, int> out;
+// Each thread of this process with its scheduling policy and nice value.
+std::map<long, std::pair<int, int>> thread_scheduling() {
+  std::map<long, std::pair<int, int>> out;
   DIR* dir = ::opendir("/proc/self/task");
   if (!dir) return out;
   while (dirent* e = ::readdir(dir)) {
@@ -174,34 +175,37 @@ std::map<long, int> thread_nice() {
     const long tid = std::strtol(e->d_name, nullptr, 10);
     errno = 0;
     const int nice = ::getpriority(PRIO_PROCESS, static_cast<id_t>(tid));
-    if (errno == 0) out[tid] = nice;
+    const int policy = ::sched_getscheduler(static_cast<pid_t>(tid));
+    if (errno == 0 && policy >= 0) out[tid] = {policy, nice};
   }
   ::closedir(dir);
   return out;
 }
 
-int own_nice() {
-  return ::getpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)));
+std::pair<int, int> own_scheduling() {
+  const auto tid = static_cast<pid_t>(::syscall(SYS_gettid));
+  return {::sched_getscheduler(tid), ::getpriority(PRIO_PROCESS, static_cast<id_t>(tid))};
 }
 
-// Gloo's transport thread runs transport_thread_nice levels below the thread that made the
-// group (Note [The transport thread's priority]); every other thread keeps its priority.
-TEST(Comm, TransportThreadRunsBelowTheCaller) {
-  const auto before = thread_nice();
+// Gloo's transport thread, and it alone, takes the scheduling InitOptions asks for (Note [The
+// transport thread's scheduling]): rank 0 asks for 7 nice levels down without SCHED_BATCH,
+// rank 1 takes the defaults (SCHED_BATCH, the caller's nice value).
+TEST(Comm, TransportThreadSchedulingIsSetForItAlone) {
+  const auto before = thread_scheduling();
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> errors(2);
-  std::vector<int> caller_before(2), caller_after(2);
+  std::vector<std::pair<int, int>> caller_before(2), caller_after(2);
   std::vector<double> sums(2);
   std::vector<std::shared_ptr<ProcessGroup>> groups(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       try {
-        caller_before[r] = own_nice();
+        caller_before[r] = own_scheduling();
         auto options = InitOptions().backend("gloo").rank(r).world_size(2).timeout(std::chrono::seconds(30));
-        if (r == 0) options.transport_thread_nice(7);  // rank 1: the default, 19
+        if (r == 0) options.transport_thread_nice(7).transport_thread_batch(false);
         groups[r] = init_process_group(store, options);
-        caller_after[r] = own_nice();
+        caller_after[r] = own_scheduling();
         at::Tensor t = at::full({1}, r + 1.0);
         groups[r]->allreduce(t);
         sums[r] = t.item<double>();
@@ -214,18 +218,23 @@ TEST(Comm, TransportThreadRunsBelowTheCaller) {
   for (int r = 0; r < 2; ++r) {
     ASSERT_EQ(errors[r], "") << "rank " << r;
     EXPECT_EQ(sums[r], 3.0) << "rank " << r;
-    EXPECT_EQ(caller_after[r], caller_before[r]) << "rank " << r << "'s own priority changed";
+    EXPECT_EQ(caller_after[r], caller_before[r]) << "rank " << r << "'s own scheduling changed";
   }
-  const int base = caller_before[0];
-  std::multiset<int> lowered;
-  for (const auto& [tid, nice] : thread_nice()) {
+  const auto [policy, nice] = caller_before[0];
+  ASSERT_EQ(policy, SCHED_OTHER) << "the test runs from a SCHED_OTHER thread";
+  std::multiset<std::pair<int, int>> changed;
+  for (const auto& [tid, sched] : thread_scheduling()) {
     if (before.count(tid)) {
-      EXPECT_EQ(nice, before.at(tid)) << "thread " << tid << " was there before and changed priority";
-    } else if (nice != base) {
-      lowered.insert(nice);
+      EXPECT_EQ(sched, before.at(tid)) << "thread " << tid << " was there before and changed its scheduling";
+    } else if (sched != caller_before[0]) {
+      changed.insert(sched);
     }
   }
-  EXPECT_EQ(lowered, (std::multiset<int>{std::min(19, base + 7), std::min(19, base + 19)}));
+  std::multiset<std::pair<int, int>> expected;
+  for (std::pair<int, int> sched : {std::make_pair(SCHED_OTHER, std::min(19, nice + 7)), std::make_pair(SCHED_BATCH, nice)}) {
+    if (sched != caller_before[0]) expected.insert(sched);  // at nice 19 already, 7 levels down is the same
+  }
+  EXPECT_EQ(changed, expected);
   groups.clear();
 }
 

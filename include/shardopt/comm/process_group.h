@@ -41,10 +41,13 @@ struct InitOptions {
   // silent mix-up. Costs one small all-reduce per collective. Also on when the environment has
   // SHARDOPT_CHECK_DESYNC=1.
   TORCH_ARG(bool, check_desync) = false;
-  // Gloo only: how many nice levels below the calling thread Gloo's transport thread runs (the
-  // thread that polls the sockets and reads what arrives), capped at nice 19; 0 keeps it at the
-  // caller's. Note [The transport thread's priority] in csrc/comm/init.cpp says why.
-  TORCH_ARG(int, transport_thread_nice) = 19;
+  // Gloo only: how Gloo's transport thread (the thread that polls the sockets and reads what
+  // arrives) is scheduled, that thread alone (Note [The transport thread's scheduling] in
+  // csrc/comm/init.cpp). batch: Linux's SCHED_BATCH (the same share of a core, but its wake-ups
+  // do not preempt the running thread). nice: how many nice levels below the calling thread it
+  // runs, capped at nice 19.
+  TORCH_ARG(bool, transport_thread_batch) = true;
+  TORCH_ARG(int, transport_thread_nice) = 0;
 };
 
 // What the calling thread is doing, named in the errors of the collectives it starts
