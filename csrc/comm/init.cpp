@@ -132,7 +132,7 @@ std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, 
 // free. On a machine with more busy threads than cores, its wake-up can preempt the lock holder,
 // and then it burns its whole time slice (measured on 2 cores with 2 ranks: about 900 empty polls
 // per step of the small-tensor model, and steps 3-4 ms longer in bursts of hundreds of steps).
-// Under SCHED_BATCH its wake-ups no longer preempt the running thread, while it keeps a nice-0
+// Under SCHED_BATCH its wake-ups no longer preempt the running thread, while it keeps its full
 // share of a core for reading large messages when every core is busy; a nice value lowers that
 // share too (faster when the cores are otherwise idle, much slower when they are not:
 // docs/gloo.md). A Linux thread inherits its creator's policy and nice value, and the device
