@@ -24,6 +24,7 @@
 #include <sstream>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -170,6 +171,19 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options(std::chrono::mi
   return opts;
 }
 
+// Note [SIGPIPE]
+// Gloo writes to its sockets with writev, and a write to a peer that has gone raises SIGPIPE,
+// whose default action ends the process before Gloo can report the error (a rank dies, and the
+// ranks still sending to it die silently instead of naming it). Python ignores SIGPIPE at start-
+// up, so PyTorch's Gloo groups never see it; a C++ program has the default. A Gloo group sets it to
+// ignored when it has the default action, so the write fails with EPIPE and the collective with
+// an error; a handler the program installed is left alone.
+void ignore_sigpipe_by_default() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) != 0) return;
+  if ((current.sa_flags & SA_SIGINFO) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+}
+
 std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store,
                                          const InitOptions& options, const std::string& host) {
   const std::string backend = resolve_backend(options.backend());
@@ -198,8 +212,18 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
                   " could not create its NCCL group (timeout ", options.timeout().count(), " ms): ", e.what());
     }
   }
+  ignore_sigpipe_by_default();
   try {
-    auto group = std::make_shared<ProcessGroup>(factory(store, options.rank(), options.world_size()), options.timeout());
+    auto pg = factory(store, options.rank(), options.world_size());
+    // Note [Every rank connected before any returns]
+    // Gloo's mesh is complete on a rank once its own pairs are: it can return, fail at its next
+    // step (a missing data folder) and exit while a peer is still connecting, which then fails
+    // with "connection closed" instead of its own error. A barrier on the new backend (not counted
+    // in the group's stats) returns only when every rank has connected.
+    c10d::BarrierOptions barrier;
+    barrier.timeout = options.timeout();
+    if (options.world_size() > 1) pg->barrier(barrier)->wait(options.timeout());
+    auto group = std::make_shared<ProcessGroup>(pg, options.timeout());
     group->set_backend_factory(factory);
     return finish_group(group, store, options);
   } catch (const std::exception& e) {

@@ -8,6 +8,7 @@
 
 #include <dirent.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -236,6 +237,26 @@ TEST(Comm, TransportThreadSchedulingIsSetForItAlone) {
   }
   EXPECT_EQ(changed, expected);
   groups.clear();
+}
+
+void sigpipe_handler(int) {}
+
+// Note [SIGPIPE]: with the default action a write to a peer that has gone would end the process
+// before Gloo reports it; a Gloo group ignores SIGPIPE then, and leaves a program's handler alone.
+TEST(Comm, AGlooGroupIgnoresSigpipeUnlessTheProgramHandlesIt) {
+  struct sigaction saved {};
+  ASSERT_EQ(::sigaction(SIGPIPE, nullptr, &saved), 0);
+  ::signal(SIGPIPE, SIG_DFL);
+  init_process_group(c10::make_intrusive<c10d::HashStore>(), InitOptions().backend("gloo").rank(0).world_size(1));
+  struct sigaction now {};
+  ::sigaction(SIGPIPE, nullptr, &now);
+  EXPECT_EQ(now.sa_handler, SIG_IGN);
+
+  ::signal(SIGPIPE, sigpipe_handler);
+  init_process_group(c10::make_intrusive<c10d::HashStore>(), InitOptions().backend("gloo").rank(0).world_size(1));
+  ::sigaction(SIGPIPE, nullptr, &now);
+  EXPECT_EQ(now.sa_handler, &sigpipe_handler);
+  ::sigaction(SIGPIPE, &saved, nullptr);
 }
 
 TEST(Comm, TransportThreadNiceOutOfRangeIsAnError) {
