@@ -143,29 +143,36 @@ std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, 
 c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options(std::chrono::milliseconds timeout, bool loopback,
                                                                   bool batch, int nice) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+  auto make_device = [loopback] {
+    return loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                    : c10d::ProcessGroupGloo::createDefaultDevice();
+  };
   std::shared_ptr<::gloo::transport::Device> device;
-  std::exception_ptr error;
-  std::thread maker([&] {
-    try {
-      if (batch) {
-        sched_param param{};
-        param.sched_priority = 0;
-        ::pthread_setschedparam(::pthread_self(), SCHED_BATCH, &param);
+  if (!batch && nice == 0) {
+    device = make_device();  // the caller's scheduling: no thread to set up
+  } else {
+    std::exception_ptr error;
+    std::thread maker([&] {
+      try {
+        if (batch) {
+          sched_param param{};
+          param.sched_priority = 0;
+          ::pthread_setschedparam(::pthread_self(), SCHED_BATCH, &param);
+        }
+        if (nice > 0) {
+          const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
+          errno = 0;
+          const int current = ::getpriority(PRIO_PROCESS, tid);
+          if (errno == 0) ::setpriority(PRIO_PROCESS, tid, std::min(19, current + nice));
+        }
+        device = make_device();
+      } catch (...) {
+        error = std::current_exception();
       }
-      if (nice > 0) {
-        const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
-        errno = 0;
-        const int current = ::getpriority(PRIO_PROCESS, tid);
-        if (errno == 0) ::setpriority(PRIO_PROCESS, tid, std::min(19, current + nice));
-      }
-      device = loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                        : c10d::ProcessGroupGloo::createDefaultDevice();
-    } catch (...) {
-      error = std::current_exception();
-    }
-  });
-  maker.join();
-  if (error) std::rethrow_exception(error);
+    });
+    maker.join();
+    if (error) std::rethrow_exception(error);
+  }
   opts->devices.push_back(std::move(device));
   opts->threads = 1;
   return opts;
