@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <tuple>
 
 namespace shardopt::app {
 
@@ -115,6 +116,34 @@ void print_table(const nlohmann::json& rows, const nlohmann::json& skipped, cons
   for (const auto& s : skipped) std::printf("skipped: %s\n", s.get<std::string>().c_str());
 }
 
+// One line per sharded run and scenario: every rank's optimizer state (masters included), and the
+// busiest rank against its share of all the state held.
+void print_state_per_rank(const nlohmann::json& rows) {
+  std::map<std::tuple<int, std::string, std::string>, std::vector<double>> state;
+  std::vector<std::tuple<int, std::string, std::string>> order;
+  for (const auto& r : rows) {
+    if (r["mode"] == "ddp" || r["world"].get<int>() < 2) continue;
+    const auto key = std::make_tuple(r["world"].get<int>(), r["mode"].get<std::string>(), r["scenario"].get<std::string>());
+    auto& ranks = state[key];
+    if (ranks.empty()) order.push_back(key);
+    ranks.resize(std::max<size_t>(ranks.size(), r["rank"].get<size_t>() + 1));
+    ranks[r["rank"].get<size_t>()] = r["state"].get<double>();
+  }
+  if (!order.empty()) std::printf("\noptimizer state per rank (busiest rank against its share of all the state held):\n");
+  for (const auto& key : order) {
+    const auto& ranks = state[key];
+    std::string line;
+    double sum = 0, most = 0;
+    for (double b : ranks) {
+      line += (line.empty() ? "" : " / ") + bytes_text(b);
+      sum += b;
+      most = std::max(most, b);
+    }
+    std::printf("%-10s %5d  %-14s %s (busiest %.2fx)\n", std::get<1>(key).c_str(), std::get<0>(key),
+                std::get<2>(key).c_str(), line.c_str(), sum > 0 ? most * static_cast<double>(ranks.size()) / sum : 1.0);
+  }
+}
+
 void write_csv(const nlohmann::json& rows, const std::string& path) {
   std::ofstream f(path);
   SHARDOPT_CHECK(f, "cannot write '", path, "'");
@@ -174,6 +203,7 @@ int run_memory(const MemoryOptions& o, char** argv) {
     }
   }
   print_table(rows, skipped, spec);
+  print_state_per_rank(rows);
   nlohmann::json report = {{"model", spec.name}, {"numel", spec.numel()}, {"rows", rows}, {"skipped", skipped}};
   std::ofstream(o.out_dir + "/memory.json") << report.dump(1) << "\n";
   write_csv(rows, o.out_dir + "/memory.csv");

@@ -37,6 +37,7 @@ FlatLayout FlatLayout::plan(const std::vector<LayoutParam>& params, int world_si
   layout.place_pieces(params, group_of);
   layout.place_frozen(params, group_of);
   layout.cut_buckets(params);
+  layout.cut_kept(params, group_of);
   layout.check_invariants();
   return layout;
 }
@@ -165,6 +166,37 @@ void FlatLayout::cut_buckets(const std::vector<LayoutParam>& params) {
       piece.bucket = b;
       piece.in_bucket = {piece.in_shard.begin - bucket.in_shard.begin, piece.in_shard.end - bucket.in_shard.begin};
     }
+  }
+}
+
+// Note [Kept state]
+// A frozen parameter's optimizer state waits for it to be unfrozen. Left with the ranks that
+// owned it while it trained, it piles up where the frozen layers happened to be: freezing half of
+// GPT-2 small at world 4 left the ranks holding 122, 122, 347 and 359 MiB. In split mode the
+// frozen parameters with state form a kept run per group (reverse parameter order, as the
+// trainable run), cut into world_size equal ranges: every rank keeps 1/world_size of the kept
+// state and steps 1/world_size of the trainable run, so memory and step time are both balanced;
+// the price is moving the kept state once, when the trainable set changes.
+void FlatLayout::cut_kept(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of) {
+  kept_.assign(params.size(), {});
+  if (!options_.split()) return;
+  std::vector<int64_t> run(groups_.size(), 0), start(params.size(), 0);
+  for (size_t i = params.size(); i-- > 0;) {
+    if (params[i].trainable || !params[i].keeps_state) continue;
+    start[i] = run[group_of[i]];
+    run[group_of[i]] += params[i].numel;
+  }
+  for (size_t i = params.size(); i-- > 0;) {
+    if (params[i].trainable || !params[i].keeps_state) continue;
+    const int64_t per_rank = std::max<int64_t>(1, (run[group_of[i]] + world_size_ - 1) / world_size_);
+    const int64_t end = start[i] + params[i].numel;
+    int64_t at = start[i];
+    do {
+      const int rank = static_cast<int>(std::min<int64_t>(at / per_rank, world_size_ - 1));
+      const int64_t cut = std::min(end, (rank + 1) * per_rank);
+      kept_[i].push_back({rank, {at - start[i], cut - start[i]}});
+      at = cut;
+    } while (at < end);
   }
 }
 

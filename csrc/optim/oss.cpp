@@ -146,6 +146,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   if (mixed_) master_sources_ = detail::cast_to_param_dtype(*global_group_, params_, options_.mixed_precision());
   for (const auto& p : params_) weights_.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
   trainable_ = detail::trainable_mask(params_);
+  stepped_.assign(params_.size(), 0);
   balanced_for_ = trainable_;
   partition_ = Partition::balance(weights_, group_->size(), trainable_);
   choose_partition_mode(factory);
@@ -234,6 +235,7 @@ FlatLayout OSS::plan_layout(const std::vector<uint8_t>& trainable) const {
     SHARDOPT_CHECK(p.device().is_cpu() || p.device().is_cuda(), "parameter ", i, " is on ", p.device(),
                    "; OSS supports CPU and CUDA parameters");
     specs.push_back(LayoutParam::of(p, partition_.owner(i), trainable[i] != 0));
+    specs.back().keeps_state = !trainable[i] && stepped_[i];
   }
   return FlatLayout::plan(specs, group_->size(), options_.layout());
 }
@@ -259,8 +261,10 @@ void OSS::assign_holdings() {
         const Piece& piece = layout_.pieces()[k];
         next[i].push_back({piece.owner, piece.in_param, at::Tensor()});
       }
+    } else if (!layout_.keepers_of(i).empty()) {
+      for (const Keeping& k : layout_.keepers_of(i)) next[i].push_back({k.rank, k.in_param, at::Tensor()});
     } else {
-      next[i] = holdings_[i];  // a frozen parameter's state stays where it is
+      next[i] = holdings_[i];  // frozen without state: nothing to keep, nothing moves
     }
     for (auto& h : next[i]) {
       if (h.rank != rank) {
@@ -404,6 +408,7 @@ torch::Tensor OSS::step(LossClosure closure) {
   }
   settle_state();  // the set is agreed by now: every rank moves the same ranges
   sync_options_to_local();
+  for (size_t i = 0; i < params_.size(); ++i) stepped_[i] |= trainable_[i] & laid_out_for_[i];
 
   // A frozen parameter must not move, even if it still holds a gradient from before it was
   // frozen: its gradient is hidden from the wrapped optimizer for the duration of its step. A
@@ -477,37 +482,54 @@ torch::Tensor OSS::step(LossClosure closure) {
 
 // ---- re-partitioning ---------------------------------------------------------------------------
 
+// Whole parameters' kept state spreads when the busiest rank holds more than this above its share.
+constexpr double kKeptImbalance = 0.02;
+
 // Note [Rebalance after a freeze]
 // The partition balances the trainable parameters first and spreads the frozen ones by total
 // weight (Partition::balance with flags). When the trainable set changes, the work a step does
 // can become lopsided (freezing every other tensor of a GPT-2-shaped model leaves one of two
 // ranks 1.77x the mean). If the old partition is more than rebalance_threshold above the mean
 // for the new set, rebalance() improves it by moves and swaps of trainable parameters
-// (Partition::rebalance: few change owner, frozen ones never do, so a frozen parameter's state
-// stays where it is for when it is unfrozen). Each parameter that changes owner takes its
-// optimizer state, and any gradient the old owner holds, to the new one (serialized with the
-// state_dict codec, one pair of ranks at a time), and the flat buffers are laid out again, so
-// the parameters' data moves with them. Every input of the decision (the mask,
-// the partition, the weights) is the same on every rank, so all ranks decide alike without
-// communicating. The step in which the set changed still runs on the old partition; the
-// re-partition follows it.
+// (Partition::rebalance: few change owner). Then, if some rank holds more than kKeptImbalance
+// above its share of all the state (trainable and kept, Note [Kept state]), frozen parameters
+// with state move between the ranks holding the most and the least (Partition::spread_kept);
+// their state is kept unchanged for when they are unfrozen. Each parameter that changes owner
+// takes its optimizer state, and any gradient the old owner holds, to the new one (serialized
+// with the state_dict codec, one pair of ranks at a time), and the flat buffers are laid out
+// again, so the parameters' data moves with them. Every input of the decision (the mask, the
+// partition, the weights, the parameters stepped so far) is the same on every rank, so all
+// ranks decide alike without communicating. The step in which the set changed still runs on the
+// old partition; the re-partition follows it.
+
 bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
   SHARDOPT_CHECK(trainable.size() == params_.size(), "OSS::rebalance got ", trainable.size(),
               " trainable flags for ", params_.size(), " parameters");
   if (trainable == balanced_for_) return false;
   balanced_for_ = trainable;
-  // Split ranges are equal for every trainable set (Note [Split parameters]).
+  // Split ranges are equal for every trainable set (Note [Split parameters]), kept ones too.
   if (split_ || !options_.rebalance() || group_->size() == 1 || !detail::find_codec(*local_)) return false;
   const double before = partition_.imbalance(weights_, trainable);
-  if (before <= options_.rebalance_threshold()) return false;
-  Partition next = Partition::rebalance(partition_, weights_, trainable);
-  const double after = next.imbalance(weights_, trainable);
-  if (after >= before) return false;
+  Partition next = partition_;
+  if (before > options_.rebalance_threshold()) {
+    Partition balanced = Partition::rebalance(partition_, weights_, trainable);
+    if (balanced.imbalance(weights_, trainable) < before) next = std::move(balanced);
+  }
+  // The state of frozen parameters spreads too, so that every rank holds its share in all (Note
+  // [Kept state]); the trainable balance stays as decided.
+  std::vector<uint8_t> kept(params_.size(), 0);
+  for (size_t i = 0; i < params_.size(); ++i) kept[i] = !trainable[i] && stepped_[i];
+  if (next.held_imbalance(weights_, trainable, kept) > kKeptImbalance) {
+    next = Partition::spread_kept(next, weights_, trainable, kept);
+  }
+  bool moved = false;
+  for (size_t i = 0; i < params_.size() && !moved; ++i) moved = next.owner(i) != partition_.owner(i);
+  if (!moved) return false;
 
   settle_state();  // state still owed from an earlier layout goes first
   last_rebalance_ = RebalanceStats();
   last_rebalance_.imbalance_before = before;
-  last_rebalance_.imbalance_after = after;
+  last_rebalance_.imbalance_after = next.imbalance(weights_, trainable);
   partition_ = std::move(next);
   ++partition_version_;
   lay_out(trainable);

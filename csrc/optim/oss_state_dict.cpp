@@ -246,6 +246,14 @@ void OSS::load_state_dict(const torch::IValue& sd) {
               saved_groups.size(), " param groups, this optimizer has ", param_groups_.size());
   const auto entries = saved_entries(dict);
   const auto& codec = detail::codec_for(*local_);
+  // A parameter with saved state has state from now on; a frozen one's is kept, spread over the
+  // ranks (Note [Kept state]).
+  bool kept_changed = false;
+  for (const auto& entry : entries) {
+    kept_changed |= !stepped_[entry.first] && !laid_out_for_[entry.first];
+    stepped_[entry.first] = 1;
+  }
+  if (kept_changed && split_) lay_out(laid_out_for_);
   for (size_t g = 0; g < saved_groups.size(); ++g) {
     param_groups_[g].set_options(codec.decode_options(saved_groups[g].toGenericDict(), param_groups_[g].options()));
   }

@@ -136,6 +136,69 @@ Partition Partition::rebalance(const Partition& from, const std::vector<int64_t>
   return p;
 }
 
+namespace {
+
+// The weight each rank holds: trainable parameters, and frozen ones in `kept`.
+std::vector<int64_t> held_loads(const std::vector<int>& owner, int world_size, const std::vector<int64_t>& weights,
+                                const std::vector<uint8_t>& trainable, const std::vector<uint8_t>& kept) {
+  SHARDOPT_CHECK(weights.size() == owner.size() && trainable.size() == owner.size() && kept.size() == owner.size(),
+                 "Partition of ", owner.size(), " parameters asked about ", weights.size(), " weights, ",
+                 trainable.size(), " trainable and ", kept.size(), " kept flags");
+  std::vector<int64_t> loads(world_size, 0);
+  for (size_t i = 0; i < owner.size(); ++i) {
+    if (trainable[i] || kept[i]) loads[owner[i]] += weights[i];
+  }
+  return loads;
+}
+
+double imbalance_of(const std::vector<int64_t>& loads) {
+  const int64_t sum = std::accumulate(loads.begin(), loads.end(), int64_t{0});
+  if (sum == 0) return 0.0;
+  const double mean = static_cast<double>(sum) / static_cast<double>(loads.size());
+  return static_cast<double>(*std::max_element(loads.begin(), loads.end())) / mean - 1.0;
+}
+
+}  // namespace
+
+Partition Partition::spread_kept(const Partition& from, const std::vector<int64_t>& weights,
+                                 const std::vector<uint8_t>& trainable, const std::vector<uint8_t>& kept) {
+  Partition p;
+  p.world_size_ = from.world_size_;
+  p.owner_ = from.owner_;
+  // Only kept frozen parameters weigh anything to improve(): nothing else moves.
+  std::vector<int64_t> movable(weights.size(), 0);
+  for (size_t i = 0; i < weights.size(); ++i) movable[i] = !trainable[i] && kept[i] ? weights[i] : 0;
+  std::vector<int64_t> held = held_loads(p.owner_, p.world_size_, weights, trainable, kept);
+  local_search(movable, p.owner_, held);
+  // Moves from where the state is can get stuck (the busiest rank keeps only tensors larger than
+  // the gap); placing all kept parameters afresh, largest first on the rank holding the least,
+  // then improving, is taken instead when it balances better. It moves more state.
+  std::vector<int> fresh = from.owner_;
+  std::vector<int64_t> fresh_held = held_loads(fresh, p.world_size_, weights, trainable, std::vector<uint8_t>(kept.size(), 0));
+  std::vector<size_t> order;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (movable[i] > 0) order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return weights[a] > weights[b]; });
+  for (size_t i : order) {
+    fresh[i] = argmin(fresh_held);
+    fresh_held[fresh[i]] += weights[i];
+  }
+  local_search(movable, fresh, fresh_held);
+  if (*std::max_element(fresh_held.begin(), fresh_held.end()) < *std::max_element(held.begin(), held.end())) {
+    p.owner_ = std::move(fresh);
+  }
+  p.loads_.assign(p.world_size_, 0);
+  for (size_t i = 0; i < weights.size(); ++i) p.loads_[p.owner_[i]] += trainable[i] ? weights[i] : 0;
+  p.index_shards();
+  return p;
+}
+
+double Partition::held_imbalance(const std::vector<int64_t>& weights, const std::vector<uint8_t>& trainable,
+                                 const std::vector<uint8_t>& kept) const {
+  return imbalance_of(held_loads(owner_, world_size_, weights, trainable, kept));
+}
+
 double Partition::imbalance(const std::vector<int64_t>& weights, const std::vector<uint8_t>& trainable) const {
   SHARDOPT_CHECK(weights.size() == owner_.size() && trainable.size() == owner_.size(), "Partition of ",
               owner_.size(), " parameters asked about ", weights.size(), " weights and ", trainable.size(), " flags");

@@ -239,6 +239,15 @@ class CliTest(unittest.TestCase):
             for g in value("ddp", world, "grads"):
                 self.assertEqual(g, grads1)
         self.assertTrue(any(r["scenario"].endswith("frozen") for r in rows))
+        # After the freeze every rank still holds its share of all the state, the frozen layers'
+        # kept state included, and the tool prints it per rank.
+        for world in (2, 4):
+            for mode in ("zero1", "zero2"):
+                frozen = [r["state"] for r in rows if r["mode"] == mode and r["world"] == world and r["scenario"].endswith("frozen")]
+                self.assertEqual(len(frozen), world)
+                for s in frozen:
+                    self.assertAlmostEqual(s / (sum(frozen) / world), 1.0, delta=0.03, msg=f"{mode} world {world} frozen: {frozen}")
+        self.assertIn("optimizer state per rank", p.stdout)
         with open(os.path.join(out, "memory.csv")) as f:
             self.assertEqual(len(list(csv.DictReader(f))), len(rows))
         with open(os.path.join(out, "memory.png"), "rb") as f:

@@ -285,5 +285,27 @@ TEST(FlatLayout, BadInputIsNamed) {
   EXPECT_THROW(FlatLayout::plan({param(4, 0)}, 0), c10::Error);
 }
 
+// Split mode: the frozen parameters with state form a kept run in reverse order, cut into equal
+// ranges, one per rank; frozen ones without state and trainable ones keep nothing.
+TEST(FlatLayout, KeptStateIsCutIntoEqualRangesAcrossTheRanks) {
+  std::vector<LayoutParam> params = {param(6, 0, false), param(5, 0), param(4, 0, false), param(3, 0, false)};
+  params[0].keeps_state = params[2].keeps_state = true;  // parameter 3 was never stepped
+  const auto layout = FlatLayout::plan(params, 3, LayoutOptions().split(true));
+  EXPECT_TRUE(layout.keepers_of(1).empty());
+  EXPECT_TRUE(layout.keepers_of(3).empty());
+  // The kept run is parameter 2 (elements 0-3), then parameter 0 (4-9): ranges of 4 per rank.
+  ASSERT_EQ(layout.keepers_of(2).size(), 1u);
+  EXPECT_EQ(layout.keepers_of(2)[0].rank, 0);
+  EXPECT_EQ(layout.keepers_of(2)[0].in_param, (Range{0, 4}));
+  ASSERT_EQ(layout.keepers_of(0).size(), 2u);
+  EXPECT_EQ(layout.keepers_of(0)[0].rank, 1);
+  EXPECT_EQ(layout.keepers_of(0)[0].in_param, (Range{0, 4}));
+  EXPECT_EQ(layout.keepers_of(0)[1].rank, 2);
+  EXPECT_EQ(layout.keepers_of(0)[1].in_param, (Range{4, 6}));
+  // Whole parameters keep their state with their owner: no kept run.
+  const auto whole = FlatLayout::plan(params, 3);
+  EXPECT_TRUE(whole.keepers_of(0).empty());
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -101,5 +101,28 @@ TEST(Partition, RebalanceFromTheCurrentPartitionMovesLittle) {
   for (int r = 0; r < 2; ++r) EXPECT_EQ(Partition::rebalance(after, w, trainable).shard(r), after.shard(r)) << "stable";
 }
 
+// Frozen parameters with state move until every rank holds its share in all; trainable ones stay
+// where they are, and so do frozen ones without state.
+TEST(Partition, SpreadKeptBalancesTheStateHeldWithoutMovingTrainableOnes) {
+  const std::vector<int64_t> w = {4, 4, 4, 4, 9};  // parameter 4: frozen from the start, no state
+  const auto start = Partition::balance(w, 2, {1, 1, 1, 1, 0});
+  // Freeze rank 0's two trainable parameters, after they were stepped; the trainable work is
+  // rebalanced (one parameter moves to rank 0), which leaves rank 0 holding 12 of 16 in all.
+  std::vector<uint8_t> trainable = {1, 1, 1, 1, 0}, kept(5, 0);
+  for (size_t i = 0; i < 4; ++i) {
+    if (start.owner(i) == 0) trainable[i] = 0, kept[i] = 1;
+  }
+  const auto balanced = Partition::rebalance(start, w, trainable);
+  ASSERT_DOUBLE_EQ(balanced.imbalance(w, trainable), 0.0);
+  ASSERT_DOUBLE_EQ(balanced.held_imbalance(w, trainable, kept), 0.5);
+  const auto spread = Partition::spread_kept(balanced, w, trainable, kept);
+  EXPECT_DOUBLE_EQ(spread.held_imbalance(w, trainable, kept), 0.0);
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (!kept[i]) EXPECT_EQ(spread.owner(i), balanced.owner(i)) << "parameter " << i << " moved";
+  }
+  EXPECT_DOUBLE_EQ(spread.imbalance(w, trainable), 0.0);
+  EXPECT_EQ(spread.load(0) + spread.load(1), 8) << "loads count the trainable weight";
+}
+
 }  // namespace
 }  // namespace shardopt

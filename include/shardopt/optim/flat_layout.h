@@ -35,6 +35,12 @@
 // Pieces. A parameter is placed as pieces, each a contiguous range of its elements with one
 // owner; a parameter's pieces are adjacent in the buffer, so the parameter stays one view.
 //
+// Kept state (Note [Kept state]). A frozen parameter's optimizer state is kept for when it is
+// unfrozen. In split mode the frozen parameters that have state (LayoutParam::keeps_state) form
+// each group's kept run, in reverse parameter order, cut into world_size equal ranges like the
+// trainable run: rank r keeps range r. keepers_of() says who keeps which elements. Whole
+// parameters keep their state with their owner (the Partition spreads frozen ones).
+//
 // plan() is a pure function of its inputs: every rank computes the same layout. A change of the
 // trainable set or of the owners produces a new layout; nothing patches an old one.
 #pragma once
@@ -69,6 +75,7 @@ struct LayoutParam {
   int64_t numel = 0;
   int owner = 0;           // rank that owns it (from the partition; unused when split)
   bool trainable = true;   // only trainable parameters are in the shards and buckets
+  bool keeps_state = false;  // frozen with optimizer state to keep (split mode's kept run)
   static LayoutParam of(const at::Tensor& param, int owner, bool trainable);
 };
 
@@ -93,6 +100,12 @@ struct Piece {
   Range in_bucket;       // with `bucket`
   bool whole() const { return in_param.begin == 0 && in_param.size() == param_numel; }
   int64_t param_numel = 0;
+};
+
+// A range of a frozen parameter's elements whose kept optimizer state one rank holds.
+struct Keeping {
+  int rank = 0;
+  Range in_param;
 };
 
 // One (device, dtype) group: its flat buffer is world_size shards of shard_numel elements.
@@ -132,6 +145,9 @@ class FlatLayout {
   const std::vector<size_t>& pieces_of(size_t param) const { return pieces_of_.at(param); }
   // A piece's elements in its group's flat buffer.
   Range in_buffer(const Piece& piece) const;
+  // Who keeps the state of a frozen parameter with state to keep, in parameter order (split mode;
+  // empty for any other parameter).
+  const std::vector<Keeping>& keepers_of(size_t param) const { return kept_.at(param); }
   // All of a parameter's elements in its group's flat buffer (its pieces are adjacent).
   Range param_in_buffer(size_t param) const;
   // The owners of `param`'s pieces, in parameter order (empty for a frozen parameter).
@@ -151,6 +167,7 @@ class FlatLayout {
   void place_pieces(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of);
   void place_frozen(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of);
   void cut_buckets(const std::vector<LayoutParam>& params);
+  void cut_kept(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of);
   void check_invariants() const;
 
   int world_size_ = 1;
@@ -159,6 +176,7 @@ class FlatLayout {
   std::vector<FlatBucket> buckets_;
   std::vector<Piece> pieces_;
   std::vector<std::vector<size_t>> pieces_of_;
+  std::vector<std::vector<Keeping>> kept_;  // per parameter
 };
 
 }  // namespace shardopt

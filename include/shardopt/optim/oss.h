@@ -318,6 +318,9 @@ class OSS : public torch::optim::Optimizer {
   std::unordered_map<const c10::TensorImpl*, Zeroed> zeroed_;
   std::unique_ptr<torch::optim::Optimizer> local_;
   std::vector<uint8_t> trainable_;
+  // Parameters stepped (or loaded with state) since construction: the frozen ones among them have
+  // state to keep (Note [Kept state]). The same on every rank: it follows the agreed trainable set.
+  std::vector<uint8_t> stepped_;
   std::vector<int64_t> weights_;        // bytes of each parameter, what the partition balances
   std::vector<uint8_t> balanced_for_;   // the trainable set the partition was last decided for
   int64_t partition_version_ = 0;

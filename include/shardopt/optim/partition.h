@@ -27,6 +27,17 @@ class Partition {
   static Partition rebalance(const Partition& from, const std::vector<int64_t>& weights,
                              const std::vector<uint8_t>& trainable);
 
+  // Starting from `from`, moves and swaps frozen parameters with state (`kept`) between the ranks
+  // holding the most and the least in all (trainable and kept weight) while that lowers the
+  // maximum (Note [Kept state]); trainable parameters stay where they are, so the trainable
+  // balance is unchanged.
+  static Partition spread_kept(const Partition& from, const std::vector<int64_t>& weights,
+                               const std::vector<uint8_t>& trainable, const std::vector<uint8_t>& kept);
+  // max / mean - 1 of the weight each rank holds in all: its trainable parameters and the frozen
+  // ones in `kept`.
+  double held_imbalance(const std::vector<int64_t>& weights, const std::vector<uint8_t>& trainable,
+                        const std::vector<uint8_t>& kept) const;
+
   int world_size() const { return world_size_; }
   size_t num_params() const { return owner_.size(); }
   int owner(size_t param) const { return owner_.at(param); }
