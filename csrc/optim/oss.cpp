@@ -501,7 +501,6 @@ constexpr double kKeptImbalance = 0.02;
 // partition, the weights, the parameters stepped so far) is the same on every rank, so all
 // ranks decide alike without communicating. The step in which the set changed still runs on the
 // old partition; the re-partition follows it.
-
 bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
   SHARDOPT_CHECK(trainable.size() == params_.size(), "OSS::rebalance got ", trainable.size(),
               " trainable flags for ", params_.size(), " parameters");

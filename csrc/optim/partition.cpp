@@ -202,16 +202,7 @@ double Partition::held_imbalance(const std::vector<int64_t>& weights, const std:
 double Partition::imbalance(const std::vector<int64_t>& weights, const std::vector<uint8_t>& trainable) const {
   SHARDOPT_CHECK(weights.size() == owner_.size() && trainable.size() == owner_.size(), "Partition of ",
               owner_.size(), " parameters asked about ", weights.size(), " weights and ", trainable.size(), " flags");
-  std::vector<int64_t> loads(world_size_, 0);
-  int64_t sum = 0;
-  for (size_t i = 0; i < owner_.size(); ++i) {
-    if (!trainable[i]) continue;
-    loads[owner_[i]] += weights[i];
-    sum += weights[i];
-  }
-  if (sum == 0) return 0.0;
-  const double mean = static_cast<double>(sum) / world_size_;
-  return static_cast<double>(*std::max_element(loads.begin(), loads.end())) / mean - 1.0;
+  return imbalance_of(held_loads(owner_, world_size_, weights, trainable, std::vector<uint8_t>(owner_.size(), 0)));
 }
 
 int64_t Partition::total() const {
@@ -219,10 +210,7 @@ int64_t Partition::total() const {
 }
 
 double Partition::imbalance() const {
-  const int64_t sum = total();
-  if (sum == 0) return 0.0;
-  const double mean = static_cast<double>(sum) / world_size_;
-  return static_cast<double>(*std::max_element(loads_.begin(), loads_.end())) / mean - 1.0;
+  return imbalance_of(loads_);
 }
 
 }  // namespace shardopt

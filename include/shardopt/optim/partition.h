@@ -27,10 +27,11 @@ class Partition {
   static Partition rebalance(const Partition& from, const std::vector<int64_t>& weights,
                              const std::vector<uint8_t>& trainable);
 
-  // Starting from `from`, moves and swaps frozen parameters with state (`kept`) between the ranks
-  // holding the most and the least in all (trainable and kept weight) while that lowers the
-  // maximum (Note [Kept state]); trainable parameters stay where they are, so the trainable
-  // balance is unchanged.
+  // Places frozen parameters with state (`kept`) so that the most any rank holds in all
+  // (trainable and kept weight) is as low as it can find: moves and swaps between the ranks
+  // holding the most and the least, starting from `from`, or, where that balances better, a fresh
+  // largest-first placement improved the same way (Note [Kept state]). Trainable parameters stay
+  // where they are, so the trainable balance is unchanged.
   static Partition spread_kept(const Partition& from, const std::vector<int64_t>& weights,
                                const std::vector<uint8_t>& trainable, const std::vector<uint8_t>& kept);
   // max / mean - 1 of the weight each rank holds in all: its trainable parameters and the frozen
