@@ -3,6 +3,7 @@
 #include "cnn.h"
 
 #include <shardopt/check.h>
+#include <shardopt/models/gpt2.h>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -28,26 +29,7 @@ ModelSpec preset_spec(const std::string& name) {
     Cnn cnn;
     for (const auto& p : cnn->named_parameters()) s.layers.push_back({p.key(), p.value().sizes().vec()});
   } else if (name == "gpt2-small") {
-    const int64_t d = 768, vocab = 50257, positions = 1024;
-    s.layers.push_back({"wte", {vocab, d}});
-    s.layers.push_back({"wpe", {positions, d}});
-    for (int b = 0; b < 12; ++b) {
-      const std::string h = fmt::format("h{}.", b);
-      s.layers.push_back({h + "ln_1.weight", {d}});
-      s.layers.push_back({h + "ln_1.bias", {d}});
-      s.layers.push_back({h + "attn.c_attn.weight", {d, 3 * d}});
-      s.layers.push_back({h + "attn.c_attn.bias", {3 * d}});
-      s.layers.push_back({h + "attn.c_proj.weight", {d, d}});
-      s.layers.push_back({h + "attn.c_proj.bias", {d}});
-      s.layers.push_back({h + "ln_2.weight", {d}});
-      s.layers.push_back({h + "ln_2.bias", {d}});
-      s.layers.push_back({h + "mlp.c_fc.weight", {d, 4 * d}});
-      s.layers.push_back({h + "mlp.c_fc.bias", {4 * d}});
-      s.layers.push_back({h + "mlp.c_proj.weight", {4 * d, d}});
-      s.layers.push_back({h + "mlp.c_proj.bias", {d}});
-    }
-    s.layers.push_back({"ln_f.weight", {d}});
-    s.layers.push_back({"ln_f.bias", {d}});
+    for (const auto& layer : models::gpt2_shapes()) s.layers.push_back({layer.name, layer.shape});
   } else if (name == "many-small") {
     for (int l = 0; l < 500; ++l) {
       s.layers.push_back({fmt::format("layer{}.weight", l), {64, 64}});

@@ -27,6 +27,7 @@
 // Every benchmark reports GB/s: the bytes its update must move (TrainStep: the optimizer's), per
 // second. On a machine without a CUDA device the program prints "no CUDA device" and exits with
 // status 1.
+#include <shardopt/models/gpt2.h>
 #include <shardopt/comm/process_group.h>
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/oss.h>
@@ -227,18 +228,9 @@ void norm_bench(benchmark::State& state, at::ScalarType dtype, bool ours) {
 
 // GPT-2 small's parameters: embeddings, 12 blocks, the final layer norm (124M elements).
 std::vector<at::Tensor> gpt2_parameters() {
-  std::vector<std::vector<int64_t>> shapes = {{50257, 768}, {1024, 768}};
-  for (int layer = 0; layer < 12; ++layer) {
-    for (std::vector<int64_t> s : std::vector<std::vector<int64_t>>{
-             {768}, {768}, {2304, 768}, {2304}, {768, 768}, {768}, {768}, {768}, {3072, 768}, {3072}, {768, 3072}, {768}}) {
-      shapes.push_back(s);
-    }
-  }
-  shapes.push_back({768});
-  shapes.push_back({768});
   std::vector<at::Tensor> params;
-  for (const auto& s : shapes) {
-    at::Tensor p = at::empty(s, at::TensorOptions().device(at::kCUDA)).uniform_(-0.1, 0.1).requires_grad_();
+  for (const auto& [name, shape] : shardopt::models::gpt2_shapes()) {
+    at::Tensor p = at::empty(shape, at::TensorOptions().device(at::kCUDA)).uniform_(-0.1, 0.1).requires_grad_();
     p.mutable_grad() = at::empty_like(p).uniform_(-1e-2, 1e-2);
     params.push_back(p);
   }

@@ -1,4 +1,5 @@
-// The fused AdamW step on one 12M-parameter fp32 shard, against torch::optim::AdamW's step,
+// The fused AdamW step on one 12M-parameter fp32 shard (and OSS's whole step over GPT-2 small's
+// 148 tensors against ATen's multi-tensor kernel over the same list), against torch::optim::AdamW's step,
 // ATen's fused kernel (at::_fused_adamw_) on the same flat tensors, the whole step as OSS runs it
 // (world size 1: the fused step plus OSS's bookkeeping), and the memory floor: a streaming loop
 // with the step's read/write mix (4 arrays read, 3 written), whose time is the least any AdamW
@@ -6,8 +7,10 @@
 //
 //   build/bench/fused_step_bench --benchmark_counters_tabular=true --benchmark_repetitions=5 \
 //       --benchmark_report_aggregates_only=true
+#include <shardopt/models/gpt2.h>
 #include <shardopt/optim/fused_step.h>
 #include <shardopt/optim/oss.h>
+#include <shardopt/testing/introspection.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,6 +21,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -86,49 +90,90 @@ void BM_OssStepWorldOne(benchmark::State& state) {
   OssWorldOne w(static_cast<int>(state.range(0)));
   shardopt::OSS& opt = w.opt;
   for (auto _ : state) opt.step();
-  state.counters["fused"] = opt.stepped_fused() ? 1 : 0;
+  state.counters["fused"] = shardopt::testing::Introspection::stepped_fused(opt) ? 1 : 0;
   report(state);
 }
 
-// Side by side in one loop: ATen's fused kernel and OSS::step (world size 1, per-parameter step
-// counts and all) take turns on the very same parameter, gradient and state tensors (OSS's own),
-// 40 pairs per iteration. Separate benchmarks run minutes apart on this shared machine and land
-// on memory placed differently; pairs see the same conditions. Counters: each one's median (ms)
-// and the median of the per-pair ratios ATen / OSS (above 1: OSS is faster).
-void BM_PairedAtenVsOssStep(benchmark::State& state) {
-  OssWorldOne w(static_cast<int>(state.range(0)));
-  shardopt::OSS& opt = w.opt;
-  at::Tensor &p = w.p, &g = w.g;
+// Side by side in one loop: ATen's fused kernel (its multi-tensor path, over the same tensor
+// list) and OSS::step (world size 1, per-parameter step counts and all) take turns on the very
+// same parameters, gradients and state tensors (OSS's own, views into its slabs), `pairs` pairs
+// per iteration. Separate benchmarks run minutes apart on this shared machine and land on memory
+// placed differently; pairs see the same conditions. Counters: each one's median (ms) and the
+// median of the per-pair ratios ATen / OSS (above 1: OSS is faster).
+// With `per_tensor`, a third contender takes its turn in each pair: shardopt::fused_step over one
+// torch::optim::AdamW per tensor, on the same parameters and gradients (state of its own): one
+// pass, and one parallel region, per tensor, as OSS stepped before its state moved into slabs.
+void paired_aten_vs_oss(benchmark::State& state, shardopt::OSS& opt, const std::vector<at::Tensor>& params,
+                        int pairs, bool per_tensor = false) {
   opt.step();  // creates the state
-  auto& st = static_cast<optim::AdamWParamState&>(*opt.local_optimizer().state().begin()->second);
-  at::Tensor pd = p.detach(), m = st.exp_avg(), v = st.exp_avg_sq();
-  at::Tensor step = at::zeros({}, at::kFloat);
-  std::vector<double> aten, oss, ratio;
+  std::vector<at::Tensor> p, g, m, v, steps;
+  for (const auto& param : params) {
+    auto& st = static_cast<optim::AdamWParamState&>(*opt.local_optimizer().state().at(param.unsafeGetTensorImpl()));
+    p.push_back(param.detach());
+    g.push_back(param.grad());
+    m.push_back(st.exp_avg());
+    v.push_back(st.exp_avg_sq());
+    steps.push_back(at::zeros({}, at::kFloat));
+  }
+  std::vector<std::unique_ptr<optim::AdamW>> singles;
+  for (size_t i = 0; per_tensor && i < p.size(); ++i) {
+    at::Tensor view = p[i].detach();
+    view.mutable_grad() = g[i];
+    singles.push_back(std::make_unique<optim::AdamW>(std::vector<at::Tensor>{view}, options()));
+  }
+  std::vector<double> aten, oss, ratio, single, single_ratio;
   using Clock = std::chrono::steady_clock;
   const auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
   for (auto _ : state) {
-    for (int pair = 0; pair < 40; ++pair) {
+    for (int pair = 0; pair < pairs; ++pair) {
       const auto t0 = Clock::now();
-      step.add_(1);
-      at::_fused_adamw_({pd}, {g}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false, std::nullopt,
-                        std::nullopt);
+      at::_foreach_add_(steps, 1);
+      at::_fused_adamw_(p, g, m, v, {}, steps, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false, std::nullopt, std::nullopt);
       const auto t1 = Clock::now();
-      p.mutable_grad() = g;
       opt.step();
       const auto t2 = Clock::now();
       aten.push_back(ms(t1 - t0));
       oss.push_back(ms(t2 - t1));
       ratio.push_back(aten.back() / oss.back());
+      if (!per_tensor) continue;
+      for (auto& one : singles) shardopt::fused_step(*one);
+      single.push_back(ms(Clock::now() - t2));
+      single_ratio.push_back(single.back() / oss.back());
     }
   }
-  const auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
+  const auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
   };
   state.counters["aten_ms"] = median(aten);
   state.counters["oss_ms"] = median(oss);
   state.counters["aten/oss"] = median(ratio);
-  state.counters["fused"] = opt.stepped_fused() ? 1 : 0;
+  if (per_tensor) {
+    state.counters["per_tensor_ms"] = median(single);
+    state.counters["per_tensor/oss"] = median(single_ratio);
+  }
+  state.counters["fused"] = shardopt::testing::Introspection::stepped_fused(opt) ? 1 : 0;
+}
+
+void BM_PairedAtenVsOssStep(benchmark::State& state) {
+  OssWorldOne w(static_cast<int>(state.range(0)));
+  paired_aten_vs_oss(state, w.opt, {w.p}, 40);
+}
+
+// GPT-2 small's 148 parameters (124M elements) under OSS at world size 1: the shard OSS owns is
+// all of them; 98 of the tensors are biases and norms of 768 to 3,072 elements.
+void BM_PairedAtenVsOssStepGpt2(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  auto group = shardopt::init_process_group(c10::make_intrusive<c10d::HashStore>(),
+                                            shardopt::InitOptions().backend("gloo").rank(0).world_size(1));
+  std::vector<at::Tensor> params;
+  for (const auto& [name, shape] : shardopt::models::gpt2_shapes()) {
+    at::Tensor p = (at::randn(shape) * 0.02).requires_grad_();
+    p.mutable_grad() = at::randn(shape) * 1e-3;
+    params.push_back(p);
+  }
+  shardopt::OSS opt(params, shardopt::optimizer<optim::AdamW>(options()), group);
+  paired_aten_vs_oss(state, opt, params, 10, /*per_tensor=*/true);
 }
 
 // The floor: each element read from 4 arrays and written to 3, with a few flops, as AdamW does.
@@ -173,6 +218,7 @@ BENCHMARK(BM_AtenFusedAdamW)->Apply(threads);
 BENCHMARK(BM_ShardoptFusedStep)->Apply(threads);
 BENCHMARK(BM_OssStepWorldOne)->Apply(threads);
 BENCHMARK(BM_PairedAtenVsOssStep)->Apply(threads)->Iterations(3);
+BENCHMARK(BM_PairedAtenVsOssStepGpt2)->Apply(threads)->Iterations(3);
 
 }  // namespace
 

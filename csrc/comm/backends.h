@@ -12,7 +12,7 @@ class Store;
 
 namespace shardopt::detail {
 
-// True when this build carries the NCCL backend (csrc/nccl/) and a CUDA device is visible.
+// True when this build carries the NCCL backend (csrc/comm/nccl/) and a CUDA device is visible.
 bool nccl_usable();
 // Whether this build carries the NCCL backend at all.
 bool nccl_compiled();

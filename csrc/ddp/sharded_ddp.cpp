@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/api/include/torch/nn/modules/embedding.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -56,74 +57,16 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
                        ShardedDDPOptions options, std::shared_ptr<torch::nn::AnyModule> callable)
     : module_(std::move(module)), callable_(std::move(callable)), optimizers_(std::move(optimizers)), options_(options) {
   SHARDOPT_CHECK(module_, "ShardedDDP needs a module, got null");
-  SHARDOPT_CHECK(!optimizers_.empty(), "ShardedDDP needs at least one OSS optimizer");
-  SHARDOPT_CHECK(options_.reduce_bucket_bytes() >= 0, "reduce_bucket_bytes must be >= 0, got ",
-              options_.reduce_bucket_bytes());
-  for (size_t k = 0; k < optimizers_.size(); ++k) {
-    SHARDOPT_CHECK(optimizers_[k], "ShardedDDP optimizer ", k, " is null");
-    SHARDOPT_CHECK(&optimizers_[k]->global_group() == &optimizers_[0]->global_group() &&
-                       optimizers_[k]->process_group().size() == optimizers_[0]->process_group().size(),
-                "ShardedDDP optimizers 0 and ", k, " use different process groups or shard_group_size");
-  }
-  for (OSS* opt : optimizers_) {
-    const auto& mp = opt->options().mixed_precision();
-    if (mp.enabled() && !input_dtype_) input_dtype_ = mp.param_dtype();
-  }
+  check_optimizers();
   if (options_.overlap_param_sync()) {
     for (OSS* opt : optimizers_) opt->set_overlap_param_sync(true);
   }
   group_ = std::shared_ptr<ProcessGroup>(&optimizers_[0]->process_group(), [](ProcessGroup*) {});
   global_ = &optimizers_[0]->global_group();
   replica_ = optimizers_[0]->replica_group();
-
-  std::unordered_map<const void*, std::pair<size_t, size_t>> place;  // -> (optimizer, position)
-  for (size_t k = 0; k < optimizers_.size(); ++k) {
-    const auto& ps = optimizers_[k]->all_params();
-    for (size_t i = 0; i < ps.size(); ++i) {
-      auto [it, fresh] = place.emplace(ps[i].unsafeGetTensorImpl(), std::make_pair(k, i));
-      SHARDOPT_CHECK(fresh, "ShardedDDP: parameter ", i, " of optimizer ", k, " is also parameter ", it->second.second,
-                     " of optimizer ", it->second.first, "; give each parameter to one OSS only");
-    }
-  }
-  std::unordered_map<const void*, size_t> ignored;  // -> position in ignored_parameters
-  for (size_t i = 0; i < options_.ignored_parameters().size(); ++i) {
-    ignored.emplace(options_.ignored_parameters()[i].unsafeGetTensorImpl(), i);
-  }
-  std::vector<int64_t> ignored_positions;  // module positions of the ignored parameters
-  int64_t position = 0;
-  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
-    const void* impl = item.value().unsafeGetTensorImpl();
-    auto it = place.find(impl);
-    if (ignored.count(impl)) {
-      SHARDOPT_CHECK(it == place.end(), "parameter '", item.key(), "' is in ignored_parameters and also in OSS ",
-                     it->second.first, "; pass OSS only the parameters it should shard");
-      ignored_positions.push_back(position++);
-      ignored.erase(impl);
-      continue;
-    }
-    ++position;
-    SHARDOPT_CHECK(it != place.end(), "parameter '", item.key(),
-                "' of the module is in none of the OSS optimizers given to ShardedDDP (list it in "
-                "ShardedDDPOptions::ignored_parameters to keep it out of ShardedDDP)");
-    names_.push_back(item.key());
-    params_.push_back(item.value());
-    place_.push_back(it->second);
-  }
-  SHARDOPT_CHECK(ignored.empty(), "ShardedDDP: ignored parameter ", ignored.empty() ? 0 : ignored.begin()->second,
-                 " (of ignored_parameters) is not a parameter of the module");
-  Agreement("ShardedDDP")
-      .field("the ignored parameters (module positions)", ignored_positions,
-             [](const std::vector<int64_t>& v) {
-               std::string t = "[";
-               for (size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
-               return t + "]";
-             })
-      .hint("every rank must pass the same ignored_parameters")
-      .check(*global_);
-  SHARDOPT_CHECK(!params_.empty(), "ShardedDDP: the module has no parameters");
+  collect_params();
   for (size_t m = 0; m < params_.size(); ++m) module_index_[params_[m].unsafeGetTensorImpl()] = m;
   refresh_owners();
-
   if (options_.sync_models_at_startup() && global_->size() > 1) {
     at::NoGradGuard no_grad;
     for (auto& p : params_) {
@@ -143,6 +86,97 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   lay_out();
   build();
   balanced_for_ = mask_;
+}
+
+void ShardedDDP::check_optimizers() {
+  SHARDOPT_CHECK(!optimizers_.empty(), "ShardedDDP needs at least one OSS optimizer");
+  SHARDOPT_CHECK(options_.reduce_bucket_bytes() >= 0, "reduce_bucket_bytes must be >= 0, got ",
+                 options_.reduce_bucket_bytes());
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    SHARDOPT_CHECK(optimizers_[k], "ShardedDDP optimizer ", k, " is null");
+    SHARDOPT_CHECK(&optimizers_[k]->global_group() == &optimizers_[0]->global_group() &&
+                       optimizers_[k]->process_group().size() == optimizers_[0]->process_group().size(),
+                   "ShardedDDP optimizers 0 and ", k, " use different process groups or shard_group_size");
+  }
+  for (OSS* opt : optimizers_) {
+    const auto& mp = opt->options().mixed_precision();
+    if (mp.enabled() && !input_dtype_) input_dtype_ = mp.param_dtype();
+  }
+}
+
+namespace {
+
+// Module positions of the parameters whose gradients are sparse: the weights of Embedding and
+// EmbeddingBag modules made with sparse(true).
+std::vector<int64_t> sparse_gradient_positions(const torch::nn::Module& module) {
+  std::unordered_map<const void*, bool> sparse;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (const auto* e = dynamic_cast<const torch::nn::EmbeddingImpl*>(m.get()); e && e->options.sparse()) {
+      sparse[e->weight.unsafeGetTensorImpl()] = true;
+    }
+    if (const auto* e = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(m.get()); e && e->options.sparse()) {
+      sparse[e->weight.unsafeGetTensorImpl()] = true;
+    }
+  }
+  std::vector<int64_t> positions;
+  int64_t position = 0;
+  for (const auto& p : module.parameters(/*recurse=*/true)) {
+    if (sparse.count(p.unsafeGetTensorImpl())) positions.push_back(position);
+    ++position;
+  }
+  return positions;
+}
+
+}  // namespace
+
+void ShardedDDP::collect_params() {
+  std::unordered_map<const void*, std::pair<size_t, size_t>> place;  // -> (optimizer, position)
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    const auto& ps = optimizers_[k]->all_params();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      auto [it, fresh] = place.emplace(ps[i].unsafeGetTensorImpl(), std::make_pair(k, i));
+      SHARDOPT_CHECK(fresh, "ShardedDDP: parameter ", i, " of optimizer ", k, " is also parameter ", it->second.second,
+                     " of optimizer ", it->second.first, "; give each parameter to one OSS only");
+    }
+  }
+  std::unordered_map<const void*, size_t> ignored;  // -> position in ignored_parameters
+  for (size_t i = 0; i < options_.ignored_parameters().size(); ++i) {
+    ignored.emplace(options_.ignored_parameters()[i].unsafeGetTensorImpl(), i);
+  }
+  std::vector<int64_t> ignored_positions;  // module positions of the ignored parameters
+  std::vector<std::string> all_names;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    const void* impl = item.value().unsafeGetTensorImpl();
+    auto it = place.find(impl);
+    all_names.push_back(item.key());
+    if (ignored.count(impl)) {
+      SHARDOPT_CHECK(it == place.end(), "parameter '", item.key(), "' is in ignored_parameters and also in OSS ",
+                     it->second.first, "; pass OSS only the parameters it should shard");
+      ignored_positions.push_back(static_cast<int64_t>(all_names.size()) - 1);
+      ignored.erase(impl);
+      continue;
+    }
+    SHARDOPT_CHECK(it != place.end(), "parameter '", item.key(),
+                   "' of the module is in none of the OSS optimizers given to ShardedDDP (list it in "
+                   "ShardedDDPOptions::ignored_parameters to keep it out of ShardedDDP)");
+    names_.push_back(item.key());
+    params_.push_back(item.value());
+    place_.push_back(it->second);
+  }
+  SHARDOPT_CHECK(ignored.empty(), "ShardedDDP: ignored parameter ", ignored.empty() ? 0 : ignored.begin()->second,
+                 " (of ignored_parameters) is not a parameter of the module");
+  const std::vector<int64_t> sparse = sparse_gradient_positions(*module_);
+  Agreement("ShardedDDP")
+      .field("the ignored parameters (module positions)", ignored_positions)
+      .field("the parameters with sparse gradients (module positions)", sparse)
+      .hint("every rank must pass the same module and ignored_parameters")
+      .check(*global_);
+  // Every rank has the same list now: all of them stop here alike.
+  SHARDOPT_CHECK(sparse.empty(), "ShardedDDP: parameter '", sparse.empty() ? "" : all_names.at(sparse[0]),
+                 "' gets sparse gradients (an Embedding or EmbeddingBag made with sparse(true)); ShardedDDP reduces "
+                 "dense gradients and OSS keeps dense state: make it with sparse(false), or list it in "
+                 "ShardedDDPOptions::ignored_parameters and keep it out of OSS");
+  SHARDOPT_CHECK(!params_.empty(), "ShardedDDP: the module has no parameters");
 }
 
 void ShardedDDP::refresh_owners() {

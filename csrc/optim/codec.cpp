@@ -76,6 +76,10 @@ void put_tensor(GenericDict& d, const char* key, const at::Tensor& t) {
   if (t.defined()) d.insert(key, t);
 }
 
+// Replaces state tensor `name` of `s` (when defined) by what `place` gives for it.
+#define SHARDOPT_PLACE(s, name) \
+  if ((s).name().defined()) (s).name(place(#name, (s).name()))
+
 // Keys PyTorch's optimizers carry that have no LibTorch counterpart, at their default values,
 // so that torch.optim's load_state_dict sees a complete group.
 void put_python_defaults(GenericDict& d, bool has_capturable, bool has_fused) {
@@ -132,6 +136,12 @@ struct AdamLike {
     s->max_exp_avg_sq(get_tensor(d, "max_exp_avg_sq"));
     return s;
   }
+  static void place_state(optim::OptimizerParamState& base, const StatePlacer& place) {
+    auto& s = static_cast<State&>(base);
+    SHARDOPT_PLACE(s, exp_avg);
+    SHARDOPT_PLACE(s, exp_avg_sq);
+    SHARDOPT_PLACE(s, max_exp_avg_sq);
+  }
 };
 
 struct SGDCodec {
@@ -166,6 +176,10 @@ struct SGDCodec {
     auto s = std::make_unique<optim::SGDParamState>();
     s->momentum_buffer(get_tensor(d, "momentum_buffer"));
     return s;
+  }
+  static void place_state(optim::OptimizerParamState& base, const StatePlacer& place) {
+    auto& s = static_cast<optim::SGDParamState&>(base);
+    SHARDOPT_PLACE(s, momentum_buffer);
   }
 };
 
@@ -210,6 +224,12 @@ struct RMSpropCodec {
     s->grad_avg(get_tensor(d, "grad_avg"));
     return s;
   }
+  static void place_state(optim::OptimizerParamState& base, const StatePlacer& place) {
+    auto& s = static_cast<optim::RMSpropParamState&>(base);
+    SHARDOPT_PLACE(s, square_avg);
+    SHARDOPT_PLACE(s, momentum_buffer);
+    SHARDOPT_PLACE(s, grad_avg);
+  }
 };
 
 struct AdagradCodec {
@@ -247,11 +267,17 @@ struct AdagradCodec {
     s->sum(get_tensor(d, "sum"));
     return s;
   }
+  static void place_state(optim::OptimizerParamState& base, const StatePlacer& place) {
+    auto& s = static_cast<optim::AdagradParamState&>(base);
+    SHARDOPT_PLACE(s, sum);
+  }
 };
+
+#undef SHARDOPT_PLACE
 
 template <class C>
 OptimizerCodec make_codec(const char* name) {
-  return {name, &C::encode_options, &C::decode_options, &C::encode_state, &C::decode_state};
+  return {name, &C::encode_options, &C::decode_options, &C::encode_state, &C::decode_state, &C::place_state};
 }
 
 }  // namespace
@@ -282,6 +308,19 @@ const OptimizerCodec& codec_for(const optim::Optimizer& optimizer) {
 
 bool is_state_tensor(const GenericDict::iterator::value_type& entry) {
   return entry.value().isTensor() && entry.key().toStringRef() != "step";
+}
+
+GenericDict with_own_storage(const GenericDict& encoded) {
+  GenericDict out = make_string_dict();
+  for (const auto& v : encoded) {
+    if (is_state_tensor(v)) {
+      const at::Tensor& t = v.value().toTensor();
+      out.insert(v.key(), t.storage().nbytes() > t.nbytes() ? t.clone(at::MemoryFormat::Contiguous) : t);
+    } else {
+      out.insert(v.key(), v.value());
+    }
+  }
+  return out;
 }
 
 int64_t state_tensor_bytes(const GenericDict& state) {

@@ -1,14 +1,16 @@
-// The fused step's math over one contiguous tensor, built three times: for any x86-64 CPU, for
+// The fused step's math over a list of contiguous tensors, built three times: for any x86-64 CPU, for
 // AVX2 + FMA and for AVX-512 (chosen at run time, as ATen chooses its own kernels). Internal to
 // csrc/optim.
 #pragma once
 
 #include <cstdint>
+#include <cstddef>
 #include <functional>
+#include <vector>
 
 namespace shardopt::detail {
 
-// The per-step constants of one Adam/AdamW parameter.
+// The per-step constants of Adam/AdamW parameters with the same options and step count.
 struct AdamScalars {
   double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
   bool decoupled = false;  // AdamW: p *= 1 - lr * wd before the update; Adam: g += wd * p
@@ -22,23 +24,45 @@ struct SgdScalars {
   bool first = false;  // the momentum buffer starts as the (decayed) gradient
 };
 
-// One set per instruction set; `vmax` may be null without AMSGrad, `buf` without momentum.
-#define SHARDOPT_FUSED_KERNELS(ns)                                                                              \
-  namespace ns {                                                                                                \
-  void adam(float* p, const float* g, float* m, float* v, float* vmax, int64_t n, const AdamScalars& s);        \
-  void adam(double* p, const double* g, double* m, double* v, double* vmax, int64_t n, const AdamScalars& s);   \
-  void sgd(float* p, const float* g, float* buf, int64_t n, const SgdScalars& s);                               \
-  void sgd(double* p, const double* g, double* buf, int64_t n, const SgdScalars& s);                            \
+// One tensor's memory for a step: the parameter, its gradient and its state, each contiguous
+// with `n` elements. `vmax` may be null without AMSGrad, `buf` without momentum.
+template <class T>
+struct AdamSegment {
+  T* p;
+  const T* g;
+  T* m;
+  T* v;
+  T* vmax;
+  int64_t n;
+};
+template <class T>
+struct SgdSegment {
+  T* p;
+  const T* g;
+  T* buf;
+  int64_t n;
+};
+
+// One set per instruction set. Each call steps every segment of the list with the same scalars,
+// in one parallel region (parallel_segments).
+#define SHARDOPT_FUSED_KERNELS(ns)                                                    \
+  namespace ns {                                                                      \
+  void adam(const AdamSegment<float>* segments, size_t count, const AdamScalars& s);  \
+  void adam(const AdamSegment<double>* segments, size_t count, const AdamScalars& s); \
+  void sgd(const SgdSegment<float>* segments, size_t count, const SgdScalars& s);     \
+  void sgd(const SgdSegment<double>* segments, size_t count, const SgdScalars& s);    \
   }
 SHARDOPT_FUSED_KERNELS(kernels_default)
 SHARDOPT_FUSED_KERNELS(kernels_avx2)
 SHARDOPT_FUSED_KERNELS(kernels_avx512)
 #undef SHARDOPT_FUSED_KERNELS
 
-// Runs body(begin, end) over [0, n) in up to at::get_num_threads() ranges of at least `grain`
-// elements, on LibTorch's intra-op threads (Note [The fused step's threads] in fused_step.cpp),
-// and waits for all.
-void parallel_ranges(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body);
+// Runs body(segment, begin, end) over the elements of every segment (sizes[segment] each) in one
+// parallel region on LibTorch's intra-op threads (Note [The fused step's threads] in
+// fused_step.cpp): each segment is cut into chunks of whole 64-element blocks from its start, and
+// the threads take chunks in order until none is left. Waits for all.
+void parallel_segments(const std::vector<int64_t>& sizes, int64_t grain,
+                       const std::function<void(size_t, int64_t, int64_t)>& body);
 
 // The widest build this CPU runs: 2 for AVX-512 (F, BW, VL, DQ), 1 for AVX2 + FMA, 0 otherwise;
 // the environment variable SHARDOPT_FUSED_KERNELS=default|avx2 caps it.

@@ -1,4 +1,5 @@
-// The fused step: one pass over each parameter's memory for Adam, AdamW and SGD.
+// The fused step: one pass over the memory of each run of parameters with equal options and step
+// count, for Adam, AdamW and SGD.
 #include <shardopt/optim/fused_step.h>
 #include <shardopt/check.h>
 #include <shardopt/compat.h>
@@ -22,6 +23,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <exception>
+#include <map>
 #include <mutex>
 
 namespace shardopt {
@@ -34,20 +36,20 @@ using detail::SgdScalars;
 
 // The loops for this CPU: the widest build it runs.
 template <class T>
-void adam_kernel(T* p, const T* g, T* m, T* v, T* vmax, int64_t n, const AdamScalars& s) {
+void adam_kernel(const std::vector<detail::AdamSegment<T>>& segments, const AdamScalars& s) {
   switch (detail::cpu_kernel_level()) {
-    case 2: return detail::kernels_avx512::adam(p, g, m, v, vmax, n, s);
-    case 1: return detail::kernels_avx2::adam(p, g, m, v, vmax, n, s);
-    default: return detail::kernels_default::adam(p, g, m, v, vmax, n, s);
+    case 2: return detail::kernels_avx512::adam(segments.data(), segments.size(), s);
+    case 1: return detail::kernels_avx2::adam(segments.data(), segments.size(), s);
+    default: return detail::kernels_default::adam(segments.data(), segments.size(), s);
   }
 }
 
 template <class T>
-void sgd_kernel(T* p, const T* g, T* buf, int64_t n, const SgdScalars& s) {
+void sgd_kernel(const std::vector<detail::SgdSegment<T>>& segments, const SgdScalars& s) {
   switch (detail::cpu_kernel_level()) {
-    case 2: return detail::kernels_avx512::sgd(p, g, buf, n, s);
-    case 1: return detail::kernels_avx2::sgd(p, g, buf, n, s);
-    default: return detail::kernels_default::sgd(p, g, buf, n, s);
+    case 2: return detail::kernels_avx512::sgd(segments.data(), segments.size(), s);
+    case 1: return detail::kernels_avx2::sgd(segments.data(), segments.size(), s);
+    default: return detail::kernels_default::sgd(segments.data(), segments.size(), s);
   }
 }
 
@@ -78,91 +80,145 @@ const at::Tensor* copy_of(const detail::LowPrecisionCopies& copies, const at::Te
   return it == copies.end() ? nullptr : &it->second;
 }
 
+// A state tensor of `p` for `kind`: its slot from `allocate` (zeroed), or a new zeroed tensor.
+at::Tensor new_state(const detail::StateAllocator& allocate, const at::Tensor& p, const char* kind) {
+  at::Tensor t = allocate ? allocate(p, kind) : at::Tensor();
+  return t.defined() ? t : at::zeros_like(p, at::MemoryFormat::Preserve);
+}
+
 template <class Options>
-void adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::LowPrecisionCopies& copies) {
+AdamScalars adam_scalars(const Options& o, bool decoupled, int64_t step) {
+  AdamScalars s;
+  s.lr = o.lr();
+  s.beta1 = std::get<0>(o.betas());
+  s.beta2 = std::get<1>(o.betas());
+  s.eps = o.eps();
+  s.weight_decay = o.weight_decay();
+  s.decoupled = decoupled;
+  s.amsgrad = o.amsgrad();
+  const double bc1 = 1 - std::pow(s.beta1, static_cast<double>(step));
+  const double bc2 = 1 - std::pow(s.beta2, static_cast<double>(step));
+  s.sqrt_bias_correction2 = std::sqrt(bc2);
+  s.step_size = s.lr / bc1;
+  return s;
+}
+
+struct AdamEntry {
+  at::Tensor p, g, m, v, vmax;
+};
+
+template <class T>
+detail::AdamSegment<T> adam_segment(const AdamEntry& e) {
+  return {e.p.data_ptr<T>(), e.g.data_ptr<T>(), e.m.data_ptr<T>(), e.v.data_ptr<T>(),
+          e.vmax.defined() ? e.vmax.data_ptr<T>() : nullptr, e.p.numel()};
+}
+
+// One run: parameters with the same options and step count. All CPU tensors of a dtype go
+// through one parallel region; a CUDA tensor is one launch.
+void adam_run(const std::vector<AdamEntry>& run, const AdamScalars& s, int64_t step,
+              const detail::LowPrecisionCopies& copies) {
+  at::NoGradGuard no_grad;
+  std::vector<detail::AdamSegment<float>> f32;
+  std::vector<detail::AdamSegment<double>> f64;
+  for (const auto& e : run) {
+    if (const at::Tensor* copy = copy_of(copies, e.p)) {
+      detail::cuda_adam_mixed(*copy, e.g, e.p, e.m, e.v, e.vmax, s, step);
+      copy->unsafeGetTensorImpl()->bump_version();
+    } else if (e.p.is_cuda()) {
+      detail::cuda_adam(e.p, e.g, e.m, e.v, e.vmax, s, step);
+    } else if (e.p.scalar_type() == at::kFloat) {
+      f32.push_back(adam_segment<float>(e));
+    } else {
+      f64.push_back(adam_segment<double>(e));
+    }
+    // The state's tensors change in place: versions follow, as with torch's own step.
+    e.p.unsafeGetTensorImpl()->bump_version();
+  }
+  if (!f32.empty()) adam_kernel(f32, s);
+  if (!f64.empty()) adam_kernel(f64, s);
+}
+
+template <class Options>
+void adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::LowPrecisionCopies& copies,
+                    const detail::StateAllocator& allocate) {
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const Options&>(group.options());
+    // The parameters with a gradient, by their step count after this step: one pass per run.
+    std::map<int64_t, std::vector<AdamEntry>> runs;
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       auto& st = state_of<optim::AdamParamState>(opt, p, [&] {
         auto s = std::make_unique<optim::AdamParamState>();
         s->step(0);
-        s->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-        s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-        if (o.amsgrad()) s->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        s->exp_avg(new_state(allocate, p, "exp_avg"));
+        s->exp_avg_sq(new_state(allocate, p, "exp_avg_sq"));
+        if (o.amsgrad()) s->max_exp_avg_sq(new_state(allocate, p, "max_exp_avg_sq"));
         return s;
       });
       st.step(st.step() + 1);
-      AdamScalars s;
-      s.lr = o.lr();
-      s.beta1 = std::get<0>(o.betas());
-      s.beta2 = std::get<1>(o.betas());
-      s.eps = o.eps();
-      s.weight_decay = o.weight_decay();
-      s.decoupled = decoupled;
-      s.amsgrad = o.amsgrad();
-      const double bc1 = 1 - std::pow(s.beta1, static_cast<double>(st.step()));
-      const double bc2 = 1 - std::pow(s.beta2, static_cast<double>(st.step()));
-      s.sqrt_bias_correction2 = std::sqrt(bc2);
-      s.step_size = s.lr / bc1;
-      at::NoGradGuard no_grad;
-      const at::Tensor grad = p.grad(), m = st.exp_avg(), v = st.exp_avg_sq();
-      const at::Tensor vmax = s.amsgrad ? st.max_exp_avg_sq() : at::Tensor();
-      if (const at::Tensor* copy = copy_of(copies, p)) {
-        detail::cuda_adam_mixed(*copy, grad, p, m, v, vmax, s, st.step());
-        p.unsafeGetTensorImpl()->bump_version();
-        copy->unsafeGetTensorImpl()->bump_version();
-        continue;
-      }
-      if (p.is_cuda()) {
-        detail::cuda_adam(p, grad, m, v, vmax, s, st.step());
-        p.unsafeGetTensorImpl()->bump_version();
-        continue;
-      }
-      AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "shardopt_fused_adam", [&] {
-        adam_kernel<scalar_t>(p.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
-                              v.data_ptr<scalar_t>(), vmax.defined() ? vmax.data_ptr<scalar_t>() : nullptr, p.numel(), s);
-      });
-      // The state's tensors changed in place: versions follow, as with torch's own step.
-      p.unsafeGetTensorImpl()->bump_version();
+      runs[st.step()].push_back(
+          {p, p.grad(), st.exp_avg(), st.exp_avg_sq(), o.amsgrad() ? st.max_exp_avg_sq() : at::Tensor()});
     }
+    for (const auto& [step, run] : runs) adam_run(run, adam_scalars(o, decoupled, step), step, copies);
   }
 }
 
-void sgd_step(optim::Optimizer& opt) {
+struct SgdEntry {
+  at::Tensor p, g, buf;
+};
+
+void sgd_run(const std::vector<SgdEntry>& run, const SgdScalars& s) {
+  at::NoGradGuard no_grad;
+  std::vector<detail::SgdSegment<float>> f32;
+  std::vector<detail::SgdSegment<double>> f64;
+  for (const auto& e : run) {
+    if (e.p.is_cuda()) {
+      detail::cuda_sgd(e.p, e.g, e.buf, s);
+    } else if (e.p.scalar_type() == at::kFloat) {
+      f32.push_back({e.p.data_ptr<float>(), e.g.data_ptr<float>(), e.buf.defined() ? e.buf.data_ptr<float>() : nullptr,
+                     e.p.numel()});
+    } else {
+      f64.push_back({e.p.data_ptr<double>(), e.g.data_ptr<double>(),
+                     e.buf.defined() ? e.buf.data_ptr<double>() : nullptr, e.p.numel()});
+    }
+    e.p.unsafeGetTensorImpl()->bump_version();
+  }
+  if (!f32.empty()) sgd_kernel(f32, s);
+  if (!f64.empty()) sgd_kernel(f64, s);
+}
+
+void sgd_step(optim::Optimizer& opt, const detail::StateAllocator& allocate) {
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const optim::SGDOptions&>(group.options());
+    // Two runs: momentum buffers that start as the gradient now, and the others.
+    std::vector<SgdEntry> runs[2];
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
+      at::Tensor buf;
+      bool first = false;
+      if (o.momentum() != 0) {
+        auto& state = opt.state();
+        auto it = state.find(compat::state_key(p));
+        first = it == state.end();
+        if (first) {
+          auto st = std::make_unique<optim::SGDParamState>();
+          st->momentum_buffer(new_state(allocate, p, "momentum_buffer"));
+          it = state.emplace(compat::state_key(p), std::move(st)).first;
+        }
+        buf = static_cast<optim::SGDParamState&>(*it->second).momentum_buffer();
+      }
+      runs[first ? 1 : 0].push_back({p, p.grad(), buf});
+    }
+    for (int first = 0; first < 2; ++first) {
+      if (runs[first].empty()) continue;
       SgdScalars s;
       s.lr = o.lr();
       s.momentum = o.momentum();
       s.dampening = o.dampening();
       s.weight_decay = o.weight_decay();
       s.nesterov = o.nesterov();
-      at::Tensor buf;
-      if (s.momentum != 0) {
-        auto& state = opt.state();
-        auto it = state.find(compat::state_key(p));
-        s.first = it == state.end();
-        if (s.first) {
-          auto st = std::make_unique<optim::SGDParamState>();
-          st->momentum_buffer(at::empty_like(p, at::MemoryFormat::Contiguous));
-          it = state.emplace(compat::state_key(p), std::move(st)).first;
-        }
-        buf = static_cast<optim::SGDParamState&>(*it->second).momentum_buffer();
-      }
-      at::NoGradGuard no_grad;
-      if (p.is_cuda()) {
-        detail::cuda_sgd(p, p.grad(), buf, s);
-        p.unsafeGetTensorImpl()->bump_version();
-        continue;
-      }
-      AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "shardopt_fused_sgd", [&] {
-        sgd_kernel<scalar_t>(p.data_ptr<scalar_t>(), p.grad().data_ptr<scalar_t>(),
-                             buf.defined() ? buf.data_ptr<scalar_t>() : nullptr, p.numel(), s);
-      });
-      p.unsafeGetTensorImpl()->bump_version();
+      s.first = first == 1;
+      sgd_run(runs[first], s);
     }
   }
 }
@@ -178,10 +234,12 @@ void sgd_step(optim::Optimizer& opt) {
 // runtime, LLVM's, beside LibTorch's). Threads of another pool beside the OpenMP team fight it
 // for the cores: after every parallel ATen operator, the team's threads spin a while waiting for
 // the next, and on two cores a helper from the inter-op pool then barely runs. Without OpenMP
-// (or without the symbol), the helpers come from the inter-op pool (at::launch). Either way the
-// range is cut into chunks of whole 64-element blocks (each starts aligned as the tensor does),
-// about 8 per thread, taken in order by whichever thread is free, so a thread that starts late
-// takes fewer instead of holding back a fixed share. The bodies are plain loops: LibTorch's
+// (or without the symbol), the helpers come from the inter-op pool (at::launch). Either way
+// every tensor of a run (parameters stepped with the same scalars) is cut into chunks of whole
+// 64-element blocks (each starts aligned as the tensor does), about 8 per thread over the whole
+// run, taken in order by whichever thread is free, so a thread that starts late takes fewer
+// instead of holding back a fixed share. A run is one parallel region: the threads meet once per
+// run, not once per tensor. The bodies are plain loops: LibTorch's
 // thread-local state is not carried into the team's threads, so a body must not call ATen.
 namespace {
 
@@ -218,21 +276,39 @@ struct Chunks {
 
 }  // namespace
 
-void detail::parallel_ranges(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
+void detail::parallel_segments(const std::vector<int64_t>& sizes, int64_t grain,
+                               const std::function<void(size_t, int64_t, int64_t)>& body) {
+  int64_t n = 0;
+  for (int64_t size : sizes) n += size;
   const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
   if (tasks <= 1 || at::in_parallel_region()) {
-    body(0, n);
+    for (size_t s = 0; s < sizes.size(); ++s) {
+      if (sizes[s] > 0) body(s, 0, sizes[s]);
+    }
     return;
   }
+  // The work items: each segment cut into chunks of whole 64-element blocks from its start.
+  const int64_t chunk = std::max<int64_t>(grain, (n / (tasks * 8) + 63) / 64 * 64);
+  struct Item {
+    size_t segment;
+    int64_t begin, end;
+  };
+  std::vector<Item> items;
+  for (size_t s = 0; s < sizes.size(); ++s) {
+    for (int64_t begin = 0; begin < sizes[s]; begin += chunk) items.push_back({s, begin, std::min(sizes[s], begin + chunk)});
+  }
+  const std::function<void(int64_t, int64_t)> run_items = [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) body(items[k].segment, items[k].begin, items[k].end);
+  };
   Chunks chunks;
-  chunks.n = n;
-  chunks.chunk = std::max<int64_t>(grain, (n / (tasks * 8) + 63) / 64 * 64);
-  chunks.body = &body;
+  chunks.n = static_cast<int64_t>(items.size());
+  chunks.chunk = 1;
+  chunks.body = &run_items;
   if (GompParallel parallel = gomp_parallel()) {
-    // Every thread of the team (this one included) takes chunks; returns when all are done. The
+    // Every thread of the team (this one included) takes items; returns when all are done. The
     // whole team (num_threads 0), as ATen's regions ask for: a smaller one makes libgomp end the
     // surplus threads and the next full region start them again (PyTorch issue 32008); threads
-    // beyond `tasks` find no chunk left.
+    // beyond `tasks` find no item left.
     parallel([](void* c) { static_cast<Chunks*>(c)->work(); }, &chunks, 0, 0);
   } else {
     std::condition_variable done;
@@ -255,7 +331,7 @@ std::string fused_step_unsupported(const optim::Optimizer& optimizer) {
   return detail::fused_step_unsupported(optimizer, {});
 }
 
-void fused_step(optim::Optimizer& optimizer) { detail::fused_step(optimizer, {}); }
+void fused_step(optim::Optimizer& optimizer) { detail::fused_step(optimizer, {}, {}); }
 
 bool detail::adam_like(const optim::Optimizer& optimizer) {
   return dynamic_cast<const optim::Adam*>(&optimizer) != nullptr || dynamic_cast<const optim::AdamW*>(&optimizer) != nullptr;
@@ -305,13 +381,14 @@ std::string detail::fused_step_unsupported(const optim::Optimizer& optimizer, co
   return {};
 }
 
-void detail::fused_step(optim::Optimizer& optimizer, const LowPrecisionCopies& copies) {
+void detail::fused_step(optim::Optimizer& optimizer, const LowPrecisionCopies& copies,
+                        const StateAllocator& allocate) {
   if (dynamic_cast<optim::AdamW*>(&optimizer)) {
-    adam_like_step<optim::AdamWOptions>(optimizer, /*decoupled=*/true, copies);
+    adam_like_step<optim::AdamWOptions>(optimizer, /*decoupled=*/true, copies, allocate);
   } else if (dynamic_cast<optim::Adam*>(&optimizer)) {
-    adam_like_step<optim::AdamOptions>(optimizer, /*decoupled=*/false, copies);
+    adam_like_step<optim::AdamOptions>(optimizer, /*decoupled=*/false, copies, allocate);
   } else if (dynamic_cast<optim::SGD*>(&optimizer)) {
-    sgd_step(optimizer);
+    sgd_step(optimizer, allocate);
   } else {
     SHARDOPT_CHECK(false, "fused_step: ", fused_step_unsupported(optimizer, copies));
   }

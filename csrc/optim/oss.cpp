@@ -9,6 +9,7 @@
 #include "optim/fused_step_mixed.h"
 #include "optim/master_weights.h"
 #include "optim/param_buffers.h"
+#include "optim/shard_store.h"
 #include "optim/state_migration.h"
 #include "optim/trainable.h"
 
@@ -171,6 +172,8 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   local_ = factory(std::move(local_groups));
   SHARDOPT_CHECK(local_, "the optimizer factory returned null");
   master_sources_.clear();
+  store_ = std::make_unique<detail::ShardStore>();
+  place_state();
 }
 
 // Note [Split parameters]
@@ -328,6 +331,14 @@ void OSS::settle_state() {
   settled_ = holdings_;
   settled_version_ = layout_version_;
   set_local_groups();
+  place_state();
+}
+
+void OSS::place_state() {
+  const detail::OptimizerCodec* codec = detail::find_codec(*local_);
+  if (!codec || settled_version_ != layout_version_) return;  // a user's optimizer keeps its own state
+  store_->plan(layout_, group_->rank(), settled_, *local_);
+  store_->adopt(*local_, *codec);
 }
 
 at::Tensor OSS::holding_grad(size_t i, const detail::Holding& h) const {
@@ -455,7 +466,9 @@ torch::Tensor OSS::step(LossClosure closure) {
       stepped_fused_ = options_.fused_step() && fused_step_unsupported(*local_).empty();
     }
     if (stepped_fused_) {
-      detail::fused_step(*local_, copies);
+      detail::fused_step(*local_, copies, [this](const at::Tensor& t, const char* kind) {
+        return store_->fresh_slot(t, kind);
+      });
     } else {
       local_->step();
     }
@@ -475,6 +488,7 @@ torch::Tensor OSS::step(LossClosure closure) {
   } else {
     sync_params();
   }
+  place_state();  // state the wrapped optimizer's own step made joins its slab
   // The set was just agreed on, so every rank takes the same decision.
   if (options_.check_trainable_every_step()) rebalance(trainable_);
   return loss;

@@ -38,7 +38,7 @@ c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>
       d.insert("param", static_cast<int64_t>(i));
       d.insert("begin", h.in_param.begin);
       d.insert("end", h.in_param.end);
-      if (has_state) d.insert("state", codec.encode_state(*it->second));
+      if (has_state) d.insert("state", detail::with_own_storage(codec.encode_state(*it->second)));
       if (masters) d.insert("master", h.tensor.detach().reshape(-1));
       shard.push_back(d);
     }
@@ -286,7 +286,7 @@ void OSS::load_state_dict(const torch::IValue& sd) {
       local_state[key] = detail::decode_state_like(codec, detail::slice_state(full, h.in_param.begin, h.in_param.end),
                                                    h.tensor);
     }
-  }
+  }  place_state();
 }
 
 // The masters of this rank's ranges from the state's "master_weights" (by parameter position),

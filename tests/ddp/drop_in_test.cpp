@@ -1,6 +1,7 @@
 // Ordinary LibTorch habits under OSS + ShardedDDP give DDP's result: every way of clearing
 // gradients, accumulation over several backward passes, a Sequential model.
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/testing/introspection.h>
 
 #include "harness.h"
 #include "model.h"
@@ -12,6 +13,7 @@
 #include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
 #include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/nn/modules/activation.h>
+#include <torch/csrc/api/include/torch/nn/modules/embedding.h>
 #include <torch/csrc/api/include/torch/optim.h>
 
 namespace shardopt {
@@ -205,11 +207,11 @@ TEST(DropIn, GradientsZeroedInPlaceStayInTheirBucketWithDdpsResult) {
         // Step 0 has no bucket yet to accumulate into; step 4's held view keeps one bucket copying.
         const bool in_place = view && step > 0 && step != 4;
         if (in_place) {
-          EXPECT_EQ(ddp.copied_grad_bytes(), others_bytes) << "step " << step;
+          EXPECT_EQ(testing::Introspection::copied_grad_bytes(ddp), others_bytes) << "step " << step;
         } else if (step != 4) {
-          EXPECT_EQ(ddp.copied_grad_bytes(), all_bytes) << "step " << step;
+          EXPECT_EQ(testing::Introspection::copied_grad_bytes(ddp), all_bytes) << "step " << step;
         } else {
-          EXPECT_GT(ddp.copied_grad_bytes(), others_bytes) << "step " << step;
+          EXPECT_GT(testing::Introspection::copied_grad_bytes(ddp), others_bytes) << "step " << step;
         }
         if (held.defined()) {
           for (const auto& p : net->params) {
@@ -299,7 +301,8 @@ TEST(DropIn, SequentialGoesThroughForward) {
   run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
     torch::nn::Sequential seq(torch::nn::Linear(5, 8), torch::nn::Tanh(), torch::nn::Linear(8, 3));
     OSS oss(seq->parameters(), optimizer<optim::SGD>(optim::SGDOptions(0.1)), g);
-    ShardedDDP ddp(seq.ptr(), oss);  // every rank starts from rank 0's values
+    ShardedDDP ddp(seq, oss);  // the holder as given; every rank starts from rank 0's values
+    ASSERT_EQ(ddp.module().get(), seq.ptr().get());
     auto ref = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(seq->clone());
     expect_ddp_result_through_forward(ddp, oss, seq->parameters(), ref->parameters(),
                                       [&](const at::Tensor& x) { return ref->forward(x); }, *g);
@@ -410,6 +413,20 @@ TEST(DropIn, AccumulationThatCannotBeToldFromClearingIsAnErrorOnEveryRank) {
   });
   for (int r = 0; r < 2; ++r) {
     EXPECT_NE(errors[r].find("cannot tell whether the gradients of the last backward were cleared"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+}
+
+// An Embedding made with sparse(true) gives sparse gradients, which ShardedDDP cannot reduce into
+// buckets: every rank refuses it at construction, naming the parameter.
+TEST(DropIn, SparseGradientsAreAnErrorOnEveryRankNamingTheParameter) {
+  auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    torch::nn::Sequential seq(torch::nn::Linear(3, 4), torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true)));
+    OSS oss(seq->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
+    ShardedDDP ddp(seq, oss);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("parameter '1.weight' gets sparse gradients"), std::string::npos)
         << "rank " << r << ": " << errors[r];
   }
 }

@@ -4,6 +4,7 @@
 // and a checkpoint saved with the sync in flight resumes bit-exactly.
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/testing/introspection.h>
 
 #include "harness.h"
 #include "model.h"
@@ -77,11 +78,11 @@ TEST(OverlappedParamSync, SequentialForwardSeesTheReferencesParametersThroughFre
           ASSERT_TRUE(testing::matches_reference(net->parameters(), ref->parameters(), *g, 1e-5)) << "step " << step;
           testing::loss_of(out, data, 3).backward();
           oss.step();
-          EXPECT_TRUE(oss.param_sync_in_flight()) << "the sync is left to the next forward";
+          EXPECT_TRUE(testing::Introspection::param_sync_in_flight(oss)) << "the sync is left to the next forward";
           reference_step(ref, ref_opt, data, *g);
         }
         ddp.finish_param_sync();
-        EXPECT_FALSE(oss.param_sync_in_flight());
+        EXPECT_FALSE(testing::Introspection::param_sync_in_flight(oss));
         EXPECT_TRUE(testing::matches_reference(net->parameters(), ref->parameters(), *g, 1e-5));
       });
     }
@@ -99,7 +100,7 @@ TEST(OverlappedParamSync, OtherModulesFinishInPreForward) {
       const auto data = testing::rank_data(step, g->rank(), 3);
       ddp.zero_grad();
       at::Tensor out = ddp.forward(data.x);
-      EXPECT_FALSE(oss.param_sync_in_flight());
+      EXPECT_FALSE(testing::Introspection::param_sync_in_flight(oss));
       ASSERT_TRUE(testing::matches_reference(net->params, ref, *g, 1e-5)) << "step " << step;
       testing::loss_of(out, data, 3).backward();
       oss.step();

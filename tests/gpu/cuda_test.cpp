@@ -3,6 +3,7 @@
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/fused_step.h>
 #include <shardopt/optim/mixed_precision.h>
+#include <shardopt/testing/introspection.h>
 
 #include "parity.h"
 
@@ -96,7 +97,7 @@ TEST(Cuda, OssAndShardedDdpOnCudaMatchTorchOptim) {
     ddp.forward(x).sub(y).pow(2).mean().backward();
     oss.step();
     // fp32 CUDA parameters take kernels/'s fused AdamW/Adam kernel (a build with nvcc).
-    EXPECT_TRUE(oss.stepped_fused()) << fused_step_unsupported(oss.local_optimizer());
+    EXPECT_TRUE(testing::Introspection::stepped_fused(oss)) << fused_step_unsupported(oss.local_optimizer());
     ref_opt.zero_grad();
     ref->forward(x).sub(y).pow(2).mean().backward();
     ref_opt.step();
@@ -135,7 +136,7 @@ TEST(Cuda, MixedPrecisionOnCudaFollowsTheRecipeThroughAFreezeWithClipping) {
       ddp.forward(x).to(at::kFloat).sub(y).pow(2).mean().backward();
       const double norm = oss.clip_grad_norm(0.05);
       oss.step();
-      EXPECT_TRUE(oss.stepped_fused()) << "the mixed CUDA kernel steps the masters";
+      EXPECT_TRUE(testing::Introspection::stepped_fused(oss)) << "the mixed CUDA kernel steps the masters";
 
       // The recipe: the same low-precision copies run the batch; gradients upcast, clipped, stepped.
       std::vector<at::Tensor> low;

@@ -150,7 +150,7 @@ class BalancedSampler {
   std::vector<int64_t> visit_begin_;
   int64_t last_window_begin_ = 0;  // first position of the last window (plain data: 0)
 
-  struct Cursor;  // resolves runs of positions to indices (csrc/sampler.cpp)
+  struct Cursor;  // resolves runs of positions to indices (csrc/data/sampler.cpp)
 };
 
 }  // namespace shardopt

@@ -68,7 +68,7 @@ struct ShardedDDPOptions {
   // OSS optimizers, and every rank must list the same module parameters.
   TORCH_ARG(std::vector<at::Tensor>, ignored_parameters) = {};
   // The parameter sync after OSS::step() runs beside the next forward (Note [Overlapped
-  // parameter sync] in csrc/optim/oss.cpp): forward() of a Sequential waits before each child
+  // parameter sync] in csrc/optim/oss_params.cpp): forward() of a Sequential waits before each child
   // for that child's parameters only; other modules wait in pre_forward(), or, after
   // pre_forward(false), where their forward calls wait_param_sync(params). Parameters read
   // between step() and the next forward need
@@ -102,6 +102,14 @@ class ShardedDDP {
   template <class M>
   ShardedDDP(std::shared_ptr<M> module, OSS& optimizer, ShardedDDPOptions options = {})
       : ShardedDDP(module, std::vector<OSS*>{&optimizer}, options) {}
+
+  // A module holder (torch::nn::Sequential, Linear, a TORCH_MODULE of the user's): its module.
+  template <class M>
+  ShardedDDP(const torch::nn::ModuleHolder<M>& module, OSS& optimizer, ShardedDDPOptions options = {})
+      : ShardedDDP(module.ptr(), optimizer, options) {}
+  template <class M>
+  ShardedDDP(const torch::nn::ModuleHolder<M>& module, std::vector<OSS*> optimizers, ShardedDDPOptions options = {})
+      : ShardedDDP(module.ptr(), std::move(optimizers), options) {}
 
   template <class M>
   ShardedDDP(std::shared_ptr<M> module, std::vector<OSS*> optimizers, ShardedDDPOptions options = {})
@@ -168,13 +176,11 @@ class ShardedDDP {
   // Bytes of gradients this rank holds now.
   int64_t local_grad_bytes() const;
   size_t num_buckets() const;
-  // Bytes of gradients the last reduction copied into buckets: gradients autograd accumulated
-  // where their bucket is (gradient_as_bucket_view) are not copied.
-  int64_t copied_grad_bytes() const { return copied_bytes_; }
   int64_t rebuild_count() const { return rebuilds_; }
 
  private:
   friend class NoSync;
+  friend struct testing::Introspection;
   struct Entry;
   struct Bucket;
   struct Hooked;
@@ -219,6 +225,10 @@ class ShardedDDP {
     }
   }
 
+  // The constructor's steps: the optimizers and options; the module's parameters and where each
+  // lives (ignored ones and sparse gradients checked on every rank).
+  void check_optimizers();
+  void collect_params();
   // Buckets, entries and hooks from the optimizers' layouts.
   void build();
   // Appends the executor's bucket and entries for bucket `index` of `optimizer`'s layout.

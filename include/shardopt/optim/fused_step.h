@@ -1,6 +1,7 @@
 // The fused step: Adam, AdamW and SGD (momentum, Nesterov, dampening, weight decay) stepped in
-// one pass over each parameter's memory (vectorised, split across threads with
-// at::parallel_for), on the wrapped optimizer's own state, so that state_dict(), checkpoints,
+// one pass over the memory of each run of parameters with the same options and step count
+// (vectorised; on the CPU one parallel region per run, on LibTorch's intra-op threads), on the
+// wrapped optimizer's own state, so that state_dict(), checkpoints,
 // consolidation and rebalancing see torch::optim's layout unchanged.
 //
 // The result equals the optimizer's own step() to float rounding (tested at 1e-6 relative),

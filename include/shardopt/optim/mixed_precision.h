@@ -11,11 +11,13 @@
 //     the parameters become
 //     param_dtype: the module's forward and backward run in it. Inputs must be param_dtype too
 //     (ShardedDDP::forward casts floating-point tensor arguments).
-//   - the wrapped optimizer steps the masters, with the owned gradient upcast to fp32, so its
-//     state is fp32 and exists only for owned ranges: 12 bytes per owned parameter for Adam
-//     (master, exp_avg, exp_avg_sq) against 2 per parameter for the low-precision copy.
-//   - after the step the owner writes the rounded master into its range of the parameters and
-//     the sync moves param_dtype bytes.
+//   - the wrapped optimizer steps the masters, so its state is fp32 and exists only for owned
+//     ranges: 12 bytes per owned parameter for Adam (master, exp_avg, exp_avg_sq) against 2 per
+//     parameter for the low-precision copy.
+//   - on CUDA, Adam and AdamW with the fused step read the gradient as reduced and write the
+//     rounded master into the parameter's range in the same pass (kernels/'s mixed step);
+//     otherwise the owned gradient is upcast to fp32 for the step and the owner writes the
+//     rounded master into its range of the parameters after it. The sync moves param_dtype bytes.
 //   - ShardedDDP reduces gradients in reduce_dtype (default: param_dtype, ZeRO's 2 bytes per
 //     gradient; kFloat32 upcasts each gradient into an fp32 bucket before the reduction).
 //   - state_dict(), state_shard() and checkpoints carry the masters ("master_weights", by

@@ -43,7 +43,12 @@
 
 namespace shardopt {
 
+namespace testing {
+struct Introspection;
+}
+
 namespace detail {
+class ShardStore;
 // A range of one parameter's elements whose optimizer state one rank holds; `tensor` (on that
 // rank only) is what the wrapped optimizer steps: the parameter itself for the whole range, a
 // view of its elements otherwise.
@@ -228,15 +233,12 @@ class OSS : public torch::optim::Optimizer {
   void set_overlap_param_sync(bool on);
   void finish_param_sync();
   void finish_param_sync(size_t param);
-  bool param_sync_in_flight() const { return sync_in_flight_ > 0; }
   // ShardedDDP checks the trainable set at every forward, lays the buffers out for it, and turns
   // the step's check (and lay-out) off.
   void set_check_trainable_every_step(bool on) {
     options_.check_trainable_every_step(on);
     layout_follows_ddp_ = !on;
   }
-  // Whether the last step() used the fused step.
-  bool stepped_fused() const { return stepped_fused_; }
   // Whether parameters are split across owners (PartitionMode resolved).
   bool split() const { return split_; }
   // One line: the partition mode and why, the world size, the imbalance.
@@ -259,6 +261,7 @@ class OSS : public torch::optim::Optimizer {
   int64_t state_moves() const { return state_moves_; }
 
  private:
+  friend struct testing::Introspection;
   void init(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory);
   void check_params_across_ranks();
   // With shard_group_size: splits the group into blocks and replica groups; group_ becomes the block.
@@ -278,6 +281,8 @@ class OSS : public torch::optim::Optimizer {
   // Moves optimizer state (and owned gradients) from the settled holdings to the current ones.
   // Collective; a no-op when nothing moved.
   void settle_state();
+  // Puts the settled state into the store's slabs (Note [Shard store]). Local.
+  void place_state();
   // The saved state entries of a state dict, by parameter index (shapes checked).
   std::unordered_map<size_t, c10::impl::GenericDict> saved_entries(const c10::impl::GenericDict& dict) const;
   c10::impl::GenericList param_groups_value() const;
@@ -317,6 +322,7 @@ class OSS : public torch::optim::Optimizer {
   };
   std::unordered_map<const c10::TensorImpl*, Zeroed> zeroed_;
   std::unique_ptr<torch::optim::Optimizer> local_;
+  std::unique_ptr<detail::ShardStore> store_;  // the slabs the local optimizer's state lives in
   std::vector<uint8_t> trainable_;
   // Parameters stepped (or loaded with state) since construction: the frozen ones among them have
   // state to keep (Note [Kept state]). The same on every rank: it follows the agreed trainable set.

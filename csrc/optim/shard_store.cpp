@@ -1,0 +1,126 @@
+#include "optim/shard_store.h"
+
+#include <shardopt/compat.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+namespace shardopt::detail {
+
+// Note [Shard store]
+// A rank's optimizer state lives in flat slabs, one per (layout group, kind of state), laid out
+// like the rank's shard of the group's parameter buffer: the state of a trainable piece owned here
+// is at the piece's offset in the shard (FlatLayout's in_shard), so a run of adjacent pieces has
+// its parameters, and each kind of its state, at the same offsets in one contiguous range each.
+// After the trainable region (the shard's used elements) comes the kept region: the state of
+// frozen parameters held here (Note [Kept state]), in parameter order. torch::optim keeps its own
+// state objects, keyed by the tensors OSS steps; their tensors are views into the slabs, so
+// state_dict(), the codecs, checkpoints and Python interop see the layout they always did.
+//
+// State gets into its slot in two ways: the fused step creates new state directly there
+// (fresh_slot), and adopt() copies any state tensor that is elsewhere (made by the wrapped
+// optimizer's own step, loaded from a state dict, or moved from another rank) into its slot and
+// keeps the view. A new layout (a freeze, an unfreeze, a re-partition) makes a new plan; state
+// then moves into new slabs at the next adopt(), and the old slabs are freed with the last view.
+// An optimizer shardopt has no codec for keeps its state as it makes it.
+
+void ShardStore::plan(const FlatLayout& layout, int rank, const std::vector<std::vector<Holding>>& holdings,
+                      const torch::optim::Optimizer& local) {
+  const auto& groups = layout.groups();
+  std::vector<int64_t> numel(groups.size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g) numel[g] = groups[g].used.at(rank);
+  std::unordered_map<const void*, Slot> slots;
+  for (size_t i = 0; i < holdings.size(); ++i) {
+    for (const Holding& h : holdings[i]) {
+      if (h.rank != rank || !h.tensor.defined()) continue;
+      Slot slot;
+      slot.numel = h.in_param.size();
+      slot.sizes = h.tensor.sizes().vec();
+      bool placed = false;
+      for (size_t k : layout.pieces_of(i)) {
+        const Piece& piece = layout.pieces()[k];
+        slot.group = piece.group;
+        if (piece.owner == rank && piece.in_param == h.in_param) {
+          slot.offset = piece.in_shard.begin;
+          placed = true;
+        }
+      }
+      if (!placed) {  // kept state: a slot only for state that exists
+        if (local.state().count(compat::state_key(h.tensor)) == 0) continue;
+        slot.kept = true;
+        slot.offset = numel[slot.group];
+        numel[slot.group] += slot.numel;
+      }
+      slots.emplace(h.tensor.unsafeGetTensorImpl(), std::move(slot));
+    }
+  }
+  if (slots == slots_ && numel == slab_numel_) return;
+  slots_ = std::move(slots);
+  slab_numel_ = std::move(numel);
+  slabs_.assign(groups.size(), {});  // the old slabs live on in the views until adopt() copies them
+}
+
+at::Tensor ShardStore::slab_for(size_t group, const std::string& kind, const at::Tensor& like) {
+  auto& slabs = slabs_.at(group);
+  auto it = slabs.find(kind);
+  if (it == slabs.end()) {
+    // Zeros: the gaps between pieces (alignment) stay finite, whatever steps over them.
+    at::Tensor slab = at::zeros({slab_numel_[group]}, like.options().requires_grad(false));
+    it = slabs.emplace(kind, std::move(slab)).first;
+  }
+  const at::Tensor& slab = it->second;
+  if (slab.scalar_type() != like.scalar_type() || slab.device() != like.device()) return at::Tensor();
+  return slab;
+}
+
+at::Tensor ShardStore::fresh_slot(const at::Tensor& tensor, const char* kind) {
+  auto it = slots_.find(tensor.unsafeGetTensorImpl());
+  if (it == slots_.end()) return at::Tensor();
+  const Slot& slot = it->second;
+  at::Tensor slab = slab_for(slot.group, kind, tensor);
+  if (!slab.defined()) return at::Tensor();
+  at::NoGradGuard no_grad;
+  return slab.narrow(0, slot.offset, slot.numel).view(slot.sizes).zero_();
+}
+
+int64_t ShardStore::adopt(torch::optim::Optimizer& local, const OptimizerCodec& codec) {
+  int64_t copied = 0;
+  at::NoGradGuard no_grad;
+  for (auto& [key, state] : local.state()) {
+    auto it = slots_.find(key);
+    if (it == slots_.end()) continue;
+    const Slot& slot = it->second;
+    codec.place_state(*state, [&](const char* kind, const at::Tensor& t) {
+      if (t.numel() != slot.numel) return t;
+      const at::Tensor slab = slab_for(slot.group, kind, t);
+      if (!slab.defined()) return t;
+      at::Tensor view = slab.narrow(0, slot.offset, slot.numel).view(slot.sizes);
+      if (t.data_ptr() == view.data_ptr() && t.sizes() == view.sizes() && t.strides() == view.strides()) return t;
+      view.copy_(t.reshape(slot.sizes));
+      copied += static_cast<int64_t>(t.nbytes());
+      return view;
+    });
+  }
+  return copied;
+}
+
+at::Tensor ShardStore::slab(size_t group, const std::string& kind) const {
+  if (group >= slabs_.size()) return at::Tensor();
+  auto it = slabs_[group].find(kind);
+  return it == slabs_[group].end() ? at::Tensor() : it->second;
+}
+
+const Slot* ShardStore::slot_of(const at::Tensor& tensor) const {
+  auto it = slots_.find(tensor.unsafeGetTensorImpl());
+  return it == slots_.end() ? nullptr : &it->second;
+}
+
+int64_t ShardStore::bytes() const {
+  int64_t total = 0;
+  for (const auto& group : slabs_) {
+    for (const auto& [kind, slab] : group) total += static_cast<int64_t>(slab.nbytes());
+  }
+  return total;
+}
+
+}  // namespace shardopt::detail

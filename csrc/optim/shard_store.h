@@ -1,0 +1,74 @@
+// ShardStore: the memory a rank's shard of the optimizer owns, addressed through the FlatLayout
+// (Note [Shard store] in shard_store.cpp). Internal to shardopt; OSS composes it.
+//
+// It holds, for each (device, dtype) group of the layout, one flat slab per kind of optimizer
+// state ("exp_avg", "exp_avg_sq", "momentum_buffer", ...). The state tensors torch::optim sees
+// are views into them, so state_dict(), checkpoints and the codecs see the same tensors as
+// before, and the fused step reads each run of state from one slab.
+#pragma once
+
+#include <shardopt/optim/flat_layout.h>
+#include <shardopt/optim/oss.h>
+
+#include "optim/codec.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/api/include/torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace shardopt::detail {
+
+// Where one holding's state lives in its group's slabs.
+struct Slot {
+  size_t group = 0;
+  int64_t offset = 0;  // elements into each slab of the group
+  int64_t numel = 0;
+  std::vector<int64_t> sizes;  // the holding tensor's shape (the state tensors' shape)
+  bool kept = false;           // a frozen parameter's kept state (after the trainable region)
+  bool operator==(const Slot& o) const {
+    return group == o.group && offset == o.offset && numel == o.numel && sizes == o.sizes && kept == o.kept;
+  }
+};
+
+class ShardStore {
+ public:
+  // Plans where this rank's state lives: every holding of `rank` that is a piece of the layout's
+  // trainable run at its place in the rank's shard (the same offsets as the parameter buffer), and
+  // each other holding with state in `local` (a frozen parameter's kept state) after it. When the
+  // plan differs from the last one, new slabs are made as state arrives (adopt(), fresh_slot()),
+  // and the old ones are freed once no state tensor refers to them.
+  void plan(const FlatLayout& layout, int rank, const std::vector<std::vector<Holding>>& holdings,
+            const torch::optim::Optimizer& local);
+
+  // A zeroed view of `tensor`'s slot (a holding tensor: it keys the state) in the slab of `kind`,
+  // shaped like it; undefined when it has no slot or the dtype or device differ from the slab's.
+  at::Tensor fresh_slot(const at::Tensor& tensor, const char* kind);
+
+  // Moves every state tensor of `local` that is not in its slot into it (one local copy each) and
+  // makes the state hold the slab's view; returns the bytes copied. State without a slot stays as
+  // it is.
+  int64_t adopt(torch::optim::Optimizer& local, const OptimizerCodec& codec);
+
+  // The slab of `kind` in `group`; undefined before any state of that kind arrived.
+  at::Tensor slab(size_t group, const std::string& kind) const;
+  // The slot of holding tensor `tensor`, or null.
+  const Slot* slot_of(const at::Tensor& tensor) const;
+  // Bytes of all slabs.
+  int64_t bytes() const;
+
+ private:
+  // The slab of `kind` in `group` for state like `like`, made when missing; undefined when `like`
+  // does not fit the group's slabs.
+  at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like);
+
+  std::unordered_map<const void*, Slot> slots_;  // holding tensor (TensorImpl) -> slot
+  std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region
+  std::vector<std::map<std::string, at::Tensor>> slabs_;  // per group: kind -> slab
+};
+
+}  // namespace shardopt::detail

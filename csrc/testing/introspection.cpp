@@ -1,0 +1,25 @@
+#include <shardopt/testing/introspection.h>
+
+#include "optim/shard_store.h"
+
+namespace shardopt::testing {
+
+std::vector<Introspection::Holding> Introspection::holdings(const OSS& oss, size_t param) {
+  std::vector<Holding> out;
+  for (const auto& h : oss.holdings_.at(param)) out.push_back({h.rank, h.in_param, h.tensor});
+  return out;
+}
+
+std::optional<Introspection::StateSlot> Introspection::state_slot(const OSS& oss, const at::Tensor& stepped) {
+  const detail::Slot* slot = oss.store_->slot_of(stepped);
+  if (!slot) return std::nullopt;
+  return StateSlot{slot->group, slot->offset, slot->numel, slot->kept};
+}
+
+at::Tensor Introspection::state_slab(const OSS& oss, size_t group, const std::string& kind) {
+  return oss.store_->slab(group, kind);
+}
+
+int64_t Introspection::slab_bytes(const OSS& oss) { return oss.store_->bytes(); }
+
+}  // namespace shardopt::testing

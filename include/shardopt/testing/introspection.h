@@ -1,0 +1,51 @@
+// What the tests and benchmarks read of OSS's and ShardedDDP's insides. Training code has no use
+// for any of it, and none of it is part of the API (docs/api.md).
+#pragma once
+
+#include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/flat_layout.h>
+#include <shardopt/optim/oss.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace shardopt::testing {
+
+struct Introspection {
+  // Whether the overlapped parameter sync of the last step() is still in flight.
+  static bool param_sync_in_flight(const OSS& oss) { return oss.sync_in_flight_ > 0; }
+  // Whether the last step() used the fused step.
+  static bool stepped_fused(const OSS& oss) { return oss.stepped_fused_; }
+  // Bytes of gradients the last reduction copied into buckets: gradients autograd accumulated
+  // where their bucket is (gradient_as_bucket_view) are not copied.
+  static int64_t copied_grad_bytes(const ShardedDDP& ddp) { return ddp.copied_bytes_; }
+
+  // One range of a parameter whose optimizer state one rank holds, and, on that rank, the tensor
+  // the wrapped optimizer steps for it (its state key).
+  struct Holding {
+    int rank = -1;
+    Range in_param;
+    at::Tensor tensor;
+  };
+  static std::vector<Holding> holdings(const OSS& oss, size_t param);
+
+  // Where the state of `stepped` (a tensor of local_optimizer()) lives in the store's slabs
+  // (Note [Shard store] in csrc/optim/shard_store.cpp); nullopt when it has no slot.
+  struct StateSlot {
+    size_t group = 0;
+    int64_t offset = 0;
+    int64_t numel = 0;
+    bool kept = false;
+  };
+  static std::optional<StateSlot> state_slot(const OSS& oss, const at::Tensor& stepped);
+  // The slab of state `kind` ("exp_avg", ...) of layout group `group`; undefined when none.
+  static at::Tensor state_slab(const OSS& oss, size_t group, const std::string& kind);
+  // Bytes of all the store's slabs on this rank.
+  static int64_t slab_bytes(const OSS& oss);
+};
+
+}  // namespace shardopt::testing

@@ -1,0 +1,276 @@
+// The shard store (Note [Shard store] in csrc/optim/shard_store.cpp): the optimizer state each
+// rank holds lives in one flat slab per kind of state, the tensors torch::optim sees are views
+// into them with the values an unsharded torch::optim holds, the fused pass over a run of the
+// slab equals the per-tensor step bit for bit, and a new layout moves exactly the state whose
+// holder changed.
+#include <shardopt/optim/fused_step.h>
+#include <shardopt/optim/oss.h>
+#include <shardopt/testing/introspection.h>
+
+#include "harness.h"
+#include "model.h"
+#include "parity.h"
+
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/optim.h>
+
+#include <functional>
+#include <map>
+#include <string>
+
+namespace shardopt {
+namespace {
+
+namespace optim = torch::optim;
+using testing::Introspection;
+using testing::run_ranks;
+using Params = std::vector<at::Tensor>;
+
+// A chain x -> tanh(x W^T + b) of four layers with uneven widths: 8 tensors of 3 to 2,640
+// elements, so that split ranges cut tensors and whole parameters leave gaps.
+const std::vector<int64_t> kWidths = {12, 40, 66, 9, 3};
+
+Params make_chain() {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);  // the same on every rank (thread)
+  Params p;
+  for (size_t l = 0; l + 1 < kWidths.size(); ++l) {
+    p.push_back((at::randn({kWidths[l + 1], kWidths[l]}, gen) * 0.3).requires_grad_());
+    p.push_back((at::randn({kWidths[l + 1]}, gen) * 0.1).requires_grad_());
+  }
+  return p;
+}
+
+at::Tensor chain(const Params& p, at::Tensor h) {
+  for (size_t l = 0; l < p.size(); l += 2) h = at::tanh(at::addmm(p[l + 1], h, p[l].t()));
+  return h;
+}
+
+std::pair<at::Tensor, at::Tensor> batch(int step, int rank) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * step + rank + 1);
+  return {at::randn({5, kWidths.front()}, gen), at::randn({5, kWidths.back()}, gen)};
+}
+
+// The per-element state tensors of one torch::optim state, by PyTorch's names, read here from the
+// state classes themselves.
+std::map<std::string, at::Tensor> state_tensors(const optim::OptimizerParamState& state) {
+  std::map<std::string, at::Tensor> out;
+  auto put = [&](const char* name, const at::Tensor& t) {
+    if (t.defined()) out[name] = t;
+  };
+  if (const auto* a = dynamic_cast<const optim::AdamParamState*>(&state)) {
+    put("exp_avg", a->exp_avg()), put("exp_avg_sq", a->exp_avg_sq()), put("max_exp_avg_sq", a->max_exp_avg_sq());
+  } else if (const auto* w = dynamic_cast<const optim::AdamWParamState*>(&state)) {
+    put("exp_avg", w->exp_avg()), put("exp_avg_sq", w->exp_avg_sq()), put("max_exp_avg_sq", w->max_exp_avg_sq());
+  } else if (const auto* s = dynamic_cast<const optim::SGDParamState*>(&state)) {
+    put("momentum_buffer", s->momentum_buffer());
+  } else if (const auto* r = dynamic_cast<const optim::RMSpropParamState*>(&state)) {
+    put("square_avg", r->square_avg()), put("momentum_buffer", r->momentum_buffer()), put("grad_avg", r->grad_avg());
+  }
+  return out;
+}
+
+struct Case {
+  const char* name;
+  std::function<std::unique_ptr<optim::Optimizer>(const Params&)> reference;
+  OptimizerFactory factory;
+};
+
+std::vector<Case> cases() {
+  return {
+      {"Adam with AMSGrad", [](const Params& p) { return std::make_unique<optim::Adam>(p, optim::AdamOptions(1e-2).amsgrad(true)); },
+       optimizer<optim::Adam>(optim::AdamOptions(1e-2).amsgrad(true))},
+      {"AdamW", [](const Params& p) { return std::make_unique<optim::AdamW>(p, optim::AdamWOptions(1e-2).weight_decay(0.1)); },
+       optimizer<optim::AdamW>(optim::AdamWOptions(1e-2).weight_decay(0.1))},
+      {"SGD with Nesterov momentum",
+       [](const Params& p) { return std::make_unique<optim::SGD>(p, optim::SGDOptions(0.05).momentum(0.9).nesterov(true)); },
+       optimizer<optim::SGD>(optim::SGDOptions(0.05).momentum(0.9).nesterov(true))},
+      // Not fused: the wrapped optimizer's own step makes the state, and the store adopts it.
+      {"RMSprop, centered with momentum",
+       [](const Params& p) { return std::make_unique<optim::RMSprop>(p, optim::RMSpropOptions(1e-2).centered(true).momentum(0.5)); },
+       optimizer<optim::RMSprop>(optim::RMSpropOptions(1e-2).centered(true).momentum(0.5))},
+  };
+}
+
+// Every state tensor this rank holds is a view into the slab of its kind at its holding's slot,
+// and equals the reference optimizer's state over the holding's range. Returns the number of
+// kept (frozen) holdings with state here.
+int check_state_in_slabs(const OSS& oss, optim::Optimizer& reference, const Params& ref, const std::string& where) {
+  const int rank = oss.process_group().rank();
+  int kept = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    for (const auto& h : Introspection::holdings(oss, i)) {
+      if (h.rank != rank) continue;
+      auto mine = const_cast<OSS&>(oss).local_optimizer().state().find(h.tensor.unsafeGetTensorImpl());
+      if (mine == const_cast<OSS&>(oss).local_optimizer().state().end()) continue;
+      auto theirs = reference.state().find(ref[i].unsafeGetTensorImpl());
+      EXPECT_NE(theirs, reference.state().end()) << where << ": rank " << rank << " holds state of parameter " << i
+                                                 << " that the reference never made";
+      const auto slot = Introspection::state_slot(oss, h.tensor);
+      EXPECT_TRUE(slot.has_value()) << where << ": parameter " << i << " has state but no slot";
+      if (!slot || theirs == reference.state().end()) continue;
+      kept += slot->kept ? 1 : 0;
+      const auto expected = state_tensors(*theirs->second);
+      const auto actual = state_tensors(*mine->second);
+      EXPECT_EQ(actual.size(), expected.size()) << where << ": parameter " << i;
+      for (const auto& [kind, t] : actual) {
+        const at::Tensor slab = Introspection::state_slab(oss, slot->group, kind);
+        EXPECT_TRUE(slab.defined() && t.storage().is_alias_of(slab.storage()) &&
+                    t.storage_offset() == slab.storage_offset() + slot->offset && t.is_contiguous())
+            << where << ": rank " << rank << ", " << kind << " of parameter " << i << " is not a view of its slab";
+        const at::Tensor want = expected.at(kind).reshape(-1).narrow(0, h.in_param.begin, h.in_param.size());
+        EXPECT_LE(testing::rel_diff(t.reshape(-1), want), 1e-5)
+            << where << ": rank " << rank << ", " << kind << " of parameter " << i << " differs from torch::optim's";
+      }
+    }
+  }
+  return kept;
+}
+
+void train_and_check(const Case& c, int world, PartitionMode mode) {
+  run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+    Params params = make_chain();
+    Params ref = testing::clone_params(params);
+    auto ref_opt = c.reference(ref);
+    OSS oss(params, c.factory, g, OSSOptions().partition(mode));
+    const std::string where = std::string(c.name) + " at world " + std::to_string(world) +
+                              (mode == PartitionMode::kSplit ? ", split" : ", whole parameters");
+    int kept_seen = 0;
+    for (int step = 0; step < 6; ++step) {
+      const bool frozen = step == 2 || step == 3;  // the first layer, frozen for two steps
+      for (Params* q : {&params, &ref}) (*q)[0].requires_grad_(!frozen), (*q)[1].requires_grad_(!frozen);
+      const auto [x, y] = batch(step, g->rank());
+      if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(x, *g)) << where;
+      oss.zero_grad();
+      ref_opt->zero_grad();
+      at::mse_loss(chain(params, x), y).backward();
+      at::mse_loss(chain(ref, x), y).backward();
+      testing::allreduce_grads(params, *g);
+      testing::allreduce_grads(ref, *g);
+      ref_opt->step();
+      oss.step();
+      ASSERT_TRUE(testing::matches_reference(params, ref, *g, 1e-5)) << where << ", step " << step;
+      kept_seen += check_state_in_slabs(oss, *ref_opt, ref, where + ", step " + std::to_string(step));
+    }
+    // The first layer's kept state had a slot of its own while it was frozen, on some rank.
+    at::Tensor kept = at::full({1}, kept_seen, at::kLong);
+    g->allreduce(kept);
+    EXPECT_GT(kept.item<int64_t>(), 0) << where;
+  });
+}
+
+TEST(ShardStore, StateTensorsAreViewsOfOneSlabPerKindWithTorchOptimsValues) {
+  for (const auto& c : cases()) {
+    for (int world : {2, 3}) {
+      for (PartitionMode mode : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
+        train_and_check(c, world, mode);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// Two groups with different options, one tensor over 100k elements (several chunks on each
+// thread), and a parameter frozen for two steps, so that its step count differs from the
+// others': OSS steps runs of equal options and step count over the slab in one pass each; the
+// reference steps each tensor alone, with its own optimizer.
+TEST(ShardStore, FusedPassOverTheSlabEqualsThePerTensorStepBitForBit) {
+  const std::vector<std::vector<int64_t>> shapes = {{300, 350}, {350}, {7}, {64, 9}, {1}, {33, 3}};
+  for (bool sgd : {false, true}) {
+    for (int threads : {1, 2}) {
+      run_ranks(1, [&](std::shared_ptr<ProcessGroup> g) {
+        at::set_num_threads(threads);  // this thread's team (OpenMP's setting is per thread)
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+        Params params, ref;
+        for (const auto& s : shapes) params.push_back(at::randn(s, gen).requires_grad_());
+        ref = testing::clone_params(params);
+        auto options = [&](size_t group) -> std::unique_ptr<optim::OptimizerOptions> {
+          if (sgd) return std::make_unique<optim::SGDOptions>(optim::SGDOptions(0.01 * (group + 1)).momentum(0.9).weight_decay(0.01 * group));
+          return std::make_unique<optim::AdamWOptions>(optim::AdamWOptions(1e-3 * (group + 1)).weight_decay(0.1).amsgrad(group == 1));
+        };
+        std::vector<optim::OptimizerParamGroup> groups;
+        groups.emplace_back(Params(params.begin(), params.begin() + 3), options(0));
+        groups.emplace_back(Params(params.begin() + 3, params.end()), options(1));
+        OptimizerFactory factory = sgd ? optimizer<optim::SGD>(optim::SGDOptions(0.01)) : optimizer<optim::AdamW>(optim::AdamWOptions(1e-3));
+        OSS oss(groups, factory, g);
+        std::vector<std::unique_ptr<optim::Optimizer>> per_tensor;
+        for (size_t i = 0; i < ref.size(); ++i) {
+          std::vector<optim::OptimizerParamGroup> one;
+          one.emplace_back(Params{ref[i]}, options(i < 3 ? 0 : 1));
+          if (sgd) {
+            per_tensor.push_back(std::make_unique<optim::SGD>(one, optim::SGDOptions(0.01)));
+          } else {
+            per_tensor.push_back(std::make_unique<optim::AdamW>(one, optim::AdamWOptions(1e-3)));
+          }
+        }
+        for (int step = 0; step < 5; ++step) {
+          const bool frozen = step == 1 || step == 2;
+          params[3].requires_grad_(!frozen), ref[3].requires_grad_(!frozen);
+          for (size_t i = 0; i < params.size(); ++i) {
+            params[i].mutable_grad() = params[i].requires_grad() ? at::randn(shapes[i], gen) : at::Tensor();
+            ref[i].mutable_grad() = params[i].grad().defined() ? params[i].grad().clone() : at::Tensor();
+          }
+          oss.step();
+          ASSERT_TRUE(Introspection::stepped_fused(oss));
+          for (auto& opt : per_tensor) {
+            ASSERT_EQ(fused_step_unsupported(*opt), "");
+            fused_step(*opt);
+          }
+          for (size_t i = 0; i < params.size(); ++i) {
+            ASSERT_TRUE(at::equal(params[i], ref[i])) << (sgd ? "SGD" : "AdamW") << " on " << threads
+                                                      << " threads: parameter " << i << " after step " << step;
+          }
+        }
+      });
+    }
+  }
+}
+
+// Which rank holds the state of every element of every parameter.
+std::vector<at::Tensor> holders(const OSS& oss, const Params& params) {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor who = at::full({params[i].numel()}, -1, at::kInt);
+    for (const auto& h : Introspection::holdings(oss, i)) who.narrow(0, h.in_param.begin, h.in_param.size()).fill_(h.rank);
+    out.push_back(who);
+  }
+  return out;
+}
+
+// Freezing the first two layers changes who holds what (split: the trainable and the kept runs are
+// cut again; whole: the partition rebalances). The bytes sent and received are exactly Adam's 8
+// bytes per element whose holder changed.
+TEST(ShardStore, ANewLayoutMovesExactlyTheStateWhoseHolderChanged) {
+  for (PartitionMode mode : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
+    run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+      Params params = make_chain();
+      OSS oss(params, optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
+              OSSOptions().partition(mode).rebalance_threshold(0.0));
+      auto step = [&](int s) {
+        const auto [x, y] = batch(s, g->rank());
+        oss.zero_grad();
+        at::mse_loss(chain(params, x), y).backward();
+        testing::allreduce_grads(params, *g);
+        oss.step();
+      };
+      step(0), step(1);
+      const auto before = holders(oss, params);
+      const int64_t moves = oss.state_moves();
+      for (int k = 0; k < 4; ++k) params[k].requires_grad_(false);
+      step(2);
+      const auto after = holders(oss, params);
+      int64_t changed = 0;
+      for (size_t i = 0; i < params.size(); ++i) changed += before[i].ne(after[i]).sum().item<int64_t>();
+      const char* where = mode == PartitionMode::kSplit ? "split" : "whole parameters";
+      ASSERT_GT(changed, 0) << where << ": the freeze should change some holders";
+      ASSERT_EQ(oss.state_moves(), moves + 1) << where;
+      at::Tensor bytes = at::tensor({oss.last_rebalance().state_bytes_sent, oss.last_rebalance().state_bytes_received});
+      g->allreduce(bytes);
+      EXPECT_EQ(bytes[0].item<int64_t>(), 8 * changed) << where << ": bytes sent";
+      EXPECT_EQ(bytes[1].item<int64_t>(), 8 * changed) << where << ": bytes received";
+    });
+  }
+}
+
+}  // namespace
+}  // namespace shardopt
