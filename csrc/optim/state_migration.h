@@ -1,5 +1,5 @@
 // Moving optimizer state between ranks when the holdings change: a re-partition of whole
-// parameters (Note [Rebalance after a freeze] in oss.cpp) or new equal ranges after a change of
+// parameters (Note [Rebalance after a freeze] in oss_rebalance.cpp) or new equal ranges after a change of
 // the trainable set (Note [Split parameters]). Internal to shardopt.
 #pragma once
 

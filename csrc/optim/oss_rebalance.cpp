@@ -1,0 +1,65 @@
+// OSS's re-partition after the trainable set changed (Note [Rebalance after a freeze]).
+#include <shardopt/optim/oss.h>
+#include <shardopt/check.h>
+
+#include "optim/codec.h"
+
+namespace shardopt {
+
+// ---- re-partitioning ---------------------------------------------------------------------------
+
+// Whole parameters' kept state spreads when the busiest rank holds more than this above its share.
+constexpr double kKeptImbalance = 0.02;
+
+// Note [Rebalance after a freeze]
+// The partition balances the trainable parameters first and spreads the frozen ones by total
+// weight (Partition::balance with flags). When the trainable set changes, the work a step does
+// can become lopsided (freezing every other tensor of a GPT-2-shaped model leaves one of two
+// ranks 1.77x the mean). If the old partition is more than rebalance_threshold above the mean
+// for the new set, rebalance() improves it by moves and swaps of trainable parameters
+// (Partition::rebalance: few change owner). Then, if some rank holds more than kKeptImbalance
+// above its share of all the state (trainable and kept, Note [Kept state]), frozen parameters
+// with state move between the ranks holding the most and the least (Partition::spread_kept);
+// their state is kept unchanged for when they are unfrozen. Each parameter that changes owner
+// takes its optimizer state, and any gradient the old owner holds, to the new one (serialized
+// with the state_dict codec, one pair of ranks at a time), and the flat buffers are laid out
+// again, so the parameters' data moves with them. Every input of the decision (the mask, the
+// partition, the weights, the parameters stepped so far) is the same on every rank, so all
+// ranks decide alike without communicating. The step in which the set changed still runs on the
+// old partition; the re-partition follows it.
+bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
+  SHARDOPT_CHECK(trainable.size() == params_.size(), "OSS::rebalance got ", trainable.size(),
+              " trainable flags for ", params_.size(), " parameters");
+  if (trainable == balanced_for_) return false;
+  balanced_for_ = trainable;
+  // Split ranges are equal for every trainable set (Note [Split parameters]), kept ones too.
+  if (split_ || !options_.rebalance() || group_->size() == 1 || !detail::find_codec(*local_)) return false;
+  const double before = partition_.imbalance(weights_, trainable);
+  Partition next = partition_;
+  if (before > options_.rebalance_threshold()) {
+    Partition balanced = Partition::rebalance(partition_, weights_, trainable);
+    if (balanced.imbalance(weights_, trainable) < before) next = std::move(balanced);
+  }
+  // The state of frozen parameters spreads too, so that every rank holds its share in all (Note
+  // [Kept state]); the trainable balance stays as decided.
+  std::vector<uint8_t> kept(params_.size(), 0);
+  for (size_t i = 0; i < params_.size(); ++i) kept[i] = !trainable[i] && stepped_[i];
+  if (next.held_imbalance(weights_, trainable, kept) > kKeptImbalance) {
+    next = Partition::spread_kept(next, weights_, trainable, kept);
+  }
+  bool moved = false;
+  for (size_t i = 0; i < params_.size() && !moved; ++i) moved = next.owner(i) != partition_.owner(i);
+  if (!moved) return false;
+
+  settle_state();  // state still owed from an earlier layout goes first
+  last_rebalance_ = RebalanceStats();
+  last_rebalance_.imbalance_before = before;
+  last_rebalance_.imbalance_after = next.imbalance(weights_, trainable);
+  partition_ = std::move(next);
+  ++partition_version_;
+  lay_out(trainable);
+  settle_state();
+  return true;
+}
+
+}  // namespace shardopt
