@@ -1,5 +1,7 @@
 #include "local_ranks.h"
 
+#include <shardopt/comm/launch_env.h>
+
 #include <fmt/format.h>
 
 #include <arpa/inet.h>
@@ -48,7 +50,7 @@ int exit_code_of(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 
 
 bool under_a_launcher() {
   for (const char* v : {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}) {
-    if (std::getenv(v)) return true;
+    if (shardopt::env_var(v)) return true;
   }
   return false;
 }

@@ -12,6 +12,8 @@
 #include "train.h"
 #include "fashion_mnist.h"
 
+#include <shardopt/comm/launch_env.h>
+
 #include <c10/util/Exception.h>
 #include <CLI/CLI.hpp>
 
@@ -169,7 +171,7 @@ int main(int argc, char** argv) {
   }
 
   const bool launched = under_a_launcher();
-  const char* rank = std::getenv("RANK");
+  const char* rank = shardopt::env_var("RANK");
   try {
     if (*train) {
       if (ranks < 0) throw std::invalid_argument("-n must be positive, got " + std::to_string(ranks));
@@ -179,9 +181,10 @@ int main(int argc, char** argv) {
                                     " (global) must be a positive multiple of the world size " + std::to_string(ranks));
       }
       if (!launched && ranks > 0) return run_local_ranks(ranks, argv);
-      if (launched && ranks > 0 && std::getenv("WORLD_SIZE") && std::atoi(std::getenv("WORLD_SIZE")) != ranks) {
-        throw std::invalid_argument("-n " + std::to_string(ranks) + " contradicts WORLD_SIZE=" +
-                                    std::getenv("WORLD_SIZE") + " from the launcher");
+      const char* world = shardopt::env_var("WORLD_SIZE");
+      if (launched && ranks > 0 && world && std::atoi(world) != ranks) {
+        throw std::invalid_argument("-n " + std::to_string(ranks) + " contradicts WORLD_SIZE=" + world +
+                                    " from the launcher");
       }
       if (!launched) {  // one rank, no launcher: a world of one
         setenv("RANK", "0", 1);

@@ -6,6 +6,7 @@
 #include "progress.h"
 #include "units.h"
 
+#include <shardopt/comm/launch_env.h>
 #include <shardopt/shardopt.h>
 
 #include <ATen/ATen.h>
@@ -55,7 +56,7 @@ double lr_at(const TrainOptions& o, int64_t step, int64_t total) {
 }
 
 int local_world_size(int world) {
-  const char* v = std::getenv("LOCAL_WORLD_SIZE");
+  const char* v = env_var("LOCAL_WORLD_SIZE");
   return v ? std::max(1, std::atoi(v)) : world;
 }
 

@@ -107,8 +107,11 @@ void paired_aten_vs_oss(benchmark::State& state, shardopt::OSS& opt, const std::
                         int pairs, bool per_tensor = false) {
   opt.step();  // creates the state
   std::vector<at::Tensor> p, g, m, v, steps;
-  for (const auto& param : params) {
-    auto& st = static_cast<optim::AdamWParamState&>(*opt.local_optimizer().state().at(param.unsafeGetTensorImpl()));
+  // At world 1, the tensors OSS steps over `params`, in their order (one group).
+  const auto& stepped = opt.local_optimizer().param_groups().at(0).params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& param = params[i];
+    auto& st = static_cast<optim::AdamWParamState&>(*opt.local_optimizer().state().at(stepped.at(i).unsafeGetTensorImpl()));
     p.push_back(param.detach());
     g.push_back(param.grad());
     m.push_back(st.exp_avg());

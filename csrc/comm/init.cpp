@@ -35,11 +35,6 @@ namespace shardopt {
 
 namespace {
 
-const char* getenv_or_null(const char* name) {
-  const char* v = std::getenv(name);
-  return (v && *v) ? v : nullptr;
-}
-
 int parse_int(const std::string& text, const std::string& what) {
   try {
     size_t pos = 0;
@@ -55,7 +50,7 @@ int parse_int(const std::string& text, const std::string& what) {
 
 int local_rank() {
   for (const char* name : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
-    if (const char* v = getenv_or_null(name)) {
+    if (const char* v = env_var(name)) {
       const int r = parse_int(v, name);
       SHARDOPT_CHECK(r >= 0, name, " must be >= 0, got ", r);
       return r;
@@ -105,7 +100,7 @@ std::string resolve_backend(const std::string& requested) {
 // that chose another backend or world size would otherwise leave the others waiting.
 void agree_on_init(c10d::Store& store, const InitOptions& options, const std::string& backend) {
   // SHARDOPT_ANNOUNCE_VERSION replaces the announced shardopt version (to test the refusal).
-  const char* announced = std::getenv("SHARDOPT_ANNOUNCE_VERSION");
+  const char* announced = env_var("SHARDOPT_ANNOUNCE_VERSION");
   Agreement("init_process_group")
       .field("world_size", options.world_size())
       .field("shardopt version", version_number(announced && *announced ? announced : version()), version_text)
@@ -120,7 +115,7 @@ void agree_on_init(c10d::Store& store, const InitOptions& options, const std::st
 std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, const c10::intrusive_ptr<c10d::Store>& store,
                                            const InitOptions& options) {
   group->set_store(store);
-  const char* env = std::getenv("SHARDOPT_CHECK_DESYNC");
+  const char* env = env_var("SHARDOPT_CHECK_DESYNC");
   group->set_check_desync(options.check_desync() || (env && std::string(env) == "1"));
   return group;
 }
@@ -257,7 +252,7 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
   opts.port = static_cast<uint16_t>(port);
   // Under torchrun the agent already serves the store at MASTER_ADDR:MASTER_PORT (and says so):
   // every rank connects to it as a client, as torch.distributed does.
-  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const char* agent_store = env_var("TORCHELASTIC_USE_AGENT_STORE");
   opts.isServer = options.rank() == 0 && !(agent_store && std::string(agent_store) == "True");
   opts.numWorkers = options.world_size();
   opts.waitWorkers = false;

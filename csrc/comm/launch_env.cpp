@@ -2,7 +2,9 @@
 #include <shardopt/comm/launch_env.h>
 #include <shardopt/check.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 
 namespace shardopt {
@@ -34,7 +36,17 @@ const std::vector<LaunchVariable> kLaunchVariables = {
     {"SHARDOPT_FUSED_KERNELS", "default|avx2: caps the fused step's instruction set"},
     {"SHARDOPT_ANNOUNCE_VERSION", "replaces the shardopt version a rank announces at join (tests the refusal)"},
     {"TORCH_FR_BUFFER_SIZE", "c10d's flight recorder; shardopt sets 0 unless given"},
+    {"TORCH_NCCL_NONBLOCKING_TIMEOUT", "c10d: seconds an NCCL communicator may take to form; shardopt sets the "
+                                       "group's timeout unless given"},
 };
+
+const char* env_var(const char* name) {
+  const bool listed = std::any_of(kLaunchVariables.begin(), kLaunchVariables.end(),
+                                  [&](const LaunchVariable& v) { return std::strcmp(v.name, name) == 0; });
+  TORCH_INTERNAL_ASSERT(listed, "environment variable ", name, " is read but not listed in kLaunchVariables");
+  const char* v = std::getenv(name);
+  return (v && *v) ? v : nullptr;
+}
 
 namespace {
 
@@ -50,13 +62,8 @@ constexpr Convention kConventions[] = {
     {"SLURM", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"},
 };
 
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return (v && *v) ? v : nullptr;
-}
-
 std::optional<int> env_int(const char* name) {
-  const char* v = env(name);
+  const char* v = env_var(name);
   if (!v) return std::nullopt;
   // SLURM_NTASKS_PER_NODE may read "4(x2)": the count before the repetition.
   std::string text(v);
@@ -101,7 +108,7 @@ LaunchEnv read_launch_env(bool need_master) {
   LaunchEnv e;
   const Convention* chosen = nullptr;
   for (const auto& c : kConventions) {
-    if (env(c.rank) && env(c.size)) {
+    if (env_var(c.rank) && env_var(c.size)) {
       chosen = &c;
       break;
     }
@@ -117,18 +124,18 @@ LaunchEnv read_launch_env(bool need_master) {
   check_same("the rank", *chosen, &Convention::rank, e.rank);
   check_same("the world size", *chosen, &Convention::size, e.world_size);
   for (const auto& c : kConventions) {  // the local rank: the chosen convention's, else any given
-    if (e.local_rank < 0 && (&c == chosen || !env(chosen->local_rank))) {
+    if (e.local_rank < 0 && (&c == chosen || !env_var(chosen->local_rank))) {
       if (auto v = env_int(c.local_rank)) e.local_rank = *v;
     }
-    if (e.local_world_size < 0 && (&c == chosen || !env(chosen->local_size))) {
+    if (e.local_world_size < 0 && (&c == chosen || !env_var(chosen->local_size))) {
       if (auto v = env_int(c.local_size)) e.local_world_size = *v;
     }
   }
   if (!need_master) return e;
 
-  if (const char* addr = env("MASTER_ADDR")) {
+  if (const char* addr = env_var("MASTER_ADDR")) {
     e.master_addr = addr;
-  } else if (const char* nodes = env("SLURM_JOB_NODELIST") ? env("SLURM_JOB_NODELIST") : env("SLURM_NODELIST")) {
+  } else if (const char* nodes = env_var("SLURM_JOB_NODELIST") ? env_var("SLURM_JOB_NODELIST") : env_var("SLURM_NODELIST")) {
     e.master_addr = first_slurm_host(nodes);
   } else {
     SHARDOPT_CHECK(e.local_world_size == e.world_size, "MASTER_ADDR is not set and the ranks are not all on this "

@@ -4,6 +4,8 @@
 
 #include <shardopt/ddp/sharded_ddp.h>
 
+#include "optim/shard_store.h"
+
 #include <c10/util/intrusive_ptr.h>
 
 #include <optional>
@@ -16,7 +18,13 @@ struct ShardedDDP::Entry {
   size_t hooked = 0;    // index into hooked_: the parameter
   Range in_param;       // the piece's elements of the parameter
   bool whole = true;    // the piece is the whole parameter
-  at::Tensor target;    // on the bucket's owner: the tensor that receives the reduced gradient
+  // On the bucket's owner: where the reduced gradient goes. A whole parameter's is its own .grad
+  // (as under DDP); a split range's is its OSS's store (Note [Owned gradients]), at `param`'s
+  // range `in_param`.
+  bool owned = false;
+  detail::ShardStore* store = nullptr;  // split ranges on their owner
+  size_t param = 0;                     // position in its OSS
+  at::Tensor whole_param;               // whole parameters on their owner
   size_t bucket = 0;
   int64_t offset = 0;   // first element of its gradient in the bucket
   int64_t numel = 0;
@@ -29,6 +37,19 @@ struct ShardedDDP::Entry {
   // and its version then: Note [Accumulating across reductions].
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> handed_over;
   int64_t handed_version = -1;
+
+  // The owner's gradient of this piece now (undefined: none), and handing one over.
+  const at::Tensor& grad() const { return whole ? whole_param.grad() : store->grad(param, in_param); }
+  void set_grad(at::Tensor g) {
+    if (whole) {
+      whole_param.mutable_grad() = std::move(g);
+    } else {
+      store->set_grad(param, in_param, std::move(g));
+    }
+  }
+  // The shape its gradient has.
+  at::IntArrayRef sizes() const { return whole ? whole_param.sizes() : at::IntArrayRef(shape); }
+  std::vector<int64_t> shape;  // a split range's: flat
 };
 
 // A parameter with our post-accumulation hook, and its entries (one per piece).
@@ -44,6 +65,7 @@ struct ShardedDDP::Hooked {
 // One layout bucket, as the executor runs it.
 struct ShardedDDP::Bucket {
   const OSS* optimizer = nullptr;  // whose layout it comes from
+  detail::ShardStore* store = nullptr;  // that optimizer's store
   int owner = 0;
   std::vector<size_t> entries;
   int64_t numel = 0;   // gradient elements (gaps included); one flag per entry follows them

@@ -49,7 +49,8 @@ at::Tensor alias_at(const at::Tensor& buffer, int64_t offset, at::IntArrayRef si
 // left uncleared. Where no rank holds a whole parameter's handed-over gradient to look at, the
 // two cannot be told apart, and that is an error on every rank, never a silent divergence.
 bool ShardedDDP::is_handed_over(const Entry& e) const {
-  const at::Tensor& g = e.target.grad();
+  if (!e.owned) return false;
+  const at::Tensor& g = e.grad();
   return g.defined() && e.handed_over && !e.handed_over->expired() &&
          e.handed_over->_unsafe_get_target() == g.unsafeGetTensorImpl();
 }
@@ -61,15 +62,15 @@ void ShardedDDP::before_accumulation(size_t h) {
   if (!views_decided_ && !no_sync_ && !unreduced_local_grads_) decide_bucket_views();
   for (size_t k : hooked_[h].entries) {
     Entry& e = entries_[k];
-    if (!e.whole || !e.target.defined() || !is_handed_over(e)) continue;
+    if (!e.whole || !e.owned || !is_handed_over(e)) continue;
     // Zeroed where the bucket is (decide_bucket_views): autograd adds into its slot.
     const Bucket& b = buckets_[e.bucket];
-    if (b.in_place && e.target.grad().storage().unsafeGetStorageImpl() == b.buffer.storage().unsafeGetStorageImpl()) {
+    if (b.in_place && e.grad().storage().unsafeGetStorageImpl() == b.buffer.storage().unsafeGetStorageImpl()) {
       continue;
     }
-    uncleared_ |= static_cast<int64_t>(e.target.grad()._version()) == e.handed_version;
-    e.carried = e.target.grad();
-    e.target.mutable_grad() = at::Tensor();
+    uncleared_ |= static_cast<int64_t>(e.grad()._version()) == e.handed_version;
+    e.carried = e.grad();
+    e.set_grad(at::Tensor());
   }
 }
 
@@ -109,7 +110,7 @@ void ShardedDDP::decide_bucket_views() {
     if (in_backward_) return;
     drop_bucket_views();
     for (auto& e : entries_) {
-      if (e.carried.defined() && e.target.defined() && !e.target.grad().defined()) e.target.mutable_grad() = e.carried;
+      if (e.carried.defined() && e.owned && !e.grad().defined()) e.set_grad(e.carried);
       e.carried = at::Tensor();
     }
   });
@@ -126,12 +127,12 @@ void ShardedDDP::decide_bucket_views() {
     bool eligible = true, found = false;
     for (size_t k : b.entries) {
       const Entry& e = entries_[k];
-      if (!e.whole || !e.target.defined() || e.target.dtype() != b.options.dtype()) {
+      if (!e.whole || !e.owned || e.whole_param.dtype() != b.options.dtype()) {
         eligible = false;
         break;
       }
-      const at::Tensor& g = e.target.grad();
-      if (!found && g.defined() && b.optimizer->grad_zeroed(g) && g.storage().unsafeGetStorageImpl() != own) {
+      const at::Tensor& g = e.grad();
+      if (!found && g.defined() && b.store->zeroed(g) && g.storage().unsafeGetStorageImpl() != own) {
         memory = g.storage();
         found = true;
       }
@@ -142,10 +143,10 @@ void ShardedDDP::decide_bucket_views() {
     int64_t zeroed = 0;  // owned gradients in that memory, each zeroed and at its own slot
     for (size_t k : b.entries) {
       const Entry& e = entries_[k];
-      const at::Tensor& g = e.target.grad();
+      const at::Tensor& g = e.grad();
       if (!g.defined() || g.storage().unsafeGetStorageImpl() != impl) continue;
       // Zeroed, at its own slot, laid out as the slot is (so that autograd's add lands in order).
-      if (!b.optimizer->grad_zeroed(g) || g.storage_offset() != e.offset || g.numel() != e.numel ||
+      if (!b.store->zeroed(g) || g.storage_offset() != e.offset || g.numel() != e.numel ||
           !g.is_contiguous() || g.dtype() != b.options.dtype()) {
         eligible = false;
         break;
@@ -288,14 +289,14 @@ void ShardedDDP::fill_param(size_t h) {
 at::Tensor ShardedDDP::clearing_evidence() const {
   bool uncleared = uncleared_, seen = false, split_held = false;
   for (const Entry& e : entries_) {
-    if (!e.target.defined() || !e.handed_over) continue;
+    if (!e.owned || !e.handed_over) continue;
     if (!e.whole) {
       split_held |= is_handed_over(e);
       continue;
     }
     seen = true;
     if (!e.carried.defined() && is_handed_over(e)) {
-      uncleared |= static_cast<int64_t>(e.target.grad()._version()) == e.handed_version;
+      uncleared |= static_cast<int64_t>(e.grad()._version()) == e.handed_version;
     }
   }
   return at::tensor({int64_t{uncleared}, int64_t{seen}, int64_t{split_held}}, at::kLong);
@@ -435,10 +436,9 @@ void ShardedDDP::hand_over_reduced() {
     if (b.owner != rank) continue;
     for (size_t k = 0; k < b.entries.size(); ++k, ++next_flag) {
       Entry& entry = entries_[b.entries[k]];
-      at::Tensor& p = entry.target;  // the parameter, or the owner's tensor of its piece
       if (!all_local && flag[next_flag] == 0) {
         // No rank had a gradient: a whole parameter keeps what it holds, as under DDP.
-        if (!entry.whole) p.mutable_grad().reset();
+        if (!entry.whole) entry.set_grad(at::Tensor());
         continue;
       }
       // The owner's gradient lives in the reduced bucket: no second copy. What the last
@@ -446,18 +446,18 @@ void ShardedDDP::hand_over_reduced() {
       // reductions]).
       // A gradient that already is this slot (the alias fill_param() kept) holds the reduction;
       // nothing more is carried into it than was set aside before accumulation.
-      const bool at_slot = entry.whole && p.grad().defined() &&
-                           p.grad().unsafeGetTensorImpl() == hooked_[entry.hooked].slot_alias;
+      const bool at_slot = entry.whole && entry.grad().defined() &&
+                           entry.grad().unsafeGetTensorImpl() == hooked_[entry.hooked].slot_alias;
       if (!at_slot && !entry.carried.defined() && (entry.whole || carry_split_) && is_handed_over(entry)) {
-        entry.carried = p.grad();
+        entry.carried = entry.grad();
       }
       if (entry.carried.defined()) {
-        p.mutable_grad() = entry.carried.add_(alias_at(b.buffer, entry.offset, p.sizes()));
+        entry.set_grad(entry.carried.add_(alias_at(b.buffer, entry.offset, entry.sizes())));
       } else if (!at_slot) {
-        p.mutable_grad() = alias_at(b.buffer, entry.offset, p.sizes());
+        entry.set_grad(alias_at(b.buffer, entry.offset, entry.sizes()));
       }
-      entry.handed_over.emplace(p.grad().getIntrusivePtr());
-      entry.handed_version = static_cast<int64_t>(p.grad()._version());
+      entry.handed_over.emplace(entry.grad().getIntrusivePtr());
+      entry.handed_version = static_cast<int64_t>(entry.grad()._version());
     }
   }
 }

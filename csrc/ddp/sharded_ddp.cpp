@@ -86,6 +86,11 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   lay_out();
   build();
   balanced_for_ = mask_;
+  // From here on a new layout of any optimizer (its step's own check, a re-partition) marks the
+  // buckets stale; the next forward rebuilds them.
+  for (OSS* opt : optimizers_) {
+    layout_followers_.push_back(detail::store_of(*opt).follow_layouts([this] { layouts_changed_ = true; }));
+  }
 }
 
 void ShardedDDP::check_optimizers() {
@@ -182,8 +187,6 @@ void ShardedDDP::collect_params() {
 void ShardedDDP::refresh_owners() {
   owner_.clear();
   for (const auto& [k, i] : place_) owner_.push_back(optimizers_[k]->owner(optimizers_[k]->all_params()[i]));
-  partition_versions_.clear();
-  for (OSS* opt : optimizers_) partition_versions_.push_back(opt->partition_version());
 }
 
 std::vector<uint8_t> ShardedDDP::mask_for(size_t k) const {
@@ -208,16 +211,15 @@ void ShardedDDP::follow_partition(bool agreed_mask_changed) {
 }
 
 // Rebuilds the buckets when any optimizer has a new layout (its trainable set, owners or bucket
-// cuts changed, by this ShardedDDP or by the optimizer's own step).
+// cuts changed, by this ShardedDDP or by the optimizer's own step): each store announces it.
 void ShardedDDP::follow_layouts() {
-  bool changed = false;
-  for (size_t k = 0; k < optimizers_.size(); ++k) changed |= optimizers_[k]->layout_version() != layout_versions_[k];
-  if (!changed) return;
-  bool owners_changed = false;
-  for (size_t k = 0; k < optimizers_.size(); ++k) {
-    owners_changed |= optimizers_[k]->partition_version() != partition_versions_[k];
-  }
+  if (!layouts_changed_) return;
+  const std::vector<int> before = owner_;
   refresh_owners();
+  bool owners_changed = false;  // a re-partition (split ranges are cut anew, never re-partitioned)
+  for (size_t m = 0; m < owner_.size(); ++m) {
+    owners_changed |= !optimizers_[place_[m].first]->split() && owner_[m] != before[m];
+  }
   build();
   // A re-partition gave each moved gradient to its new owner; the old one lets go of it, unless
   // it is a local gradient still waiting to be reduced (no_sync).
@@ -230,6 +232,9 @@ void ShardedDDP::follow_layouts() {
 
 ShardedDDP::~ShardedDDP() {
   remove_hooks();
+  for (size_t k = 0; k < layout_followers_.size(); ++k) {
+    detail::store_of(*optimizers_[k]).unfollow_layouts(layout_followers_[k]);
+  }
   for (OSS* opt : optimizers_) {
     try {
       opt->set_overlap_param_sync(false);
@@ -302,19 +307,19 @@ void ShardedDDP::build() {
     const auto& layout = optimizers_[k]->layout();
     mask_[m] = layout.pieces()[layout.pieces_of(i).front()].bucket >= 0;
   }
-  layout_versions_.clear();
-  for (OSS* opt : optimizers_) layout_versions_.push_back(opt->layout_version());
+  layouts_changed_ = false;
   has_split_pieces_ = std::any_of(entries_.begin(), entries_.end(), [](const Entry& e) { return !e.whole; });
   ++rebuilds_;
 }
 
-void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
+void ShardedDDP::add_bucket(OSS& optimizer, size_t index) {
   const auto& layout = optimizer.layout();
   const auto& ps = optimizer.all_params();
   const FlatBucket& lb = layout.buckets()[index];
   const FlatGroup& group = layout.groups()[lb.group];
   Bucket b;
   b.optimizer = &optimizer;
+  b.store = &detail::store_of(optimizer);
   b.owner = lb.owner;
   b.numel = lb.numel();
   // Mixed precision reduces in reduce_dtype: an fp32 bucket upcasts each gradient as it is copied in.
@@ -333,7 +338,11 @@ void ShardedDDP::add_bucket(const OSS& optimizer, size_t index) {
     e.whole = piece.in_param.begin == 0 && piece.in_param.size() == param.numel();
     // A whole parameter's reduced gradient is the parameter's own, as under DDP (under mixed
     // precision the tensor OSS steps is its master, which takes the gradient at the step).
-    if (b.owner == group_->rank()) e.target = e.whole ? param : optimizer.piece_tensor(piece_index);
+    e.owned = b.owner == group_->rank();
+    if (e.owned && e.whole) e.whole_param = param;
+    if (e.owned && !e.whole) e.store = b.store;
+    e.param = piece.param;
+    e.shape = {piece.in_param.size()};
     e.bucket = buckets_.size();
     e.offset = piece.in_bucket.begin;
     e.numel = piece.in_bucket.size();
@@ -448,7 +457,7 @@ int64_t ShardedDDP::local_grad_bytes() const {
     if (p.grad().defined()) bytes += static_cast<int64_t>(p.grad().nbytes());
   }
   for (const auto& e : entries_) {  // pieces of split parameters this rank owns
-    if (!e.whole && e.target.defined() && e.target.grad().defined()) bytes += static_cast<int64_t>(e.target.grad().nbytes());
+    if (!e.whole && e.owned && e.grad().defined()) bytes += static_cast<int64_t>(e.grad().nbytes());
   }
   return bytes;
 }

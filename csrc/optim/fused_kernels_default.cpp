@@ -2,15 +2,37 @@
 #define SHARDOPT_KERNELS_NS kernels_default
 #include "optim/fused_kernels.inc"
 
-#include <cstdlib>
+#include <shardopt/comm/launch_env.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 
 namespace shardopt::detail {
 
+namespace {
+
+// SHARDOPT_FUSED_KERNELS=default|avx2 caps the build used (to compare the others), read once.
+std::atomic<int> kernel_cap{-1};
+
+int cap_from_env() {
+  const char* v = env_var("SHARDOPT_FUSED_KERNELS");
+  if (!v) return 2;
+  return std::strcmp(v, "default") == 0 ? 0 : (std::strcmp(v, "avx2") == 0 ? 1 : 2);
+}
+
+}  // namespace
+
+void cap_cpu_kernels(int level) {
+  kernel_cap.store(level < 0 ? cap_from_env() : std::min(level, 2));
+}
+
 int cpu_kernel_level() {
-  // SHARDOPT_FUSED_KERNELS=default|avx2 caps the build used (to test or compare the others).
-  int cap = 2;
-  if (const char* v = std::getenv("SHARDOPT_FUSED_KERNELS")) cap = std::strcmp(v, "default") == 0 ? 0 : (std::strcmp(v, "avx2") == 0 ? 1 : 2);
+  int cap = kernel_cap.load(std::memory_order_relaxed);
+  if (cap < 0) {
+    cap = cap_from_env();
+    kernel_cap.store(cap);
+  }
 #if defined(__x86_64__)
   static const int level = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))

@@ -75,6 +75,12 @@ State& state_of(optim::Optimizer& opt, const at::Tensor& p, const std::function<
   return static_cast<State&>(*it->second);
 }
 
+const at::Tensor& grad_of(const detail::Gradients& grads, const at::Tensor& p) {
+  static const at::Tensor none;
+  auto it = grads.find(p.unsafeGetTensorImpl());
+  return it == grads.end() ? none : it->second;
+}
+
 const at::Tensor* copy_of(const detail::LowPrecisionCopies& copies, const at::Tensor& p) {
   auto it = copies.find(p.unsafeGetTensorImpl());
   return it == copies.end() ? nullptr : &it->second;
@@ -139,14 +145,15 @@ void adam_run(const std::vector<AdamEntry>& run, const AdamScalars& s, int64_t s
 }
 
 template <class Options>
-void adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::LowPrecisionCopies& copies,
-                    const detail::StateAllocator& allocate) {
+void adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::FusedStepInputs& in) {
+  const auto& allocate = in.allocate;
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const Options&>(group.options());
     // The parameters with a gradient, by their step count after this step: one pass per run.
     std::map<int64_t, std::vector<AdamEntry>> runs;
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
+      const at::Tensor& g = grad_of(in.grads, p);
+      if (!g.defined()) continue;
       auto& st = state_of<optim::AdamParamState>(opt, p, [&] {
         auto s = std::make_unique<optim::AdamParamState>();
         s->step(0);
@@ -157,9 +164,9 @@ void adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::LowPrec
       });
       st.step(st.step() + 1);
       runs[st.step()].push_back(
-          {p, p.grad(), st.exp_avg(), st.exp_avg_sq(), o.amsgrad() ? st.max_exp_avg_sq() : at::Tensor()});
+          {p, g, st.exp_avg(), st.exp_avg_sq(), o.amsgrad() ? st.max_exp_avg_sq() : at::Tensor()});
     }
-    for (const auto& [step, run] : runs) adam_run(run, adam_scalars(o, decoupled, step), step, copies);
+    for (const auto& [step, run] : runs) adam_run(run, adam_scalars(o, decoupled, step), step, in.copies);
   }
 }
 
@@ -187,13 +194,14 @@ void sgd_run(const std::vector<SgdEntry>& run, const SgdScalars& s) {
   if (!f64.empty()) sgd_kernel(f64, s);
 }
 
-void sgd_step(optim::Optimizer& opt, const detail::StateAllocator& allocate) {
+void sgd_step(optim::Optimizer& opt, const detail::FusedStepInputs& in) {
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const optim::SGDOptions&>(group.options());
     // Two runs: momentum buffers that start as the gradient now, and the others.
     std::vector<SgdEntry> runs[2];
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
+      const at::Tensor& g = grad_of(in.grads, p);
+      if (!g.defined()) continue;
       at::Tensor buf;
       bool first = false;
       if (o.momentum() != 0) {
@@ -202,12 +210,12 @@ void sgd_step(optim::Optimizer& opt, const detail::StateAllocator& allocate) {
         first = it == state.end();
         if (first) {
           auto st = std::make_unique<optim::SGDParamState>();
-          st->momentum_buffer(new_state(allocate, p, "momentum_buffer"));
+          st->momentum_buffer(new_state(in.allocate, p, "momentum_buffer"));
           it = state.emplace(compat::state_key(p), std::move(st)).first;
         }
         buf = static_cast<optim::SGDParamState&>(*it->second).momentum_buffer();
       }
-      runs[first ? 1 : 0].push_back({p, p.grad(), buf});
+      runs[first ? 1 : 0].push_back({p, g, buf});
     }
     for (int first = 0; first < 2; ++first) {
       if (runs[first].empty()) continue;
@@ -327,26 +335,41 @@ void detail::parallel_segments(const std::vector<int64_t>& sizes, int64_t grain,
   if (chunks.error) std::rethrow_exception(chunks.error);
 }
 
-std::string fused_step_unsupported(const optim::Optimizer& optimizer) {
-  return detail::fused_step_unsupported(optimizer, {});
+namespace {
+
+// The gradients of `optimizer`'s parameters, as their .grad holds them.
+detail::FusedStepInputs own_gradients(const optim::Optimizer& optimizer) {
+  detail::FusedStepInputs in;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.grad().defined()) in.grads.emplace(p.unsafeGetTensorImpl(), p.grad());
+    }
+  }
+  return in;
 }
 
-void fused_step(optim::Optimizer& optimizer) { detail::fused_step(optimizer, {}, {}); }
+}  // namespace
+
+std::string fused_step_unsupported(const optim::Optimizer& optimizer) {
+  return detail::fused_step_unsupported(optimizer, own_gradients(optimizer));
+}
+
+void fused_step(optim::Optimizer& optimizer) { detail::fused_step(optimizer, own_gradients(optimizer)); }
 
 bool detail::adam_like(const optim::Optimizer& optimizer) {
   return dynamic_cast<const optim::Adam*>(&optimizer) != nullptr || dynamic_cast<const optim::AdamW*>(&optimizer) != nullptr;
 }
 
-std::string detail::fused_step_unsupported(const optim::Optimizer& optimizer, const LowPrecisionCopies& copies) {
+std::string detail::fused_step_unsupported(const optim::Optimizer& optimizer, const FusedStepInputs& in) {
   const bool adam = dynamic_cast<const optim::Adam*>(&optimizer) != nullptr;
   const bool adamw = dynamic_cast<const optim::AdamW*>(&optimizer) != nullptr;
   const bool sgd = dynamic_cast<const optim::SGD*>(&optimizer) != nullptr;
   if (!adam && !adamw && !sgd) return "the optimizer is not torch::optim::Adam, AdamW or SGD";
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      if (const at::Tensor* copy = copy_of(copies, p)) {
-        const at::Tensor& g = p.grad();
+      const at::Tensor& g = grad_of(in.grads, p);
+      if (!g.defined()) continue;
+      if (const at::Tensor* copy = copy_of(in.copies, p)) {
         const bool low = copy->scalar_type() == at::kBFloat16 || copy->scalar_type() == at::kHalf;
         if (!(adam || adamw) || !low || !detail::cuda_kernels_built() || !p.is_cuda() ||
             p.scalar_type() != at::kFloat || !p.is_contiguous() || !copy->is_contiguous() ||
@@ -355,8 +378,8 @@ std::string detail::fused_step_unsupported(const optim::Optimizer& optimizer, co
             (g.scalar_type() != at::kFloat && g.scalar_type() != copy->scalar_type())) {
           return "a master weight, its gradient or its parameter copy does not fit the mixed CUDA step";
         }
-      } else if (!dense_cpu_float(p) || !dense_cpu_float(p.grad()) || p.scalar_type() != p.grad().scalar_type() ||
-          p.device() != p.grad().device()) {
+      } else if (!dense_cpu_float(p) || !dense_cpu_float(g) || p.scalar_type() != g.scalar_type() ||
+                 p.device() != g.device()) {
         return "a parameter or its gradient is not a dense contiguous float/double CPU tensor (or fp32 CUDA tensor, "
                "with the CUDA kernels built) of the same dtype and device";
       }
@@ -381,16 +404,15 @@ std::string detail::fused_step_unsupported(const optim::Optimizer& optimizer, co
   return {};
 }
 
-void detail::fused_step(optim::Optimizer& optimizer, const LowPrecisionCopies& copies,
-                        const StateAllocator& allocate) {
+void detail::fused_step(optim::Optimizer& optimizer, const FusedStepInputs& in) {
   if (dynamic_cast<optim::AdamW*>(&optimizer)) {
-    adam_like_step<optim::AdamWOptions>(optimizer, /*decoupled=*/true, copies, allocate);
+    adam_like_step<optim::AdamWOptions>(optimizer, /*decoupled=*/true, in);
   } else if (dynamic_cast<optim::Adam*>(&optimizer)) {
-    adam_like_step<optim::AdamOptions>(optimizer, /*decoupled=*/false, copies, allocate);
+    adam_like_step<optim::AdamOptions>(optimizer, /*decoupled=*/false, in);
   } else if (dynamic_cast<optim::SGD*>(&optimizer)) {
-    sgd_step(optimizer, allocate);
+    sgd_step(optimizer, in);
   } else {
-    SHARDOPT_CHECK(false, "fused_step: ", fused_step_unsupported(optimizer, copies));
+    SHARDOPT_CHECK(false, "fused_step: ", fused_step_unsupported(optimizer, in));
   }
 }
 

@@ -1,4 +1,5 @@
-// The fused step as OSS calls it. New state goes where OSS says (its ShardStore's slabs). Writing
+// The fused step as OSS calls it: each stepped tensor's gradient given beside it (no .grad is
+// read), new state where OSS says (its ShardStore's slabs). Writing
 // low-precision copies: under mixed precision on CUDA, OSS hands the
 // masters it steps to kernels/'s mixed Adam/AdamW step with their gradients as reduced (bf16, fp16
 // or fp32) and the ranges of the parameters they update, so that the upcast gradient and the
@@ -26,9 +27,20 @@ bool adam_like(const torch::optim::Optimizer& optimizer);
 // undefined for a new tensor of its own. OSS gives the tensor's slot in its ShardStore.
 using StateAllocator = std::function<at::Tensor(const at::Tensor& param, const char* kind)>;
 
-// fused_step_unsupported and fused_step (shardopt/optim/fused_step.h) with `copies`: each master in
-// it must be an fp32 CUDA tensor stepped by the mixed kernel; new state from `allocate`.
-std::string fused_step_unsupported(const torch::optim::Optimizer& optimizer, const LowPrecisionCopies& copies);
-void fused_step(torch::optim::Optimizer& optimizer, const LowPrecisionCopies& copies, const StateAllocator& allocate);
+// Stepped tensor (its TensorImpl) -> the gradient it steps with.
+using Gradients = std::unordered_map<const c10::TensorImpl*, at::Tensor>;
+
+// What OSS gives the fused step beside the optimizer.
+struct FusedStepInputs {
+  // The gradients: a tensor not in it is not stepped (its own .grad is not read).
+  Gradients grads;
+  // Each master in it must be an fp32 CUDA tensor stepped by the mixed kernel.
+  LowPrecisionCopies copies;
+  StateAllocator allocate;  // where new state goes (null: tensors of its own)
+};
+
+// fused_step_unsupported and fused_step (shardopt/optim/fused_step.h) with OSS's inputs.
+std::string fused_step_unsupported(const torch::optim::Optimizer& optimizer, const FusedStepInputs& in);
+void fused_step(torch::optim::Optimizer& optimizer, const FusedStepInputs& in);
 
 }  // namespace shardopt::detail

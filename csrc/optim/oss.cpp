@@ -63,6 +63,10 @@ std::string local_param_problem(const std::vector<optim::OptimizerParamGroup>& g
   return "";
 }
 
+bool whole_range(const at::Tensor& param, Range range) {
+  return range.begin == 0 && range.size() == param.numel();
+}
+
 std::vector<int64_t> encode_text(const std::string& s) {
   return std::vector<int64_t>(s.begin(), s.end());
 }
@@ -152,6 +156,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   partition_ = Partition::balance(weights_, group_->size(), trainable_);
   choose_partition_mode(factory);
   holdings_.assign(params_.size(), {});
+  store_ = std::make_unique<detail::ShardStore>();
   if (split_) {
     // A parameter frozen from the start keeps its state where it would be if all were trainable.
     lay_out(std::vector<uint8_t>(params_.size(), 1));
@@ -172,7 +177,6 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   local_ = factory(std::move(local_groups));
   SHARDOPT_CHECK(local_, "the optimizer factory returned null");
   master_sources_.clear();
-  store_ = std::make_unique<detail::ShardStore>();
   place_state();
 }
 
@@ -251,6 +255,7 @@ void OSS::lay_out(const std::vector<uint8_t>& trainable) {
   buffers_ = detail::lay_out_params(layout_, params_);
   assign_holdings();
   ++layout_version_;
+  store_->announce_layout();
 }
 
 void OSS::assign_holdings() {
@@ -274,10 +279,6 @@ void OSS::assign_holdings() {
         h.tensor = at::Tensor();
         continue;
       }
-      if (!mixed_ && h.in_param.begin == 0 && h.in_param.size() == params_[i].numel()) {
-        h.tensor = params_[i];
-        continue;
-      }
       // The same range keeps its tensor, which keys its state: the settled one first (it holds
       // the state even after several layouts without a step), else the current one.
       h.tensor = at::Tensor();
@@ -294,7 +295,11 @@ void OSS::assign_holdings() {
         }
         continue;
       }
-      at::Tensor view = params_[i].detach().reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()).detach();
+      // OSS's own tensor over the parameter's memory, never the user's parameter: the wrapped
+      // optimizer's step reads its .grad, which OSS alone sets (Note [Owned gradients]).
+      const bool whole = h.in_param.begin == 0 && h.in_param.size() == params_[i].numel();
+      at::Tensor view = whole ? params_[i].detach()
+                              : params_[i].detach().reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()).detach();
       if (h.tensor.defined()) {
         h.tensor.set_data(view);
       } else {
@@ -303,16 +308,6 @@ void OSS::assign_holdings() {
     }
   }
   holdings_ = std::move(next);
-  piece_tensors_.assign(layout_.pieces().size(), at::Tensor());
-  for (size_t k = 0; k < layout_.pieces().size(); ++k) {
-    const Piece& piece = layout_.pieces()[k];
-    if (piece.owner != rank) continue;
-    for (const auto& h : holdings_[piece.param]) {
-      if (h.rank == rank && h.in_param == piece.in_param) piece_tensors_[k] = h.tensor;
-    }
-    TORCH_INTERNAL_ASSERT(piece_tensors_[k].defined(), "piece ", k, " of parameter ", piece.param,
-                          " is owned here but has no tensor");
-  }
 }
 
 void OSS::settle_state() {
@@ -324,10 +319,14 @@ void OSS::settle_state() {
     RebalanceStats stats;
     stats.imbalance_before = last_rebalance_.imbalance_before;
     stats.imbalance_after = last_rebalance_.imbalance_after;
-    detail::migrate_holdings(*group_, *local_, params_, settled_, holdings_, stats, /*carry_values=*/mixed_);
+    const detail::HoldingGrads grads{
+        [this](size_t i, const detail::Holding& h) { return owned_grad(i, h); },
+        [this](size_t i, const detail::Holding& h, at::Tensor g) { set_owned_grad(i, h, std::move(g)); }};
+    detail::migrate_holdings(*group_, *local_, settled_, holdings_, grads, stats, /*carry_values=*/mixed_);
     last_rebalance_ = stats;
     ++state_moves_;
   }
+  store_->retain_grads(holdings_, group_->rank());
   settled_ = holdings_;
   settled_version_ = layout_version_;
   set_local_groups();
@@ -341,13 +340,26 @@ void OSS::place_state() {
   store_->adopt(*local_, *codec);
 }
 
+at::Tensor OSS::owned_grad(size_t i, const detail::Holding& h) const {
+  return whole_range(params_[i], h.in_param) ? params_[i].grad() : store_->grad(i, h.in_param);
+}
+
+void OSS::set_owned_grad(size_t i, const detail::Holding& h, at::Tensor grad) {
+  // `grad` is shaped like h.tensor (a whole parameter's holding has the parameter's shape).
+  if (whole_range(params_[i], h.in_param)) {
+    params_[i].mutable_grad() = std::move(grad);
+  } else {
+    store_->set_grad(i, h.in_param, std::move(grad));
+  }
+}
+
 at::Tensor OSS::holding_grad(size_t i, const detail::Holding& h) const {
-  if (h.tensor.is_same(params_[i])) return params_[i].grad();
   const at::Tensor& full = params_[i].grad();
   if (full.defined() && full.numel() == params_[i].numel()) {
+    if (whole_range(params_[i], h.in_param) && full.sizes() == h.tensor.sizes()) return full;
     return full.reshape(-1).narrow(0, h.in_param.begin, h.in_param.size()).view(h.tensor.sizes());
   }
-  return h.tensor.grad();
+  return store_->grad(i, h.in_param);
 }
 
 bool OSS::lay_out_for(const std::vector<uint8_t>& trainable) {
@@ -367,6 +379,7 @@ void OSS::set_bucket_bytes(int64_t bytes) {
   TORCH_INTERNAL_ASSERT(next.same_placement(layout_), "new bucket cuts moved parameters in the flat buffers");
   layout_ = std::move(next);
   ++layout_version_;
+  store_->announce_layout();
 }
 
 // ---- stepping -------------------------------------------------------------------------------
@@ -420,69 +433,7 @@ torch::Tensor OSS::step(LossClosure closure) {
   settle_state();  // the set is agreed by now: every rank moves the same ranges
   sync_options_to_local();
   for (size_t i = 0; i < params_.size(); ++i) stepped_[i] |= trainable_[i] & laid_out_for_[i];
-
-  // A frozen parameter must not move, even if it still holds a gradient from before it was
-  // frozen: its gradient is hidden from the wrapped optimizer for the duration of its step. A
-  // range of a parameter gets its part of the parameter's full gradient when there is one.
-  // Under mixed precision the stepped tensor is the fp32 master and gets its gradient upcast.
-  // On CUDA with the fused step, Adam/AdamW masters take the gradient as reduced and write their
-  // parameter's range themselves (kernels/'s mixed step): no upcast copy, no write-back pass.
-  std::vector<std::pair<at::Tensor, at::Tensor>> restore;  // (tensor, gradient it had)
-  std::vector<std::pair<size_t, const detail::Holding*>> stepped;
-  detail::LowPrecisionCopies copies;
-  const bool mixed_kernel = mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*local_);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    for (const auto& h : holdings_[i]) {
-      if (h.rank != group_->rank()) continue;
-      // A parameter steps only if it is trainable and laid out as such: one unfrozen after the
-      // layout was made (under ShardedDDP, between forward and step) had no reduced gradient
-      // and is not synced yet, so it waits for the next step.
-      at::Tensor grad = h.tensor.grad();
-      if (!trainable_[i] || !laid_out_for_[i]) {
-        grad = at::Tensor();
-      } else {
-        if (!h.tensor.is_same(params_[i]) && params_[i].grad().defined()) grad = holding_grad(i, h);
-        if (grad.defined() && mixed_kernel && h.tensor.is_cuda() && grad.is_contiguous() && params_[i].is_contiguous()) {
-          copies[h.tensor.unsafeGetTensorImpl()] =
-              params_[i].detach().view(-1).narrow(0, h.in_param.begin, h.in_param.size());
-        } else if (grad.defined() && grad.scalar_type() != h.tensor.scalar_type()) {
-          grad = grad.to(h.tensor.scalar_type());
-        }
-        if (grad.defined()) stepped.emplace_back(i, &h);
-      }
-      if (!grad.is_same(h.tensor.grad())) {
-        restore.emplace_back(h.tensor, h.tensor.grad());
-        h.tensor.mutable_grad() = grad;
-      }
-    }
-  }
-  try {
-    stepped_fused_ = options_.fused_step() && detail::fused_step_unsupported(*local_, copies).empty();
-    if (!stepped_fused_ && !copies.empty()) {
-      // Not all of it fits the mixed kernel: every master steps upcast, fused where it can.
-      for (const auto& [i, h] : stepped) {
-        if (copies.erase(h->tensor.unsafeGetTensorImpl()) != 0) h->tensor.mutable_grad() = h->tensor.grad().to(at::kFloat);
-      }
-      stepped_fused_ = options_.fused_step() && fused_step_unsupported(*local_).empty();
-    }
-    if (stepped_fused_) {
-      detail::fused_step(*local_, copies, [this](const at::Tensor& t, const char* kind) {
-        return store_->fresh_slot(t, kind);
-      });
-    } else {
-      local_->step();
-    }
-  } catch (...) {
-    for (auto& [t, g] : restore) t.mutable_grad() = g;
-    throw;
-  }
-  for (auto& [t, g] : restore) t.mutable_grad() = g;
-  if (mixed_) {
-    for (const auto& [i, h] : stepped) {
-      if (copies.count(h->tensor.unsafeGetTensorImpl()) == 0) detail::write_back(params_[i], h->tensor, h->in_param);
-    }
-  }
-
+  step_shard();
   if (overlap_sync_ && options_.sync() == ParamSync::kBroadcast && group_->size() > 1) {
     start_param_sync();
   } else {
@@ -494,6 +445,83 @@ torch::Tensor OSS::step(LossClosure closure) {
   return loss;
 }
 
+namespace {
+
+// Sets the gradient of each tensor the wrapped optimizer steps for the length of its own step():
+// OSS's tensors, which nothing else reads (Note [Owned gradients]). Cleared after, also on error.
+class StepGradients {
+ public:
+  StepGradients(torch::optim::Optimizer& local, const detail::Gradients& grads) : local_(local) {
+    for (auto& group : local_.param_groups()) {
+      for (auto& t : group.params()) {
+        auto it = grads.find(t.unsafeGetTensorImpl());
+        t.mutable_grad() = it == grads.end() ? at::Tensor() : it->second;
+      }
+    }
+  }
+  ~StepGradients() {
+    for (auto& group : local_.param_groups()) {
+      for (auto& t : group.params()) t.mutable_grad() = at::Tensor();
+    }
+  }
+
+ private:
+  torch::optim::Optimizer& local_;
+};
+
+}  // namespace
+
+// A parameter steps only if it is trainable and laid out as such: one unfrozen after the layout was
+// made (under ShardedDDP, between forward and step) had no reduced gradient and is not synced yet,
+// so it waits for the next step; a frozen one does not move, even if it still holds a gradient from
+// before it was frozen. A range of a parameter takes its part of the parameter's full gradient when
+// there is one, else the reduced gradient handed to the store. Under mixed precision the stepped
+// tensor is the fp32 master and takes its gradient upcast; on CUDA with the fused step, Adam/AdamW
+// masters take it as reduced and write their parameter's range themselves (kernels/'s mixed
+// step): no upcast copy, no write-back pass.
+void OSS::step_shard() {
+  detail::FusedStepInputs in;
+  in.allocate = [this](const at::Tensor& t, const char* kind) { return store_->fresh_slot(t, kind); };
+  std::vector<std::pair<size_t, const detail::Holding*>> stepped;
+  const bool mixed_kernel = mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*local_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!trainable_[i] || !laid_out_for_[i]) continue;
+    for (const auto& h : holdings_[i]) {
+      if (h.rank != group_->rank()) continue;
+      at::Tensor grad = holding_grad(i, h);
+      if (!grad.defined()) continue;
+      if (mixed_kernel && h.tensor.is_cuda() && grad.is_contiguous() && params_[i].is_contiguous()) {
+        in.copies[h.tensor.unsafeGetTensorImpl()] =
+            params_[i].detach().view(-1).narrow(0, h.in_param.begin, h.in_param.size());
+      } else if (grad.scalar_type() != h.tensor.scalar_type()) {
+        grad = grad.to(h.tensor.scalar_type());
+      }
+      in.grads[h.tensor.unsafeGetTensorImpl()] = std::move(grad);
+      stepped.emplace_back(i, &h);
+    }
+  }
+  stepped_fused_ = options_.fused_step() && detail::fused_step_unsupported(*local_, in).empty();
+  if (!stepped_fused_ && !in.copies.empty()) {
+    // Not all of it fits the mixed kernel: every master steps upcast, fused where it can.
+    for (const auto& [i, h] : stepped) {
+      const auto* key = h->tensor.unsafeGetTensorImpl();
+      if (in.copies.erase(key) != 0) in.grads[key] = in.grads[key].to(at::kFloat);
+    }
+    stepped_fused_ = options_.fused_step() && detail::fused_step_unsupported(*local_, in).empty();
+  }
+  if (stepped_fused_) {
+    detail::fused_step(*local_, in);
+  } else {
+    StepGradients with(*local_, in.grads);
+    local_->step();
+  }
+  if (mixed_) {
+    for (const auto& [i, h] : stepped) {
+      if (in.copies.count(h->tensor.unsafeGetTensorImpl()) == 0) detail::write_back(params_[i], h->tensor, h->in_param);
+    }
+  }
+}
+
 void OSS::set_local_groups() {
   auto& groups = local_->param_groups();
   for (auto& g : groups) g.params().clear();
@@ -502,6 +530,10 @@ void OSS::set_local_groups() {
       if (h.rank == group_->rank()) groups[group_of_[i]].params().push_back(h.tensor);
     }
   }
+}
+
+detail::ShardStore& detail::store_of(OSS& optimizer) {
+  return *optimizer.store_;
 }
 
 // ---- introspection ------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include "cuda/kernels_adapter.h"
 #include "optim/master_weights.h"
 #include "optim/param_buffers.h"
+#include "optim/shard_store.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -76,33 +77,22 @@ void OSS::sync_params() {
 }
 
 void OSS::zero_grad(bool set_to_none) {
-  zeroed_.clear();
-  auto clear = [this, set_to_none](const at::Tensor& t) {
-    if (!t.grad().defined()) return;
-    if (set_to_none) {
-      t.mutable_grad() = at::Tensor();
-    } else {
-      at::Tensor& g = t.mutable_grad();
-      g.detach_();
-      g.zero_();
-      zeroed_.insert_or_assign(g.unsafeGetTensorImpl(),
-                               Zeroed{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
-                                          g.getIntrusivePtr()),
-                                      static_cast<int64_t>(g._version())});
-    }
-  };
-  for (auto& p : params_) clear(p);
-  for (const auto& t : piece_tensors_) {
-    if (t.defined()) clear(t);
+  store_->forget_zeroed();
+  if (set_to_none) {
+    for (auto& p : params_) p.mutable_grad() = at::Tensor();
+    store_->clear_grads();
+    return;
   }
-}
-
-bool OSS::grad_zeroed(const at::Tensor& grad) const {
-  if (!grad.defined()) return false;
-  auto it = zeroed_.find(grad.unsafeGetTensorImpl());
-  return it != zeroed_.end() && !it->second.grad.expired() &&
-         it->second.grad._unsafe_get_target() == grad.unsafeGetTensorImpl() &&
-         static_cast<int64_t>(grad._version()) == it->second.version;
+  // Zeroed in place, noted for ShardedDDP (Note [Gradients as bucket views]).
+  auto zero = [this](at::Tensor& g) {
+    g.detach_();
+    g.zero_();
+    store_->note_zeroed(g);
+  };
+  for (auto& p : params_) {
+    if (p.grad().defined()) zero(p.mutable_grad());
+  }
+  store_->for_each_grad(zero);
 }
 
 std::vector<at::Tensor> OSS::grads(bool owned_only) const {

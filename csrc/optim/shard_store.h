@@ -4,7 +4,10 @@
 // It holds, for each (device, dtype) group of the layout, one flat slab per kind of optimizer
 // state ("exp_avg", "exp_avg_sq", "momentum_buffer", ...). The state tensors torch::optim sees
 // are views into them, so state_dict(), checkpoints and the codecs see the same tensors as
-// before, and the fused step reads each run of state from one slab.
+// before, and the fused step reads each run of state from one slab. It also holds the reduced
+// gradients of the split ranges this rank owns (ShardedDDP hands them over here; a whole
+// parameter's gradient is its own .grad, as under DDP), and which gradients the last
+// zero_grad(false) zeroed.
 #pragma once
 
 #include <shardopt/optim/flat_layout.h>
@@ -15,9 +18,13 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
 
+#include <c10/util/intrusive_ptr.h>
+
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -61,6 +68,33 @@ class ShardStore {
   // Bytes of all slabs.
   int64_t bytes() const;
 
+  // ---- owned gradients (Note [Owned gradients]) ----
+  // The reduced gradient of range `range` of parameter `param` (in OSS's order) that this rank
+  // owns; undefined when there is none.
+  const at::Tensor& grad(size_t param, Range range) const;
+  // Hands `grad` over as that range's gradient (undefined: forgets it).
+  void set_grad(size_t param, Range range, at::Tensor grad);
+  // Calls `fn` on every owned gradient, each once.
+  void for_each_grad(const std::function<void(at::Tensor&)>& fn);
+  void clear_grads() { grads_.clear(); }
+  // Forgets the gradients of ranges `rank` no longer holds in `holdings`.
+  void retain_grads(const std::vector<std::vector<Holding>>& holdings, int rank);
+  int64_t grad_bytes() const;
+
+  // Which gradients the last zero_grad(false) zeroed in place (Note [Gradients as bucket views]):
+  // noted without keeping them alive, with their versions right after.
+  void forget_zeroed() { zeroed_.clear(); }
+  void note_zeroed(const at::Tensor& grad);
+  // Whether `grad` was zeroed so and nothing has written to it since (its version unchanged).
+  bool zeroed(const at::Tensor& grad) const;
+
+  // ---- new layouts ----
+  // `fn` runs whenever OSS lays the shard out anew (a trainable set, owners or bucket cuts
+  // changed): ShardedDDP follows, to rebuild its buckets. Returns a handle for unfollow().
+  size_t follow_layouts(std::function<void()> fn);
+  void unfollow_layouts(size_t handle);
+  void announce_layout();
+
  private:
   // The slab of `kind` in `group` for state like `like`, made when missing; undefined when `like`
   // does not fit the group's slabs.
@@ -69,6 +103,14 @@ class ShardStore {
   std::unordered_map<const void*, Slot> slots_;  // holding tensor (TensorImpl) -> slot
   std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region
   std::vector<std::map<std::string, at::Tensor>> slabs_;  // per group: kind -> slab
+  std::map<std::tuple<size_t, int64_t, int64_t>, at::Tensor> grads_;  // (param, begin, end) -> gradient
+  struct Zeroed {
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> grad;
+    int64_t version;
+  };
+  std::unordered_map<const c10::TensorImpl*, Zeroed> zeroed_;
+  std::map<size_t, std::function<void()>> followers_;
+  size_t next_follower_ = 0;
 };
 
 }  // namespace shardopt::detail

@@ -34,7 +34,8 @@ GenericDict encode_slice(size_t param, const Slice& slice) {
 }
 
 // Stitches the slices of one new holding (sorted, covering it) and installs state and gradient.
-void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, const Holding& h, std::vector<Slice> slices) {
+void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, size_t param, const Holding& h,
+             const HoldingGrads& grads, std::vector<Slice> slices) {
   std::sort(slices.begin(), slices.end(), [](const Slice& a, const Slice& b) { return a.begin < b.begin; });
   int64_t at = h.in_param.begin;
   bool all_state = true, all_grad = true, all_values = true;
@@ -64,12 +65,12 @@ void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, const 
     for (const auto& s : slices) parts.push_back(s.values.reshape(-1));
     h.tensor.view(-1).copy_(at::cat(parts));
   }
-  if (all_grad && !slices.empty() && !h.tensor.grad().defined()) {
+  if (all_grad && !slices.empty() && !grads.get(param, h).defined()) {
     std::vector<at::Tensor> parts;
     for (const auto& s : slices) parts.push_back(s.grad.reshape(-1));
     // A fresh tensor, not a view of the concatenation: zero_grad(false) detaches it in place.
-    h.tensor.mutable_grad() =
-        at::cat(parts).to(h.tensor.options().requires_grad(false)).reshape(h.tensor.sizes()).clone();
+    const auto options = slices.front().grad.options().device(h.tensor.device()).requires_grad(false);
+    grads.set(param, h, at::cat(parts).to(options).reshape(h.tensor.sizes()).clone());
   }
 }
 
@@ -111,14 +112,13 @@ bool same_holdings(const std::vector<Holding>& a, const std::vector<Holding>& b)
   return true;
 }
 
-void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const std::vector<at::Tensor>& params,
-                      const std::vector<std::vector<Holding>>& from, const std::vector<std::vector<Holding>>& to,
-                      RebalanceStats& stats, bool carry_values) {
-  TORCH_INTERNAL_ASSERT(from.size() == params.size() && to.size() == params.size(), "holdings of ", from.size(),
-                        " and ", to.size(), " parameters for ", params.size());
+void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const std::vector<std::vector<Holding>>& from,
+                      const std::vector<std::vector<Holding>>& to, const HoldingGrads& grads, RebalanceStats& stats,
+                      bool carry_values) {
+  TORCH_INTERNAL_ASSERT(from.size() == to.size(), "holdings of ", from.size(), " and ", to.size(), " parameters");
   const int rank = group.rank(), world = group.size();
   std::vector<size_t> changed;
-  for (size_t i = 0; i < params.size(); ++i) {
+  for (size_t i = 0; i < from.size(); ++i) {
     if (!same_holdings(from[i], to[i])) changed.push_back(i);
   }
   if (changed.empty()) return;
@@ -148,8 +148,8 @@ void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const
           slice.state = slice_state(codec.encode_state(*it->second), begin - o.in_param.begin, end - o.in_param.begin);
           if (h.rank != rank) stats.state_bytes_sent += state_tensor_bytes(*slice.state);
         }
-        if (o.tensor.grad().defined()) {
-          slice.grad = o.tensor.grad().reshape(-1).narrow(0, begin - o.in_param.begin, end - begin).clone();
+        if (const at::Tensor g = grads.get(i, o); g.defined()) {
+          slice.grad = g.reshape(-1).narrow(0, begin - o.in_param.begin, end - begin).clone();
         }
         if (carry_values) {
           slice.values = o.tensor.detach().reshape(-1).narrow(0, begin - o.in_param.begin, end - begin).clone();
@@ -197,7 +197,9 @@ void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const
       }
     }
   }
-  for (auto& [where, slices] : incoming) install(codec, local, to[where.first][where.second], std::move(slices));
+  for (auto& [where, slices] : incoming) {
+    install(codec, local, where.first, to[where.first][where.second], grads, std::move(slices));
+  }
 }
 
 }  // namespace shardopt::detail

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -28,14 +29,22 @@ GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end);
 // Per parameter, whether `a` and `b` place its state identically (ranks and ranges).
 bool same_holdings(const std::vector<Holding>& a, const std::vector<Holding>& b);
 
+// Where the owned gradient of a holding of parameter `param` is read and written (Note [Owned
+// gradients]).
+struct HoldingGrads {
+  std::function<at::Tensor(size_t param, const Holding&)> get;
+  std::function<void(size_t param, const Holding&, at::Tensor)> set;
+};
+
 // For every parameter whose holdings differ between `from` and `to`, each new holding collects
-// the state (and any gradient) of its range from the old holdings that overlap it: serialized
+// the state (and any gradient, through `grads`, where it has none) of its range from the old
+// holdings that overlap it: serialized
 // with `local`'s codec, one pair of ranks at a time in the same order on every rank; what stays
 // on a rank is moved locally. State of ranges nobody held yet stays absent. Counts what moved in
 // `stats`. With `carry_values` the holdings' tensors are values of their own (mixed precision's
 // master weights) and move too. Collective (communicates only when a range changes rank).
-void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const std::vector<at::Tensor>& params,
-                      const std::vector<std::vector<Holding>>& from, const std::vector<std::vector<Holding>>& to,
-                      RebalanceStats& stats, bool carry_values = false);
+void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const std::vector<std::vector<Holding>>& from,
+                      const std::vector<std::vector<Holding>>& to, const HoldingGrads& grads, RebalanceStats& stats,
+                      bool carry_values = false);
 
 }  // namespace shardopt::detail

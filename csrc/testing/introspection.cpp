@@ -1,5 +1,6 @@
 #include <shardopt/testing/introspection.h>
 
+#include "optim/fused_kernels.h"
 #include "optim/shard_store.h"
 
 namespace shardopt::testing {
@@ -21,5 +22,13 @@ at::Tensor Introspection::state_slab(const OSS& oss, size_t group, const std::st
 }
 
 int64_t Introspection::slab_bytes(const OSS& oss) { return oss.store_->bytes(); }
+
+int Introspection::cpu_kernel_level() {
+  return detail::cpu_kernel_level();
+}
+
+void Introspection::cap_cpu_kernels(int level) {
+  detail::cap_cpu_kernels(level);
+}
 
 }  // namespace shardopt::testing

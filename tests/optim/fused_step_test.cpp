@@ -59,8 +59,7 @@ void expect_same_as_torch(const Make& make_opt, at::ScalarType dtype, const std:
     fused_step(*tb);
     for (size_t i = 0; i < a.size(); ++i) {
       // The portable build rounds multiply-adds in two steps where ATen's kernels fuse them.
-      const char* build = std::getenv("SHARDOPT_FUSED_KERNELS");
-      const double tolerance = dtype == at::kDouble ? 1e-12 : (build && std::string(build) == "default" ? 1e-5 : 1e-6);
+      const double tolerance = dtype == at::kDouble ? 1e-12 : (testing::Introspection::cpu_kernel_level() == 0 ? 1e-5 : 1e-6);
       ASSERT_LE(testing::rel_diff(b[i], a[i]), tolerance)
           << name << ", parameter " << i << " (" << a[i].numel() << " elements) after step " << step;
     }
@@ -88,12 +87,15 @@ void expect_same_as_torch(const Make& make_opt, at::ScalarType dtype, const std:
 }
 
 // Each build of the loops (AVX-512, AVX2 + FMA, portable) where this CPU runs it.
-class FusedStepBuilds : public ::testing::TestWithParam<const char*> {
+class FusedStepBuilds : public ::testing::TestWithParam<int> {
  protected:
-  void SetUp() override { setenv("SHARDOPT_FUSED_KERNELS", GetParam(), 1); }
-  void TearDown() override { unsetenv("SHARDOPT_FUSED_KERNELS"); }
+  void SetUp() override { testing::Introspection::cap_cpu_kernels(GetParam()); }
+  void TearDown() override { testing::Introspection::cap_cpu_kernels(-1); }
 };
-INSTANTIATE_TEST_SUITE_P(FusedStep, FusedStepBuilds, ::testing::Values("avx512", "avx2", "default"));
+INSTANTIATE_TEST_SUITE_P(FusedStep, FusedStepBuilds, ::testing::Values(2, 1, 0),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::string(info.param == 2 ? "avx512" : info.param == 1 ? "avx2" : "default");
+                         });
 
 TEST_P(FusedStepBuilds, AdamAndAdamWEqualTorchOptimForEveryOption) {
   for (auto dtype : {at::kFloat, at::kDouble}) {

@@ -210,6 +210,59 @@ TEST(OSS, FreezeAndUnfreezeBetweenSteps) {
   }
 }
 
+// The step reads the users' gradients and writes none of them: every parameter's .grad is the
+// same tensor with the same values after step() (a frozen one with a stale gradient included),
+// on the fused path (AdamW) and the wrapped optimizer's own step (RMSprop), whole and split. The
+// frozen parameter does not move, and the rest equal torch::optim stepping without it.
+TEST(OSS, TheStepLeavesEveryGradientAsItWas) {
+  for (const auto& opt : {all_optimizers()[1], all_optimizers()[3]}) {
+    for (auto mode : {PartitionMode::kWholeParameters, PartitionMode::kSplit}) {
+      run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+        const std::string where = std::string(opt.name) + (mode == PartitionMode::kSplit ? ", split" : ", whole") +
+                                  ", rank " + std::to_string(g->rank());
+        Params ref = testing::make_params(), mine = testing::clone_params(ref);
+        auto ref_opt = opt.factory({optim::OptimizerParamGroup(ref)});
+        OSS oss(mine, opt.factory, g, OSSOptions().partition(mode));
+        for (int step = 0; step < 4; ++step) {
+          auto data = testing::rank_data(step, g->rank(), 4);
+          ASSERT_TRUE(testing::differs_across_ranks(data.x, *g)) << where;
+          ref_opt->zero_grad(true);
+          oss.zero_grad(true);
+          for (Params* q : {&ref, &mine}) {
+            for (auto& p : *q) p.requires_grad_(true);
+          }
+          testing::loss(ref, data, 4).backward();
+          testing::loss(mine, data, 4).backward();
+          testing::allreduce_grads(ref, *g);
+          testing::allreduce_grads(mine, *g);
+          // Frozen after backward: it keeps a gradient it must not be stepped with.
+          const size_t frozen = step % 2 == 0 ? 0 : 3;
+          ref[frozen].requires_grad_(false);
+          mine[frozen].requires_grad_(false);
+          ref[frozen].mutable_grad().reset();
+          std::vector<at::Tensor> grads, values;
+          for (auto& p : mine) {
+            ASSERT_TRUE(p.grad().defined()) << where;
+            grads.push_back(p.grad());
+            values.push_back(p.grad().clone());
+          }
+          const at::Tensor frozen_before = mine[frozen].detach().clone();
+          ref_opt->step();
+          oss.step();
+          for (size_t i = 0; i < mine.size(); ++i) {
+            ASSERT_TRUE(mine[i].grad().is_same(grads[i])) << where << ": step " << step << " replaced the gradient of "
+                                                          << "parameter " << i;
+            ASSERT_TRUE(mine[i].grad().equal(values[i])) << where << ": step " << step << " changed the gradient of "
+                                                         << "parameter " << i;
+            ASSERT_LE(testing::rel_diff(mine[i], ref[i]), 1e-6) << where << ": parameter " << i << ", step " << step;
+          }
+          ASSERT_TRUE(mine[frozen].detach().equal(frozen_before)) << where << ": the frozen parameter moved";
+        }
+      });
+    }
+  }
+}
+
 // The trainable work each rank steps under the optimizer's partition (max / mean - 1), and the
 // best any whole-tensor partition achieves for the current trainable set.
 double trainable_imbalance(const OSS& oss, bool best = false) {

@@ -3,6 +3,7 @@
 #include "comm/backends.h"
 
 #include <shardopt/check.h>
+#include <shardopt/comm/launch_env.h>
 #include <shardopt/comm/process_group.h>
 
 #include <ATen/Context.h>
@@ -33,7 +34,7 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
   // the group's creation, in words.
   int local_size = -1;  // the launcher's count of ranks on this machine, where it gives one
   for (const char* name : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
-    if (const char* v = std::getenv(name); v != nullptr && local_size < 0) local_size = std::atoi(v);
+    if (const char* v = env_var(name); v != nullptr && local_size < 0) local_size = std::atoi(v);
   }
   SHARDOPT_CHECK(devices == 0 || local_size <= devices, local_size,
                  " ranks on this machine (LOCAL_WORLD_SIZE) but ", devices,
@@ -52,7 +53,7 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
   // communicator exists, waiting for a collective gives up after the timeout too
   // (PendingWork::wait passes it; c10d then blocks the host thread until completion or timeout).
   options->config.blocking = 0;
-  if (std::getenv("TORCH_NCCL_NONBLOCKING_TIMEOUT") == nullptr) {
+  if (env_var("TORCH_NCCL_NONBLOCKING_TIMEOUT") == nullptr) {
     const auto seconds = std::max<int64_t>(1, std::chrono::ceil<std::chrono::seconds>(timeout).count());
     setenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", std::to_string(seconds).c_str(), /*overwrite=*/0);
   }

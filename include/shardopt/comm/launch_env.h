@@ -25,6 +25,10 @@ struct LaunchVariable {
 // Every environment variable shardopt reads, with its meaning.
 extern const std::vector<LaunchVariable> kLaunchVariables;
 
+// The value of environment variable `name`, or null when it is unset or empty. The one reader of
+// the environment: `name` must be in kLaunchVariables (an internal error otherwise).
+const char* env_var(const char* name);
+
 struct LaunchEnv {
   int rank = -1, world_size = -1;
   int local_rank = -1, local_world_size = -1;  // -1: not given

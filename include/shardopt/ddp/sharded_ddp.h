@@ -232,7 +232,7 @@ class ShardedDDP {
   // Buckets, entries and hooks from the optimizers' layouts.
   void build();
   // Appends the executor's bucket and entries for bucket `index` of `optimizer`'s layout.
-  void add_bucket(const OSS& optimizer, size_t index);
+  void add_bucket(OSS& optimizer, size_t index);
   void refresh_owners();
   // The trainable flags of optimizer k's parameters: mask_ for the module's, its own otherwise.
   std::vector<uint8_t> mask_for(size_t k) const;
@@ -277,8 +277,8 @@ class ShardedDDP {
   std::vector<std::pair<size_t, size_t>> place_;  // per module parameter: (optimizer, its position there)
   std::vector<int> owner_;          // per module parameter
   std::unordered_map<const void*, size_t> module_index_;  // TensorImpl -> position in params_
-  std::vector<int64_t> partition_versions_;  // of each optimizer, when owner_ was read
-  std::vector<int64_t> layout_versions_;     // of each optimizer, when the buckets were built
+  std::vector<size_t> layout_followers_;     // per optimizer: our handle in its store's followers
+  bool layouts_changed_ = false;             // some optimizer laid out anew since the buckets were built
   std::vector<Hooked> hooked_;               // parameters that carry our post-accumulation hook
   std::unordered_map<const void*, size_t> hooked_index_;  // TensorImpl -> position in hooked_
   std::vector<uint8_t> mask_;       // trainable mask the buckets were built for

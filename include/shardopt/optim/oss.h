@@ -12,9 +12,9 @@
 // per (device, dtype), cut into equal shards, one per owner, so that making every copy current
 // after the step is one collective per owner shard (Note [Parameter sync]). The same layout
 // gives ShardedDDP its gradient buckets. The parameter tensors keep their identity (set_data),
-// so the user's module, optimizer state keys and hooks all stay valid; moving the module to
-// another device after construction is not supported. A change of the trainable set or of the
-// owners lays the buffers out again (layout_version() counts it).
+// so the user's module and hooks stay valid; moving the module to another device after
+// construction is not supported. A change of the trainable set or of the owners lays the buffers
+// out again.
 //
 // param_groups() are the global groups: option changes there (learning-rate schedulers) take
 // effect at the next step(). Trainability may change at any time: a parameter whose
@@ -47,8 +47,11 @@ namespace testing {
 struct Introspection;
 }
 
+class OSS;
 namespace detail {
 class ShardStore;
+// The store OSS keeps its shard in, which ShardedDDP shares (Note [Owned gradients]).
+ShardStore& store_of(OSS& optimizer);
 // A range of one parameter's elements whose optimizer state one rank holds; `tensor` (on that
 // rank only) is what the wrapped optimizer steps: the parameter itself for the whole range, a
 // view of its elements otherwise.
@@ -205,15 +208,6 @@ class OSS : public torch::optim::Optimizer {
   const Partition& partition() const { return partition_; }
   // Where each parameter lives in the flat buffers, and the gradient buckets.
   const FlatLayout& layout() const { return layout_; }
-  // Counts new layouts (trainable set, owners or bucket cuts changed).
-  int64_t layout_version() const { return layout_version_; }
-  // Lays the buffers out for the trainable set `trainable` (one flag per parameter, in
-  // all_params() order) if it differs from the one the layout was made for; returns whether
-  // it did. Local: every rank must pass the same mask before the next collective that uses
-  // the layout (ShardedDDP checks it before the first reduction).
-  bool lay_out_for(const std::vector<uint8_t>& trainable);
-  // Re-cuts the gradient buckets at `bytes` (0: one per parameter); no data moves.
-  void set_bucket_bytes(int64_t bytes);
   // All parameters, in global order (groups concatenated).
   const std::vector<torch::Tensor>& all_params() const { return params_; }
   size_t index_of(const torch::Tensor& param) const;
@@ -223,36 +217,21 @@ class OSS : public torch::optim::Optimizer {
   int64_t local_state_bytes() const;
   // Makes every rank's copy of the parameters equal to the owner's. Collective.
   void sync_params();
-  // Note [Overlapped parameter sync]: with it on (ShardedDDPOptions::overlap_param_sync sets
-  // it), step() starts one broadcast per gradient bucket, the buckets the forward needs first
-  // first, and returns; the parameters are current once finish_param_sync() returned (every
-  // rank's copy), or, for one parameter, finish_param_sync(index). Everything in OSS that reads
-  // or lays out the parameters finishes the sync first; user code that reads parameters between
-  // step() and the next ShardedDDP forward calls finish_param_sync(). Local waits: every rank
-  // started the same broadcasts in step().
-  void set_overlap_param_sync(bool on);
+  // Note [Overlapped parameter sync]: under ShardedDDPOptions::overlap_param_sync, step()
+  // starts one broadcast per gradient bucket, the buckets the forward needs first first, and
+  // returns; the parameters are current once finish_param_sync() returned (every rank's copy),
+  // or, for one parameter, finish_param_sync(index). Everything in OSS that reads or lays out the
+  // parameters finishes the sync first; user code that reads parameters between step() and the
+  // next ShardedDDP forward calls finish_param_sync(). Local waits: every rank started the same
+  // broadcasts in step().
   void finish_param_sync();
   void finish_param_sync(size_t param);
-  // ShardedDDP checks the trainable set at every forward, lays the buffers out for it, and turns
-  // the step's check (and lay-out) off.
-  void set_check_trainable_every_step(bool on) {
-    options_.check_trainable_every_step(on);
-    layout_follows_ddp_ = !on;
-  }
   // Whether parameters are split across owners (PartitionMode resolved).
   bool split() const { return split_; }
   // One line: the partition mode and why, the world size, the imbalance.
   std::string describe() const;
   // The trainable elements the busiest rank owns against 1/world_size: max / ideal - 1.
   double imbalance() const { return layout_.imbalance(); }
-  // The tensor this rank steps for piece `piece` of layout(): the parameter itself for a whole
-  // piece, a view of the piece's elements otherwise; undefined when another rank owns it.
-  // ShardedDDP hands it the reduced gradient of its range.
-  const at::Tensor& piece_tensor(size_t piece) const { return piece_tensors_.at(piece); }
-  // Whether `grad` is a gradient the last zero_grad(false) zeroed in place and nothing has
-  // written since (its version unchanged): ShardedDDP lets autograd accumulate into such a
-  // gradient where it lives, in its bucket (Note [Gradients as bucket views]).
-  bool grad_zeroed(const at::Tensor& grad) const;
   // Counts re-partitions: owner() answers differently after it changed.
   int64_t partition_version() const { return partition_version_; }
   // What the last move of optimizer state between ranks did on this rank, and how many moves
@@ -262,6 +241,25 @@ class OSS : public torch::optim::Optimizer {
 
  private:
   friend struct testing::Introspection;
+  friend detail::ShardStore& detail::store_of(OSS& optimizer);
+  // ---- what ShardedDDP controls (it shares the store: Note [Owned gradients]) ----
+  friend class ShardedDDP;
+  // Lays the buffers out for the trainable set `trainable` (one flag per parameter, in
+  // all_params() order) if it differs from the one the layout was made for; returns whether it
+  // did. Local: every rank must pass the same mask before the next collective that uses the
+  // layout (ShardedDDP checks it before the first reduction).
+  bool lay_out_for(const std::vector<uint8_t>& trainable);
+  // Re-cuts the gradient buckets at `bytes` (0: one per parameter); no data moves.
+  void set_bucket_bytes(int64_t bytes);
+  // With it on, step() leaves the parameter sync in flight (Note [Overlapped parameter sync]).
+  void set_overlap_param_sync(bool on);
+  // ShardedDDP checks the trainable set at every forward, lays the buffers out for it, and turns
+  // the step's check (and lay-out) off.
+  void set_check_trainable_every_step(bool on) {
+    options_.check_trainable_every_step(on);
+    layout_follows_ddp_ = !on;
+  }
+
   void init(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory);
   void check_params_across_ranks();
   // With shard_group_size: splits the group into blocks and replica groups; group_ becomes the block.
@@ -290,8 +288,15 @@ class OSS : public torch::optim::Optimizer {
   // Starts the broadcast of every bucket from its owner, in reverse bucket order (Note
   // [Overlapped parameter sync]).
   void start_param_sync();
-  // The gradient of holding h of parameter i on this rank, or undefined.
+  // The gradient of holding h of parameter i on this rank, or undefined: a range of the
+  // parameter's full gradient when it has one, else the store's (Note [Owned gradients]).
   at::Tensor holding_grad(size_t i, const detail::Holding& h) const;
+  // Where a holding's own gradient is kept: the parameter's .grad for a whole parameter, the
+  // store otherwise (what moves with the holding to a new owner).
+  at::Tensor owned_grad(size_t i, const detail::Holding& h) const;
+  void set_owned_grad(size_t i, const detail::Holding& h, at::Tensor grad);
+  // Steps this rank's holdings with their gradients (the fused step, or the wrapped optimizer's).
+  void step_shard();
 
   std::shared_ptr<ProcessGroup> group_;
   OSSOptions options_;
@@ -313,16 +318,9 @@ class OSS : public torch::optim::Optimizer {
   std::shared_ptr<ProcessGroup> global_group_, replica_group_;
   bool stepped_fused_ = false;
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
-  std::vector<at::Tensor> piece_tensors_;               // per layout piece, on its owner
-  // The gradients the last zero_grad(false) zeroed, without keeping them alive, with their
-  // versions right after.
-  struct Zeroed {
-    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> grad;
-    int64_t version;
-  };
-  std::unordered_map<const c10::TensorImpl*, Zeroed> zeroed_;
   std::unique_ptr<torch::optim::Optimizer> local_;
-  std::unique_ptr<detail::ShardStore> store_;  // the slabs the local optimizer's state lives in
+  // The slabs the local optimizer's state lives in, and the owned gradients.
+  std::unique_ptr<detail::ShardStore> store_;
   std::vector<uint8_t> trainable_;
   // Parameters stepped (or loaded with state) since construction: the frozen ones among them have
   // state to keep (Note [Kept state]). The same on every rank: it follows the agreed trainable set.

@@ -18,6 +18,8 @@ namespace shardopt::testing {
 struct Introspection {
   // Whether the overlapped parameter sync of the last step() is still in flight.
   static bool param_sync_in_flight(const OSS& oss) { return oss.sync_in_flight_ > 0; }
+  // Counts OSS's layouts (a trainable set, owners or bucket cuts changed).
+  static int64_t layout_version(const OSS& oss) { return oss.layout_version_; }
   // Whether the last step() used the fused step.
   static bool stepped_fused(const OSS& oss) { return oss.stepped_fused_; }
   // Bytes of gradients the last reduction copied into buckets: gradients autograd accumulated
@@ -46,6 +48,11 @@ struct Introspection {
   static at::Tensor state_slab(const OSS& oss, size_t group, const std::string& kind);
   // Bytes of all the store's slabs on this rank.
   static int64_t slab_bytes(const OSS& oss);
+
+  // The CPU build of the fused step's loops that runs: 2 AVX-512, 1 AVX2 + FMA, 0 portable. Cap
+  // it at `level` to compare the builds (-1: as SHARDOPT_FUSED_KERNELS says).
+  static int cpu_kernel_level();
+  static void cap_cpu_kernels(int level);
 };
 
 }  // namespace shardopt::testing
