@@ -17,6 +17,7 @@
 // the re-partition that follows (with --rebalance 1), the trainable-work imbalance kept or
 // re-partitioned, the optimizer-state bytes moved, and the step time after the freeze. Phase
 // times (forward, backward, step) go to stderr.
+#include <shardopt/models/gpt2.h>
 #include <shardopt/shardopt.h>
 
 #include <ATen/ATen.h>
@@ -72,36 +73,34 @@ at::Tensor init(std::vector<int64_t> shape, double scale, at::Generator& gen) {
   return (at::randn(shape, gen) * scale).requires_grad_();
 }
 
-// Mirrors GPT2Like in bench/peers/ddp_peers.py (the default shape).
+// GPT-2's shape (shardopt/models/gpt2.h) as a module, with the blocks' weights [out, in] as
+// at::linear takes them: the same tensors, in the same order and layout, as GPT2Like in
+// bench/ddp/peers/ddp_peers.py (nn.Linear). The default is the ~24M-parameter shape.
 struct GPT2Like : torch::nn::Module {
-  int64_t kD = 512, kVocab = 10000, kCtx = 512, kLayers = 6;
+  int64_t kD = 512, kVocab = 10000;
   struct Block {
     at::Tensor ln1_w, ln1_b, attn_w, attn_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, out_w, out_b;
   };
-  GPT2Like(int64_t d = 512, int64_t vocab = 10000, int64_t ctx = 512, int64_t layers = 6)
-      : kD(d), kVocab(vocab), kCtx(ctx), kLayers(layers) {
+  GPT2Like(int64_t d = 512, int64_t vocab = 10000, int64_t ctx = 512, int layers = 6) : kD(d), kVocab(vocab) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
-    wte = register_parameter("wte", init({kVocab, kD}, 0.02, gen));
-    wpe = register_parameter("wpe", init({kCtx, kD}, 0.01, gen));
-    for (int64_t l = 0; l < kLayers; ++l) {
-      Block b;
-      auto name = [&](const char* n) { return "h" + std::to_string(l) + "_" + n; };
-      b.ln1_w = register_parameter(name("ln1_w"), at::ones({kD}).requires_grad_());
-      b.ln1_b = register_parameter(name("ln1_b"), at::zeros({kD}).requires_grad_());
-      b.attn_w = register_parameter(name("attn_w"), init({3 * kD, kD}, 0.02, gen));
-      b.attn_b = register_parameter(name("attn_b"), at::zeros({3 * kD}).requires_grad_());
-      b.proj_w = register_parameter(name("proj_w"), init({kD, kD}, 0.02, gen));
-      b.proj_b = register_parameter(name("proj_b"), at::zeros({kD}).requires_grad_());
-      b.ln2_w = register_parameter(name("ln2_w"), at::ones({kD}).requires_grad_());
-      b.ln2_b = register_parameter(name("ln2_b"), at::zeros({kD}).requires_grad_());
-      b.fc_w = register_parameter(name("fc_w"), init({4 * kD, kD}, 0.02, gen));
-      b.fc_b = register_parameter(name("fc_b"), at::zeros({4 * kD}).requires_grad_());
-      b.out_w = register_parameter(name("out_w"), init({kD, 4 * kD}, 0.02, gen));
-      b.out_b = register_parameter(name("out_b"), at::zeros({kD}).requires_grad_());
-      blocks.push_back(b);
+    std::vector<at::Tensor> ps;
+    for (auto [name, shape] : shardopt::models::gpt2_shapes(d, vocab, ctx, layers)) {
+      if (shape.size() == 2 && name != "wte" && name != "wpe") std::swap(shape[0], shape[1]);  // Conv1D's [in, out]
+      const bool bias = name.size() > 4 && name.compare(name.size() - 4, 4, "bias") == 0;
+      const bool norm = name.find("ln_") != std::string::npos;
+      at::Tensor t = bias ? at::zeros(shape).requires_grad_()
+                          : norm ? at::ones(shape).requires_grad_() : init(shape, name == "wpe" ? 0.01 : 0.02, gen);
+      std::replace(name.begin(), name.end(), '.', '_');
+      ps.push_back(register_parameter(name, t));
     }
-    lnf_w = register_parameter("lnf_w", at::ones({kD}).requires_grad_());
-    lnf_b = register_parameter("lnf_b", at::zeros({kD}).requires_grad_());
+    wte = ps[0];
+    wpe = ps[1];
+    for (int l = 0; l < layers; ++l) {
+      const at::Tensor* b = &ps[2 + 12 * l];
+      blocks.push_back({b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11]});
+    }
+    lnf_w = ps[ps.size() - 2];
+    lnf_b = ps.back();
   }
   // Called with each part's parameters before the forward uses them (ShardedDDP::wait_param_sync
   // under --overlap-sync).

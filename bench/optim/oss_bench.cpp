@@ -3,6 +3,7 @@
 // process over Gloo (loopback), one intra-op thread each.
 //
 //   build/oss_bench --benchmark_counters_tabular=true
+#include <shardopt/models/gpt2.h>
 #include <shardopt/optim/oss.h>
 
 #include "harness.h"
@@ -20,22 +21,13 @@ namespace {
 
 namespace optim = torch::optim;
 
-// GPT-2-like: vocab 10000, context 512, width 512, 6 blocks (~24.4M parameters).
+// GPT-2's shape at vocab 10000, context 512, width 512, 6 blocks (~24.4M parameters).
 std::vector<at::Tensor> gpt2_like_params() {
-  const int64_t d = 512, vocab = 10000, ctx = 512, layers = 6;
-  std::vector<std::vector<int64_t>> shapes{{vocab, d}, {ctx, d}};
-  for (int64_t l = 0; l < layers; ++l) {
-    for (auto s : std::vector<std::vector<int64_t>>{{d}, {d}, {3 * d, d}, {3 * d}, {d, d}, {d}, {d}, {d}, {4 * d, d}, {4 * d}, {d, 4 * d}, {d}}) {
-      shapes.push_back(s);
-    }
-  }
-  shapes.push_back({d});
-  shapes.push_back({d});
   std::vector<at::Tensor> params;
-  for (auto& s : shapes) {
-    at::Tensor p = at::randn(s) * 0.02;
+  for (const auto& layer : shardopt::models::gpt2_shapes(512, 10000, 512, 6)) {
+    at::Tensor p = at::randn(layer.shape) * 0.02;
     p.requires_grad_();
-    p.mutable_grad() = at::randn(s) * 1e-3;
+    p.mutable_grad() = at::randn(layer.shape) * 1e-3;
     params.push_back(p);
   }
   return params;

@@ -282,6 +282,48 @@ torch::IValue parse_owned(std::vector<char> bytes, const std::string& path) {
   return {};
 }
 
+// Every rank's RNG state, on rank 0 (empty elsewhere). Collective.
+std::vector<torch::IValue> gather_rng_states(ProcessGroup& group) {
+  const int rank = group.rank();
+  std::vector<torch::IValue> states;
+  for (int r = 0; r < group.size(); ++r) {
+    if (r == 0) {
+      if (rank == 0) states.emplace_back(rng_state());
+    } else if (rank == r) {
+      group.send_bytes(torch::pickle_save(rng_state()), 0, r);
+    } else if (rank == 0) {
+      states.push_back(torch::pickle_load(group.recv_bytes(r, r)));
+    }
+  }
+  return states;
+}
+
+// What the main file holds: the model, the training state, the optimizer (consolidated) or the
+// count of its shard files, every rank's RNG state, and the id the shard files carry too.
+Dict main_file_value(torch::nn::Module& module, int world, int shard_world, int64_t id, bool sharded,
+                     const torch::IValue& optimizer_value, const std::vector<torch::IValue>& rng_states,
+                     const TrainingState& state) {
+  Dict d = string_dict();
+  d.insert("format", std::string("shardopt-checkpoint"));
+  d.insert("world_size", static_cast<int64_t>(world));
+  d.insert("optimizer_shards", static_cast<int64_t>(shard_world));
+  d.insert("checkpoint_id", id);
+  d.insert("model", module_value(module));
+  d.insert("trainable", trainable_value(module));
+  d.insert("optimizer_layout", std::string(sharded ? "sharded" : "consolidated"));
+  if (!sharded) d.insert("optimizer", optimizer_value);
+  List rng(c10::AnyType::get());
+  for (const auto& s : rng_states) rng.push_back(s);
+  d.insert("rng", rng);
+  d.insert("step", state.step);
+  d.insert("epoch", state.epoch);
+  d.insert("sampler", state.sampler ? torch::IValue(sampler_value(*state.sampler)) : torch::IValue());
+  c10::Dict<std::string, double> scalars;
+  for (const auto& [k, v] : state.scalars) scalars.insert(k, v);
+  d.insert("scalars", scalars);
+  return d;
+}
+
 }  // namespace
 
 std::vector<char> checkpoint_bytes(const torch::IValue& payload) {
@@ -313,16 +355,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& op
     optimizer.consolidate_state_dict(0);
     if (rank == 0) optimizer_value = optimizer.state_dict();
   }
-  std::vector<torch::IValue> rng_states;
-  for (int r = 0; r < world; ++r) {
-    if (r == 0) {
-      if (rank == 0) rng_states.emplace_back(rng_state());
-    } else if (rank == r) {
-      group.send_bytes(torch::pickle_save(rng_state()), 0, r);
-    } else if (rank == 0) {
-      rng_states.push_back(torch::pickle_load(group.recv_bytes(r, r)));
-    }
-  }
+  const std::vector<torch::IValue> rng_states = gather_rng_states(group);
 
   std::string error;
   try {
@@ -340,24 +373,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& op
   group.allreduce(shards_ok, Reduction::kMax);
   if (rank == 0 && error.empty() && shards_ok.item<int64_t>() == 0) {
     try {
-      Dict d = string_dict();
-      d.insert("format", std::string("shardopt-checkpoint"));
-      d.insert("world_size", static_cast<int64_t>(world));
-      d.insert("optimizer_shards", static_cast<int64_t>(shard_world));
-      d.insert("checkpoint_id", id.item<int64_t>());
-      d.insert("model", module_value(module));
-      d.insert("trainable", trainable_value(module));
-      d.insert("optimizer_layout", std::string(sharded ? "sharded" : "consolidated"));
-      if (!sharded) d.insert("optimizer", optimizer_value);
-      List rng(c10::AnyType::get());
-      for (auto& s : rng_states) rng.push_back(s);
-      d.insert("rng", rng);
-      d.insert("step", state.step);
-      d.insert("epoch", state.epoch);
-      d.insert("sampler", state.sampler ? torch::IValue(sampler_value(*state.sampler)) : torch::IValue());
-      c10::Dict<std::string, double> scalars;
-      for (const auto& [k, v] : state.scalars) scalars.insert(k, v);
-      d.insert("scalars", scalars);
+      Dict d = main_file_value(module, world, shard_world, id.item<int64_t>(), sharded, optimizer_value, rng_states, state);
       write_checkpoint_file(path, d);
     } catch (const std::exception& e) {
       error = strip_prefix(e.what());

@@ -115,51 +115,54 @@ void ShardedDDP::decide_bucket_views() {
     }
   });
   if (!options_.gradient_as_bucket_view()) return;
-  const int rank = group_->rank();
   for (auto& b : buckets_) {
-    if (b.owner != rank || b.buffer.defined()) continue;
-    const int64_t elements = b.numel + static_cast<int64_t>(b.entries.size());
-    // The memory the owned gradients live in: the bucket's own, or that of an earlier bucket,
-    // where a backward that copied left them (Note [Accumulating across reductions] adds into the
-    // gradient as it is).
-    const c10::StorageImpl* own = b.storage.defined() ? b.storage.storage().unsafeGetStorageImpl() : nullptr;
-    c10::Storage memory = b.storage.defined() ? b.storage.storage() : c10::Storage();
-    bool eligible = true, found = false;
-    for (size_t k : b.entries) {
-      const Entry& e = entries_[k];
-      if (!e.whole || !e.owned || e.whole_param.dtype() != b.options.dtype()) {
-        eligible = false;
-        break;
-      }
-      const at::Tensor& g = e.grad();
-      if (!found && g.defined() && b.store->zeroed(g) && g.storage().unsafeGetStorageImpl() != own) {
-        memory = g.storage();
-        found = true;
-      }
-    }
-    if (!eligible || !memory) continue;
-    const c10::StorageImpl* impl = memory.unsafeGetStorageImpl();
-    if (static_cast<int64_t>(memory.nbytes()) != elements * static_cast<int64_t>(b.options.dtype().itemsize())) continue;
-    int64_t zeroed = 0;  // owned gradients in that memory, each zeroed and at its own slot
-    for (size_t k : b.entries) {
-      const Entry& e = entries_[k];
-      const at::Tensor& g = e.grad();
-      if (!g.defined() || g.storage().unsafeGetStorageImpl() != impl) continue;
-      // Zeroed, at its own slot, laid out as the slot is (so that autograd's add lands in order).
-      if (!b.store->zeroed(g) || g.storage_offset() != e.offset || g.numel() != e.numel ||
-          !g.is_contiguous() || g.dtype() != b.options.dtype()) {
-        eligible = false;
-        break;
-      }
-      ++zeroed;
-    }
-    // Nothing else (another view the user holds, a stale reference) may see the memory change.
-    const int64_t ours = impl == own ? 1 : 0;
-    if (!eligible || static_cast<int64_t>(memory.use_count()) != ours + zeroed + 1 /* `memory` */) continue;
-    if (impl != own) b.storage = at::empty({0}, b.options).set_(memory, 0, {elements}, {1});
-    b.in_place = true;
-    b.buffer = b.storage;
+    if (b.owner == group_->rank() && !b.buffer.defined()) decide_bucket_view(b);
   }
+}
+
+// Whether this backward accumulates into owned bucket `b` where its zeroed gradients live.
+void ShardedDDP::decide_bucket_view(Bucket& b) {
+  const int64_t elements = b.numel + static_cast<int64_t>(b.entries.size());
+  // The memory the owned gradients live in: the bucket's own, or that of an earlier bucket,
+  // where a backward that copied left them (Note [Accumulating across reductions] adds into the
+  // gradient as it is).
+  const c10::StorageImpl* own = b.storage.defined() ? b.storage.storage().unsafeGetStorageImpl() : nullptr;
+  c10::Storage memory = b.storage.defined() ? b.storage.storage() : c10::Storage();
+  bool eligible = true, found = false;
+  for (size_t k : b.entries) {
+    const Entry& e = entries_[k];
+    if (!e.whole || !e.owned || e.whole_param.dtype() != b.options.dtype()) {
+      eligible = false;
+      break;
+    }
+    const at::Tensor& g = e.grad();
+    if (!found && g.defined() && b.store->zeroed(g) && g.storage().unsafeGetStorageImpl() != own) {
+      memory = g.storage();
+      found = true;
+    }
+  }
+  if (!eligible || !memory) return;
+  const c10::StorageImpl* impl = memory.unsafeGetStorageImpl();
+  if (static_cast<int64_t>(memory.nbytes()) != elements * static_cast<int64_t>(b.options.dtype().itemsize())) return;
+  int64_t zeroed = 0;  // owned gradients in that memory, each zeroed and at its own slot
+  for (size_t k : b.entries) {
+    const Entry& e = entries_[k];
+    const at::Tensor& g = e.grad();
+    if (!g.defined() || g.storage().unsafeGetStorageImpl() != impl) continue;
+    // Zeroed, at its own slot, laid out as the slot is (so that autograd's add lands in order).
+    if (!b.store->zeroed(g) || g.storage_offset() != e.offset || g.numel() != e.numel ||
+        !g.is_contiguous() || g.dtype() != b.options.dtype()) {
+      eligible = false;
+      break;
+    }
+    ++zeroed;
+  }
+  // Nothing else (another view the user holds, a stale reference) may see the memory change.
+  const int64_t ours = impl == own ? 1 : 0;
+  if (!eligible || static_cast<int64_t>(memory.use_count()) != ours + zeroed + 1 /* `memory` */) return;
+  if (impl != own) b.storage = at::empty({0}, b.options).set_(memory, 0, {elements}, {1});
+  b.in_place = true;
+  b.buffer = b.storage;
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -262,25 +265,28 @@ void ShardedDDP::fill_param(size_t h) {
   // Filled earlier in this backward (the end of backward passes every parameter): the gradient is
   // already what the first fill left.
   if (!filled) return;
-  // The local gradient is released as soon as it is in the buckets: the owner of the whole
-  // parameter keeps a view of its slot (the reduction overwrites it with the sum), every other
-  // rank drops it.
   hooked.slot_alias = nullptr;
-  if (has_grad) {
-    if (owned) {
-      // A gradient autograd accumulated where its slot is (Note [Gradients as bucket views]) stays
-      // the same tensor, as under DDP; any other becomes a view of its slot.
-      const at::Tensor& buffer = buckets_[owned->bucket].buffer;
-      const at::Tensor& g = p.grad();
-      const bool at_slot = g.is_contiguous() && g.dtype() == buffer.dtype() && g.sizes() == p.sizes() &&
-                           g.storage().unsafeGetStorageImpl() == buffer.storage().unsafeGetStorageImpl() &&
-                           g.storage_offset() == buffer.storage_offset() + owned->offset;
-      if (!at_slot) p.mutable_grad() = alias_at(buffer, owned->offset, p.sizes());
-      hooked.slot_alias = p.grad().unsafeGetTensorImpl();
-    } else {
-      p.mutable_grad().reset();
-    }
+  if (has_grad) release_local_grad(hooked, owned);
+}
+
+// The local gradient is released as soon as it is in the buckets: the owner of the whole
+// parameter keeps a view of its slot `owned` (the reduction overwrites it with the sum), every
+// other rank (`owned` null) drops it.
+void ShardedDDP::release_local_grad(Hooked& hooked, const Entry* owned) {
+  at::Tensor& p = hooked.param;
+  if (!owned) {
+    p.mutable_grad().reset();
+    return;
   }
+  // A gradient autograd accumulated where its slot is (Note [Gradients as bucket views]) stays
+  // the same tensor, as under DDP; any other becomes a view of its slot.
+  const at::Tensor& buffer = buckets_[owned->bucket].buffer;
+  const at::Tensor& g = p.grad();
+  const bool at_slot = g.is_contiguous() && g.dtype() == buffer.dtype() && g.sizes() == p.sizes() &&
+                       g.storage().unsafeGetStorageImpl() == buffer.storage().unsafeGetStorageImpl() &&
+                       g.storage_offset() == buffer.storage_offset() + owned->offset;
+  if (!at_slot) p.mutable_grad() = alias_at(buffer, owned->offset, p.sizes());
+  hooked.slot_alias = p.grad().unsafeGetTensorImpl();
 }
 
 // What this rank's owned gradients show about clearing since the last reduction: {a whole one
@@ -360,26 +366,36 @@ void ShardedDDP::finish_reduction() {
   }
   uncleared_ = false;
 
-  std::string error;
-  // A parameter that became trainable without a rebuild has a local, unreduced gradient.
-  for (size_t k = 0; k < params_.size() && error.empty(); ++k) {
+  const std::string error = reduction_error(ambiguous);
+  if (error.empty()) hand_over_reduced();
+  reset_executor();  // ready for the next backward whatever happened
+  SHARDOPT_CHECK(error.empty(), error);
+}
+
+// Why the reduction just finished must not be handed over, or "": a parameter that became
+// trainable without a rebuild (its gradient is local, unreduced), clearing that cannot be told
+// (Note [Accumulating across reductions]), or kGlobalSamples without its count.
+std::string ShardedDDP::reduction_error(bool ambiguous) const {
+  for (size_t k = 0; k < params_.size(); ++k) {
     if (!mask_[k] && params_[k].grad().defined() && params_[k].requires_grad()) {
-      error = "parameter '" + names_[k] + "' became trainable after the last rebuild; call refresh_trainable() "
-              "(or keep auto_refresh_trainable on and call forward())";
+      return "parameter '" + names_[k] + "' became trainable after the last rebuild; call refresh_trainable() "
+             "(or keep auto_refresh_trainable on and call forward())";
     }
   }
-  if (error.empty() && ambiguous) {
-    error = "cannot tell whether the gradients of the last backward were cleared: every trainable parameter "
-            "is split across ranks (OSS PartitionMode kSplit) and split gradients are out of reach of "
-            "module->zero_grad() and p.grad(). Clear with the OSS's or ShardedDDP's zero_grad(), accumulate "
-            "under no_sync(), or use OSSOptions().partition(PartitionMode::kWholeParameters)";
+  if (ambiguous) {
+    return "cannot tell whether the gradients of the last backward were cleared: every trainable parameter "
+           "is split across ranks (OSS PartitionMode kSplit) and split gradients are out of reach of "
+           "module->zero_grad() and p.grad(). Clear with the OSS's or ShardedDDP's zero_grad(), accumulate "
+           "under no_sync(), or use OSSOptions().partition(PartitionMode::kWholeParameters)";
   }
-  if (error.empty() && options_.grad_scaling() == GradScaling::kGlobalSamples && global_samples_ <= 0) {
-    error = "grad_scaling kGlobalSamples needs set_global_samples(n > 0) before each backward (got " +
-            std::to_string(global_samples_) + ")";
+  if (options_.grad_scaling() == GradScaling::kGlobalSamples && global_samples_ <= 0) {
+    return "grad_scaling kGlobalSamples needs set_global_samples(n > 0) before each backward (got " +
+           std::to_string(global_samples_) + ")";
   }
-  if (error.empty()) hand_over_reduced();
-  // The executor is ready for the next backward whatever happened.
+  return "";
+}
+
+void ShardedDDP::reset_executor() {
   for (auto& b : buckets_) {
     b.buffer = at::Tensor();
     b.in_place = false;
@@ -398,7 +414,6 @@ void ShardedDDP::finish_reduction() {
   next_launch_ = 0;
   unreduced_local_grads_ = false;
   global_samples_ = -1;
-  SHARDOPT_CHECK(error.empty(), error);
 }
 
 void ShardedDDP::hand_over_reduced() {

@@ -165,6 +165,13 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   settled_ = holdings_;
   settled_version_ = layout_version_;
 
+  make_local(factory);
+  master_sources_.clear();
+  place_state();
+}
+
+// The wrapped optimizer over this rank's holdings, with the global groups' options.
+void OSS::make_local(const OptimizerFactory& factory) {
   std::vector<optim::OptimizerParamGroup> local_groups;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     local_groups.emplace_back(std::vector<at::Tensor>{}, param_groups_[g].options().clone());
@@ -176,8 +183,6 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   }
   local_ = factory(std::move(local_groups));
   SHARDOPT_CHECK(local_, "the optimizer factory returned null");
-  master_sources_.clear();
-  place_state();
 }
 
 // Note [Split parameters]

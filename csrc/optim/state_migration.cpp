@@ -33,6 +33,65 @@ GenericDict encode_slice(size_t param, const Slice& slice) {
   return d;
 }
 
+// Elements [begin, end) (parameter frame) of old holding `o` of parameter `param` on this rank: its
+// state, gradient and, with `carry_values`, its own values.
+Slice cut_slice(const OptimizerCodec& codec, const torch::optim::Optimizer& local, const HoldingGrads& grads,
+                size_t param, const Holding& o, int64_t begin, int64_t end, bool carry_values) {
+  Slice slice{begin, end, std::nullopt, at::Tensor(), at::Tensor()};
+  const int64_t from = begin - o.in_param.begin;
+  auto it = local.state().find(compat::state_key(o.tensor));
+  if (it != local.state().end()) slice.state = slice_state(codec.encode_state(*it->second), from, from + end - begin);
+  if (const at::Tensor g = grads.get(param, o); g.defined()) slice.grad = g.reshape(-1).narrow(0, from, end - begin).clone();
+  if (carry_values) slice.values = o.tensor.detach().reshape(-1).narrow(0, from, end - begin).clone();
+  return slice;
+}
+
+// Bytes of state (and values) a slice carries.
+int64_t slice_bytes(const Slice& slice) {
+  return (slice.state ? state_tensor_bytes(*slice.state) : 0) +
+         (slice.values.defined() ? static_cast<int64_t>(slice.values.nbytes()) : 0);
+}
+
+// A slice another rank sent (encode_slice), with its parameter.
+std::pair<size_t, Slice> decode_slice(const c10::IValue& item) {
+  const auto d = item.toGenericDict();
+  Slice slice{d.at("begin").toInt(), d.at("end").toInt(), std::nullopt, at::Tensor(), at::Tensor()};
+  if (d.contains("state")) slice.state = d.at("state").toGenericDict();
+  if (d.contains("grad")) slice.grad = d.at("grad").toTensor();
+  if (d.contains("values")) slice.values = d.at("values").toTensor();
+  return {static_cast<size_t>(d.at("param").toInt()), std::move(slice)};
+}
+
+// incoming[(param, holding index)] -> the slices of that holding of this rank.
+using Incoming = std::map<std::pair<size_t, size_t>, std::vector<Slice>>;
+
+// Sends rank d outgoing[d] where moving[this rank][d], and files each slice this rank receives
+// under every holding of its own in `to` that the slice lies in: one pair of ranks at a time, in
+// the same order everywhere, so that no two transfers wait on each other.
+void exchange(ProcessGroup& group, const std::vector<std::vector<uint8_t>>& moving,
+              const std::vector<c10::impl::GenericList>& outgoing, const std::vector<std::vector<Holding>>& to,
+              Incoming& incoming, RebalanceStats& stats) {
+  const int rank = group.rank(), world = group.size();
+  for (int s = 0; s < world; ++s) {
+    for (int d = 0; d < world; ++d) {
+      if (!moving[s][d]) continue;
+      if (rank == s) group.send_bytes(torch::pickle_save(outgoing[d]), d, s);
+      if (rank != d) continue;
+      const c10::IValue received = torch::pickle_load(group.recv_bytes(s, s));
+      for (const auto& item : received.toListRef()) {
+        auto [i, slice] = decode_slice(item);
+        stats.state_bytes_received += slice_bytes(slice);
+        for (size_t k = 0; k < to[i].size(); ++k) {
+          const Holding& h = to[i][k];
+          if (h.rank == rank && h.in_param.begin <= slice.begin && slice.end <= h.in_param.end) {
+            incoming[{i, k}].push_back(slice);
+          }
+        }
+      }
+    }
+  }
+}
+
 // Stitches the slices of one new holding (sorted, covering it) and installs state and gradient.
 void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, size_t param, const Holding& h,
              const HoldingGrads& grads, std::vector<Slice> slices) {
@@ -123,15 +182,13 @@ void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const
   }
   if (changed.empty()) return;
   const auto& codec = codec_for(local);
-  auto& state = local.state();
   at::NoGradGuard no_grad;
   // moving[s][d]: does any range go from rank s to another rank d?
   std::vector<std::vector<uint8_t>> moving(world, std::vector<uint8_t>(world, 0));
   // One list per destination (a GenericList is a shared handle: copies would alias one list).
   std::vector<c10::impl::GenericList> outgoing;
   for (int d = 0; d < world; ++d) outgoing.emplace_back(c10::AnyType::get());
-  // incoming[(param, holding index)] -> slices
-  std::map<std::pair<size_t, size_t>, std::vector<Slice>> incoming;
+  Incoming incoming;
   for (size_t i : changed) {
     ++stats.params_moved;
     for (size_t k = 0; k < to[i].size(); ++k) {
@@ -142,61 +199,21 @@ void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const
         if (begin >= end && !(h.in_param.size() == 0 && o.in_param.size() == 0)) continue;
         if (o.rank != h.rank) moving[o.rank][h.rank] = 1;
         if (o.rank != rank) continue;
-        Slice slice{begin, end, std::nullopt, at::Tensor(), at::Tensor()};
-        auto it = state.find(compat::state_key(o.tensor));
-        if (it != state.end()) {
-          slice.state = slice_state(codec.encode_state(*it->second), begin - o.in_param.begin, end - o.in_param.begin);
-          if (h.rank != rank) stats.state_bytes_sent += state_tensor_bytes(*slice.state);
-        }
-        if (const at::Tensor g = grads.get(i, o); g.defined()) {
-          slice.grad = g.reshape(-1).narrow(0, begin - o.in_param.begin, end - begin).clone();
-        }
-        if (carry_values) {
-          slice.values = o.tensor.detach().reshape(-1).narrow(0, begin - o.in_param.begin, end - begin).clone();
-          if (h.rank != rank) stats.state_bytes_sent += static_cast<int64_t>(slice.values.nbytes());
-        }
+        Slice slice = cut_slice(codec, local, grads, i, o, begin, end, carry_values);
         if (h.rank == rank) {
           incoming[{i, k}].push_back(std::move(slice));
-        } else {
-          outgoing[h.rank].push_back(encode_slice(i, slice));
+          continue;
         }
+        stats.state_bytes_sent += slice_bytes(slice);
+        outgoing[h.rank].push_back(encode_slice(i, slice));
       }
     }
     // The old holdings' state is now in the slices.
     for (const Holding& o : from[i]) {
-      if (o.rank == rank) state.erase(compat::state_key(o.tensor));
+      if (o.rank == rank) local.state().erase(compat::state_key(o.tensor));
     }
   }
-  // One pair of ranks at a time, in the same order everywhere: no two transfers wait on each other.
-  for (int s = 0; s < world; ++s) {
-    for (int d = 0; d < world; ++d) {
-      if (!moving[s][d]) continue;
-      if (rank == s) group.send_bytes(torch::pickle_save(outgoing[d]), d, s);
-      if (rank != d) continue;
-      const c10::IValue received = torch::pickle_load(group.recv_bytes(s, s));
-      for (const auto& item : received.toListRef()) {
-        const auto d_item = item.toGenericDict();
-        const auto i = static_cast<size_t>(d_item.at("param").toInt());
-        Slice slice{d_item.at("begin").toInt(), d_item.at("end").toInt(), std::nullopt, at::Tensor(), at::Tensor()};
-        if (d_item.contains("state")) {
-          slice.state = d_item.at("state").toGenericDict();
-          stats.state_bytes_received += state_tensor_bytes(*slice.state);
-        }
-        if (d_item.contains("grad")) slice.grad = d_item.at("grad").toTensor();
-        if (d_item.contains("values")) {
-          slice.values = d_item.at("values").toTensor();
-          stats.state_bytes_received += static_cast<int64_t>(slice.values.nbytes());
-        }
-        // The slice belongs to every holding of this rank that overlaps it.
-        for (size_t k = 0; k < to[i].size(); ++k) {
-          const Holding& h = to[i][k];
-          if (h.rank == rank && h.in_param.begin <= slice.begin && slice.end <= h.in_param.end) {
-            incoming[{i, k}].push_back(slice);
-          }
-        }
-      }
-    }
-  }
+  exchange(group, moving, outgoing, to, incoming, stats);
   for (auto& [where, slices] : incoming) {
     install(codec, local, where.first, to[where.first][where.second], grads, std::move(slices));
   }

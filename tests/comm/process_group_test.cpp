@@ -1,3 +1,4 @@
+#include <shardopt/comm/launch_env.h>
 #include <shardopt/comm/process_group.h>
 
 #include "harness.h"
@@ -294,6 +295,28 @@ TEST(Comm, LocalRankFromTheLaunchersEnvironment) {
     EXPECT_NE(std::string(e.what()).find("LOCAL_RANK must be an integer, got 'one'"), std::string::npos) << e.what();
   }
   for (const char* n : names) unsetenv(n);
+}
+
+// env_var is the one reader of the environment: a listed variable reads as set (unset or empty:
+// null), and a variable missing from kLaunchVariables is refused, naming it.
+TEST(Comm, EnvironmentIsReadOnlyThroughTheTableOfVariables) {
+  setenv("SHARDOPT_CHECK_DESYNC", "1", 1);
+  ASSERT_NE(env_var("SHARDOPT_CHECK_DESYNC"), nullptr);
+  EXPECT_STREQ(env_var("SHARDOPT_CHECK_DESYNC"), "1");
+  setenv("SHARDOPT_CHECK_DESYNC", "", 1);
+  EXPECT_EQ(env_var("SHARDOPT_CHECK_DESYNC"), nullptr);
+  unsetenv("SHARDOPT_CHECK_DESYNC");
+  EXPECT_EQ(env_var("SHARDOPT_CHECK_DESYNC"), nullptr);
+  setenv("SHARDOPT_NOT_A_VARIABLE", "1", 1);
+  try {
+    env_var("SHARDOPT_NOT_A_VARIABLE");
+    ADD_FAILURE() << "a variable outside kLaunchVariables must be refused";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("SHARDOPT_NOT_A_VARIABLE is read but not listed in kLaunchVariables"),
+              std::string::npos)
+        << e.what();
+  }
+  unsetenv("SHARDOPT_NOT_A_VARIABLE");
 }
 
 }  // namespace

@@ -246,17 +246,23 @@ class ShardedDDP {
   void finish_reduction();
   // Copies parameter hooked_[h]'s gradient into its slots (or zeroes them) and releases it.
   void fill_param(size_t hooked);
+  void release_local_grad(Hooked& hooked, const Entry* owned);
   at::Tensor bucket_buffer(Bucket& bucket);  // allocated (or reused) at its first gradient
   // Sets aside an owner's gradient that the last reduction handed over (a hook of hooked_[h]).
   void before_accumulation(size_t hooked);
   // At the first gradient of a backward: which owned buckets it accumulates into in place.
   void decide_bucket_views();
+  void decide_bucket_view(Bucket& bucket);
   // Forgets that decision where no reduction is under way (a backward that reduced nothing).
   void drop_bucket_views();
   bool is_handed_over(const Entry& entry) const;
   at::Tensor clearing_evidence() const;
   // Divides the owned buckets and makes them the owners' gradients.
   void hand_over_reduced();
+  // Why the finished reduction must not be handed over, or "".
+  std::string reduction_error(bool ambiguous) const;
+  // Makes the buckets and entries ready for the next backward.
+  void reset_executor();
   // What the owners divide reduced gradients by (grad_scaling; 1 for none).
   double grad_divisor() const;
   void start_mask_check();

@@ -265,6 +265,7 @@ class OSS : public torch::optim::Optimizer {
   // With shard_group_size: splits the group into blocks and replica groups; group_ becomes the block.
   void form_blocks();
   void choose_partition_mode(const OptimizerFactory& factory);
+  void make_local(const OptimizerFactory& factory);
   // The layout of the parameters for the partition and `trainable`.
   FlatLayout plan_layout(const std::vector<uint8_t>& trainable) const;
   // Plans the layout for the partition and `trainable`, and moves the parameters into it.
