@@ -75,7 +75,7 @@ void cuda_adam(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, co
   const c10::cuda::CUDAGuard guard(p.device());
   const shardopt_adamw_hparams h = adam_hparams(s, step);
   check_status(shardopt_adamw_fp32(f32(p), f32(g), f32(m), f32(v), s.amsgrad ? f32(vmax) : nullptr, p.numel(), &h,
-                                   nullptr, nullptr, current_stream(p)),
+                                   s.device_inv_scale, s.device_found_inf, current_stream(p)),
                "shardopt_adamw_fp32");
 }
 
@@ -92,7 +92,7 @@ void cuda_sgd(const at::Tensor& p, const at::Tensor& g, const at::Tensor& buf, c
   h.nesterov = s.nesterov ? 1 : 0;
   h.maximize = 0;
   h.first_step = s.first ? 1 : 0;
-  check_status(shardopt_sgd_fp32(f32(p), f32(g), f32(buf), p.numel(), &h, nullptr, nullptr,
+  check_status(shardopt_sgd_fp32(f32(p), f32(g), f32(buf), p.numel(), &h, s.device_inv_scale, s.device_found_inf,
                                  c10::cuda::getCurrentCUDAStream(p.device().index()).stream()),
                "shardopt_sgd_fp32");
 }
@@ -115,8 +115,8 @@ void cuda_adam_mixed(const at::Tensor& copy, const at::Tensor& g, const at::Tens
   const c10::cuda::CUDAGuard guard(master.device());
   const shardopt_adamw_hparams h = adam_hparams(s, step);
   check_status(shardopt_adamw_mixed(copy.data_ptr(), copy_dtype, g.data_ptr(), grad_dtype, f32(master), f32(m), f32(v),
-                                    s.amsgrad ? f32(vmax) : nullptr, master.numel(), &h, nullptr, nullptr,
-                                    current_stream(master)),
+                                    s.amsgrad ? f32(vmax) : nullptr, master.numel(), &h, s.device_inv_scale,
+                                    s.device_found_inf, current_stream(master)),
                "shardopt_adamw_mixed");
 }
 

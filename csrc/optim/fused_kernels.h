@@ -16,12 +16,21 @@ struct AdamScalars {
   bool decoupled = false;  // AdamW: p *= 1 - lr * wd before the update; Adam: g += wd * p
   bool amsgrad = false;
   double sqrt_bias_correction2 = 1, step_size = 0;
+  // The gradient scaler's unscale, folded in (Note [Unscaling in the step] in fused_step.cpp): the
+  // gradient is multiplied by inv_scale as it is read (1: as it is). On CUDA the kernels read it,
+  // and found_inf (nonzero: write nothing), from device memory instead (null: none).
+  double inv_scale = 1;
+  const float* device_inv_scale = nullptr;
+  const float* device_found_inf = nullptr;
 };
 
 struct SgdScalars {
   double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
   bool nesterov = false;
   bool first = false;  // the momentum buffer starts as the (decayed) gradient
+  double inv_scale = 1;  // as in AdamScalars
+  const float* device_inv_scale = nullptr;
+  const float* device_found_inf = nullptr;
 };
 
 // One tensor's memory for a step: the parameter, its gradient and its state, each contiguous

@@ -67,11 +67,27 @@ bool amsgrad_of(const optim::OptimizerOptions& o) {
   return false;
 }
 
+// What a step did before it knew whether found_inf skips it (CUDA): the state it made and the
+// step counts it advanced, taken back when it does (Note [Unscaling in the step]).
+struct Taken {
+  std::vector<compat::StateKey> created;
+  std::vector<optim::AdamParamState*> advanced;
+
+  void undo(optim::Optimizer& opt) const {
+    for (auto* st : advanced) st->step(st->step() - 1);
+    for (const auto& key : created) opt.state().erase(key);
+  }
+};
+
 template <class State>
-State& state_of(optim::Optimizer& opt, const at::Tensor& p, const std::function<std::unique_ptr<State>()>& make) {
+State& state_of(optim::Optimizer& opt, const at::Tensor& p, const std::function<std::unique_ptr<State>()>& make,
+                Taken& taken) {
   auto& state = opt.state();
   auto it = state.find(compat::state_key(p));
-  if (it == state.end()) it = state.emplace(compat::state_key(p), make()).first;
+  if (it == state.end()) {
+    it = state.emplace(compat::state_key(p), make()).first;
+    taken.created.push_back(compat::state_key(p));
+  }
   return static_cast<State&>(*it->second);
 }
 
@@ -144,8 +160,24 @@ void adam_run(const std::vector<AdamEntry>& run, const AdamScalars& s, int64_t s
   if (!f64.empty()) adam_kernel(f64, s);
 }
 
+// The unscale and skip flag of a step (Note [Unscaling in the step]), as the kernels take them.
+struct Scaling {
+  double inv_scale = 1;
+  const float* device_inv_scale = nullptr;
+  const float* device_found_inf = nullptr;
+
+  template <class Scalars>
+  Scalars applied(Scalars s) const {
+    s.inv_scale = inv_scale;
+    s.device_inv_scale = device_inv_scale;
+    s.device_found_inf = device_found_inf;
+    return s;
+  }
+};
+
 template <class Options>
-void adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::FusedStepInputs& in) {
+void adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::FusedStepInputs& in, const Scaling& scaling,
+                    Taken& taken) {
   const auto& allocate = in.allocate;
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const Options&>(group.options());
@@ -161,12 +193,13 @@ void adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::FusedSt
         s->exp_avg_sq(new_state(allocate, p, "exp_avg_sq"));
         if (o.amsgrad()) s->max_exp_avg_sq(new_state(allocate, p, "max_exp_avg_sq"));
         return s;
-      });
+      }, taken);
       st.step(st.step() + 1);
+      taken.advanced.push_back(&st);
       runs[st.step()].push_back(
           {p, g, st.exp_avg(), st.exp_avg_sq(), o.amsgrad() ? st.max_exp_avg_sq() : at::Tensor()});
     }
-    for (const auto& [step, run] : runs) adam_run(run, adam_scalars(o, decoupled, step), step, in.copies);
+    for (const auto& [step, run] : runs) adam_run(run, scaling.applied(adam_scalars(o, decoupled, step)), step, in.copies);
   }
 }
 
@@ -194,7 +227,7 @@ void sgd_run(const std::vector<SgdEntry>& run, const SgdScalars& s) {
   if (!f64.empty()) sgd_kernel(f64, s);
 }
 
-void sgd_step(optim::Optimizer& opt, const detail::FusedStepInputs& in) {
+void sgd_step(optim::Optimizer& opt, const detail::FusedStepInputs& in, const Scaling& scaling, Taken& taken) {
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const optim::SGDOptions&>(group.options());
     // Two runs: momentum buffers that start as the gradient now, and the others.
@@ -212,6 +245,7 @@ void sgd_step(optim::Optimizer& opt, const detail::FusedStepInputs& in) {
           auto st = std::make_unique<optim::SGDParamState>();
           st->momentum_buffer(new_state(in.allocate, p, "momentum_buffer"));
           it = state.emplace(compat::state_key(p), std::move(st)).first;
+          taken.created.push_back(compat::state_key(p));
         }
         buf = static_cast<optim::SGDParamState&>(*it->second).momentum_buffer();
       }
@@ -226,7 +260,7 @@ void sgd_step(optim::Optimizer& opt, const detail::FusedStepInputs& in) {
       s.weight_decay = o.weight_decay();
       s.nesterov = o.nesterov();
       s.first = first == 1;
-      sgd_run(runs[first], s);
+      sgd_run(runs[first], scaling.applied(s));
     }
   }
 }
@@ -356,6 +390,64 @@ std::string fused_step_unsupported(const optim::Optimizer& optimizer) {
 
 void fused_step(optim::Optimizer& optimizer) { detail::fused_step(optimizer, own_gradients(optimizer)); }
 
+// Note [Unscaling in the step]
+// ShardedGradScaler::step() without an unscale_() before it gives the fused step the scale's
+// inverse and the found-inf flag all ranks agreed on (one-element fp32 tensors on the stepped
+// tensors' device) instead of unscaling the gradients in a pass of their own. Each kernel
+// multiplies a gradient by inv_scale as it reads it: the one fp32 multiply of ATen's unscale, so
+// the step equals unscale-then-step bit for bit, and the gradients stay scaled, as PyTorch's
+// fused optimizers leave them. A nonzero flag skips the step. On the CPU the host reads both
+// before stepping, so a skipped step makes no state. On CUDA the kernels read them from device
+// memory and write nothing when the flag is set, so no launch waits on the host; the host reads
+// the flag after the launches, to take back what it did before knowing: the step counts it
+// advanced and the state it made.
+bool detail::fused_step(optim::Optimizer& optimizer, const FusedStepInputs& in) {
+  Scaling scaling;
+  const bool on_device = in.found_inf.defined() && in.found_inf.is_cuda();
+  if (in.found_inf.defined() && !on_device && in.found_inf.item<float>() != 0) return false;
+  if (in.inv_scale.defined()) {
+    if (in.inv_scale.is_cuda()) {
+      scaling.device_inv_scale = in.inv_scale.data_ptr<float>();
+    } else {
+      scaling.inv_scale = in.inv_scale.item<float>();
+    }
+  }
+  if (on_device) scaling.device_found_inf = in.found_inf.data_ptr<float>();
+  Taken taken;
+  if (dynamic_cast<optim::AdamW*>(&optimizer)) {
+    adam_like_step<optim::AdamWOptions>(optimizer, /*decoupled=*/true, in, scaling, taken);
+  } else if (dynamic_cast<optim::Adam*>(&optimizer)) {
+    adam_like_step<optim::AdamOptions>(optimizer, /*decoupled=*/false, in, scaling, taken);
+  } else if (dynamic_cast<optim::SGD*>(&optimizer)) {
+    sgd_step(optimizer, in, scaling, taken);
+  } else {
+    SHARDOPT_CHECK(false, "fused_step: ", fused_step_unsupported(optimizer, in));
+  }
+  if (on_device && in.found_inf.item<float>() != 0) {
+    taken.undo(optimizer);
+    return false;
+  }
+  return true;
+}
+
+at::Tensor detail::found_non_finite(const std::vector<at::Tensor>& tensors, at::Device device) {
+  at::NoGradGuard no_grad;
+  at::Tensor found = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+  std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> by_kind;
+  for (const auto& t : tensors) {
+    if (t.numel() > 0) by_kind[{t.device().str(), t.scalar_type()}].push_back(t);
+  }
+  for (const auto& [kind, list] : by_kind) {
+    // kernels/'s norm gives {largest magnitude, any inf/NaN}; the inf norm is NaN or inf with them.
+    const at::Tensor fused = cuda_norm(list, /*inf=*/true);
+    const at::Tensor flag = fused.defined()
+                                ? fused.narrow(0, 1, 1)
+                                : at::stack(at::_foreach_norm(list, INFINITY)).isfinite().logical_not().any().reshape({1});
+    found.add_(flag.to(found.options()));
+  }
+  return found;
+}
+
 bool detail::adam_like(const optim::Optimizer& optimizer) {
   return dynamic_cast<const optim::Adam*>(&optimizer) != nullptr || dynamic_cast<const optim::AdamW*>(&optimizer) != nullptr;
 }
@@ -369,6 +461,9 @@ std::string detail::fused_step_unsupported(const optim::Optimizer& optimizer, co
     for (const auto& p : group.params()) {
       const at::Tensor& g = grad_of(in.grads, p);
       if (!g.defined()) continue;
+      if (in.inv_scale.defined() && (in.inv_scale.device() != p.device() || in.found_inf.device() != p.device())) {
+        return "the gradient scale is not on every stepped tensor's device";
+      }
       if (const at::Tensor* copy = copy_of(in.copies, p)) {
         const bool low = copy->scalar_type() == at::kBFloat16 || copy->scalar_type() == at::kHalf;
         if (!(adam || adamw) || !low || !detail::cuda_kernels_built() || !p.is_cuda() ||
@@ -402,18 +497,6 @@ std::string detail::fused_step_unsupported(const optim::Optimizer& optimizer, co
     }
   }
   return {};
-}
-
-void detail::fused_step(optim::Optimizer& optimizer, const FusedStepInputs& in) {
-  if (dynamic_cast<optim::AdamW*>(&optimizer)) {
-    adam_like_step<optim::AdamWOptions>(optimizer, /*decoupled=*/true, in);
-  } else if (dynamic_cast<optim::Adam*>(&optimizer)) {
-    adam_like_step<optim::AdamOptions>(optimizer, /*decoupled=*/false, in);
-  } else if (dynamic_cast<optim::SGD*>(&optimizer)) {
-    sgd_step(optimizer, in);
-  } else {
-    SHARDOPT_CHECK(false, "fused_step: ", fused_step_unsupported(optimizer, in));
-  }
 }
 
 }  // namespace shardopt

@@ -12,6 +12,7 @@
 #include <functional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace shardopt::detail {
 
@@ -37,10 +38,20 @@ struct FusedStepInputs {
   // Each master in it must be an fp32 CUDA tensor stepped by the mixed kernel.
   LowPrecisionCopies copies;
   StateAllocator allocate;  // where new state goes (null: tensors of its own)
+  // The gradient scaler's unscale folded into the step (Note [Unscaling in the step] in
+  // fused_step.cpp): one-element fp32 tensors on the stepped tensors' device, or undefined.
+  at::Tensor inv_scale;
+  at::Tensor found_inf;  // nonzero: the step is skipped
 };
 
+// 1 (a one-element fp32 tensor on `device`) when any element of `tensors` is inf or NaN, else 0:
+// read only, with no host synchronisation (kernels/'s norm on CUDA, ATen's multi-tensor inf norm
+// elsewhere).
+at::Tensor found_non_finite(const std::vector<at::Tensor>& tensors, at::Device device);
+
 // fused_step_unsupported and fused_step (shardopt/optim/fused_step.h) with OSS's inputs.
+// fused_step returns false when found_inf skipped the step (nothing changed).
 std::string fused_step_unsupported(const torch::optim::Optimizer& optimizer, const FusedStepInputs& in);
-void fused_step(torch::optim::Optimizer& optimizer, const FusedStepInputs& in);
+bool fused_step(torch::optim::Optimizer& optimizer, const FusedStepInputs& in);
 
 }  // namespace shardopt::detail

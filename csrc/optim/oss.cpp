@@ -17,6 +17,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
 #include <torch/csrc/api/include/torch/optim/lbfgs.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <map>
@@ -425,6 +426,16 @@ torch::Tensor OSS::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  step_with(std::nullopt);
+  return loss;
+}
+
+bool OSS::folds_unscaling() const {
+  return options_.fused_step() &&
+         (detail::adam_like(*local_) || dynamic_cast<const torch::optim::SGD*>(local_.get()) != nullptr);
+}
+
+bool OSS::step_with(std::optional<double> inv_scale) {
   finish_param_sync();
   if (options_.check_trainable_every_step()) {
     agree_on_trainable(false);
@@ -438,7 +449,7 @@ torch::Tensor OSS::step(LossClosure closure) {
   settle_state();  // the set is agreed by now: every rank moves the same ranges
   sync_options_to_local();
   for (size_t i = 0; i < params_.size(); ++i) stepped_[i] |= trainable_[i] & laid_out_for_[i];
-  step_shard();
+  const bool stepped = step_shard(inv_scale);
   if (overlap_sync_ && options_.sync() == ParamSync::kBroadcast && group_->size() > 1) {
     start_param_sync();
   } else {
@@ -447,7 +458,7 @@ torch::Tensor OSS::step(LossClosure closure) {
   place_state();  // state the wrapped optimizer's own step made joins its slab
   // The set was just agreed on, so every rank takes the same decision.
   if (options_.check_trainable_every_step()) rebalance(trainable_);
-  return loss;
+  return stepped;
 }
 
 namespace {
@@ -484,7 +495,7 @@ class StepGradients {
 // tensor is the fp32 master and takes its gradient upcast; on CUDA with the fused step, Adam/AdamW
 // masters take it as reduced and write their parameter's range themselves (kernels/'s mixed
 // step): no upcast copy, no write-back pass.
-void OSS::step_shard() {
+bool OSS::step_shard(std::optional<double> inv_scale) {
   detail::FusedStepInputs in;
   in.allocate = [this](const at::Tensor& t, const char* kind) { return store_->fresh_slot(t, kind); };
   std::vector<std::pair<size_t, const detail::Holding*>> stepped;
@@ -514,8 +525,9 @@ void OSS::step_shard() {
     }
     stepped_fused_ = options_.fused_step() && detail::fused_step_unsupported(*local_, in).empty();
   }
+  if (inv_scale && !scale_in_step(in, *inv_scale)) return false;
   if (stepped_fused_) {
-    detail::fused_step(*local_, in);
+    if (!detail::fused_step(*local_, in)) return false;
   } else {
     StepGradients with(*local_, in.grads);
     local_->step();
@@ -525,6 +537,41 @@ void OSS::step_shard() {
       if (in.copies.count(h->tensor.unsafeGetTensorImpl()) == 0) detail::write_back(params_[i], h->tensor, h->in_param);
     }
   }
+  return true;
+}
+
+// The gradient scaler's step (ShardedGradScaler::step without unscale_()): every rank checks the
+// gradients it steps, all ranks agree on the flag, and the fused step unscales as it reads them
+// and skips on the flag (Note [Unscaling in the step]). A step that cannot take the scale (the
+// wrapped optimizer's own, or tensors the fused step does not fit) gets its gradients unscaled in
+// place first, once the flag is known. Collective. Returns false when the step is skipped.
+bool OSS::scale_in_step(detail::FusedStepInputs& in, double inv_scale) {
+  CommPhase phase("gradient scaler (found-inf check)");
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const auto& [key, g] : in.grads) grads.push_back(g);
+  const at::Device device = params_.empty() ? at::Device(at::kCPU) : params_.front().device();
+  at::Tensor found = detail::found_non_finite(grads, device);
+  // On a backend that takes the device's tensors (NCCL for CUDA), the flag never leaves it.
+  if (global_group_->size() > 1) {
+    if (found.is_cuda() && global_group_->backend() != "nccl") {
+      at::Tensor host = found.to(at::kCPU);
+      global_group_->allreduce(host, Reduction::kMax);
+      found = host.to(device);
+    } else {
+      global_group_->allreduce(found, Reduction::kMax);
+    }
+  }
+  if (stepped_fused_) {
+    in.inv_scale = at::full({1}, inv_scale, found.options());
+    in.found_inf = found;
+    if (detail::fused_step_unsupported(*local_, in).empty()) return true;
+    stepped_fused_ = false;
+    in.inv_scale = in.found_inf = at::Tensor();
+  }
+  if (found.item<float>() != 0) return false;
+  for (auto& [key, g] : in.grads) g.mul_(inv_scale);
+  return true;
 }
 
 void OSS::set_local_groups() {

@@ -4,6 +4,7 @@
 // reduction dtype, clipped and unscaled there, upcast, stepped in fp32, rounded back.
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/grad_scaler.h>
+#include <shardopt/testing/introspection.h>
 
 #include "harness.h"
 #include "model.h"
@@ -17,6 +18,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 
 namespace shardopt {
 namespace {
@@ -230,6 +232,88 @@ TEST(MixedPrecision, GradScalerSkipsTheSameStepOnEveryRankWhenOneRankOverflows) 
       EXPECT_EQ(steps.isTensor() ? steps.toTensor().item<int64_t>() : steps.toInt(), 4);
     }
   });
+}
+
+// scaler.step() without unscale_() unscales inside the fused step (Note [Unscaling in the step]):
+// the same parameters, bit for bit, as unscale_() then step(), which follows the recipe; the
+// gradients stay scaled; an overflow on one rank skips the step on all of them.
+TEST(MixedPrecision, GradScalerFoldsItsUnscaleIntoTheFusedStep) {
+  struct ScalerCase {
+    std::optional<c10::ScalarType> dtype;  // mixed precision's param_dtype (reduced in fp32); none: fp32
+    int world;
+    PartitionMode partition;
+  };
+  for (const ScalerCase& c : {ScalerCase{std::nullopt, 2, PartitionMode::kWholeParameters},
+                              ScalerCase{std::nullopt, 3, PartitionMode::kSplit},
+                              ScalerCase{at::kHalf, 2, PartitionMode::kSplit}}) {
+    SCOPED_TRACE((c.dtype ? std::string(c10::toString(*c.dtype)) : std::string("fp32")) + " at world " +
+                 std::to_string(c.world) + (c.partition == PartitionMode::kSplit ? ", split" : ", whole"));
+    testing::run_ranks(c.world, [&](std::shared_ptr<ProcessGroup> g) {
+      OSSOptions options = OSSOptions().partition(c.partition);
+      if (c.dtype) options.mixed_precision(MixedPrecision().param_dtype(*c.dtype).reduce_dtype(at::kFloat));
+      // Two identical models: one steps with the unscale folded in, one calls unscale_() first.
+      auto folded = std::make_shared<Net>(), unscaled = std::make_shared<Net>();
+      OSS folded_oss(folded->parameters(), adam(), g, options), unscaled_oss(unscaled->parameters(), adam(), g, options);
+      ShardedDDP folded_ddp(folded, folded_oss, ShardedDDPOptions().reduce_bucket_bytes(64));
+      ShardedDDP unscaled_ddp(unscaled, unscaled_oss, ShardedDDPOptions().reduce_bucket_bytes(64));
+      ShardedGradScaler folded_scaler(GradScalerOptions().init_scale(1024).growth_interval(2));
+      ShardedGradScaler unscaled_scaler(GradScalerOptions().init_scale(1024).growth_interval(2));
+      const c10::ScalarType low = c.dtype.value_or(at::kFloat);
+      Recipe ref(low, at::kFloat, c.world);
+      for (int step = 0; step < 5; ++step) {
+        const bool overflow = step == 2;
+        const double scale = folded_scaler.get_scale();
+        const auto data = testing::rank_data(step, g->rank(), 3);
+        if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+        Params scaled_grads;
+        bool stepped[2];
+        for (int k = 0; k < 2; ++k) {
+          Net& net = k == 0 ? *folded : *unscaled;
+          ShardedDDP& ddp = k == 0 ? folded_ddp : unscaled_ddp;
+          ShardedGradScaler& scaler = k == 0 ? folded_scaler : unscaled_scaler;
+          unsigned hook = 0;
+          if (overflow && g->rank() == 1) {  // only rank 1's gradient overflows
+            hook = net.params[0].register_hook(
+                [](const at::Tensor& grad) { return at::full_like(grad, std::numeric_limits<float>::infinity()); });
+          }
+          ddp.zero_grad();
+          scaler.scale(testing::loss_of(ddp.forward(data.x), data, 3)).backward();
+          if (overflow && g->rank() == 1) net.params[0].remove_hook(hook);
+          if (k == 0) {
+            for (const auto& p : net.params) scaled_grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+          } else {
+            scaler.unscale_(unscaled_oss);
+          }
+          stepped[k] = scaler.step(k == 0 ? folded_oss : unscaled_oss);
+          scaler.update();
+          ddp.finish_param_sync();
+        }
+        EXPECT_EQ(stepped[0], !overflow) << "step " << step << " on rank " << g->rank();
+        EXPECT_EQ(stepped[1], !overflow) << "step " << step << " on rank " << g->rank();
+        EXPECT_EQ(folded_scaler.get_scale(), unscaled_scaler.get_scale()) << "step " << step;
+        EXPECT_TRUE(testing::Introspection::stepped_fused(folded_oss)) << "step " << step;
+        ref.step(step, {false, false, false, false, false}, /*clip=*/0, scale, overflow);
+        for (size_t i = 0; i < folded->params.size(); ++i) {
+          EXPECT_TRUE(folded->params[i].equal(unscaled->params[i])) << "step " << step << " parameter " << i;
+          if (scaled_grads[i].defined() && !overflow) {
+            EXPECT_TRUE(folded->params[i].grad().equal(scaled_grads[i])) << "step " << step << " gradient " << i;
+          }
+        }
+        const Params masters = c.dtype ? consolidated_masters(folded_oss, ref.master.size()) : folded->params;
+        for (size_t i = 0; i < masters.size(); ++i) {
+          EXPECT_LE(testing::rel_diff(masters[i].to(at::kFloat), ref.master[i]), 1e-4) << "step " << step << " master " << i;
+        }
+        ASSERT_TRUE(testing::same_on_all_ranks(folded->params, *g)) << "step " << step;
+      }
+      // The skipped step made no step: 4 of 5 counted.
+      folded_oss.consolidate_state_dict(0);
+      if (g->rank() == 0) {
+        const auto state = folded_oss.state_dict().toGenericDict().at("state").toGenericDict();
+        const c10::IValue steps = state.at(int64_t{0}).toGenericDict().at("step");
+        EXPECT_EQ(steps.isTensor() ? steps.toTensor().item<int64_t>() : steps.toInt(), 4);
+      }
+    });
+  }
 }
 
 TEST(MixedPrecision, StateDictCarriesTheMastersToAnotherWorldSize) {

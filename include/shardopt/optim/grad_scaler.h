@@ -14,6 +14,14 @@
 // the ranks skip the same steps and the optimizer state, master weights and parameters stay
 // untouched in a skipped step. unscale_() and step() are collective; unscale_() twice for one
 // optimizer before update() is an error, as in PyTorch.
+//
+// step() without unscale_() before it, on an OSS whose fused step takes the optimizer (Adam,
+// AdamW, SGD: OSSOptions::fused_step), folds the unscale into the step as PyTorch's fused
+// optimizers do: each rank checks the gradients it steps (read only), the ranks agree on the
+// flag, and the step multiplies each gradient by 1/scale as it reads it, with the same result as
+// unscaling first. The gradients stay scaled. On CUDA over NCCL the flag stays on the device and
+// the kernels skip on it, so nothing waits for the host before the step (Note [Unscaling in the
+// step] in fused_step.cpp). Any other optimizer is unscaled first, as by unscale_().
 #pragma once
 
 #include <shardopt/optim/oss.h>

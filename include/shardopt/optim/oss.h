@@ -48,8 +48,10 @@ struct Introspection;
 }
 
 class OSS;
+class ShardedGradScaler;
 namespace detail {
 class ShardStore;
+struct FusedStepInputs;
 // The store OSS keeps its shard in, which ShardedDDP shares (Note [Owned gradients]).
 ShardStore& store_of(OSS& optimizer);
 // A range of one parameter's elements whose optimizer state one rank holds; `tensor` (on that
@@ -244,6 +246,14 @@ class OSS : public torch::optim::Optimizer {
   friend detail::ShardStore& detail::store_of(OSS& optimizer);
   // ---- what ShardedDDP controls (it shares the store: Note [Owned gradients]) ----
   friend class ShardedDDP;
+  // The gradient scaler folds its unscale into the fused step (Note [Unscaling in the step]).
+  friend class ShardedGradScaler;
+  // Whether a step can take the scaler's unscale (the fused step of Adam, AdamW or SGD).
+  bool folds_unscaling() const;
+  // step() without a closure; with `inv_scale`, the scaler's step: the gradients are unscaled in
+  // the step and it is skipped on every rank when any rank finds inf/NaN. Returns whether it
+  // stepped. Collective.
+  bool step_with(std::optional<double> inv_scale);
   // Lays the buffers out for the trainable set `trainable` (one flag per parameter, in
   // all_params() order) if it differs from the one the layout was made for; returns whether it
   // did. Local: every rank must pass the same mask before the next collective that uses the
@@ -296,8 +306,12 @@ class OSS : public torch::optim::Optimizer {
   // store otherwise (what moves with the holding to a new owner).
   at::Tensor owned_grad(size_t i, const detail::Holding& h) const;
   void set_owned_grad(size_t i, const detail::Holding& h, at::Tensor grad);
-  // Steps this rank's holdings with their gradients (the fused step, or the wrapped optimizer's).
-  void step_shard();
+  // Steps this rank's holdings with their gradients (the fused step, or the wrapped optimizer's);
+  // false when the scaler's found-inf skipped it.
+  bool step_shard(std::optional<double> inv_scale);
+  // Agrees on found-inf over `in`'s gradients and hands the fused step the scale, or unscales the
+  // gradients in place; false when the step is skipped. Collective.
+  bool scale_in_step(detail::FusedStepInputs& in, double inv_scale);
 
   std::shared_ptr<ProcessGroup> group_;
   OSSOptions options_;
