@@ -260,7 +260,8 @@ double Trainer::train_step(int64_t epoch_step) {
       torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
   const at::Tensor loss = (per_sample * real).sum();
   (scaler_ ? scaler_->scale(loss) : loss).backward();
-  if (scaler_) scaler_->unscale_(*oss_);  // clipping and the step see the unscaled gradients
+  // Clipping sees the unscaled gradients; without it the step unscales them as it reads them.
+  if (scaler_ && o_.clip > 0) scaler_->unscale_(*oss_);
   if (o_.clip > 0) oss_->clip_grad_norm(o_.clip);
   last_grad_bytes_ = ddp_->local_grad_bytes();
   if (scaler_) {

@@ -38,9 +38,9 @@ struct HoldingGrads {
 
 // For every parameter whose holdings differ between `from` and `to`, each new holding collects
 // the state (and any gradient, through `grads`, where it has none) of its range from the old
-// holdings that overlap it: serialized
-// with `local`'s codec, one pair of ranks at a time in the same order on every rank; what stays
-// on a rank is moved locally. State of ranges nobody held yet stays absent. Counts what moved in
+// holdings that overlap it: named with `local`'s codec and sent as raw tensor bytes (Note [State
+// moves without pickling]), one pair of ranks at a time in the same order on every rank; what
+// stays on a rank is moved locally. State of ranges nobody held yet stays absent. Counts what moved in
 // `stats`. With `carry_values` the holdings' tensors are values of their own (mixed precision's
 // master weights) and move too. Collective (communicates only when a range changes rank).
 void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const std::vector<std::vector<Holding>>& from,
