@@ -280,7 +280,7 @@ void ShardedDDP::build() {
   next_launch_ = 0;
   std::vector<BucketSource> sources;
   for (size_t k = 0; k < optimizers_.size(); ++k) {
-    const auto& layout = optimizers_[k]->layout();
+    const auto& layout = detail::store_of(*optimizers_[k]).layout();
     const auto& ps = optimizers_[k]->all_params();
     for (size_t b = 0; b < layout.buckets().size(); ++b) {
       int64_t position = -1;
@@ -304,7 +304,7 @@ void ShardedDDP::build() {
   // The trainable set the buckets hold, per module parameter.
   for (size_t m = 0; m < params_.size(); ++m) {
     const auto& [k, i] = place_[m];
-    const auto& layout = optimizers_[k]->layout();
+    const auto& layout = detail::store_of(*optimizers_[k]).layout();
     mask_[m] = layout.pieces()[layout.pieces_of(i).front()].bucket >= 0;
   }
   layouts_changed_ = false;
@@ -313,7 +313,7 @@ void ShardedDDP::build() {
 }
 
 void ShardedDDP::add_bucket(OSS& optimizer, size_t index) {
-  const auto& layout = optimizer.layout();
+  const auto& layout = detail::store_of(optimizer).layout();
   const auto& ps = optimizer.all_params();
   const FlatBucket& lb = layout.buckets()[index];
   const FlatGroup& group = layout.groups()[lb.group];

@@ -164,7 +164,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   }
   lay_out(trainable_);
   settled_ = holdings_;
-  settled_version_ = layout_version_;
+  settled_version_ = store_->layout_version();
 
   make_local(factory);
   master_sources_.clear();
@@ -255,13 +255,8 @@ FlatLayout OSS::plan_layout(const std::vector<uint8_t>& trainable) const {
 
 void OSS::lay_out(const std::vector<uint8_t>& trainable) {
   finish_param_sync();  // the data moves to new buffers: it must be current first
-  layout_ = plan_layout(trainable);
-  laid_out_for_ = trainable;
-  buffers_.clear();  // the parameters still hold the old buffers' data until they are copied out
-  buffers_ = detail::lay_out_params(layout_, params_);
+  store_->lay_out(plan_layout(trainable), trainable, params_);
   assign_holdings();
-  ++layout_version_;
-  store_->announce_layout();
 }
 
 void OSS::assign_holdings() {
@@ -270,13 +265,13 @@ void OSS::assign_holdings() {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!split_) {
       next[i].push_back({partition_.owner(i), {0, params_[i].numel()}, at::Tensor()});
-    } else if (laid_out_for_[i]) {
-      for (size_t k : layout_.pieces_of(i)) {
-        const Piece& piece = layout_.pieces()[k];
+    } else if (store_->laid_out_for()[i]) {
+      for (size_t k : store_->layout().pieces_of(i)) {
+        const Piece& piece = store_->layout().pieces()[k];
         next[i].push_back({piece.owner, piece.in_param, at::Tensor()});
       }
-    } else if (!layout_.keepers_of(i).empty()) {
-      for (const Keeping& k : layout_.keepers_of(i)) next[i].push_back({k.rank, k.in_param, at::Tensor()});
+    } else if (!store_->layout().keepers_of(i).empty()) {
+      for (const Keeping& k : store_->layout().keepers_of(i)) next[i].push_back({k.rank, k.in_param, at::Tensor()});
     } else {
       next[i] = holdings_[i];  // frozen without state: nothing to keep, nothing moves
     }
@@ -317,7 +312,7 @@ void OSS::assign_holdings() {
 }
 
 void OSS::settle_state() {
-  if (settled_version_ == layout_version_) return;  // nothing laid out since the last settle
+  if (settled_version_ == store_->layout_version()) return;  // nothing laid out since the last settle
   CommPhase phase("optimizer state moving to new owners");
   bool changed = false;
   for (size_t i = 0; i < params_.size() && !changed; ++i) changed = !detail::same_holdings(settled_[i], holdings_[i]);
@@ -334,15 +329,15 @@ void OSS::settle_state() {
   }
   store_->retain_grads(holdings_, group_->rank());
   settled_ = holdings_;
-  settled_version_ = layout_version_;
+  settled_version_ = store_->layout_version();
   set_local_groups();
   place_state();
 }
 
 void OSS::place_state() {
   const detail::OptimizerCodec* codec = detail::find_codec(*local_);
-  if (!codec || settled_version_ != layout_version_) return;  // a user's optimizer keeps its own state
-  store_->plan(layout_, group_->rank(), settled_, *local_);
+  if (!codec || settled_version_ != store_->layout_version()) return;  // a user's optimizer keeps its own state
+  store_->plan(group_->rank(), settled_, *local_);
   store_->adopt(*local_, *codec);
 }
 
@@ -371,7 +366,7 @@ at::Tensor OSS::holding_grad(size_t i, const detail::Holding& h) const {
 bool OSS::lay_out_for(const std::vector<uint8_t>& trainable) {
   SHARDOPT_CHECK(trainable.size() == params_.size(), "OSS::lay_out_for got ", trainable.size(),
                  " trainable flags for ", params_.size(), " parameters");
-  if (trainable == laid_out_for_) return false;
+  if (trainable == store_->laid_out_for()) return false;
   lay_out(trainable);
   return true;
 }
@@ -381,11 +376,7 @@ void OSS::set_bucket_bytes(int64_t bytes) {
   if (bytes == options_.layout().bucket_bytes()) return;
   finish_param_sync();  // the in-flight work is indexed by the old buckets
   options_.layout().bucket_bytes(bytes);
-  FlatLayout next = plan_layout(laid_out_for_);
-  TORCH_INTERNAL_ASSERT(next.same_placement(layout_), "new bucket cuts moved parameters in the flat buffers");
-  layout_ = std::move(next);
-  ++layout_version_;
-  store_->announce_layout();
+  store_->recut(plan_layout(store_->laid_out_for()));
 }
 
 // ---- stepping -------------------------------------------------------------------------------
@@ -448,7 +439,7 @@ bool OSS::step_with(std::optional<double> inv_scale) {
   }
   settle_state();  // the set is agreed by now: every rank moves the same ranges
   sync_options_to_local();
-  for (size_t i = 0; i < params_.size(); ++i) stepped_[i] |= trainable_[i] & laid_out_for_[i];
+  for (size_t i = 0; i < params_.size(); ++i) stepped_[i] |= trainable_[i] & store_->laid_out_for()[i];
   const bool stepped = step_shard(inv_scale);
   if (overlap_sync_ && options_.sync() == ParamSync::kBroadcast && group_->size() > 1) {
     start_param_sync();
@@ -501,7 +492,7 @@ bool OSS::step_shard(std::optional<double> inv_scale) {
   std::vector<std::pair<size_t, const detail::Holding*>> stepped;
   const bool mixed_kernel = mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*local_);
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!trainable_[i] || !laid_out_for_[i]) continue;
+    if (!trainable_[i] || !store_->laid_out_for()[i]) continue;
     for (const auto& h : holdings_[i]) {
       if (h.rank != group_->rank()) continue;
       at::Tensor grad = holding_grad(i, h);
@@ -583,6 +574,8 @@ void OSS::set_local_groups() {
     }
   }
 }
+
+const FlatLayout& OSS::layout() const { return store_->layout(); }
 
 detail::ShardStore& detail::store_of(OSS& optimizer) {
   return *optimizer.store_;

@@ -30,13 +30,13 @@ namespace shardopt {
 // Anything that lays the buffers out again or reads the parameters here finishes it first.
 void OSS::start_param_sync() {
   CommPhase phase("step (parameter sync, overlapped)");
-  const auto& buckets = layout_.buckets();
+  const auto& buckets = store_->layout().buckets();
   bucket_sync_.clear();
   bucket_sync_.resize(buckets.size());
   for (size_t k = buckets.size(); k-- > 0;) {
     const FlatBucket& b = buckets[k];
-    const int64_t begin = layout_.groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
-    at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
+    const int64_t begin = store_->layout().groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
+    at::Tensor range = store_->buffers()[b.group].narrow(0, begin, b.numel());
     bucket_sync_[k] = group_->broadcast_async(range, b.owner);
     ++sync_in_flight_;
   }
@@ -57,8 +57,8 @@ void OSS::finish_param_sync(size_t param) {
   if (sync_in_flight_ == 0) return;
   SHARDOPT_CHECK(param < params_.size(), "finish_param_sync: parameter ", param, " of ", params_.size());
   CommPhase phase("parameter sync (finishing)");
-  for (size_t k : layout_.pieces_of(param)) {
-    const int64_t b = layout_.pieces()[k].bucket;
+  for (size_t k : store_->layout().pieces_of(param)) {
+    const int64_t b = store_->layout().pieces()[k].bucket;
     if (b < 0 || !bucket_sync_[b].valid()) continue;
     --sync_in_flight_;
     bucket_sync_[b].wait();
@@ -73,7 +73,7 @@ void OSS::set_overlap_param_sync(bool on) {
 void OSS::sync_params() {
   finish_param_sync();
   CommPhase phase("step (parameter sync)");
-  detail::sync_params(*group_, layout_, buffers_, options_.sync());
+  detail::sync_params(*group_, store_->layout(), store_->buffers(), options_.sync());
 }
 
 void OSS::zero_grad(bool set_to_none) {

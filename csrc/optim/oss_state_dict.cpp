@@ -5,6 +5,7 @@
 
 #include "optim/codec.h"
 #include "optim/master_weights.h"
+#include "optim/shard_store.h"
 #include "optim/state_migration.h"
 
 #include <ATen/ATen.h>
@@ -250,10 +251,10 @@ void OSS::load_state_dict(const torch::IValue& sd) {
   // ranks (Note [Kept state]).
   bool kept_changed = false;
   for (const auto& entry : entries) {
-    kept_changed |= !stepped_[entry.first] && !laid_out_for_[entry.first];
+    kept_changed |= !stepped_[entry.first] && !store_->laid_out_for()[entry.first];
     stepped_[entry.first] = 1;
   }
-  if (kept_changed && split_) lay_out(laid_out_for_);
+  if (kept_changed && split_) lay_out(store_->laid_out_for());
   for (size_t g = 0; g < saved_groups.size(); ++g) {
     param_groups_[g].set_options(codec.decode_options(saved_groups[g].toGenericDict(), param_groups_[g].options()));
   }
@@ -269,7 +270,7 @@ void OSS::load_state_dict(const torch::IValue& sd) {
     }
   }
   settled_ = holdings_;
-  settled_version_ = layout_version_;
+  settled_version_ = store_->layout_version();
   set_local_groups();
   if (mixed_) load_masters(dict);
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -1,7 +1,8 @@
 // ShardStore: the memory a rank's shard of the optimizer owns, addressed through the FlatLayout
 // (Note [Shard store] in shard_store.cpp). Internal to shardopt; OSS composes it.
 //
-// It holds, for each (device, dtype) group of the layout, one flat slab per kind of optimizer
+// It holds the flat parameter buffers and the layout they follow, with the trainable set it was
+// made for, and, for each (device, dtype) group of the layout, one flat slab per kind of optimizer
 // state ("exp_avg", "exp_avg_sq", "momentum_buffer", ...). The state tensors torch::optim sees
 // are views into them, so state_dict(), checkpoints and the codecs see the same tensors as
 // before, and the fused step reads each run of state from one slab. It also holds the reduced
@@ -44,13 +45,27 @@ struct Slot {
 
 class ShardStore {
  public:
+  // ---- the parameter buffers and their layout ----
+  // Makes `params` views into new buffers laid out by `layout` (one per group, values copied in:
+  // lay_out_params), for the trainable set `trainable`, and announces the new layout. The old
+  // buffers are freed once nothing refers to them.
+  void lay_out(FlatLayout layout, std::vector<uint8_t> trainable, std::vector<at::Tensor>& params);
+  // Takes new bucket cuts over the same placement (no data moves) and announces them.
+  void recut(FlatLayout layout);
+  const FlatLayout& layout() const { return layout_; }
+  // The trainable set the layout was made for (one flag per parameter, in OSS's order).
+  const std::vector<uint8_t>& laid_out_for() const { return laid_out_for_; }
+  std::vector<at::Tensor>& buffers() { return buffers_; }
+  // Counts layouts (lay_out and recut).
+  int64_t layout_version() const { return layout_version_; }
+
+  // ---- optimizer state ----
   // Plans where this rank's state lives: every holding of `rank` that is a piece of the layout's
   // trainable run at its place in the rank's shard (the same offsets as the parameter buffer), and
   // each other holding with state in `local` (a frozen parameter's kept state) after it. When the
   // plan differs from the last one, new slabs are made as state arrives (adopt(), fresh_slot()),
   // and the old ones are freed once no state tensor refers to them.
-  void plan(const FlatLayout& layout, int rank, const std::vector<std::vector<Holding>>& holdings,
-            const torch::optim::Optimizer& local);
+  void plan(int rank, const std::vector<std::vector<Holding>>& holdings, const torch::optim::Optimizer& local);
 
   // A zeroed view of `tensor`'s slot (a holding tensor: it keys the state) in the slab of `kind`,
   // shaped like it; undefined when it has no slot or the dtype or device differ from the slab's.
@@ -100,6 +115,10 @@ class ShardStore {
   // does not fit the group's slabs.
   at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like);
 
+  FlatLayout layout_;
+  std::vector<uint8_t> laid_out_for_;
+  std::vector<at::Tensor> buffers_;  // one per layout group; the parameters are views of them
+  int64_t layout_version_ = 0;
   std::unordered_map<const void*, Slot> slots_;  // holding tensor (TensorImpl) -> slot
   std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region
   std::vector<std::map<std::string, at::Tensor>> slabs_;  // per group: kind -> slab

@@ -23,6 +23,8 @@ at::Tensor Introspection::state_slab(const OSS& oss, size_t group, const std::st
 
 int64_t Introspection::slab_bytes(const OSS& oss) { return oss.store_->bytes(); }
 
+int64_t Introspection::layout_version(const OSS& oss) { return oss.store_->layout_version(); }
+
 int Introspection::cpu_kernel_level() {
   return detail::cpu_kernel_level();
 }

@@ -209,7 +209,7 @@ class OSS : public torch::optim::Optimizer {
   ProcessGroup* replica_group() const { return replica_group_.get(); }
   const Partition& partition() const { return partition_; }
   // Where each parameter lives in the flat buffers, and the gradient buckets.
-  const FlatLayout& layout() const { return layout_; }
+  const FlatLayout& layout() const;
   // All parameters, in global order (groups concatenated).
   const std::vector<torch::Tensor>& all_params() const { return params_; }
   size_t index_of(const torch::Tensor& param) const;
@@ -233,7 +233,7 @@ class OSS : public torch::optim::Optimizer {
   // One line: the partition mode and why, the world size, the imbalance.
   std::string describe() const;
   // The trainable elements the busiest rank owns against 1/world_size: max / ideal - 1.
-  double imbalance() const { return layout_.imbalance(); }
+  double imbalance() const { return layout().imbalance(); }
   // Counts re-partitions: owner() answers differently after it changed.
   int64_t partition_version() const { return partition_version_; }
   // What the last move of optimizer state between ranks did on this rank, and how many moves
@@ -320,11 +320,7 @@ class OSS : public torch::optim::Optimizer {
   std::vector<size_t> group_sizes_;
   std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> position in params_
   Partition partition_;
-  FlatLayout layout_;
-  std::vector<uint8_t> laid_out_for_;   // the trainable set layout_ was planned for
-  std::vector<at::Tensor> buffers_;     // one per layout group; the parameters are views of them
-  int64_t layout_version_ = 0;
-  int64_t settled_version_ = -1;        // layout_version_ when the state was last settled
+  int64_t settled_version_ = -1;        // the store's layout version when the state was last settled
   bool split_ = false;
   double whole_imbalance_ = 0.0;      // of the whole-parameter partition at construction (kAuto)
   bool layout_follows_ddp_ = false;   // ShardedDDP lays the buffers out (set_check_trainable_every_step)

@@ -19,7 +19,7 @@ struct Introspection {
   // Whether the overlapped parameter sync of the last step() is still in flight.
   static bool param_sync_in_flight(const OSS& oss) { return oss.sync_in_flight_ > 0; }
   // Counts OSS's layouts (a trainable set, owners or bucket cuts changed).
-  static int64_t layout_version(const OSS& oss) { return oss.layout_version_; }
+  static int64_t layout_version(const OSS& oss);
   // Whether the last step() used the fused step.
   static bool stepped_fused(const OSS& oss) { return oss.stepped_fused_; }
   // Bytes of gradients the last reduction copied into buckets: gradients autograd accumulated
