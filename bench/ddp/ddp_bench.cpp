@@ -322,7 +322,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "phases ms: zero_grad %.2f forward %.1f backward %.1f step %.1f\n", median(phases[3]),
                  median(phases[0]), median(phases[1]), median(phases[2]));
 
-    double check_ms = 0, rebuild_ms = 0, grad_fraction = 1, kept_imbalance = 0, freeze_imbalance = 0,
+    double check_ms = 0, rebuild_ms = 0, move_step_ms = 0, still_step_ms = 0, grad_fraction = 1, kept_imbalance = 0, freeze_imbalance = 0,
            rebalance_ms = 0, after_freeze_ms = 0;
     int64_t moved_bytes = 0, grad_bytes = 0, state_bytes = 0, master_bytes = 0;
     // The busiest rank's trainable elements against 1/world, as trained above (before the freeze).
@@ -367,14 +367,18 @@ int main(int argc, char** argv) {
       ddp->pre_forward();
       rebuild_ms = ms_since(t0);
       loss_fn(0).backward();
-      oss->step();
+      t0 = std::chrono::steady_clock::now();
+      oss->step();  // moves the state of the ranges whose holder changed, then steps
+      move_step_ms = ms_since(t0);
       ddp->zero_grad(true);
       group->barrier();
       t0 = std::chrono::steady_clock::now();
       ddp->pre_forward();
       rebalance_ms = ms_since(t0);
       loss_fn(0).backward();
-      oss->step();
+      t0 = std::chrono::steady_clock::now();
+      oss->step();  // nothing left to move: the step alone
+      still_step_ms = ms_since(t0);
       freeze_imbalance = trainable_imbalance();
       moved_bytes = oss->last_rebalance().state_bytes_sent + oss->last_rebalance().state_bytes_received;
       std::vector<double> after;
@@ -390,6 +394,7 @@ int main(int argc, char** argv) {
         {"impl", "shardopt-" + impl}, {"model", model_name}, {"rank", group->rank()}, {"world", group->size()},
         {"params", nparams}, {"median_step_ms", step_ms}, {"peak_rss_mb", train_peak_mb},
         {"added_rss_mb", train_peak_mb - rss_start}, {"check_ms", check_ms}, {"rebuild_ms", rebuild_ms},
+        {"move_step_ms", move_step_ms}, {"still_step_ms", still_step_ms},
         {"grad_fraction", grad_fraction}, {"imbalance", imbalance}, {"rebalance", rebalance},
         {"kept_imbalance", kept_imbalance}, {"freeze_imbalance", freeze_imbalance}, {"rebalance_ms", rebalance_ms},
         {"moved_state_bytes", moved_bytes}, {"after_freeze_step_ms", after_freeze_ms},
