@@ -17,7 +17,6 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
 #include <torch/csrc/api/include/torch/optim/lbfgs.h>
-#include <torch/csrc/api/include/torch/optim/sgd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <map>
@@ -205,7 +204,8 @@ void OSS::make_local(const OptimizerFactory& factory) {
 void OSS::choose_partition_mode(const OptimizerFactory& factory) {
   auto probe = factory({optim::OptimizerParamGroup({at::zeros({1}).requires_grad_()})});
   SHARDOPT_CHECK(probe, "the optimizer factory returned null");
-  const std::string type = c10::demangle(typeid(*probe).name());
+  const optim::Optimizer& made = *probe;
+  const std::string type = c10::demangle(typeid(made).name());
   SHARDOPT_CHECK(!dynamic_cast<optim::LBFGS*>(probe.get()),
                  "OSS cannot shard LBFGS: each of its steps evaluates the closure several times and takes dot "
                  "products over all parameters, which a rank holding a shard cannot do alone; use "
@@ -377,192 +377,6 @@ void OSS::set_bucket_bytes(int64_t bytes) {
   finish_param_sync();  // the in-flight work is indexed by the old buckets
   options_.layout().bucket_bytes(bytes);
   store_->recut(plan_layout(store_->laid_out_for()));
-}
-
-// ---- stepping -------------------------------------------------------------------------------
-
-void OSS::sync_options_to_local() {
-  SHARDOPT_CHECK(param_groups_.size() == group_sizes_.size(),
-              "OSS param groups changed after construction (", group_sizes_.size(), " -> ",
-              param_groups_.size(), "); add_param_group is not supported, build a new OSS");
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    SHARDOPT_CHECK(param_groups_[g].params().size() == group_sizes_[g], "OSS param group ", g,
-                " changed size after construction (", group_sizes_[g], " -> ", param_groups_[g].params().size(),
-                " parameters)");
-    local_->param_groups()[g].set_options(param_groups_[g].options().clone());
-  }
-}
-
-bool OSS::trainable_mask_changed() const {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (static_cast<uint8_t>(params_[i].requires_grad()) != trainable_[i]) return true;
-  }
-  return false;
-}
-
-void OSS::agree_on_trainable(bool force) {
-  CommPhase phase("step (trainability check)");
-  auto mask = detail::trainable_mask(params_);
-  detail::agree_on_mask(*global_group_, mask, force, [](size_t i) { return "parameter " + std::to_string(i); });
-  trainable_ = std::move(mask);
-}
-
-void OSS::refresh_trainable() {
-  agree_on_trainable(/*force=*/global_group_->size() > 1);
-}
-
-torch::Tensor OSS::step(LossClosure closure) {
-  at::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  step_with(std::nullopt);
-  return loss;
-}
-
-bool OSS::folds_unscaling() const {
-  return options_.fused_step() &&
-         (detail::adam_like(*local_) || dynamic_cast<const torch::optim::SGD*>(local_.get()) != nullptr);
-}
-
-bool OSS::step_with(std::optional<double> inv_scale) {
-  finish_param_sync();
-  if (options_.check_trainable_every_step()) {
-    agree_on_trainable(false);
-    lay_out_for(trainable_);  // agreed: every rank lays out alike
-  } else if (trainable_mask_changed()) {
-    trainable_ = detail::trainable_mask(params_);
-    // ShardedDDP lays out at its forward, after its own check; without it, the user turned the
-    // check off and the local set is taken as agreed.
-    if (!layout_follows_ddp_) lay_out_for(trainable_);
-  }
-  settle_state();  // the set is agreed by now: every rank moves the same ranges
-  sync_options_to_local();
-  for (size_t i = 0; i < params_.size(); ++i) stepped_[i] |= trainable_[i] & store_->laid_out_for()[i];
-  const bool stepped = step_shard(inv_scale);
-  if (overlap_sync_ && options_.sync() == ParamSync::kBroadcast && group_->size() > 1) {
-    start_param_sync();
-  } else {
-    sync_params();
-  }
-  place_state();  // state the wrapped optimizer's own step made joins its slab
-  // The set was just agreed on, so every rank takes the same decision.
-  if (options_.check_trainable_every_step()) rebalance(trainable_);
-  return stepped;
-}
-
-namespace {
-
-// Sets the gradient of each tensor the wrapped optimizer steps for the length of its own step():
-// OSS's tensors, which nothing else reads (Note [Owned gradients]). Cleared after, also on error.
-class StepGradients {
- public:
-  StepGradients(torch::optim::Optimizer& local, const detail::Gradients& grads) : local_(local) {
-    for (auto& group : local_.param_groups()) {
-      for (auto& t : group.params()) {
-        auto it = grads.find(t.unsafeGetTensorImpl());
-        t.mutable_grad() = it == grads.end() ? at::Tensor() : it->second;
-      }
-    }
-  }
-  ~StepGradients() {
-    for (auto& group : local_.param_groups()) {
-      for (auto& t : group.params()) t.mutable_grad() = at::Tensor();
-    }
-  }
-
- private:
-  torch::optim::Optimizer& local_;
-};
-
-}  // namespace
-
-// A parameter steps only if it is trainable and laid out as such: one unfrozen after the layout was
-// made (under ShardedDDP, between forward and step) had no reduced gradient and is not synced yet,
-// so it waits for the next step; a frozen one does not move, even if it still holds a gradient from
-// before it was frozen. A range of a parameter takes its part of the parameter's full gradient when
-// there is one, else the reduced gradient handed to the store. Under mixed precision the stepped
-// tensor is the fp32 master and takes its gradient upcast; on CUDA with the fused step, Adam/AdamW
-// masters take it as reduced and write their parameter's range themselves (kernels/'s mixed
-// step): no upcast copy, no write-back pass.
-bool OSS::step_shard(std::optional<double> inv_scale) {
-  detail::FusedStepInputs in;
-  in.allocate = [this](const at::Tensor& t, const char* kind) { return store_->fresh_slot(t, kind); };
-  std::vector<std::pair<size_t, const detail::Holding*>> stepped;
-  const bool mixed_kernel = mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*local_);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!trainable_[i] || !store_->laid_out_for()[i]) continue;
-    for (const auto& h : holdings_[i]) {
-      if (h.rank != group_->rank()) continue;
-      at::Tensor grad = holding_grad(i, h);
-      if (!grad.defined()) continue;
-      if (mixed_kernel && h.tensor.is_cuda() && grad.is_contiguous() && params_[i].is_contiguous()) {
-        in.copies[h.tensor.unsafeGetTensorImpl()] =
-            params_[i].detach().view(-1).narrow(0, h.in_param.begin, h.in_param.size());
-      } else if (grad.scalar_type() != h.tensor.scalar_type()) {
-        grad = grad.to(h.tensor.scalar_type());
-      }
-      in.grads[h.tensor.unsafeGetTensorImpl()] = std::move(grad);
-      stepped.emplace_back(i, &h);
-    }
-  }
-  stepped_fused_ = options_.fused_step() && detail::fused_step_unsupported(*local_, in).empty();
-  if (!stepped_fused_ && !in.copies.empty()) {
-    // Not all of it fits the mixed kernel: every master steps upcast, fused where it can.
-    for (const auto& [i, h] : stepped) {
-      const auto* key = h->tensor.unsafeGetTensorImpl();
-      if (in.copies.erase(key) != 0) in.grads[key] = in.grads[key].to(at::kFloat);
-    }
-    stepped_fused_ = options_.fused_step() && detail::fused_step_unsupported(*local_, in).empty();
-  }
-  if (inv_scale && !scale_in_step(in, *inv_scale)) return false;
-  if (stepped_fused_) {
-    if (!detail::fused_step(*local_, in)) return false;
-  } else {
-    StepGradients with(*local_, in.grads);
-    local_->step();
-  }
-  if (mixed_) {
-    for (const auto& [i, h] : stepped) {
-      if (in.copies.count(h->tensor.unsafeGetTensorImpl()) == 0) detail::write_back(params_[i], h->tensor, h->in_param);
-    }
-  }
-  return true;
-}
-
-// The gradient scaler's step (ShardedGradScaler::step without unscale_()): every rank checks the
-// gradients it steps, all ranks agree on the flag, and the fused step unscales as it reads them
-// and skips on the flag (Note [Unscaling in the step]). A step that cannot take the scale (the
-// wrapped optimizer's own, or tensors the fused step does not fit) gets its gradients unscaled in
-// place first, once the flag is known. Collective. Returns false when the step is skipped.
-bool OSS::scale_in_step(detail::FusedStepInputs& in, double inv_scale) {
-  CommPhase phase("gradient scaler (found-inf check)");
-  at::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  for (const auto& [key, g] : in.grads) grads.push_back(g);
-  const at::Device device = params_.empty() ? at::Device(at::kCPU) : params_.front().device();
-  at::Tensor found = detail::found_non_finite(grads, device);
-  // On a backend that takes the device's tensors (NCCL for CUDA), the flag never leaves it.
-  if (global_group_->size() > 1) {
-    if (found.is_cuda() && global_group_->backend() != "nccl") {
-      at::Tensor host = found.to(at::kCPU);
-      global_group_->allreduce(host, Reduction::kMax);
-      found = host.to(device);
-    } else {
-      global_group_->allreduce(found, Reduction::kMax);
-    }
-  }
-  if (stepped_fused_) {
-    in.inv_scale = at::full({1}, inv_scale, found.options());
-    in.found_inf = found;
-    if (detail::fused_step_unsupported(*local_, in).empty()) return true;
-    stepped_fused_ = false;
-    in.inv_scale = in.found_inf = at::Tensor();
-  }
-  if (found.item<float>() != 0) return false;
-  for (auto& [key, g] : in.grads) g.mul_(inv_scale);
-  return true;
 }
 
 void OSS::set_local_groups() {
