@@ -76,8 +76,10 @@ bool OSS::step_with(std::optional<double> inv_scale) {
   }
   settle_state();  // the set is agreed by now: every rank moves the same ranges
   sync_options_to_local();
-  for (size_t i = 0; i < params_.size(); ++i) stepped_[i] |= trainable_[i] & store_->laid_out_for()[i];
   const bool stepped = step_shard(inv_scale);
+  if (stepped) {  // what has state now (a step the scaler skipped made none)
+    for (size_t i = 0; i < params_.size(); ++i) stepped_[i] |= trainable_[i] & store_->laid_out_for()[i];
+  }
   if (overlap_sync_ && options_.sync() == ParamSync::kBroadcast && group_->size() > 1) {
     start_param_sync();
   } else {
