@@ -59,7 +59,7 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   SHARDOPT_CHECK(module_, "ShardedDDP needs a module, got null");
   check_optimizers();
   if (options_.overlap_param_sync()) {
-    for (OSS* opt : optimizers_) opt->set_overlap_param_sync(true);
+    for (OSS* opt : optimizers_) detail::store_of(*opt).set_overlap_param_sync(true);
   }
   group_ = std::shared_ptr<ProcessGroup>(&optimizers_[0]->process_group(), [](ProcessGroup*) {});
   global_ = &optimizers_[0]->global_group();
@@ -79,9 +79,9 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   detail::agree_on_mask(*global_, mask, /*exhaustive=*/true, [this](size_t i) { return name(i); });
   // forward() checks the trainable set; the step need not check it again.
   if (options_.auto_refresh_trainable()) {
-    for (OSS* opt : optimizers_) opt->set_check_trainable_every_step(false);
+    for (OSS* opt : optimizers_) detail::store_of(*opt).set_trainable_checked_outside(true);
   }
-  for (OSS* opt : optimizers_) opt->set_bucket_bytes(options_.reduce_bucket_bytes());
+  for (OSS* opt : optimizers_) detail::store_of(*opt).set_bucket_bytes(options_.reduce_bucket_bytes());
   mask_ = std::move(mask);
   lay_out();
   build();
@@ -199,7 +199,7 @@ std::vector<uint8_t> ShardedDDP::mask_for(size_t k) const {
 }
 
 void ShardedDDP::lay_out() {
-  for (size_t k = 0; k < optimizers_.size(); ++k) optimizers_[k]->lay_out_for(mask_for(k));
+  for (size_t k = 0; k < optimizers_.size(); ++k) detail::store_of(*optimizers_[k]).lay_out_for(mask_for(k));
 }
 
 // After an agreed change of the trainable set, each optimizer may re-partition (Note [Rebalance
@@ -235,9 +235,12 @@ ShardedDDP::~ShardedDDP() {
   for (size_t k = 0; k < layout_followers_.size(); ++k) {
     detail::store_of(*optimizers_[k]).unfollow_layouts(layout_followers_[k]);
   }
+  // The optimizers go on alone: their steps check the trainable set and sync in full again.
   for (OSS* opt : optimizers_) {
+    auto& store = detail::store_of(*opt);
+    store.set_trainable_checked_outside(false);
     try {
-      opt->set_overlap_param_sync(false);
+      store.set_overlap_param_sync(false);
     } catch (const std::exception&) {
       // A failed sync was the last thing these optimizers did; not for a destructor to raise.
     }

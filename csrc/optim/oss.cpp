@@ -151,17 +151,20 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   if (mixed_) master_sources_ = detail::cast_to_param_dtype(*global_group_, params_, options_.mixed_precision());
   for (const auto& p : params_) weights_.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
   trainable_ = detail::trainable_mask(params_);
-  stepped_.assign(params_.size(), 0);
   balanced_for_ = trainable_;
-  partition_ = Partition::balance(weights_, group_->size(), trainable_);
-  choose_partition_mode(factory);
+  Partition partition = Partition::balance(weights_, group_->size(), trainable_);
+  choose_partition_mode(factory, partition);
   holdings_.assign(params_.size(), {});
-  store_ = std::make_unique<detail::ShardStore>();
+  store_ = std::make_unique<detail::ShardStore>(params_, group_, options_.layout(), options_.sync());
+  store_->set_partition(std::move(partition));
+  // Whoever lays the store out (this OSS, or ShardedDDP for its forward's trainable set), the
+  // holdings follow the new layout at once.
+  store_->follow_layouts([this] { assign_holdings(); });
   if (split_) {
     // A parameter frozen from the start keeps its state where it would be if all were trainable.
-    lay_out(std::vector<uint8_t>(params_.size(), 1));
+    store_->lay_out(std::vector<uint8_t>(params_.size(), 1));
   }
-  lay_out(trainable_);
+  store_->lay_out_for(trainable_);
   settled_ = holdings_;
   settled_version_ = store_->layout_version();
 
@@ -201,7 +204,7 @@ void OSS::make_local(const OptimizerFactory& factory) {
 // spent 125-139 ms in backward against 98-111 ms (docs/benchmarks.md). The owners' ranges are
 // contiguous in backward order, so for the first half of backward every reduction goes to one
 // rank and for the second half to the other, while whole parameters interleave the owners.
-void OSS::choose_partition_mode(const OptimizerFactory& factory) {
+void OSS::choose_partition_mode(const OptimizerFactory& factory, const Partition& whole) {
   auto probe = factory({optim::OptimizerParamGroup({at::zeros({1}).requires_grad_()})});
   SHARDOPT_CHECK(probe, "the optimizer factory returned null");
   const optim::Optimizer& made = *probe;
@@ -218,7 +221,7 @@ void OSS::choose_partition_mode(const OptimizerFactory& factory) {
                  "with it (state_dict() will not be available either)");
   switch (options_.partition()) {
     case PartitionMode::kAuto:
-      whole_imbalance_ = partition_.imbalance(weights_, trainable_);
+      whole_imbalance_ = whole.imbalance(weights_, trainable_);
       split_ = element_wise && whole_imbalance_ > options_.split_above_imbalance();
       break;
     case PartitionMode::kWholeParameters: split_ = false; break;
@@ -241,30 +244,12 @@ void OSS::check_params_across_ranks() {
   agreement.hint("every rank must pass the same parameters, in the same order and groups").check(*group_);
 }
 
-FlatLayout OSS::plan_layout(const std::vector<uint8_t>& trainable) const {
-  std::vector<LayoutParam> specs;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& p = params_[i];
-    SHARDOPT_CHECK(p.device().is_cpu() || p.device().is_cuda(), "parameter ", i, " is on ", p.device(),
-                   "; OSS supports CPU and CUDA parameters");
-    specs.push_back(LayoutParam::of(p, partition_.owner(i), trainable[i] != 0));
-    specs.back().keeps_state = !trainable[i] && stepped_[i];
-  }
-  return FlatLayout::plan(specs, group_->size(), options_.layout());
-}
-
-void OSS::lay_out(const std::vector<uint8_t>& trainable) {
-  finish_param_sync();  // the data moves to new buffers: it must be current first
-  store_->lay_out(plan_layout(trainable), trainable, params_);
-  assign_holdings();
-}
-
 void OSS::assign_holdings() {
   const int rank = group_->rank();
   std::vector<std::vector<detail::Holding>> next(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!split_) {
-      next[i].push_back({partition_.owner(i), {0, params_[i].numel()}, at::Tensor()});
+      next[i].push_back({store_->partition().owner(i), {0, params_[i].numel()}, at::Tensor()});
     } else if (store_->laid_out_for()[i]) {
       for (size_t k : store_->layout().pieces_of(i)) {
         const Piece& piece = store_->layout().pieces()[k];
@@ -363,22 +348,6 @@ at::Tensor OSS::holding_grad(size_t i, const detail::Holding& h) const {
   return store_->grad(i, h.in_param);
 }
 
-bool OSS::lay_out_for(const std::vector<uint8_t>& trainable) {
-  SHARDOPT_CHECK(trainable.size() == params_.size(), "OSS::lay_out_for got ", trainable.size(),
-                 " trainable flags for ", params_.size(), " parameters");
-  if (trainable == store_->laid_out_for()) return false;
-  lay_out(trainable);
-  return true;
-}
-
-void OSS::set_bucket_bytes(int64_t bytes) {
-  SHARDOPT_CHECK(bytes >= 0, "bucket bytes must be >= 0, got ", bytes);
-  if (bytes == options_.layout().bucket_bytes()) return;
-  finish_param_sync();  // the in-flight work is indexed by the old buckets
-  options_.layout().bucket_bytes(bytes);
-  store_->recut(plan_layout(store_->laid_out_for()));
-}
-
 void OSS::set_local_groups() {
   auto& groups = local_->param_groups();
   for (auto& g : groups) g.params().clear();
@@ -390,6 +359,8 @@ void OSS::set_local_groups() {
 }
 
 const FlatLayout& OSS::layout() const { return store_->layout(); }
+
+const Partition& OSS::partition() const { return store_->partition(); }
 
 detail::ShardStore& detail::store_of(OSS& optimizer) {
   return *optimizer.store_;

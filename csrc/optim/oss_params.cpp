@@ -17,64 +17,16 @@
 
 namespace shardopt {
 
-// ---- the parameter sync -------------------------------------------------------------------------
+// ---- the parameter sync (the store's: Note [Overlapped parameter sync]) ----------------------
 
-// Note [Overlapped parameter sync]
-// After the step, each gradient bucket's range of the parameter buffer is broadcast from its
-// owner: the same ranges the owner just stepped (frozen parameters do not change, shard padding
-// is not sent). The buckets go out in reverse order: the trainable run holds the parameters in
-// reverse order (Note [Bucket order]), so the last buckets hold the first layers, which the next
-// forward needs first. ShardedDDP waits, before each child of a Sequential (or where the user
-// calls wait_param_sync), only for the buckets of that child's parameters, so the rest of the
-// sync runs beside the forward; without per-child waits it finishes everything in pre_forward.
-// Anything that lays the buffers out again or reads the parameters here finishes it first.
-void OSS::start_param_sync() {
-  CommPhase phase("step (parameter sync, overlapped)");
-  const auto& buckets = store_->layout().buckets();
-  bucket_sync_.clear();
-  bucket_sync_.resize(buckets.size());
-  for (size_t k = buckets.size(); k-- > 0;) {
-    const FlatBucket& b = buckets[k];
-    const int64_t begin = store_->layout().groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
-    at::Tensor range = store_->buffers()[b.group].narrow(0, begin, b.numel());
-    bucket_sync_[k] = group_->broadcast_async(range, b.owner);
-    ++sync_in_flight_;
-  }
-}
-
-void OSS::finish_param_sync() {
-  if (sync_in_flight_ == 0) return;
-  CommPhase phase("parameter sync (finishing)");
-  for (size_t k = bucket_sync_.size(); k-- > 0;) {
-    if (!bucket_sync_[k].valid()) continue;
-    --sync_in_flight_;
-    bucket_sync_[k].wait();
-  }
-  sync_in_flight_ = 0;
-}
+void OSS::finish_param_sync() { store_->finish_param_sync(); }
 
 void OSS::finish_param_sync(size_t param) {
-  if (sync_in_flight_ == 0) return;
   SHARDOPT_CHECK(param < params_.size(), "finish_param_sync: parameter ", param, " of ", params_.size());
-  CommPhase phase("parameter sync (finishing)");
-  for (size_t k : store_->layout().pieces_of(param)) {
-    const int64_t b = store_->layout().pieces()[k].bucket;
-    if (b < 0 || !bucket_sync_[b].valid()) continue;
-    --sync_in_flight_;
-    bucket_sync_[b].wait();
-  }
+  store_->finish_param_sync(param);
 }
 
-void OSS::set_overlap_param_sync(bool on) {
-  if (!on) finish_param_sync();
-  overlap_sync_ = on;
-}
-
-void OSS::sync_params() {
-  finish_param_sync();
-  CommPhase phase("step (parameter sync)");
-  detail::sync_params(*group_, store_->layout(), store_->buffers(), options_.sync());
-}
+void OSS::sync_params() { store_->sync_params(); }
 
 void OSS::zero_grad(bool set_to_none) {
   store_->forget_zeroed();

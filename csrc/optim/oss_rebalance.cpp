@@ -3,6 +3,7 @@
 #include <shardopt/check.h>
 
 #include "optim/codec.h"
+#include "optim/shard_store.h"
 
 namespace shardopt {
 
@@ -34,30 +35,31 @@ bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
   balanced_for_ = trainable;
   // Split ranges are equal for every trainable set (Note [Split parameters]), kept ones too.
   if (split_ || !options_.rebalance() || group_->size() == 1 || !detail::find_codec(*local_)) return false;
-  const double before = partition_.imbalance(weights_, trainable);
-  Partition next = partition_;
+  const Partition& now = store_->partition();
+  const double before = now.imbalance(weights_, trainable);
+  Partition next = now;
   if (before > options_.rebalance_threshold()) {
-    Partition balanced = Partition::rebalance(partition_, weights_, trainable);
+    Partition balanced = Partition::rebalance(now, weights_, trainable);
     if (balanced.imbalance(weights_, trainable) < before) next = std::move(balanced);
   }
   // The state of frozen parameters spreads too, so that every rank holds its share in all (Note
   // [Kept state]); the trainable balance stays as decided.
   std::vector<uint8_t> kept(params_.size(), 0);
-  for (size_t i = 0; i < params_.size(); ++i) kept[i] = !trainable[i] && stepped_[i];
+  for (size_t i = 0; i < params_.size(); ++i) kept[i] = !trainable[i] && store_->stepped()[i];
   if (next.held_imbalance(weights_, trainable, kept) > kKeptImbalance) {
     next = Partition::spread_kept(next, weights_, trainable, kept);
   }
   bool moved = false;
-  for (size_t i = 0; i < params_.size() && !moved; ++i) moved = next.owner(i) != partition_.owner(i);
+  for (size_t i = 0; i < params_.size() && !moved; ++i) moved = next.owner(i) != now.owner(i);
   if (!moved) return false;
 
   settle_state();  // state still owed from an earlier layout goes first
   last_rebalance_ = RebalanceStats();
   last_rebalance_.imbalance_before = before;
   last_rebalance_.imbalance_after = next.imbalance(weights_, trainable);
-  partition_ = std::move(next);
+  store_->set_partition(std::move(next));
   ++partition_version_;
-  lay_out(trainable);
+  store_->lay_out(trainable);
   settle_state();
   return true;
 }

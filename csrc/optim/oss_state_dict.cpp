@@ -251,10 +251,10 @@ void OSS::load_state_dict(const torch::IValue& sd) {
   // ranks (Note [Kept state]).
   bool kept_changed = false;
   for (const auto& entry : entries) {
-    kept_changed |= !stepped_[entry.first] && !store_->laid_out_for()[entry.first];
-    stepped_[entry.first] = 1;
+    kept_changed |= !store_->stepped()[entry.first] && !store_->laid_out_for()[entry.first];
+    store_->stepped()[entry.first] = 1;
   }
-  if (kept_changed && split_) lay_out(store_->laid_out_for());
+  if (kept_changed && split_) store_->lay_out(store_->laid_out_for());
   for (size_t g = 0; g < saved_groups.size(); ++g) {
     param_groups_[g].set_options(codec.decode_options(saved_groups[g].toGenericDict(), param_groups_[g].options()));
   }

@@ -65,29 +65,28 @@ bool OSS::folds_unscaling() const {
 
 bool OSS::step_with(std::optional<double> inv_scale) {
   finish_param_sync();
-  if (options_.check_trainable_every_step()) {
+  // ShardedDDP checks the set at its forward and lays the store out for it; without it, the step
+  // checks, unless the user turned the check off: then the local set is taken as agreed.
+  const bool checked_outside = store_->trainable_checked_outside();
+  const bool check = options_.check_trainable_every_step() && !checked_outside;
+  if (check) {
     agree_on_trainable(false);
-    lay_out_for(trainable_);  // agreed: every rank lays out alike
+    store_->lay_out_for(trainable_);  // agreed: every rank lays out alike
   } else if (trainable_mask_changed()) {
     trainable_ = detail::trainable_mask(params_);
-    // ShardedDDP lays out at its forward, after its own check; without it, the user turned the
-    // check off and the local set is taken as agreed.
-    if (!layout_follows_ddp_) lay_out_for(trainable_);
+    if (!checked_outside) store_->lay_out_for(trainable_);
   }
   settle_state();  // the set is agreed by now: every rank moves the same ranges
   sync_options_to_local();
   const bool stepped = step_shard(inv_scale);
   if (stepped) {  // what has state now (a step the scaler skipped made none)
-    for (size_t i = 0; i < params_.size(); ++i) stepped_[i] |= trainable_[i] & store_->laid_out_for()[i];
+    auto& has_state = store_->stepped();
+    for (size_t i = 0; i < params_.size(); ++i) has_state[i] |= trainable_[i] & store_->laid_out_for()[i];
   }
-  if (overlap_sync_ && options_.sync() == ParamSync::kBroadcast && group_->size() > 1) {
-    start_param_sync();
-  } else {
-    sync_params();
-  }
+  store_->sync_after_step();
   place_state();  // state the wrapped optimizer's own step made joins its slab
   // The set was just agreed on, so every rank takes the same decision.
-  if (options_.check_trainable_every_step()) rebalance(trainable_);
+  if (check) rebalance(trainable_);
   return stepped;
 }
 

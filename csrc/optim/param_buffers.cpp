@@ -1,4 +1,7 @@
+// The store's parameter buffers: laid out for the partition and the trainable set, and made
+// current on every rank after the step (Note [Parameter sync], Note [Overlapped parameter sync]).
 #include "optim/param_buffers.h"
+#include "optim/shard_store.h"
 
 #include <shardopt/check.h>
 #include <shardopt/optim/oss.h>
@@ -61,6 +64,122 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
     at::Tensor mine = shards[group.rank()].clone();
     group.allgather(shards, mine);
   }
+}
+
+ShardStore::ShardStore(std::vector<at::Tensor> params, std::shared_ptr<ProcessGroup> group, LayoutOptions options,
+                       ParamSync sync)
+    : params_(std::move(params)),
+      group_(std::move(group)),
+      layout_options_(options),
+      sync_(sync),
+      stepped_(params_.size(), 0) {}
+
+FlatLayout ShardStore::plan_layout(const std::vector<uint8_t>& trainable) const {
+  std::vector<LayoutParam> specs;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
+    SHARDOPT_CHECK(p.device().is_cpu() || p.device().is_cuda(), "parameter ", i, " is on ", p.device(),
+                   "; OSS supports CPU and CUDA parameters");
+    specs.push_back(LayoutParam::of(p, partition_.owner(i), trainable[i] != 0));
+    specs.back().keeps_state = !trainable[i] && stepped_[i];
+  }
+  return FlatLayout::plan(specs, group_->size(), layout_options_);
+}
+
+bool ShardStore::lay_out_for(const std::vector<uint8_t>& trainable) {
+  SHARDOPT_CHECK(trainable.size() == params_.size(), "lay_out_for got ", trainable.size(), " trainable flags for ",
+                 params_.size(), " parameters");
+  if (trainable == laid_out_for_) return false;
+  lay_out(trainable);
+  return true;
+}
+
+void ShardStore::lay_out(const std::vector<uint8_t>& trainable) {
+  finish_param_sync();  // the data moves to new buffers: it must be current first
+  layout_ = plan_layout(trainable);
+  laid_out_for_ = trainable;
+  buffers_.clear();  // the parameters still hold the old buffers' data until they are copied out
+  buffers_ = lay_out_params(layout_, params_);
+  ++layout_version_;
+  announce_layout();
+}
+
+void ShardStore::set_bucket_bytes(int64_t bytes) {
+  SHARDOPT_CHECK(bytes >= 0, "bucket bytes must be >= 0, got ", bytes);
+  if (bytes == layout_options_.bucket_bytes()) return;
+  finish_param_sync();  // the in-flight work is indexed by the old buckets
+  layout_options_.bucket_bytes(bytes);
+  if (laid_out_for_.empty()) return;  // not laid out yet: the first layout takes the new cuts
+  FlatLayout next = plan_layout(laid_out_for_);
+  TORCH_INTERNAL_ASSERT(next.same_placement(layout_), "new bucket cuts moved parameters in the flat buffers");
+  layout_ = std::move(next);
+  ++layout_version_;
+  announce_layout();
+}
+
+// Note [Overlapped parameter sync]
+// After the step, each gradient bucket's range of the parameter buffer is broadcast from its
+// owner: the same ranges the owner just stepped (frozen parameters do not change, shard padding
+// is not sent). The buckets go out in reverse order: the trainable run holds the parameters in
+// reverse order (Note [Bucket order]), so the last buckets hold the first layers, which the next
+// forward needs first. ShardedDDP waits, before each child of a Sequential (or where the user
+// calls wait_param_sync), only for the buckets of that child's parameters, so the rest of the
+// sync runs beside the forward; without per-child waits it finishes everything in pre_forward.
+// Anything that lays the buffers out again or reads the parameters here finishes it first.
+void ShardStore::start_param_sync() {
+  CommPhase phase("step (parameter sync, overlapped)");
+  const auto& buckets = layout_.buckets();
+  bucket_sync_.clear();
+  bucket_sync_.resize(buckets.size());
+  for (size_t k = buckets.size(); k-- > 0;) {
+    const FlatBucket& b = buckets[k];
+    const int64_t begin = layout_.groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
+    at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
+    bucket_sync_[k] = group_->broadcast_async(range, b.owner);
+    ++sync_in_flight_;
+  }
+}
+
+void ShardStore::sync_after_step() {
+  if (overlap_sync_ && sync_ == ParamSync::kBroadcast && group_->size() > 1) {
+    start_param_sync();
+  } else {
+    sync_params();
+  }
+}
+
+void ShardStore::sync_params() {
+  finish_param_sync();
+  CommPhase phase("step (parameter sync)");
+  detail::sync_params(*group_, layout_, buffers_, sync_);
+}
+
+void ShardStore::finish_param_sync() {
+  if (sync_in_flight_ == 0) return;
+  CommPhase phase("parameter sync (finishing)");
+  for (size_t k = bucket_sync_.size(); k-- > 0;) {
+    if (!bucket_sync_[k].valid()) continue;
+    --sync_in_flight_;
+    bucket_sync_[k].wait();
+  }
+  sync_in_flight_ = 0;
+}
+
+void ShardStore::finish_param_sync(size_t param) {
+  if (sync_in_flight_ == 0) return;
+  SHARDOPT_CHECK(param < params_.size(), "finish_param_sync: parameter ", param, " of ", params_.size());
+  CommPhase phase("parameter sync (finishing)");
+  for (size_t k : layout_.pieces_of(param)) {
+    const int64_t b = layout_.pieces()[k].bucket;
+    if (b < 0 || !bucket_sync_[b].valid()) continue;
+    --sync_in_flight_;
+    bucket_sync_[b].wait();
+  }
+}
+
+void ShardStore::set_overlap_param_sync(bool on) {
+  if (!on) finish_param_sync();
+  overlap_sync_ = on;
 }
 
 }  // namespace shardopt::detail

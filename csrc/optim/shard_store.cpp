@@ -25,22 +25,6 @@ namespace shardopt::detail {
 // then moves into new slabs at the next adopt(), and the old slabs are freed with the last view.
 // An optimizer shardopt has no codec for keeps its state as it makes it.
 
-void ShardStore::lay_out(FlatLayout layout, std::vector<uint8_t> trainable, std::vector<at::Tensor>& params) {
-  layout_ = std::move(layout);
-  laid_out_for_ = std::move(trainable);
-  buffers_.clear();  // the parameters still hold the old buffers' data until they are copied out
-  buffers_ = lay_out_params(layout_, params);
-  ++layout_version_;
-  announce_layout();
-}
-
-void ShardStore::recut(FlatLayout layout) {
-  TORCH_INTERNAL_ASSERT(layout.same_placement(layout_), "new bucket cuts moved parameters in the flat buffers");
-  layout_ = std::move(layout);
-  ++layout_version_;
-  announce_layout();
-}
-
 void ShardStore::plan(int rank, const std::vector<std::vector<Holding>>& holdings, const torch::optim::Optimizer& local) {
   const FlatLayout& layout = layout_;
   const auto& groups = layout.groups();

@@ -1,8 +1,9 @@
 // ShardStore: the memory a rank's shard of the optimizer owns, addressed through the FlatLayout
-// (Note [Shard store] in shard_store.cpp). Internal to shardopt; OSS composes it.
+// (Note [Shard store] in shard_store.cpp). Internal to shardopt; OSS composes it, and ShardedDDP
+// shares it (detail::store_of).
 //
-// It holds the flat parameter buffers and the layout they follow, with the trainable set it was
-// made for, and, for each (device, dtype) group of the layout, one flat slab per kind of optimizer
+// It holds the partition, the flat parameter buffers and the layout they follow, with the
+// trainable set it was made for, the parameter sync after the step, and, for each (device, dtype) group of the layout, one flat slab per kind of optimizer
 // state ("exp_avg", "exp_avg_sq", "momentum_buffer", ...). The state tensors torch::optim sees
 // are views into them, so state_dict(), checkpoints and the codecs see the same tensors as
 // before, and the fused step reads each run of state from one slab. It also holds the reduced
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -45,19 +47,57 @@ struct Slot {
 
 class ShardStore {
  public:
-  // ---- the parameter buffers and their layout ----
-  // Makes `params` views into new buffers laid out by `layout` (one per group, values copied in:
-  // lay_out_params), for the trainable set `trainable`, and announces the new layout. The old
-  // buffers are freed once nothing refers to them.
-  void lay_out(FlatLayout layout, std::vector<uint8_t> trainable, std::vector<at::Tensor>& params);
-  // Takes new bucket cuts over the same placement (no data moves) and announces them.
-  void recut(FlatLayout layout);
+  // The store of `params` (in OSS's order; the layout makes them views into its buffers), sharded
+  // over `group`, laid out with `options`, made current after a step by `sync`.
+  ShardStore(std::vector<at::Tensor> params, std::shared_ptr<ProcessGroup> group, LayoutOptions options,
+             ParamSync sync);
+
+  // ---- the partition, and what has state to keep ----
+  // Who owns each parameter when parameters stay whole; a split layout cuts the trainable run in
+  // equal ranges instead (Note [Split parameters]).
+  const Partition& partition() const { return partition_; }
+  void set_partition(Partition partition) { partition_ = std::move(partition); }
+  // Parameters stepped (or loaded with state) since construction: the frozen ones among them keep
+  // their state, and the layout places it (Note [Kept state]).
+  std::vector<uint8_t>& stepped() { return stepped_; }
+  const std::vector<uint8_t>& stepped() const { return stepped_; }
+
+  // ---- the parameter buffers and their layout (param_buffers.cpp) ----
+  // The layout of the parameters for the partition and `trainable` (one flag per parameter).
+  FlatLayout plan_layout(const std::vector<uint8_t>& trainable) const;
+  // Lays the buffers out for `trainable` if it differs from the set the layout was made for;
+  // returns whether it did. Local: every rank must pass the same mask before the next collective
+  // that uses the layout.
+  bool lay_out_for(const std::vector<uint8_t>& trainable);
+  // Lays the buffers out for `trainable` (the partition or the kept state changed): new buffers,
+  // the parameters' values copied in (lay_out_params), the old buffers freed once nothing refers
+  // to them, and the new layout announced.
+  void lay_out(const std::vector<uint8_t>& trainable);
+  // Re-cuts the gradient buckets at `bytes` (0: one per parameter); no data moves.
+  void set_bucket_bytes(int64_t bytes);
   const FlatLayout& layout() const { return layout_; }
   // The trainable set the layout was made for (one flag per parameter, in OSS's order).
   const std::vector<uint8_t>& laid_out_for() const { return laid_out_for_; }
   std::vector<at::Tensor>& buffers() { return buffers_; }
-  // Counts layouts (lay_out and recut).
+  // Counts layouts (lay_out and new bucket cuts).
   int64_t layout_version() const { return layout_version_; }
+  // ShardedDDP checks the trainable set at every forward and lays the store out for it; with this
+  // on, OSS's step leaves both to it.
+  void set_trainable_checked_outside(bool on) { trainable_checked_outside_ = on; }
+  bool trainable_checked_outside() const { return trainable_checked_outside_; }
+
+  // ---- the parameter sync (Note [Parameter sync], Note [Overlapped parameter sync]) ----
+  // Makes every rank's copy of the buffers equal to the owners'. Collective.
+  void sync_params();
+  // After a step: the sync above, or with overlap on (and kBroadcast), one broadcast per bucket
+  // left in flight. Collective.
+  void sync_after_step();
+  // Waits for the broadcasts in flight: all, or those of parameter `param`'s buckets. Local.
+  void finish_param_sync();
+  void finish_param_sync(size_t param);
+  bool param_sync_in_flight() const { return sync_in_flight_ > 0; }
+  // With it on, sync_after_step() leaves the sync in flight; off finishes what is in flight.
+  void set_overlap_param_sync(bool on);
 
   // ---- optimizer state ----
   // Plans where this rank's state lives: every holding of `rank` that is a piece of the layout's
@@ -115,10 +155,23 @@ class ShardStore {
   // does not fit the group's slabs.
   at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like);
 
+  // Starts the broadcast of every bucket from its owner, in reverse bucket order.
+  void start_param_sync();
+
+  std::vector<at::Tensor> params_;  // OSS's parameters (the same TensorImpls)
+  std::shared_ptr<ProcessGroup> group_;
+  LayoutOptions layout_options_;
+  ParamSync sync_;
+  Partition partition_;
+  std::vector<uint8_t> stepped_;
   FlatLayout layout_;
   std::vector<uint8_t> laid_out_for_;
   std::vector<at::Tensor> buffers_;  // one per layout group; the parameters are views of them
   int64_t layout_version_ = 0;
+  bool trainable_checked_outside_ = false;
+  bool overlap_sync_ = false;
+  std::vector<PendingWork> bucket_sync_;  // per layout bucket: its broadcast, while in flight
+  size_t sync_in_flight_ = 0;             // buckets not finished yet
   std::unordered_map<const void*, Slot> slots_;  // holding tensor (TensorImpl) -> slot
   std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region
   std::vector<std::map<std::string, at::Tensor>> slabs_;  // per group: kind -> slab

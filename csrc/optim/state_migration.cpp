@@ -104,11 +104,24 @@ class WireWriter {
   int64_t bytes_ = 0;
 };
 
-// The slices rank `src` sent (WireWriter::send), with their parameters; their tensors view one
-// payload received on the device `device_of(first slice's parameter)` gives.
-std::vector<std::pair<size_t, Slice>> receive_slices(ProcessGroup& group, int src, int tag,
-                                                     const std::function<at::Device(size_t)>& device_of) {
-  const std::vector<char> bytes = group.recv_bytes(src, tag);
+// A tensor as a header names it: its dtype, its shape and where its bytes start in the payload.
+struct Placed {
+  at::ScalarType dtype;
+  std::vector<int64_t> sizes;
+  int64_t offset;
+};
+
+// One slice as a header names it.
+struct Parsed {
+  size_t param;
+  int64_t begin, end;
+  bool has_state;
+  std::vector<std::pair<std::string, Placed>> state;
+  std::optional<Placed> grad, values;
+};
+
+// The slices a header from rank `src` names (WireWriter's words), and the payload's bytes.
+std::pair<std::vector<Parsed>, int64_t> parse_header(const std::vector<char>& bytes, int src) {
   std::vector<int64_t> words(bytes.size() / sizeof(int64_t));
   std::memcpy(words.data(), bytes.data(), words.size() * sizeof(int64_t));
   TORCH_INTERNAL_ASSERT(!words.empty(), "an empty header of state slices from rank ", src);
@@ -117,24 +130,11 @@ std::vector<std::pair<size_t, Slice>> receive_slices(ProcessGroup& group, int sr
     TORCH_INTERNAL_ASSERT(at < words.size(), "a short header of state slices from rank ", src);
     return words[at++];
   };
-  struct Placed {
-    at::ScalarType dtype;
-    std::vector<int64_t> sizes;
-    int64_t offset;
-  };
   auto tensor = [&] {
     Placed p{static_cast<at::ScalarType>(word()), {}, 0};
     for (int64_t d = word(); d > 0; --d) p.sizes.push_back(word());
     p.offset = word();
     return p;
-  };
-  // First the header's shape: the tensors are made once the payload is here.
-  struct Parsed {
-    size_t param;
-    int64_t begin, end;
-    bool has_state;
-    std::vector<std::pair<std::string, Placed>> state;
-    std::optional<Placed> grad, values;
   };
   std::vector<Parsed> parsed;
   while (at + 1 < words.size()) {
@@ -151,6 +151,15 @@ std::vector<std::pair<size_t, Slice>> receive_slices(ProcessGroup& group, int sr
     parsed.push_back(std::move(p));
   }
   const int64_t payload_bytes = word();
+  return {std::move(parsed), payload_bytes};
+}
+
+// The slices rank `src` sent (WireWriter::send), with their parameters; their tensors view one
+// payload received on the device `device_of(first slice's parameter)` gives.
+std::vector<std::pair<size_t, Slice>> receive_slices(ProcessGroup& group, int src, int tag,
+                                                     const std::function<at::Device(size_t)>& device_of) {
+  // First the header: the tensors are made once the payload is here.
+  const auto [parsed, payload_bytes] = parse_header(group.recv_bytes(src, tag), src);
   const at::Device device = parsed.empty() ? at::Device(at::kCPU) : device_of(parsed.front().param);
   at::Tensor payload = at::empty({payload_bytes}, at::TensorOptions().dtype(at::kByte).device(device));
   if (payload_bytes > 0) group.recv(payload, src, tag);

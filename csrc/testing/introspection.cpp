@@ -25,6 +25,8 @@ int64_t Introspection::slab_bytes(const OSS& oss) { return oss.store_->bytes(); 
 
 int64_t Introspection::layout_version(const OSS& oss) { return oss.store_->layout_version(); }
 
+bool Introspection::param_sync_in_flight(const OSS& oss) { return oss.store_->param_sync_in_flight(); }
+
 int Introspection::cpu_kernel_level() {
   return detail::cpu_kernel_level();
 }

@@ -150,5 +150,50 @@ TEST(OverlappedParamSync, ACheckpointSavedWithTheSyncInFlightResumesBitExactly) 
   ::rmdir(dir.c_str());
 }
 
+// Once the ShardedDDP is gone, OSS goes on alone as if it had never had one: its step syncs in
+// full again, and checks the trainable set itself, so a freeze lays the buffers out anew.
+TEST(OverlappedParamSync, OssGoesOnAloneOnceTheShardedDdpIsGone) {
+  testing::run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = make_sequential(), ref = make_sequential();
+    optim::Adam ref_opt(ref->parameters(), optim::AdamOptions(1e-2));
+    OSS oss(net->parameters(), adam(), g, OSSOptions().partition(PartitionMode::kSplit));
+    {
+      ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().overlap_param_sync(true));
+      {
+        at::NoGradGuard no_grad;
+        auto mine = net->parameters(), theirs = ref->parameters();
+        for (size_t i = 0; i < mine.size(); ++i) theirs[i].copy_(mine[i]);
+      }
+      for (int step = 0; step < 2; ++step) {
+        const auto data = testing::rank_data(step, g->rank(), 3);
+        ddp.zero_grad();
+        testing::loss_of(ddp.forward(data.x), data, 3).backward();
+        oss.step();
+        reference_step(ref, ref_opt, data, *g);
+      }
+    }
+    EXPECT_FALSE(testing::Introspection::param_sync_in_flight(oss)) << "the ShardedDDP finished its sync";
+    for (int step = 2; step < 5; ++step) {
+      freeze_middle(net, step >= 3);
+      freeze_middle(ref, step >= 3);
+      const auto data = testing::rank_data(step, g->rank(), 3);
+      oss.zero_grad();
+      testing::loss_of(net->forward(data.x), data, 3).backward();
+      Params grads;
+      for (auto& p : net->parameters()) {
+        if (p.requires_grad()) grads.push_back(p);
+      }
+      testing::allreduce_grads(grads, *g);
+      const int64_t layouts = testing::Introspection::layout_version(oss);
+      oss.step();
+      EXPECT_EQ(testing::Introspection::layout_version(oss) > layouts, step == 3)
+          << "step " << step << ": the step lays out for the frozen set, once";
+      EXPECT_FALSE(testing::Introspection::param_sync_in_flight(oss)) << "step " << step;
+      reference_step(ref, ref_opt, data, *g);
+      ASSERT_TRUE(testing::matches_reference(net->parameters(), ref->parameters(), *g, 1e-5)) << "step " << step;
+    }
+  });
+}
+
 }  // namespace
 }  // namespace shardopt

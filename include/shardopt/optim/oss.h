@@ -100,7 +100,8 @@ struct OSSOptions {
   // busiest rank more than this above 1/world (Note [Split parameters]).
   TORCH_ARG(double, split_above_imbalance) = 0.03;
   // Check at every step() that all ranks agree on the trainable set (one 16-byte all-reduce).
-  // ShardedDDP turns this off because its forward() does the same check.
+  // Under a ShardedDDP with auto_refresh_trainable, its forward() checks instead, and the step
+  // does not check again.
   TORCH_ARG(bool, check_trainable_every_step) = true;
   // After the trainable set changes, re-partition when the trainable work on some rank is more
   // than `rebalance_threshold` above the mean, moving optimizer state to the new owners (Note
@@ -118,7 +119,8 @@ struct OSSOptions {
   // Low-precision parameters and gradients, fp32 master weights and state on the owners only
   // (shardopt/optim/mixed_precision.h). Off by default.
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
-  // How the flat buffers are laid out (ShardedDDP sets bucket_bytes from its own options).
+  // How the flat buffers are laid out (a ShardedDDP cuts the buckets at its reduce_bucket_bytes
+  // instead).
   TORCH_ARG(LayoutOptions, layout) = {};
 };
 
@@ -207,7 +209,7 @@ class OSS : public torch::optim::Optimizer {
   // replicas (the ranks at its position in every block; null without blocks).
   ProcessGroup& global_group() const { return *global_group_; }
   ProcessGroup* replica_group() const { return replica_group_.get(); }
-  const Partition& partition() const { return partition_; }
+  const Partition& partition() const;
   // Where each parameter lives in the flat buffers, and the gradient buckets.
   const FlatLayout& layout() const;
   // All parameters, in global order (groups concatenated).
@@ -244,8 +246,6 @@ class OSS : public torch::optim::Optimizer {
  private:
   friend struct testing::Introspection;
   friend detail::ShardStore& detail::store_of(OSS& optimizer);
-  // ---- what ShardedDDP controls (it shares the store: Note [Owned gradients]) ----
-  friend class ShardedDDP;
   // The gradient scaler folds its unscale into the fused step (Note [Unscaling in the step]).
   friend class ShardedGradScaler;
   // Whether a step can take the scaler's unscale (the fused step of Adam, AdamW or SGD).
@@ -254,32 +254,14 @@ class OSS : public torch::optim::Optimizer {
   // the step and it is skipped on every rank when any rank finds inf/NaN. Returns whether it
   // stepped. Collective.
   bool step_with(std::optional<double> inv_scale);
-  // Lays the buffers out for the trainable set `trainable` (one flag per parameter, in
-  // all_params() order) if it differs from the one the layout was made for; returns whether it
-  // did. Local: every rank must pass the same mask before the next collective that uses the
-  // layout (ShardedDDP checks it before the first reduction).
-  bool lay_out_for(const std::vector<uint8_t>& trainable);
-  // Re-cuts the gradient buckets at `bytes` (0: one per parameter); no data moves.
-  void set_bucket_bytes(int64_t bytes);
-  // With it on, step() leaves the parameter sync in flight (Note [Overlapped parameter sync]).
-  void set_overlap_param_sync(bool on);
-  // ShardedDDP checks the trainable set at every forward, lays the buffers out for it, and turns
-  // the step's check (and lay-out) off.
-  void set_check_trainable_every_step(bool on) {
-    options_.check_trainable_every_step(on);
-    layout_follows_ddp_ = !on;
-  }
 
   void init(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory);
   void check_params_across_ranks();
   // With shard_group_size: splits the group into blocks and replica groups; group_ becomes the block.
   void form_blocks();
-  void choose_partition_mode(const OptimizerFactory& factory);
+  // Whole parameters (balanced as `whole`), or split ranges: PartitionMode resolved.
+  void choose_partition_mode(const OptimizerFactory& factory, const Partition& whole);
   void make_local(const OptimizerFactory& factory);
-  // The layout of the parameters for the partition and `trainable`.
-  FlatLayout plan_layout(const std::vector<uint8_t>& trainable) const;
-  // Plans the layout for the partition and `trainable`, and moves the parameters into it.
-  void lay_out(const std::vector<uint8_t>& trainable);
   void sync_options_to_local();
   bool trainable_mask_changed() const;
   void agree_on_trainable(bool force);
@@ -296,9 +278,6 @@ class OSS : public torch::optim::Optimizer {
   std::unordered_map<size_t, c10::impl::GenericDict> saved_entries(const c10::impl::GenericDict& dict) const;
   c10::impl::GenericList param_groups_value() const;
   void load_masters(const c10::impl::GenericDict& dict);
-  // Starts the broadcast of every bucket from its owner, in reverse bucket order (Note
-  // [Overlapped parameter sync]).
-  void start_param_sync();
   // The gradient of holding h of parameter i on this rank, or undefined: a range of the
   // parameter's full gradient when it has one, else the store's (Note [Owned gradients]).
   at::Tensor holding_grad(size_t i, const detail::Holding& h) const;
@@ -319,30 +298,23 @@ class OSS : public torch::optim::Optimizer {
   std::vector<size_t> group_of_;
   std::vector<size_t> group_sizes_;
   std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> position in params_
-  Partition partition_;
   int64_t settled_version_ = -1;        // the store's layout version when the state was last settled
   bool split_ = false;
   double whole_imbalance_ = 0.0;      // of the whole-parameter partition at construction (kAuto)
-  bool layout_follows_ddp_ = false;   // ShardedDDP lays the buffers out (set_check_trainable_every_step)
   std::vector<std::vector<detail::Holding>> holdings_;  // per parameter: where its state lives now
   int64_t state_moves_ = 0;
   std::shared_ptr<ProcessGroup> global_group_, replica_group_;
   bool stepped_fused_ = false;
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::unique_ptr<torch::optim::Optimizer> local_;
-  // The slabs the local optimizer's state lives in, and the owned gradients.
+  // The partition, the parameter buffers, the slabs the local optimizer's state lives in, and the
+  // owned gradients (shared with ShardedDDP: detail::store_of).
   std::unique_ptr<detail::ShardStore> store_;
   std::vector<uint8_t> trainable_;
-  // Parameters stepped (or loaded with state) since construction: the frozen ones among them have
-  // state to keep (Note [Kept state]). The same on every rank: it follows the agreed trainable set.
-  std::vector<uint8_t> stepped_;
   std::vector<int64_t> weights_;        // bytes of each parameter, what the partition balances
   std::vector<uint8_t> balanced_for_;   // the trainable set the partition was last decided for
   int64_t partition_version_ = 0;
   RebalanceStats last_rebalance_;
-  bool overlap_sync_ = false;                // step() leaves the parameter sync in flight
-  std::vector<PendingWork> bucket_sync_;     // per layout bucket: its broadcast, while in flight
-  size_t sync_in_flight_ = 0;                // buckets not finished yet
   bool mixed_ = false;                      // mixed precision: the holdings' tensors are fp32 masters
   std::vector<at::Tensor> master_sources_;  // during construction: the fp32 values masters start from
   std::optional<torch::IValue> consolidated_;

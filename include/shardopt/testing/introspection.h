@@ -17,7 +17,7 @@ namespace shardopt::testing {
 
 struct Introspection {
   // Whether the overlapped parameter sync of the last step() is still in flight.
-  static bool param_sync_in_flight(const OSS& oss) { return oss.sync_in_flight_ > 0; }
+  static bool param_sync_in_flight(const OSS& oss);
   // Counts OSS's layouts (a trainable set, owners or bucket cuts changed).
   static int64_t layout_version(const OSS& oss);
   // Whether the last step() used the fused step.
