@@ -324,6 +324,7 @@ void OSS::place_state() {
   if (!codec || settled_version_ != store_->layout_version()) return;  // a user's optimizer keeps its own state
   store_->plan(group_->rank(), settled_, *local_);
   store_->adopt(*local_, *codec);
+  if (mixed_) store_->adopt_masters(settled_, group_->rank());
 }
 
 at::Tensor OSS::owned_grad(size_t i, const detail::Holding& h) const {

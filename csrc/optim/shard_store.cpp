@@ -23,7 +23,10 @@ namespace shardopt::detail {
 // optimizer's own step, loaded from a state dict, or moved from another rank) into its slot and
 // keeps the view. A new layout (a freeze, an unfreeze, a re-partition) makes a new plan; state
 // then moves into new slabs at the next adopt(), and the old slabs are freed with the last view.
-// An optimizer shardopt has no codec for keeps its state as it makes it.
+// Under mixed precision the masters (the fp32 tensors the wrapped optimizer steps, which key the
+// state) move into a slab of their own at the same offsets (adopt_masters), so that a run of
+// pieces has its master, its state and its low-precision parameters each in one range. An
+// optimizer shardopt has no codec for keeps its state, and its masters, as it makes them.
 
 void ShardStore::plan(int rank, const std::vector<std::vector<Holding>>& holdings, const torch::optim::Optimizer& local) {
   const FlatLayout& layout = layout_;
@@ -101,6 +104,27 @@ int64_t ShardStore::adopt(torch::optim::Optimizer& local, const OptimizerCodec& 
       copied += static_cast<int64_t>(t.nbytes());
       return view;
     });
+  }
+  return copied;
+}
+
+int64_t ShardStore::adopt_masters(const std::vector<std::vector<Holding>>& holdings, int rank) {
+  int64_t copied = 0;
+  at::NoGradGuard no_grad;
+  for (const auto& list : holdings) {
+    for (const Holding& h : list) {
+      if (h.rank != rank || !h.tensor.defined()) continue;
+      const Slot* slot = slot_of(h.tensor);
+      if (!slot || slot->numel != h.tensor.numel()) continue;
+      const at::Tensor slab = slab_for(slot->group, kMasterSlab, h.tensor);
+      if (!slab.defined()) continue;
+      at::Tensor view = slab.narrow(0, slot->offset, slot->numel).view(slot->sizes);
+      if (h.tensor.data_ptr() == view.data_ptr() && h.tensor.sizes() == view.sizes()) continue;
+      view.copy_(h.tensor.detach().reshape(slot->sizes));
+      copied += static_cast<int64_t>(h.tensor.nbytes());
+      at::Tensor master = h.tensor;  // the holding's handle: the same TensorImpl
+      master.set_data(view);
+    }
   }
   return copied;
 }

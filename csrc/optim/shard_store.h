@@ -33,6 +33,9 @@
 
 namespace shardopt::detail {
 
+// The slab kind of mixed precision's fp32 master weights, beside the state's kinds.
+inline constexpr const char* kMasterSlab = "master";
+
 // Where one holding's state lives in its group's slabs.
 struct Slot {
   size_t group = 0;
@@ -115,6 +118,11 @@ class ShardStore {
   // makes the state hold the slab's view; returns the bytes copied. State without a slot stays as
   // it is.
   int64_t adopt(torch::optim::Optimizer& local, const OptimizerCodec& codec);
+
+  // Mixed precision: moves the master of each holding of `rank` (the holding's fp32 tensor, which
+  // keys its state) that has a slot into its group's master slab (kMasterSlab) at the slot, keeping
+  // the tensor (set_data); returns the bytes copied. A master without a slot keeps its storage.
+  int64_t adopt_masters(const std::vector<std::vector<Holding>>& holdings, int rank);
 
   // The slab of `kind` in `group`; undefined before any state of that kind arrived.
   at::Tensor slab(size_t group, const std::string& kind) const;

@@ -1,8 +1,8 @@
 // The shard store (Note [Shard store] in csrc/optim/shard_store.cpp): the optimizer state each
 // rank holds lives in one flat slab per kind of state, the tensors torch::optim sees are views
 // into them with the values an unsharded torch::optim holds, the fused pass over a run of the
-// slab equals the per-tensor step bit for bit, and a new layout moves exactly the state whose
-// holder changed.
+// slab equals the per-tensor step bit for bit, a new layout moves exactly the state whose
+// holder changed, and mixed precision's masters live in a slab beside their state.
 #include <shardopt/optim/fused_step.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/testing/introspection.h>
@@ -269,6 +269,55 @@ TEST(ShardStore, ANewLayoutMovesExactlyTheStateWhoseHolderChanged) {
       EXPECT_EQ(bytes[0].item<int64_t>(), 8 * changed) << where << ": bytes sent";
       EXPECT_EQ(bytes[1].item<int64_t>(), 8 * changed) << where << ": bytes received";
     });
+  }
+}
+
+// Mixed precision: each master a rank steps (the fp32 tensor keying its state) is a view of its
+// group's master slab at the same offset as its state, through a freeze, a re-partition and an
+// unfreeze, and it is the live master: the bf16 parameter is it rounded.
+TEST(ShardStore, MastersLiveInASlabAtTheirStatesOffsets) {
+  for (PartitionMode mode : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
+    for (int world : {2, 3}) {
+      run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+        Params params = make_chain();
+        OSS oss(params, optimizer<optim::AdamW>(optim::AdamWOptions(1e-2)), g,
+                OSSOptions().partition(mode).rebalance_threshold(0.0).mixed_precision(
+                    MixedPrecision().param_dtype(at::kBFloat16)));
+        const std::string where = std::string(mode == PartitionMode::kSplit ? "split" : "whole") + " at world " +
+                                  std::to_string(world);
+        int64_t in_slab = 0;
+        for (int s = 0; s < 6; ++s) {
+          const bool frozen = s == 2 || s == 3;
+          for (int k = 0; k < 4; ++k) params[k].requires_grad_(!frozen);
+          const auto [x, y] = batch(s, g->rank());
+          oss.zero_grad();
+          at::mse_loss(chain(params, x.to(at::kBFloat16)).to(at::kFloat), y).backward();
+          testing::allreduce_grads(params, *g);
+          oss.step();
+          for (size_t i = 0; i < params.size(); ++i) {
+            for (const auto& h : Introspection::holdings(oss, i)) {
+              if (h.rank != g->rank()) continue;
+              ASSERT_EQ(h.tensor.scalar_type(), at::kFloat) << where;
+              const auto slot = Introspection::state_slot(oss, h.tensor);
+              if (!slot) continue;
+              const at::Tensor slab = Introspection::state_slab(oss, slot->group, "master");
+              const at::Tensor exp_avg = Introspection::state_slab(oss, slot->group, "exp_avg");
+              ASSERT_TRUE(slab.defined() && h.tensor.storage().is_alias_of(slab.storage()) &&
+                          h.tensor.storage_offset() == slab.storage_offset() + slot->offset && h.tensor.is_contiguous())
+                  << where << ", step " << s << ": the master of parameter " << i << " is not a view of its slab";
+              ASSERT_EQ(slab.numel(), exp_avg.numel()) << where;
+              const at::Tensor rounded = h.tensor.reshape(-1).to(at::kBFloat16);
+              const at::Tensor param = params[i].detach().reshape(-1).narrow(0, h.in_param.begin, h.in_param.size());
+              ASSERT_TRUE(at::equal(rounded, param)) << where << ", step " << s << ": parameter " << i
+                                                     << " is not its master rounded";
+              ++in_slab;
+            }
+          }
+        }
+        EXPECT_GT(in_slab, 0) << where;
+      });
+      if (::testing::Test::HasFatalFailure()) return;
+    }
   }
 }
 
