@@ -5,6 +5,7 @@
 #include <shardopt/compat.h>
 
 #include "cuda/kernels_adapter.h"
+#include "optim/adjacent.h"
 #include "optim/fused_kernels.h"
 #include "optim/fused_step_mixed.h"
 
@@ -19,6 +20,7 @@
 
 #include <dlfcn.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -127,6 +129,8 @@ AdamScalars adam_scalars(const Options& o, bool decoupled, int64_t step) {
 
 struct AdamEntry {
   at::Tensor p, g, m, v, vmax;
+  at::Tensor copy;  // mixed precision on CUDA: the low-precision range p's update is written to
+  std::array<at::Tensor*, 6> operands() { return {&p, &g, &m, &v, &vmax, &copy}; }
 };
 
 template <class T>
@@ -135,17 +139,22 @@ detail::AdamSegment<T> adam_segment(const AdamEntry& e) {
           e.vmax.defined() ? e.vmax.data_ptr<T>() : nullptr, e.p.numel()};
 }
 
-// One run: parameters with the same options and step count. All CPU tensors of a dtype go
-// through one parallel region; a CUDA tensor is one launch.
-void adam_run(const std::vector<AdamEntry>& run, const AdamScalars& s, int64_t step,
-              const detail::LowPrecisionCopies& copies) {
+// One run: parameters with the same options and step count, adjacent ones joined (Note [Adjacent
+// tensors in one pass]). All CPU tensors of a dtype go through one parallel region; a CUDA segment
+// is one launch. Returns the segments stepped.
+int64_t adam_run(std::vector<AdamEntry> run, const AdamScalars& s, int64_t step) {
   at::NoGradGuard no_grad;
+  for (const auto& e : run) {
+    // The state's tensors change in place: versions follow, as with torch's own step.
+    e.p.unsafeGetTensorImpl()->bump_version();
+    if (e.copy.defined()) e.copy.unsafeGetTensorImpl()->bump_version();
+  }
+  run = detail::joined_adjacent(std::move(run));
   std::vector<detail::AdamSegment<float>> f32;
   std::vector<detail::AdamSegment<double>> f64;
   for (const auto& e : run) {
-    if (const at::Tensor* copy = copy_of(copies, e.p)) {
-      detail::cuda_adam_mixed(*copy, e.g, e.p, e.m, e.v, e.vmax, s, step);
-      copy->unsafeGetTensorImpl()->bump_version();
+    if (e.copy.defined()) {
+      detail::cuda_adam_mixed(e.copy, e.g, e.p, e.m, e.v, e.vmax, s, step);
     } else if (e.p.is_cuda()) {
       detail::cuda_adam(e.p, e.g, e.m, e.v, e.vmax, s, step);
     } else if (e.p.scalar_type() == at::kFloat) {
@@ -153,11 +162,10 @@ void adam_run(const std::vector<AdamEntry>& run, const AdamScalars& s, int64_t s
     } else {
       f64.push_back(adam_segment<double>(e));
     }
-    // The state's tensors change in place: versions follow, as with torch's own step.
-    e.p.unsafeGetTensorImpl()->bump_version();
   }
   if (!f32.empty()) adam_kernel(f32, s);
   if (!f64.empty()) adam_kernel(f64, s);
+  return static_cast<int64_t>(run.size());
 }
 
 // The unscale and skip flag of a step (Note [Unscaling in the step]), as the kernels take them.
@@ -176,9 +184,10 @@ struct Scaling {
 };
 
 template <class Options>
-void adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::FusedStepInputs& in, const Scaling& scaling,
-                    Taken& taken) {
+int64_t adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::FusedStepInputs& in, const Scaling& scaling,
+                       Taken& taken) {
   const auto& allocate = in.allocate;
+  int64_t segments = 0;
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const Options&>(group.options());
     // The parameters with a gradient, by their step count after this step: one pass per run.
@@ -196,19 +205,27 @@ void adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::FusedSt
       }, taken);
       st.step(st.step() + 1);
       taken.advanced.push_back(&st);
-      runs[st.step()].push_back(
-          {p, g, st.exp_avg(), st.exp_avg_sq(), o.amsgrad() ? st.max_exp_avg_sq() : at::Tensor()});
+      const at::Tensor* copy = copy_of(in.copies, p);
+      runs[st.step()].push_back({p, g, st.exp_avg(), st.exp_avg_sq(), o.amsgrad() ? st.max_exp_avg_sq() : at::Tensor(),
+                                 copy ? *copy : at::Tensor()});
     }
-    for (const auto& [step, run] : runs) adam_run(run, scaling.applied(adam_scalars(o, decoupled, step)), step, in.copies);
+    for (auto& [step, run] : runs) {
+      segments += adam_run(std::move(run), scaling.applied(adam_scalars(o, decoupled, step)), step);
+    }
   }
+  return segments;
 }
 
 struct SgdEntry {
   at::Tensor p, g, buf;
+  std::array<at::Tensor*, 3> operands() { return {&p, &g, &buf}; }
 };
 
-void sgd_run(const std::vector<SgdEntry>& run, const SgdScalars& s) {
+// As adam_run.
+int64_t sgd_run(std::vector<SgdEntry> run, const SgdScalars& s) {
   at::NoGradGuard no_grad;
+  for (const auto& e : run) e.p.unsafeGetTensorImpl()->bump_version();
+  run = detail::joined_adjacent(std::move(run));
   std::vector<detail::SgdSegment<float>> f32;
   std::vector<detail::SgdSegment<double>> f64;
   for (const auto& e : run) {
@@ -221,13 +238,14 @@ void sgd_run(const std::vector<SgdEntry>& run, const SgdScalars& s) {
       f64.push_back({e.p.data_ptr<double>(), e.g.data_ptr<double>(),
                      e.buf.defined() ? e.buf.data_ptr<double>() : nullptr, e.p.numel()});
     }
-    e.p.unsafeGetTensorImpl()->bump_version();
   }
   if (!f32.empty()) sgd_kernel(f32, s);
   if (!f64.empty()) sgd_kernel(f64, s);
+  return static_cast<int64_t>(run.size());
 }
 
-void sgd_step(optim::Optimizer& opt, const detail::FusedStepInputs& in, const Scaling& scaling, Taken& taken) {
+int64_t sgd_step(optim::Optimizer& opt, const detail::FusedStepInputs& in, const Scaling& scaling, Taken& taken) {
+  int64_t segments = 0;
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const optim::SGDOptions&>(group.options());
     // Two runs: momentum buffers that start as the gradient now, and the others.
@@ -260,9 +278,10 @@ void sgd_step(optim::Optimizer& opt, const detail::FusedStepInputs& in, const Sc
       s.weight_decay = o.weight_decay();
       s.nesterov = o.nesterov();
       s.first = first == 1;
-      sgd_run(runs[first], scaling.applied(s));
+      segments += sgd_run(std::move(runs[first]), scaling.applied(s));
     }
   }
+  return segments;
 }
 
 }  // namespace
@@ -401,10 +420,10 @@ void fused_step(optim::Optimizer& optimizer) { detail::fused_step(optimizer, own
 // memory and write nothing when the flag is set, so no launch waits on the host; the host reads
 // the flag after the launches, to take back what it did before knowing: the step counts it
 // advanced and the state it made.
-bool detail::fused_step(optim::Optimizer& optimizer, const FusedStepInputs& in) {
+detail::FusedStepResult detail::fused_step(optim::Optimizer& optimizer, const FusedStepInputs& in) {
   Scaling scaling;
   const bool on_device = in.found_inf.defined() && in.found_inf.is_cuda();
-  if (in.found_inf.defined() && !on_device && in.found_inf.item<float>() != 0) return false;
+  if (in.found_inf.defined() && !on_device && in.found_inf.item<float>() != 0) return {false, 0};
   if (in.inv_scale.defined()) {
     if (in.inv_scale.is_cuda()) {
       scaling.device_inv_scale = in.inv_scale.data_ptr<float>();
@@ -414,20 +433,21 @@ bool detail::fused_step(optim::Optimizer& optimizer, const FusedStepInputs& in) 
   }
   if (on_device) scaling.device_found_inf = in.found_inf.data_ptr<float>();
   Taken taken;
+  int64_t segments = 0;
   if (dynamic_cast<optim::AdamW*>(&optimizer)) {
-    adam_like_step<optim::AdamWOptions>(optimizer, /*decoupled=*/true, in, scaling, taken);
+    segments = adam_like_step<optim::AdamWOptions>(optimizer, /*decoupled=*/true, in, scaling, taken);
   } else if (dynamic_cast<optim::Adam*>(&optimizer)) {
-    adam_like_step<optim::AdamOptions>(optimizer, /*decoupled=*/false, in, scaling, taken);
+    segments = adam_like_step<optim::AdamOptions>(optimizer, /*decoupled=*/false, in, scaling, taken);
   } else if (dynamic_cast<optim::SGD*>(&optimizer)) {
-    sgd_step(optimizer, in, scaling, taken);
+    segments = sgd_step(optimizer, in, scaling, taken);
   } else {
     SHARDOPT_CHECK(false, "fused_step: ", fused_step_unsupported(optimizer, in));
   }
   if (on_device && in.found_inf.item<float>() != 0) {
     taken.undo(optimizer);
-    return false;
+    return {false, segments};
   }
-  return true;
+  return {true, segments};
 }
 
 at::Tensor detail::found_non_finite(const std::vector<at::Tensor>& tensors, at::Device device) {

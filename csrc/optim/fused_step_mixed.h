@@ -9,6 +9,7 @@
 #include <c10/core/TensorImpl.h>
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <unordered_map>
@@ -49,9 +50,15 @@ struct FusedStepInputs {
 // elsewhere).
 at::Tensor found_non_finite(const std::vector<at::Tensor>& tensors, at::Device device);
 
+// What a fused step did: whether it stepped (false: found_inf skipped it, nothing changed), and the
+// segments it stepped (Note [Adjacent tensors in one pass]): one CUDA launch each.
+struct FusedStepResult {
+  bool stepped = true;
+  int64_t segments = 0;
+};
+
 // fused_step_unsupported and fused_step (shardopt/optim/fused_step.h) with OSS's inputs.
-// fused_step returns false when found_inf skipped the step (nothing changed).
 std::string fused_step_unsupported(const torch::optim::Optimizer& optimizer, const FusedStepInputs& in);
-bool fused_step(torch::optim::Optimizer& optimizer, const FusedStepInputs& in);
+FusedStepResult fused_step(torch::optim::Optimizer& optimizer, const FusedStepInputs& in);
 
 }  // namespace shardopt::detail

@@ -156,7 +156,9 @@ bool OSS::step_shard(std::optional<double> inv_scale) {
   }
   if (inv_scale && !scale_in_step(in, *inv_scale)) return false;
   if (stepped_fused_) {
-    if (!detail::fused_step(*local_, in)) return false;
+    const detail::FusedStepResult result = detail::fused_step(*local_, in);
+    fused_segments_ = result.segments;
+    if (!result.stepped) return false;
   } else {
     StepGradients with(*local_, in.grads);
     local_->step();

@@ -2,7 +2,9 @@
 // rank holds lives in one flat slab per kind of state, the tensors torch::optim sees are views
 // into them with the values an unsharded torch::optim holds, the fused pass over a run of the
 // slab equals the per-tensor step bit for bit, a new layout moves exactly the state whose
-// holder changed, and mixed precision's masters live in a slab beside their state.
+// holder changed, mixed precision's masters live in a slab beside their state, and adjacent
+// parameters step as one segment.
+#include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/fused_step.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/testing/introspection.h>
@@ -13,6 +15,9 @@
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/nn/modules/activation.h>
+#include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
+#include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/optim.h>
 
 #include <functional>
@@ -317,6 +322,61 @@ TEST(ShardStore, MastersLiveInASlabAtTheirStatesOffsets) {
         EXPECT_GT(in_slab, 0) << where;
       });
       if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+// Under ShardedDDP a rank's gradients sit in its buckets in the order of its shard, so the fused
+// step joins adjacent parameters into one segment (one CUDA launch each: Note [Adjacent tensors in
+// one pass]). With one bucket per rank that is one segment; with one bucket per parameter, one per
+// holding. Both give the same bits (two ranks: each reduced element is one addition), and follow
+// plain torch::optim::AdamW.
+TEST(ShardStore, AdjacentParametersStepAsOneSegmentWithTheSameBits) {
+  for (PartitionMode mode : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
+    Params final_params[2];
+    for (int per_param = 0; per_param < 2; ++per_param) {
+      const std::string where = std::string(mode == PartitionMode::kSplit ? "split" : "whole") +
+                                (per_param ? ", a bucket per parameter" : ", one bucket");
+      run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+        auto make = [] {
+          auto made = torch::nn::Sequential(torch::nn::Linear(5, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
+                                            torch::nn::Tanh(), torch::nn::Linear(16, 3));
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(7);  // the same values on every rank
+          at::NoGradGuard no_grad;
+          for (auto& p : made->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.3);
+          return made;
+        };
+        auto net = make(), ref_net = make();
+        Params ref = ref_net->parameters();
+        optim::AdamW ref_opt(ref, optim::AdamWOptions(1e-2).weight_decay(0.1));
+        OSS oss(net->parameters(), optimizer<optim::AdamW>(optim::AdamWOptions(1e-2).weight_decay(0.1)), g,
+                OSSOptions().partition(mode));
+        ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().reduce_bucket_bytes(per_param ? 0 : 1 << 20));
+        for (int step = 0; step < 4; ++step) {
+          const auto data = testing::rank_data(step, g->rank(), 3);
+          if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g)) << where;
+          ddp.zero_grad();
+          testing::loss_of(ddp.forward(data.x), data, 3).backward();
+          oss.step();
+          int64_t held = 0;
+          for (size_t i = 0; i < ref.size(); ++i) {
+            for (const auto& h : Introspection::holdings(oss, i)) held += h.rank == g->rank() ? 1 : 0;
+          }
+          ASSERT_TRUE(Introspection::stepped_fused(oss)) << where;
+          EXPECT_EQ(Introspection::fused_segments(oss), per_param ? held : std::min<int64_t>(held, 1))
+              << where << ", rank " << g->rank() << ", step " << step << " (" << held << " holdings)";
+          ref_opt.zero_grad(true);
+          testing::loss_of(ref_net->forward(data.x), data, 3).backward();
+          testing::allreduce_grads(ref, *g);
+          ref_opt.step();
+          ASSERT_TRUE(testing::matches_reference(net->parameters(), ref, *g, 1e-5)) << where << ", step " << step;
+        }
+        if (g->rank() == 0) final_params[per_param] = testing::clone_params(net->parameters());
+      });
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    for (size_t i = 0; i < final_params[0].size(); ++i) {
+      EXPECT_TRUE(at::equal(final_params[0][i], final_params[1][i])) << "parameter " << i;
     }
   }
 }

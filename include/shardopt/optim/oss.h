@@ -305,6 +305,7 @@ class OSS : public torch::optim::Optimizer {
   int64_t state_moves_ = 0;
   std::shared_ptr<ProcessGroup> global_group_, replica_group_;
   bool stepped_fused_ = false;
+  int64_t fused_segments_ = 0;  // the segments the last fused step stepped (one CUDA launch each)
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::unique_ptr<torch::optim::Optimizer> local_;
   // The partition, the parameter buffers, the slabs the local optimizer's state lives in, and the
