@@ -16,10 +16,9 @@ std::string clock_text(double seconds) {
 
 }  // namespace
 
-Progress::Progress(bool enabled, int64_t first_step, int64_t total_steps, int64_t samples_per_step, int64_t plain_every)
+Progress::Progress(bool enabled, int64_t total_steps, int64_t samples_per_step, int64_t plain_every)
     : enabled_(enabled),
       live_(enabled && ::isatty(STDOUT_FILENO)),
-      first_step_(first_step),
       total_steps_(total_steps),
       samples_per_step_(samples_per_step),
       plain_every_(plain_every < 1 ? 1 : plain_every),

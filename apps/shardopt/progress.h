@@ -10,9 +10,10 @@ namespace shardopt::app {
 
 class Progress {
  public:
-  // `enabled`: this rank prints. `total_steps`: of the whole run; `first_step`: where it starts
-  // (after a resume). `plain_every`: steps between plain lines when stdout is not a terminal.
-  Progress(bool enabled, int64_t first_step, int64_t total_steps, int64_t samples_per_step, int64_t plain_every);
+  // `enabled`: this rank prints. `total_steps`: of the whole run (the rate and ETA count the steps
+  // taken since construction, so a resumed run's are its own). `plain_every`: steps between plain
+  // lines when stdout is not a terminal.
+  Progress(bool enabled, int64_t total_steps, int64_t samples_per_step, int64_t plain_every);
 
   // After global step `step` (0-based) of epoch `epoch` (0-based) with this step's mean loss.
   void update(int64_t step, int64_t epoch, int64_t epochs, double loss);
@@ -26,7 +27,7 @@ class Progress {
 
  private:
   bool enabled_, live_;
-  int64_t first_step_, total_steps_, samples_per_step_, plain_every_;
+  int64_t total_steps_, samples_per_step_, plain_every_;
   int64_t steps_ = 0;
   double loss_avg_ = 0.0;
   std::string last_;

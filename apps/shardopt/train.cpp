@@ -329,7 +329,7 @@ void Trainer::run_step(int64_t s) {
 
 int Trainer::run() {
   if (o_.resume) restore();
-  progress_ = std::make_unique<Progress>(rank_ == 0, step_, total_steps_, o_.batch_size,
+  progress_ = std::make_unique<Progress>(rank_ == 0, total_steps_, o_.batch_size,
                                          std::max<int64_t>(1, steps_per_epoch_ / 4));
   if (rank_ == 0) {
     progress_->print(fmt::format("training the CNN ({} parameters) on {} Fashion-MNIST images: {} rank{} on {}, global batch {}, "
