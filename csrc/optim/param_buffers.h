@@ -1,5 +1,5 @@
 // The flat parameter buffers of a FlatLayout, and the parameter sync after the step.
-// Internal to shardopt: OSS composes them.
+// Internal to shardopt: the ShardStore lays its buffers out and syncs them with these.
 #pragma once
 
 #include <shardopt/comm/process_group.h>
