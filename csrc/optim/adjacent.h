@@ -30,8 +30,8 @@ inline bool follows(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // `entries` (each with `p`, the stepped tensor, and operands(), pointers to all its tensors, p
-// first) joined where
-// every operand of one follows the same operand of the one before, as flat tensors over both.
+// first) joined where every operand of one follows the same operand of the one before, as flat
+// tensors over both.
 template <class Entry>
 std::vector<Entry> joined_adjacent(std::vector<Entry> entries) {
   auto address = [](const Entry& e) { return reinterpret_cast<uintptr_t>(e.p.data_ptr()); };

@@ -21,10 +21,7 @@ namespace shardopt {
 
 void OSS::finish_param_sync() { store_->finish_param_sync(); }
 
-void OSS::finish_param_sync(size_t param) {
-  SHARDOPT_CHECK(param < params_.size(), "finish_param_sync: parameter ", param, " of ", params_.size());
-  store_->finish_param_sync(param);
-}
+void OSS::finish_param_sync(size_t param) { store_->finish_param_sync(param); }
 
 void OSS::sync_params() { store_->sync_params(); }
 

@@ -66,8 +66,6 @@ class ShardStore {
   const std::vector<uint8_t>& stepped() const { return stepped_; }
 
   // ---- the parameter buffers and their layout (param_buffers.cpp) ----
-  // The layout of the parameters for the partition and `trainable` (one flag per parameter).
-  FlatLayout plan_layout(const std::vector<uint8_t>& trainable) const;
   // Lays the buffers out for `trainable` if it differs from the set the layout was made for;
   // returns whether it did. Local: every rank must pass the same mask before the next collective
   // that uses the layout.
@@ -163,6 +161,8 @@ class ShardStore {
   // does not fit the group's slabs.
   at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like);
 
+  // The layout of the parameters for the partition and `trainable` (one flag per parameter).
+  FlatLayout plan_layout(const std::vector<uint8_t>& trainable) const;
   // Starts the broadcast of every bucket from its owner, in reverse bucket order.
   void start_param_sync();
 
