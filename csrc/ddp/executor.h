@@ -70,11 +70,11 @@ struct ShardedDDP::Bucket {
   std::vector<size_t> entries;
   int64_t numel = 0;   // gradient elements (gaps included); one flag per entry follows them
   at::TensorOptions options;
-  at::Tensor buffer;   // allocated when its first gradient arrives, released after the reduce
-  // An owner's bucket is kept between steps and reused as `buffer` once nothing refers to it
-  // (the gradients that were views of it are cleared): its memory is the owner's gradients,
-  // which it holds after every backward anyway, and reusing it spares the allocator.
-  at::Tensor storage;
+  size_t index = 0;    // in its optimizer's layout
+  // During a backward: the memory it reduces in. An owner's is the store's memory of the bucket
+  // (bucket_memory(): the owner's gradients live there between steps) unless something still
+  // refers to that; any other is allocated at its first gradient and released after the reduce.
+  at::Tensor buffer;
   // This backward accumulates into `storage` where the owner's zeroed gradients live (Note
   // [Gradients as bucket views]).
   bool in_place = false;

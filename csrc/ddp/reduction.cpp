@@ -75,21 +75,21 @@ void ShardedDDP::before_accumulation(size_t h) {
 }
 
 // Note [Gradients as bucket views]
-// After a reduction, the owner's gradients are views of its bucket's memory (`storage`), kept
-// between steps. When every gradient that refers to that memory was zeroed in place by the last
-// zero_grad(false) of its OSS (or ShardedDDP's, which calls it) and is unchanged since, and
-// nothing else holds the memory, the next backward uses that very memory as the bucket: those
-// gradients stay in place, autograd adds each new gradient into its slot (its in-place path for
-// a gradient that exists), and nothing is copied in for them; a gradient that is not there (set
-// to none, or never handed over) is copied into its slot as usual. Zero plus the local gradient is
-// the local gradient bit for bit, so the reduction and its result are those of the copying path.
-// The decision is taken per owned bucket at the first gradient of a backward, before autograd
-// has accumulated anything, and not under no_sync() or with unreduced local gradients. Buckets
-// holding part of a split parameter, whose pieces' gradients autograd never accumulates, and
-// buckets of another dtype than their gradients (a reduce_dtype) copy as before. Any other
-// clearing style (none, Module::zero_grad, setting p.grad()) leaves gradients the executor
-// cannot prove to be zero without reading them, and they take the copying path, with the
-// Note [Accumulating across reductions] semantics.
+// After a reduction, the owner's gradients are views of its bucket's memory, which the store keeps
+// between steps (ShardStore::bucket_memory, Note [Gradient slab]). When every gradient that refers
+// to that memory was zeroed in place by the last zero_grad(false) of its OSS (or ShardedDDP's,
+// which calls it) and is unchanged since, and nothing else holds the memory, the next backward uses
+// that very memory as the bucket: those gradients stay in place, autograd adds each new gradient
+// into its slot (its in-place path for a gradient that exists), and nothing is copied in for them;
+// a gradient that is not there (set to none, or never handed over) is copied into its slot as
+// usual. Zero plus the local gradient is the local gradient bit for bit, so the reduction and its
+// result are those of the copying path. The decision is taken per owned bucket at the first
+// gradient of a backward, before autograd has accumulated anything, and not under no_sync() or with
+// unreduced local gradients. Buckets holding part of a split parameter, whose pieces' gradients
+// autograd never accumulates, and buckets of another dtype than their gradients (a reduce_dtype)
+// copy as before. Any other clearing style (none, Module::zero_grad, setting p.grad()) leaves
+// gradients the executor cannot prove to be zero without reading them, and they take the copying
+// path, with the Note [Accumulating across reductions] semantics.
 void ShardedDDP::drop_bucket_views() {
   views_decided_ = false;
   for (auto& b : buckets_) {
@@ -123,11 +123,12 @@ void ShardedDDP::decide_bucket_views() {
 // Whether this backward accumulates into owned bucket `b` where its zeroed gradients live.
 void ShardedDDP::decide_bucket_view(Bucket& b) {
   const int64_t elements = b.numel + static_cast<int64_t>(b.entries.size());
-  // The memory the owned gradients live in: the bucket's own, or that of an earlier bucket,
-  // where a backward that copied left them (Note [Accumulating across reductions] adds into the
-  // gradient as it is).
-  const c10::StorageImpl* own = b.storage.defined() ? b.storage.storage().unsafeGetStorageImpl() : nullptr;
-  c10::Storage memory = b.storage.defined() ? b.storage.storage() : c10::Storage();
+  // The memory the owned gradients live in: the store's memory of the bucket, or that of an
+  // earlier bucket (before a new layout), where a backward that copied left them (Note
+  // [Accumulating across reductions] adds into the gradient as it is).
+  at::Tensor& kept = b.store->bucket_memory(b.index, b.options);
+  const c10::StorageImpl* own = kept.defined() ? kept.storage().unsafeGetStorageImpl() : nullptr;
+  c10::Storage memory = kept.defined() ? kept.storage() : c10::Storage();
   bool eligible = true, found = false;
   for (size_t k : b.entries) {
     const Entry& e = entries_[k];
@@ -160,9 +161,22 @@ void ShardedDDP::decide_bucket_view(Bucket& b) {
   // Nothing else (another view the user holds, a stale reference) may see the memory change.
   const int64_t ours = impl == own ? 1 : 0;
   if (!eligible || static_cast<int64_t>(memory.use_count()) != ours + zeroed + 1 /* `memory` */) return;
-  if (impl != own) b.storage = at::empty({0}, b.options).set_(memory, 0, {elements}, {1});
+  if (impl != own) {
+    if (kept.defined() && kept.storage().use_count() == 1) {
+      // Zeroed gradients in the memory of an earlier layout move into the store's (each keeps its
+      // identity and version): the earlier slab is freed once nothing else is left in it.
+      kept.zero_();
+      for (size_t k : b.entries) {
+        const Entry& e = entries_[k];
+        at::Tensor g = e.grad();
+        if (g.defined() && g.storage().unsafeGetStorageImpl() == impl) g.set_data(alias_at(kept, e.offset, g.sizes()));
+      }
+    } else {
+      kept = at::empty({0}, b.options).set_(memory, 0, {elements}, {1});
+    }
+  }
   b.in_place = true;
-  b.buffer = b.storage;
+  b.buffer = kept;
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -183,15 +197,19 @@ void ShardedDDP::on_grad_ready(size_t h) {
 }
 
 at::Tensor ShardedDDP::bucket_buffer(Bucket& b) {
-  if (!b.buffer.defined()) {
-    // Every gradient slot is written (copied or zeroed), and the flags when the bucket is full.
-    if (b.storage.defined() && b.storage.storage().use_count() == 1) {
-      b.buffer = b.storage;
-    } else {
-      b.buffer = at::empty({b.numel + static_cast<int64_t>(b.entries.size())}, b.options);
-      if (b.owner == group_->rank()) b.storage = b.buffer;
-    }
+  if (b.buffer.defined()) return b.buffer;
+  // Every gradient slot is written (copied or zeroed), and the flags when the bucket is full.
+  const int64_t elements = b.numel + static_cast<int64_t>(b.entries.size());
+  if (b.owner != group_->rank()) {
+    b.buffer = at::empty({elements}, b.options);
+    return b.buffer;
   }
+  // The owner's gradients live in the store's memory of the bucket; where something still refers
+  // to it (gradients not cleared, a view the user keeps), this backward reduces in new memory,
+  // which the store keeps from then on (Note [Gradient slab]).
+  at::Tensor& kept = b.store->bucket_memory(b.index, b.options);
+  if (!kept.defined() || kept.storage().use_count() != 1) kept = at::empty({elements}, b.options);
+  b.buffer = kept;
   return b.buffer;
 }
 

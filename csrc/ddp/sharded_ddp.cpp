@@ -323,6 +323,7 @@ void ShardedDDP::add_bucket(OSS& optimizer, size_t index) {
   Bucket b;
   b.optimizer = &optimizer;
   b.store = &detail::store_of(optimizer);
+  b.index = index;
   b.owner = lb.owner;
   b.numel = lb.numel();
   // Mixed precision reduces in reduce_dtype: an fp32 bucket upcasts each gradient as it is copied in.

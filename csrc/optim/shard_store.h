@@ -3,9 +3,11 @@
 // shares it (detail::store_of).
 //
 // It holds the partition, the flat parameter buffers and the layout they follow, with the
-// trainable set it was made for, the parameter sync after the step, and, for each (device, dtype) group of the layout, one flat slab per kind of optimizer
-// state ("exp_avg", "exp_avg_sq", "momentum_buffer", ...). The state tensors torch::optim sees
-// are views into them, so state_dict(), checkpoints and the codecs see the same tensors as
+// trainable set it was made for, and the parameter sync after the step. For each (device, dtype)
+// group of the layout it holds one flat slab per kind of optimizer state ("exp_avg",
+// "exp_avg_sq", "momentum_buffer", ...), mixed precision's fp32 masters in a slab of their own,
+// and the gradient slab of the buckets this rank owns. The state tensors torch::optim sees are
+// views into the slabs, so state_dict(), checkpoints and the codecs see the same tensors as
 // before, and the fused step reads each run of state from one slab. It also holds the reduced
 // gradients of the split ranges this rank owns (ShardedDDP hands them over here; a whole
 // parameter's gradient is its own .grad, as under DDP), and which gradients the last
@@ -142,6 +144,17 @@ class ShardStore {
   void retain_grads(const std::vector<std::vector<Holding>>& holdings, int rank);
   int64_t grad_bytes() const;
 
+  // ---- the owned gradient buckets (Note [Gradient slab]) ----
+  // The memory of layout bucket `bucket`, which this rank owns: its gradients, then one count per
+  // piece of the ranks that had a gradient for it, in `options` (the dtype gradients are reduced
+  // in). Kept between backward passes: after a reduction the owner's gradients are views of it.
+  // At the first request after a layout, every bucket of the group this rank owns is carved out
+  // of the group's gradient slab (one allocation), each with a storage of its own. ShardedDDP
+  // replaces a bucket's memory where a backward had to reduce elsewhere.
+  at::Tensor& bucket_memory(size_t bucket, const at::TensorOptions& options);
+  // The gradient slab of layout group `group`; undefined before its buckets were asked for.
+  at::Tensor grad_slab(size_t group) const;
+
   // Which gradients the last zero_grad(false) zeroed in place (Note [Gradients as bucket views]):
   // noted without keeping them alive, with their versions right after.
   void forget_zeroed() { zeroed_.clear(); }
@@ -160,6 +173,9 @@ class ShardStore {
   // The slab of `kind` in `group` for state like `like`, made when missing; undefined when `like`
   // does not fit the group's slabs.
   at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like);
+
+  // Allocates group `group`'s gradient slab and carves this rank's buckets of it out.
+  void carve_grad_slab(size_t group, const at::TensorOptions& options);
 
   // The layout of the parameters for the partition and `trainable` (one flag per parameter).
   FlatLayout plan_layout(const std::vector<uint8_t>& trainable) const;
@@ -184,6 +200,8 @@ class ShardStore {
   std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region
   std::vector<std::map<std::string, at::Tensor>> slabs_;  // per group: kind -> slab
   std::map<std::tuple<size_t, int64_t, int64_t>, at::Tensor> grads_;  // (param, begin, end) -> gradient
+  std::vector<at::Tensor> grad_slabs_;     // per layout group, once its buckets were asked for
+  std::vector<at::Tensor> bucket_memory_;  // per layout bucket this rank owns
   struct Zeroed {
     c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> grad;
     int64_t version;

@@ -23,6 +23,8 @@ at::Tensor Introspection::state_slab(const OSS& oss, size_t group, const std::st
 
 int64_t Introspection::slab_bytes(const OSS& oss) { return oss.store_->bytes(); }
 
+at::Tensor Introspection::grad_slab(const OSS& oss, size_t group) { return oss.store_->grad_slab(group); }
+
 int64_t Introspection::layout_version(const OSS& oss) { return oss.store_->layout_version(); }
 
 bool Introspection::param_sync_in_flight(const OSS& oss) { return oss.store_->param_sync_in_flight(); }

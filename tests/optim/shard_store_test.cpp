@@ -2,8 +2,8 @@
 // rank holds lives in one flat slab per kind of state, the tensors torch::optim sees are views
 // into them with the values an unsharded torch::optim holds, the fused pass over a run of the
 // slab equals the per-tensor step bit for bit, a new layout moves exactly the state whose
-// holder changed, mixed precision's masters live in a slab beside their state, and adjacent
-// parameters step as one segment.
+// holder changed, mixed precision's masters live in a slab beside their state, adjacent
+// parameters step as one segment, and the gradients a rank owns live in its gradient slab.
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/fused_step.h>
 #include <shardopt/optim/oss.h>
@@ -377,6 +377,75 @@ TEST(ShardStore, AdjacentParametersStepAsOneSegmentWithTheSameBits) {
     }
     for (size_t i = 0; i < final_params[0].size(); ++i) {
       EXPECT_TRUE(at::equal(final_params[0][i], final_params[1][i])) << "parameter " << i;
+    }
+  }
+}
+
+
+// The reduced gradients a rank owns live in the store's gradient slab (Note [Gradient slab]): one
+// allocation per layout, kept from step to step whether gradients are set to none or zeroed in
+// place, a new one after a freeze lays the model out anew. Whatever the clearing, training follows
+// plain torch::optim::AdamW.
+TEST(ShardStore, OwnedGradientsLiveInOneGradientSlabPerLayout) {
+  for (PartitionMode mode : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
+    for (bool set_to_none : {true, false}) {
+      const std::string where = std::string(mode == PartitionMode::kSplit ? "split" : "whole") +
+                                (set_to_none ? ", gradients set to none" : ", gradients zeroed in place");
+      run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+        auto make = [] {
+          auto made = torch::nn::Sequential(torch::nn::Linear(5, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
+                                            torch::nn::Tanh(), torch::nn::Linear(16, 3));
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(11);  // the same values on every rank
+          at::NoGradGuard no_grad;
+          for (auto& p : made->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.3);
+          return made;
+        };
+        auto net = make(), ref_net = make();
+        Params params = net->parameters(), ref = ref_net->parameters();
+        optim::AdamW ref_opt(ref, optim::AdamWOptions(1e-2).weight_decay(0.1));
+        OSS oss(params, optimizer<optim::AdamW>(optim::AdamWOptions(1e-2).weight_decay(0.1)), g,
+                OSSOptions().partition(mode));
+        // 256-byte buckets: several per rank.
+        ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().reduce_bucket_bytes(256));
+        const void* first_slab = nullptr;
+        for (int step = 0; step < 6; ++step) {
+          const bool frozen = step >= 3;  // the first layer, from step 3 on: a new layout
+          for (Params* q : {&params, &ref}) (*q)[0].requires_grad_(!frozen), (*q)[1].requires_grad_(!frozen);
+          const auto data = testing::rank_data(step, g->rank(), 3);
+          if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g)) << where;
+          ddp.zero_grad(set_to_none);
+          testing::loss_of(ddp.forward(data.x), data, 3).backward();
+          const at::Tensor slab = Introspection::grad_slab(oss, 0);
+          ASSERT_TRUE(slab.defined()) << where << ", step " << step;
+          const auto* begin = static_cast<const char*>(slab.data_ptr());
+          const auto* end = begin + slab.nbytes();
+          int owned = 0;
+          for (size_t i = 0; i < params.size(); ++i) {
+            if (!params[i].requires_grad() || !params[i].grad().defined()) continue;
+            const auto* at = static_cast<const char*>(params[i].grad().data_ptr());
+            EXPECT_TRUE(at >= begin && at + params[i].grad().nbytes() <= end)
+                << where << ", rank " << g->rank() << ", step " << step << ": the gradient of parameter " << i
+                << " is not in the gradient slab";
+            ++owned;
+          }
+          // Split, a rank may own only ranges of parameters (gradients the store holds); every
+          // rank owns whole parameters otherwise.
+          at::Tensor owners = at::full({1}, owned > 0 ? 1 : 0, at::kLong);
+          g->allreduce(owners);
+          EXPECT_GE(owners.item<int64_t>(), mode == PartitionMode::kSplit ? 1 : 3)
+              << where << ", step " << step << ": ranks with whole gradients";
+          // One allocation per layout: the same slab for the steps of one trainable set.
+          if (step == 0 || step == 3) first_slab = slab.data_ptr();
+          EXPECT_EQ(slab.data_ptr(), first_slab) << where << ", step " << step << ": the slab was allocated again";
+          oss.step();
+          ref_opt.zero_grad(true);
+          testing::loss_of(ref_net->forward(data.x), data, 3).backward();
+          testing::allreduce_grads(ref, *g);
+          ref_opt.step();
+          ASSERT_TRUE(testing::matches_reference(params, ref, *g, 1e-5)) << where << ", step " << step;
+        }
+      });
+      if (::testing::Test::HasFatalFailure()) return;
     }
   }
 }

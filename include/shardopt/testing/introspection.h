@@ -51,6 +51,9 @@ struct Introspection {
   static at::Tensor state_slab(const OSS& oss, size_t group, const std::string& kind);
   // Bytes of all the store's slabs on this rank.
   static int64_t slab_bytes(const OSS& oss);
+  // The gradient slab of layout group `group` (Note [Gradient slab] in csrc/optim/shard_grads.cpp):
+  // the memory of the buckets this rank owns; undefined before a backward asked for them.
+  static at::Tensor grad_slab(const OSS& oss, size_t group);
 
   // The CPU build of the fused step's loops that runs: 2 AVX-512, 1 AVX2 + FMA, 0 portable. Cap
   // it at `level` to compare the builds (-1: as SHARDOPT_FUSED_KERNELS says).
