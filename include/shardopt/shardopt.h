@@ -1,6 +1,7 @@
 // The whole public surface of shardopt, one folder per layer:
 //   comm/   process groups, collectives with timeouts
-//   optim/  OSS (sharded optimizer state), the partition it uses, mixed precision, the gradient scaler
+//   optim/  OSS (sharded optimizer state), the partition it uses, mixed precision, the gradient
+//           scaler, Muon
 //   ddp/    ShardedDDP (sharded gradients)
 //   data/   BalancedSampler and its torch::data adapter
 //   checkpoint/  save_checkpoint / load_checkpoint
@@ -14,3 +15,4 @@
 #include <shardopt/data/data_sampler.h>
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/optim/grad_scaler.h>
+#include <shardopt/optim/muon.h>
