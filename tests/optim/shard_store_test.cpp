@@ -326,6 +326,17 @@ TEST(ShardStore, MastersLiveInASlabAtTheirStatesOffsets) {
   }
 }
 
+// A Sequential of three Linear layers (5 -> 16 -> 16 -> 3, tanh between), its values drawn from
+// `seed`: the same on every rank.
+torch::nn::Sequential small_net(uint64_t seed) {
+  auto made = torch::nn::Sequential(torch::nn::Linear(5, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
+                                    torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::NoGradGuard no_grad;
+  for (auto& p : made->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.3);
+  return made;
+}
+
 // Under ShardedDDP a rank's gradients sit in its buckets in the order of its shard, so the fused
 // step joins adjacent parameters into one segment (one CUDA launch each: Note [Adjacent tensors in
 // one pass]). With one bucket per rank that is one segment; with one bucket per parameter, one per
@@ -338,15 +349,7 @@ TEST(ShardStore, AdjacentParametersStepAsOneSegmentWithTheSameBits) {
       const std::string where = std::string(mode == PartitionMode::kSplit ? "split" : "whole") +
                                 (per_param ? ", a bucket per parameter" : ", one bucket");
       run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
-        auto make = [] {
-          auto made = torch::nn::Sequential(torch::nn::Linear(5, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
-                                            torch::nn::Tanh(), torch::nn::Linear(16, 3));
-          auto gen = at::make_generator<at::CPUGeneratorImpl>(7);  // the same values on every rank
-          at::NoGradGuard no_grad;
-          for (auto& p : made->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.3);
-          return made;
-        };
-        auto net = make(), ref_net = make();
+        auto net = small_net(7), ref_net = small_net(7);
         Params ref = ref_net->parameters();
         optim::AdamW ref_opt(ref, optim::AdamWOptions(1e-2).weight_decay(0.1));
         OSS oss(net->parameters(), optimizer<optim::AdamW>(optim::AdamWOptions(1e-2).weight_decay(0.1)), g,
@@ -392,15 +395,7 @@ TEST(ShardStore, OwnedGradientsLiveInOneGradientSlabPerLayout) {
       const std::string where = std::string(mode == PartitionMode::kSplit ? "split" : "whole") +
                                 (set_to_none ? ", gradients set to none" : ", gradients zeroed in place");
       run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
-        auto make = [] {
-          auto made = torch::nn::Sequential(torch::nn::Linear(5, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
-                                            torch::nn::Tanh(), torch::nn::Linear(16, 3));
-          auto gen = at::make_generator<at::CPUGeneratorImpl>(11);  // the same values on every rank
-          at::NoGradGuard no_grad;
-          for (auto& p : made->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.3);
-          return made;
-        };
-        auto net = make(), ref_net = make();
+        auto net = small_net(11), ref_net = small_net(11);
         Params params = net->parameters(), ref = ref_net->parameters();
         optim::AdamW ref_opt(ref, optim::AdamWOptions(1e-2).weight_decay(0.1));
         OSS oss(params, optimizer<optim::AdamW>(optim::AdamWOptions(1e-2).weight_decay(0.1)), g,
