@@ -75,8 +75,8 @@ struct ShardedDDP::Bucket {
   // (bucket_memory(): the owner's gradients live there between steps) unless something still
   // refers to that; any other is allocated at its first gradient and released after the reduce.
   at::Tensor buffer;
-  // This backward accumulates into `storage` where the owner's zeroed gradients live (Note
-  // [Gradients as bucket views]).
+  // This backward accumulates into the store's memory of the bucket, where the owner's zeroed
+  // gradients live (Note [Gradients as bucket views]).
   bool in_place = false;
   // Its reduction divided the gradients by grad_divisor() already (the owner's, when it sums).
   bool divided = false;
