@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 namespace shardopt {
 
@@ -137,7 +139,7 @@ at::Tensor Muon::step(LossClosure closure) {
     const auto& options = static_cast<const MuonOptions&>(group.options());
     // As PyTorch: the group's parameters with a gradient checked and given state first, then each
     // stepped.
-    std::vector<at::Tensor> stepped;
+    std::vector<std::pair<at::Tensor, MuonParamState*>> stepped;
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       TORCH_CHECK(!p.is_complex(), "Muon does not support complex parameters");
@@ -148,12 +150,12 @@ at::Tensor Muon::step(LossClosure closure) {
         fresh->momentum_buffer(at::zeros_like(p.grad(), at::MemoryFormat::Preserve));
         state = std::move(fresh);
       }
-      stepped.push_back(p);
+      stepped.emplace_back(p, static_cast<MuonParamState*>(state.get()));
     }
-    for (auto& p : stepped) {
+    for (auto& [p, state] : stepped) {
       const at::Tensor& grad = p.grad();
       TORCH_CHECK(grad.dim() == 2, "Param gradient must be a 2D matrix");
-      at::Tensor& buf = static_cast<MuonParamState&>(*state_.at(p.unsafeGetTensorImpl())).momentum_buffer();
+      at::Tensor& buf = state->momentum_buffer();
       buf.lerp_(grad, 1 - options.momentum());
       at::Tensor update = options.nesterov() ? grad.lerp(buf, options.momentum()) : buf;
       update = muon_orthogonalize(update, options.ns_coefficients(), options.ns_steps(), options.eps());
