@@ -57,8 +57,8 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
   train.add_option("--data", o.data_dir, "folder with Fashion-MNIST's gzipped IDX files")->capture_default_str();
   train.add_option("--epochs", o.epochs, "epochs")->capture_default_str();
   train.add_option("-b,--batch-size", o.batch_size, "global batch: samples per step over all ranks")->capture_default_str();
-  train.add_option("--optimizer", o.optimizer, "adam, adamw or sgd (momentum 0.9)")
-      ->check(CLI::IsMember({"adam", "adamw", "sgd"}))
+  train.add_option("--optimizer", o.optimizer, "adam, adamw, sgd (momentum 0.9) or muon (Muon on the conv and linear weights, AdamW on the biases)")
+      ->check(CLI::IsMember({"adam", "adamw", "sgd", "muon"}))
       ->capture_default_str();
   train.add_option("--lr", o.lr, "learning rate")->capture_default_str();
   train.add_option("--lr-schedule", o.lr_schedule, "constant, cosine (to 0 over the run) or step (x0.1 at 2/3)")

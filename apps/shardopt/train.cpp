@@ -33,12 +33,24 @@ namespace optim = torch::optim;
 
 OptimizerFactory make_optimizer(const TrainOptions& o) {
   if (o.optimizer == "adam") return optimizer<optim::Adam>(optim::AdamOptions(o.lr).weight_decay(o.weight_decay));
-  if (o.optimizer == "adamw") return optimizer<optim::AdamW>(optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+  if (o.optimizer == "adamw" || o.optimizer == "muon") {
+    return optimizer<optim::AdamW>(optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+  }
   if (o.optimizer == "sgd") {
     return optimizer<optim::SGD>(optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
   }
-  SHARDOPT_CHECK(false, "--optimizer '", o.optimizer, "' is not one of adam, adamw, sgd");
+  SHARDOPT_CHECK(false, "--optimizer '", o.optimizer, "' is not one of adam, adamw, sgd, muon");
   return nullptr;
+}
+
+// --optimizer muon: Muon on the conv and linear weights (a conv filter bank taken as the matrix
+// (out channels, the rest)), AdamW on the biases; both take --lr, Muon scaled to AdamW's update
+// size ("match_rms_adamw"), as Moonlight trains with one learning rate for both.
+std::vector<OptimizerGroup> muon_groups(const std::vector<at::Tensor>& params, const TrainOptions& o) {
+  std::vector<at::Tensor> matrices, others;
+  for (const auto& p : params) (p.dim() >= 2 ? matrices : others).push_back(p);
+  return {{matrices, optimizer<Muon>(MuonOptions(o.lr).weight_decay(o.weight_decay).adjust_lr_fn("match_rms_adamw").flatten(true))},
+          {others, make_optimizer(o)}};
 }
 
 // The learning rate at global step `step` of `total`.
@@ -170,7 +182,8 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   if (o.mixed_precision != "off") {
     oss_options.mixed_precision(MixedPrecision().param_dtype(o.mixed_precision == "bf16" ? at::kBFloat16 : at::kHalf));
   }
-  oss_ = std::make_unique<OSS>(params_, make_optimizer(o), group_, oss_options);
+  oss_ = o.optimizer == "muon" ? std::make_unique<OSS>(muon_groups(params_, o), group_, oss_options)
+                               : std::make_unique<OSS>(params_, make_optimizer(o), group_, oss_options);
   if (o.mixed_precision == "fp16") scaler_ = std::make_unique<ShardedGradScaler>();
   // Each rank's loss is the sum over its real samples; gradients are divided by the real
   // samples of the global step, so a padded last step weighs exactly right.
@@ -181,7 +194,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
 // position in each option's list of choices.
 const std::vector<std::pair<const char*, std::vector<std::string>>>& resume_choices() {
   static const std::vector<std::pair<const char*, std::vector<std::string>>> choices = {
-      {"optimizer", {"adam", "adamw", "sgd"}}, {"mixed-precision", {"off", "bf16", "fp16"}}};
+      {"optimizer", {"adam", "adamw", "sgd", "muon"}}, {"mixed-precision", {"off", "bf16", "fp16"}}};
   return choices;
 }
 

@@ -218,7 +218,7 @@ void ShardedDDP::follow_layouts() {
   refresh_owners();
   bool owners_changed = false;  // a re-partition (split ranges are cut anew, never re-partitioned)
   for (size_t m = 0; m < owner_.size(); ++m) {
-    owners_changed |= !optimizers_[place_[m].first]->split() && owner_[m] != before[m];
+    owners_changed |= optimizers_[place_[m].first]->kept_whole(place_[m].second) && owner_[m] != before[m];
   }
   build();
   // A re-partition gave each moved gradient to its new owner; the old one lets go of it, unless

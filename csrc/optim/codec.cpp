@@ -1,8 +1,10 @@
 #include "optim/codec.h"
 
 #include <shardopt/check.h>
+#include <shardopt/optim/muon.h>
 
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 #include <c10/util/Type.h>
 #include <torch/csrc/api/include/torch/optim/adagrad.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
@@ -10,6 +12,10 @@
 #include <torch/csrc/api/include/torch/optim/rmsprop.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <typeindex>
 #include <typeinfo>
 
 namespace shardopt::detail {
@@ -136,6 +142,9 @@ struct AdamLike {
     s->max_exp_avg_sq(get_tensor(d, "max_exp_avg_sq"));
     return s;
   }
+  static int64_t state_numel(const optim::OptimizerOptions& base, at::IntArrayRef sizes) {
+    return (2 + (static_cast<const Options&>(base).amsgrad() ? 1 : 0)) * c10::multiply_integers(sizes);
+  }
   static void place_state(optim::OptimizerParamState& base, const StatePlacer& place) {
     auto& s = static_cast<State&>(base);
     SHARDOPT_PLACE(s, exp_avg);
@@ -176,6 +185,9 @@ struct SGDCodec {
     auto s = std::make_unique<optim::SGDParamState>();
     s->momentum_buffer(get_tensor(d, "momentum_buffer"));
     return s;
+  }
+  static int64_t state_numel(const optim::OptimizerOptions& base, at::IntArrayRef sizes) {
+    return static_cast<const optim::SGDOptions&>(base).momentum() != 0 ? c10::multiply_integers(sizes) : 0;
   }
   static void place_state(optim::OptimizerParamState& base, const StatePlacer& place) {
     auto& s = static_cast<optim::SGDParamState&>(base);
@@ -224,6 +236,10 @@ struct RMSpropCodec {
     s->grad_avg(get_tensor(d, "grad_avg"));
     return s;
   }
+  static int64_t state_numel(const optim::OptimizerOptions& base, at::IntArrayRef sizes) {
+    const auto& o = static_cast<const optim::RMSpropOptions&>(base);
+    return (1 + (o.momentum() > 0 ? 1 : 0) + (o.centered() ? 1 : 0)) * c10::multiply_integers(sizes);
+  }
   static void place_state(optim::OptimizerParamState& base, const StatePlacer& place) {
     auto& s = static_cast<optim::RMSpropParamState&>(base);
     SHARDOPT_PLACE(s, square_avg);
@@ -267,6 +283,9 @@ struct AdagradCodec {
     s->sum(get_tensor(d, "sum"));
     return s;
   }
+  static int64_t state_numel(const optim::OptimizerOptions&, at::IntArrayRef sizes) {
+    return c10::multiply_integers(sizes);
+  }
   static void place_state(optim::OptimizerParamState& base, const StatePlacer& place) {
     auto& s = static_cast<optim::AdagradParamState&>(base);
     SHARDOPT_PLACE(s, sum);
@@ -275,12 +294,125 @@ struct AdagradCodec {
 
 #undef SHARDOPT_PLACE
 
+double numel_cost(at::IntArrayRef sizes) {
+  return static_cast<double>(c10::multiply_integers(sizes));
+}
+
+std::vector<int64_t> like_param(const std::string&, at::IntArrayRef sizes) {
+  return sizes.vec();
+}
+
 template <class C>
 OptimizerCodec make_codec(const char* name) {
-  return {name, &C::encode_options, &C::decode_options, &C::encode_state, &C::decode_state, &C::place_state};
+  OptimizerCodec codec;
+  codec.name = name;
+  codec.encode_options = &C::encode_options;
+  codec.decode_options = &C::decode_options;
+  codec.encode_state = &C::encode_state;
+  codec.decode_state = &C::decode_state;
+  codec.place_state = &C::place_state;
+  codec.state_numel = &C::state_numel;
+  codec.cost = &numel_cost;
+  codec.entry_shape = &like_param;
+  return codec;
+}
+
+// A codec that reads and writes what a registration names (shardopt/optim/state_layout.h).
+OptimizerCodec codec_of(OptimizerLayout layout) {
+  auto l = std::make_shared<const OptimizerLayout>(std::move(layout));
+  OptimizerCodec codec;
+  codec.name = l->name;
+  codec.kind = l->kind;
+  codec.encode_options = [l](const optim::OptimizerOptions& o) {
+    auto d = make_string_dict();
+    for (const auto& option : l->options) d.insert(option.name, option.get(o));
+    for (const auto& [name, value] : l->constants) d.insert(name, value);
+    return d;
+  };
+  codec.decode_options = [l](const GenericDict& d, const optim::OptimizerOptions& base) {
+    auto o = base.clone();
+    for (const auto& option : l->options) {
+      if (d.contains(option.name)) option.set(*o, d.at(option.name));
+    }
+    return o;
+  };
+  codec.encode_state = [l](const optim::OptimizerParamState& base) {
+    auto& s = const_cast<optim::OptimizerParamState&>(base);
+    auto d = make_string_dict();
+    if (l->step) d.insert("step", step_value(l->step(s)));
+    for (const auto& entry : l->tensors) put_tensor(d, entry.name.c_str(), entry.field(s));
+    return d;
+  };
+  codec.decode_state = [l](const GenericDict& d) {
+    auto s = l->make_state();
+    if (l->step) l->step(*s) = get_step(d);
+    for (const auto& entry : l->tensors) entry.field(*s) = get_tensor(d, entry.name.c_str());
+    return s;
+  };
+  codec.place_state = [l](optim::OptimizerParamState& s, const StatePlacer& place) {
+    for (const auto& entry : l->tensors) {
+      at::Tensor& t = entry.field(s);
+      if (t.defined()) t = place(entry.name.c_str(), t);
+    }
+  };
+  codec.state_numel = [l](const optim::OptimizerOptions&, at::IntArrayRef sizes) {
+    int64_t numel = 0;
+    for (const auto& entry : l->tensors) {
+      numel += entry.shape ? c10::multiply_integers(entry.shape(sizes)) : c10::multiply_integers(sizes);
+    }
+    return numel;
+  };
+  codec.cost = l->cost ? l->cost : std::function<double(at::IntArrayRef)>(&numel_cost);
+  codec.entry_shape = [l](const std::string& name, at::IntArrayRef sizes) {
+    for (const auto& entry : l->tensors) {
+      if (entry.name == name && entry.shape) return entry.shape(sizes);
+    }
+    return sizes.vec();
+  };
+  return codec;
+}
+
+// The classes shardopt knows, and the registered ones.
+struct Registry {
+  std::mutex mutex;
+  std::map<std::type_index, OptimizerCodec> codecs;
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+bool built_in(const std::type_index& type) {
+  return type == typeid(optim::Adam) || type == typeid(optim::AdamW) || type == typeid(optim::SGD) ||
+         type == typeid(optim::RMSprop) || type == typeid(optim::Adagrad);
 }
 
 }  // namespace
+
+void register_layout(std::type_index type, const std::string& type_name, OptimizerLayout layout) {
+  const std::string cls = c10::demangle(type_name.c_str());
+  SHARDOPT_CHECK(!built_in(type), "register_optimizer: shardopt already knows how ", cls,
+                 "'s state is laid out; it cannot be registered again");
+  SHARDOPT_CHECK(!layout.name.empty(), "register_optimizer for ", cls, ": the name is empty");
+  std::vector<std::string> names{"step"};
+  for (const auto& entry : layout.tensors) {
+    SHARDOPT_CHECK(entry.field, "register_optimizer for ", cls, ": state entry '", entry.name, "' has no field");
+    SHARDOPT_CHECK(std::find(names.begin(), names.end(), entry.name) == names.end(), "register_optimizer for ",
+                   cls, ": state entry '", entry.name, "' is named twice (or is 'step', which step() registers)");
+    SHARDOPT_CHECK(!entry.shape || layout.kind == StateKind::kWholeTensor, "register_optimizer for ", cls,
+                   ": state entry '", entry.name, "' has a shape of its own, which only a kWholeTensor "
+                   "optimizer may have (an element-wise optimizer's state is cut like its parameter)");
+    names.push_back(entry.name);
+  }
+  for (const auto& option : layout.options) {
+    SHARDOPT_CHECK(option.get && option.set, "register_optimizer for ", cls, ": option '", option.name,
+                   "' has no field");
+  }
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.codecs.insert_or_assign(type, codec_of(std::move(layout)));
+}
 
 const OptimizerCodec* find_codec(const optim::Optimizer& optimizer) {
   using AdamCodec = AdamLike<optim::AdamOptions, optim::AdamParamState, false>;
@@ -296,13 +428,21 @@ const OptimizerCodec* find_codec(const optim::Optimizer& optimizer) {
   if (type == typeid(optim::SGD)) return &sgd;
   if (type == typeid(optim::RMSprop)) return &rmsprop;
   if (type == typeid(optim::Adagrad)) return &adagrad;
-  return nullptr;
+  // Muon is registered through the public call, the first time any optimizer is looked up.
+  static std::once_flag muon;
+  std::call_once(muon, [] { register_muon(); });
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.codecs.find(std::type_index(type));
+  return it == r.codecs.end() ? nullptr : &it->second;
 }
 
 const OptimizerCodec& codec_for(const optim::Optimizer& optimizer) {
   const OptimizerCodec* codec = find_codec(optimizer);
-  SHARDOPT_CHECK(codec, "state_dict(), consolidation and state migration support Adam, AdamW, SGD, RMSprop and "
-                 "Adagrad; the wrapped optimizer is ", c10::demangle(typeid(optimizer).name()));
+  SHARDOPT_CHECK(codec, "state_dict(), consolidation and state migration need to know how the optimizer's state "
+                 "is laid out: shardopt knows Adam, AdamW, SGD, RMSprop, Adagrad and Muon, and any class registered "
+                 "with shardopt::register_optimizer; the wrapped optimizer is ",
+                 c10::demangle(typeid(optimizer).name()), ", which is not registered");
   return *codec;
 }
 
@@ -332,3 +472,11 @@ int64_t state_tensor_bytes(const GenericDict& state) {
 }
 
 }  // namespace shardopt::detail
+
+namespace shardopt {
+
+bool knows_optimizer(const torch::optim::Optimizer& optimizer) {
+  return detail::find_codec(optimizer) != nullptr;
+}
+
+}  // namespace shardopt

@@ -2,6 +2,8 @@
 // consolidated OSS state loads into torch.optim in Python and back. Internal to shardopt.
 #pragma once
 
+#include <shardopt/optim/state_layout.h>
+
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
@@ -22,19 +24,28 @@ using StatePlacer = std::function<at::Tensor(const char* kind, const at::Tensor&
 
 struct OptimizerCodec {
   std::string name;  // PyTorch's class name: "Adam", "SGD", ...
+  StateKind kind = StateKind::kElementWise;
   // Options of one param group, with PyTorch's key names (without "params").
-  GenericDict (*encode_options)(const torch::optim::OptimizerOptions& options);
+  std::function<GenericDict(const torch::optim::OptimizerOptions& options)> encode_options;
   // Options from a saved group; keys missing in `saved` keep the value in `base`.
-  std::unique_ptr<torch::optim::OptimizerOptions> (*decode_options)(
-      const GenericDict& saved, const torch::optim::OptimizerOptions& base);
-  GenericDict (*encode_state)(const torch::optim::OptimizerParamState& state);
-  std::unique_ptr<torch::optim::OptimizerParamState> (*decode_state)(const GenericDict& saved);
-  // Replaces each defined per-element state tensor of `state` by what `place` returns for it.
-  void (*place_state)(torch::optim::OptimizerParamState& state, const StatePlacer& place);
+  std::function<std::unique_ptr<torch::optim::OptimizerOptions>(const GenericDict& saved,
+                                                                const torch::optim::OptimizerOptions& base)>
+      decode_options;
+  std::function<GenericDict(const torch::optim::OptimizerParamState& state)> encode_state;
+  std::function<std::unique_ptr<torch::optim::OptimizerParamState>(const GenericDict& saved)> decode_state;
+  // Replaces each defined state tensor of `state` by what `place` returns for it.
+  std::function<void(torch::optim::OptimizerParamState& state, const StatePlacer& place)> place_state;
+  // Elements of state one parameter of `sizes` holds under `options` (all its state tensors).
+  std::function<int64_t(const torch::optim::OptimizerOptions& options, at::IntArrayRef sizes)> state_numel;
+  // The shape state entry `entry` has for a parameter of `sizes` (the parameter's, unless a
+  // whole-tensor optimizer's registration says otherwise).
+  std::function<std::vector<int64_t>(const std::string& entry, at::IntArrayRef sizes)> entry_shape;
+  // The cost of one parameter's update (whole-tensor optimizers balance it; Note [Ownership by kind]).
+  std::function<double(at::IntArrayRef sizes)> cost;
 };
 
-// The codec for `optimizer`'s concrete type (Adam, AdamW, SGD, RMSprop, Adagrad), or null. These
-// optimizers update a parameter from its own state only, so that state can move between ranks.
+// The codec for `optimizer`'s concrete type (Adam, AdamW, SGD, RMSprop, Adagrad, Muon, or one
+// registered through shardopt/optim/state_layout.h), or null.
 const OptimizerCodec* find_codec(const torch::optim::Optimizer& optimizer);
 // The same; throws naming the type when there is none.
 const OptimizerCodec& codec_for(const torch::optim::Optimizer& optimizer);
@@ -44,6 +55,8 @@ bool is_state_tensor(const GenericDict::iterator::value_type& entry);
 // `encoded` with every state tensor that views part of a larger storage (a ShardStore slab) copied
 // to a storage of its own: what is serialized (pickling a view writes its whole storage).
 GenericDict with_own_storage(const GenericDict& encoded);
+// Registers shardopt::Muon through the public registration (muon.cpp); find_codec calls it once.
+void register_muon();
 // Bytes of the state tensors in an encoded state.
 int64_t state_tensor_bytes(const GenericDict& state);
 

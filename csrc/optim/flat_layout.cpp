@@ -49,12 +49,17 @@ std::vector<size_t> FlatLayout::make_groups(const std::vector<LayoutParam>& para
     SHARDOPT_CHECK(p.owner >= 0 && p.owner < world_size_, "parameter ", i, " has owner ", p.owner,
                    ", outside [0, ", world_size_, ")");
     SHARDOPT_CHECK(p.numel >= 0, "parameter ", i, " has ", p.numel, " elements");
+    const bool split = options_.split() && !p.whole;
     size_t g = 0;  // groups in order of first appearance
-    while (g < groups_.size() && (groups_[g].device != p.device || groups_[g].dtype != p.dtype)) ++g;
+    while (g < groups_.size() &&
+           (groups_[g].device != p.device || groups_[g].dtype != p.dtype || groups_[g].split != split)) {
+      ++g;
+    }
     if (g == groups_.size()) {
       FlatGroup group;
       group.device = p.device;
       group.dtype = p.dtype;
+      group.split = split;
       group.world_size = world_size_;
       group.used.assign(world_size_, 0);
       groups_.push_back(std::move(group));
@@ -80,33 +85,33 @@ void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std:
     pieces_of_[i].push_back(pieces_.size());
     pieces_.push_back(piece);
   };
-  if (!options_.split()) {
-    for (size_t i = params.size(); i-- > 0;) {
-      if (!params[i].trainable) continue;
-      int64_t& used = groups_[group_of[i]].used[params[i].owner];
-      const int64_t begin = align_up(used, align);
-      add(i, {0, params[i].numel}, params[i].owner, {begin, begin + params[i].numel});
-      used = begin + params[i].numel;
-    }
-    for (auto& group : groups_) {
-      const int64_t longest = *std::max_element(group.used.begin(), group.used.end());
-      group.shard_numel = align_up(std::max<int64_t>(1, longest), align);
-    }
-    return;
+  // Whole parameters per owner, padded to the longest shard.
+  for (size_t i = params.size(); i-- > 0;) {
+    if (!params[i].trainable || groups_[group_of[i]].split) continue;
+    int64_t& used = groups_[group_of[i]].used[params[i].owner];
+    const int64_t begin = align_up(used, align);
+    add(i, {0, params[i].numel}, params[i].owner, {begin, begin + params[i].numel});
+    used = begin + params[i].numel;
+  }
+  for (auto& group : groups_) {
+    if (group.split) continue;
+    const int64_t longest = *std::max_element(group.used.begin(), group.used.end());
+    group.shard_numel = align_up(std::max<int64_t>(1, longest), align);
   }
   // Split: where each parameter starts in its group's run, then equal shards of the run.
   std::vector<int64_t> run(groups_.size(), 0), start(params.size(), 0);
   for (size_t i = params.size(); i-- > 0;) {
-    if (!params[i].trainable) continue;
+    if (!params[i].trainable || !groups_[group_of[i]].split) continue;
     start[i] = align_up(run[group_of[i]], align);
     run[group_of[i]] = start[i] + params[i].numel;
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
+    if (!groups_[g].split) continue;
     const int64_t per_rank = (run[g] + world_size_ - 1) / world_size_;
     groups_[g].shard_numel = align_up(std::max<int64_t>(1, per_rank), align);
   }
   for (size_t i = params.size(); i-- > 0;) {
-    if (!params[i].trainable) continue;
+    if (!params[i].trainable || !groups_[group_of[i]].split) continue;
     const int64_t shard = groups_[group_of[i]].shard_numel;
     for (int64_t at = start[i], end = start[i] + params[i].numel; at < end || (at == end && at == start[i]);) {
       const int owner = static_cast<int>(std::min<int64_t>(at / shard, world_size_ - 1));
@@ -179,15 +184,17 @@ void FlatLayout::cut_buckets(const std::vector<LayoutParam>& params) {
 // the price is moving the kept state once, when the trainable set changes.
 void FlatLayout::cut_kept(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of) {
   kept_.assign(params.size(), {});
-  if (!options_.split()) return;
+  // A whole-kind group's frozen parameters keep their state with their owner (the partition
+  // spreads them, as for whole parameters).
+  auto in_run = [&](size_t i) { return !params[i].trainable && params[i].keeps_state && groups_[group_of[i]].split; };
   std::vector<int64_t> run(groups_.size(), 0), start(params.size(), 0);
   for (size_t i = params.size(); i-- > 0;) {
-    if (params[i].trainable || !params[i].keeps_state) continue;
+    if (!in_run(i)) continue;
     start[i] = run[group_of[i]];
     run[group_of[i]] += params[i].numel;
   }
   for (size_t i = params.size(); i-- > 0;) {
-    if (params[i].trainable || !params[i].keeps_state) continue;
+    if (!in_run(i)) continue;
     const int64_t per_rank = std::max<int64_t>(1, (run[group_of[i]] + world_size_ - 1) / world_size_);
     const int64_t end = start[i] + params[i].numel;
     int64_t at = start[i];
@@ -276,7 +283,7 @@ bool FlatLayout::same_placement(const FlatLayout& other) const {
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
     const auto &a = groups_[g], &b = other.groups_[g];
-    if (a.device != b.device || a.dtype != b.dtype || a.shard_numel != b.shard_numel ||
+    if (a.device != b.device || a.dtype != b.dtype || a.split != b.split || a.shard_numel != b.shard_numel ||
         a.frozen_numel != b.frozen_numel) {
       return false;
     }
@@ -296,7 +303,7 @@ std::string FlatLayout::describe() const {
   for (size_t g = 0; g < groups_.size(); ++g) {
     const auto& group = groups_[g];
     out << "group " << g << " (" << group.device << ", " << group.dtype << "): " << world_size_
-        << (options_.split() ? " equal ranges" : " whole-parameter shards") << " of " << group.shard_numel
+        << (group.split ? " equal ranges" : " whole-parameter shards") << " of " << group.shard_numel
         << " elements, used";
     for (int64_t u : group.used) out << " " << u;
     out << "; frozen " << group.frozen_numel << "\n";

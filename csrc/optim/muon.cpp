@@ -1,6 +1,11 @@
 #include <shardopt/optim/muon.h>
 
+#include <shardopt/optim/state_layout.h>
+
+#include "optim/codec.h"
+
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
 #include <torch/csrc/api/include/torch/optim/serialize.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -29,7 +34,7 @@ MuonOptions::MuonOptions(double lr) : lr_(lr) {}
 bool operator==(const MuonOptions& lhs, const MuonOptions& rhs) {
   return lhs.lr() == rhs.lr() && lhs.weight_decay() == rhs.weight_decay() && lhs.momentum() == rhs.momentum() &&
          lhs.nesterov() == rhs.nesterov() && lhs.ns_coefficients() == rhs.ns_coefficients() && lhs.eps() == rhs.eps() &&
-         lhs.ns_steps() == rhs.ns_steps() && lhs.adjust_lr_fn() == rhs.adjust_lr_fn();
+         lhs.ns_steps() == rhs.ns_steps() && lhs.adjust_lr_fn() == rhs.adjust_lr_fn() && lhs.flatten() == rhs.flatten();
 }
 
 void MuonOptions::serialize(torch::serialize::OutputArchive& archive) const {
@@ -41,6 +46,7 @@ void MuonOptions::serialize(torch::serialize::OutputArchive& archive) const {
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(ns_steps);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(adjust_lr_fn);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(flatten);
 }
 
 void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
@@ -54,6 +60,8 @@ void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, ns_steps);
   c10::IValue fn;
   if (archive.try_read("adjust_lr_fn", fn)) adjust_lr_fn(fn.toStringRef());
+  c10::IValue flat;
+  if (archive.try_read("flatten", flat)) flatten(flat.toBool());
 }
 
 bool operator==(const MuonParamState& lhs, const MuonParamState& rhs) {
@@ -90,9 +98,11 @@ Muon::Muon(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, M
   TORCH_CHECK(defaults.adjust_lr_fn() == "original" || defaults.adjust_lr_fn() == "match_rms_adamw",
               "Adjust learning rate function ", defaults.adjust_lr_fn(), " is not supported");
   for (const auto& group : param_groups_) {
+    const bool flatten = static_cast<const MuonOptions&>(group.options()).flatten();
     for (const auto& p : group.params()) {
-      TORCH_CHECK(p.dim() == 2, "Muon only supports 2D parameters whereas we found a parameter with size: ",
-                  torch_size(p.sizes()));
+      TORCH_CHECK(p.dim() == 2 || (flatten && p.dim() > 2),
+                  "Muon only supports 2D parameters whereas we found a parameter with size: ", torch_size(p.sizes()),
+                  flatten ? "" : " (MuonOptions().flatten(true) takes a parameter of more dimensions as a matrix)");
     }
   }
 }
@@ -103,7 +113,8 @@ Muon::Muon(std::vector<at::Tensor> params, MuonOptions defaults)
 double muon_adjusted_lr(double lr, const std::string& fn, at::IntArrayRef sizes) {
   TORCH_CHECK(sizes.size() >= 2, "Muon adjusts the learning rate of a matrix, got a parameter of size ",
               torch_size(sizes));
-  const auto rows = static_cast<double>(sizes[0]), cols = static_cast<double>(sizes[1]);
+  const auto rows = static_cast<double>(sizes[0]);
+  const auto cols = static_cast<double>(c10::multiply_integers(sizes.begin() + 1, sizes.end()));
   if (fn == "original") return lr * std::sqrt(std::max(1.0, rows / cols));
   if (fn == "match_rms_adamw") return lr * (0.2 * std::sqrt(std::max(rows, cols)));
   return lr;
@@ -154,18 +165,76 @@ at::Tensor Muon::step(LossClosure closure) {
     }
     for (auto& [p, state] : stepped) {
       const at::Tensor& grad = p.grad();
-      TORCH_CHECK(grad.dim() == 2, "Param gradient must be a 2D matrix");
+      TORCH_CHECK(grad.dim() == 2 || (options.flatten() && grad.dim() > 2), "Param gradient must be a 2D matrix");
       at::Tensor& buf = state->momentum_buffer();
       buf.lerp_(grad, 1 - options.momentum());
       at::Tensor update = options.nesterov() ? grad.lerp(buf, options.momentum()) : buf;
+      if (update.dim() > 2) update = update.reshape({update.size(0), -1});
       update = muon_orthogonalize(update, options.ns_coefficients(), options.ns_steps(), options.eps());
       const double adjusted = muon_adjusted_lr(options.lr(), options.adjust_lr_fn(), p.sizes());
       p.mul_(1 - options.lr() * options.weight_decay());
-      p.add_(update, -adjusted);
+      p.add_(update.view(p.sizes()), -adjusted);
     }
   }
   return loss;
 }
+
+// Note [Muon's cost]
+// One Newton-Schulz iteration on an m x n matrix, s = min(m, n) and l = max(m, n), runs on the
+// s x l orientation: X X^T (s*s*l multiply-adds), b A + c A A (s*s*s), and B X (s*s*l), so
+// s^2 (2 l + s) per iteration, ns_steps times; the momentum update and the rest are O(m n). OSS
+// balances the owners of whole matrices by this (the iteration count is the same for every matrix
+// of a group, so it is left out): about m n min(m, n), not the matrix's bytes. Two matrices of the
+// same bytes, 64 x 4096 and 512 x 512, cost 2 x 64^2 x 4096 + 64^3 = 3.4e7 and 3 x 512^3 = 4.0e8.
+double muon_cost(at::IntArrayRef sizes) {
+  if (sizes.size() < 2) return static_cast<double>(c10::multiply_integers(sizes));
+  const int64_t rows = sizes[0], cols = c10::multiply_integers(sizes.begin() + 1, sizes.end());
+  const double s = static_cast<double>(std::min(rows, cols));
+  const double l = static_cast<double>(std::max(rows, cols));
+  return s * s * (2 * l + s);
+}
+
+namespace detail {
+
+void register_muon() {
+  using Registration = OptimizerRegistration<Muon, MuonOptions, MuonParamState>;
+  register_optimizer(
+      Registration("Muon", StateKind::kWholeTensor)
+          .option("lr", [](MuonOptions& o) -> double& { return o.lr(); })
+          .option("weight_decay", [](MuonOptions& o) -> double& { return o.weight_decay(); })
+          .option("momentum", [](MuonOptions& o) -> double& { return o.momentum(); })
+          .option("nesterov", [](MuonOptions& o) -> bool& { return o.nesterov(); })
+          .option(
+              "ns_coefficients",
+              [](const MuonOptions& o) {
+                std::vector<c10::IValue> items(o.ns_coefficients().begin(), o.ns_coefficients().end());
+                return c10::IValue(c10::ivalue::Tuple::create(std::move(items)));
+              },
+              [](MuonOptions& o, const c10::IValue& v) {
+                TORCH_CHECK(v.isTuple() || v.isList(), "state_dict option 'ns_coefficients' must be a tuple, got ",
+                            v.tagKind());
+                std::vector<double> values;
+                for (const auto& x : v.isTuple() ? v.toTupleRef().elements().vec() : v.toListRef().vec()) {
+                  values.push_back(detail::option_value<double>("ns_coefficients", x));
+                }
+                o.ns_coefficients(values);
+              })
+          .option("eps", [](MuonOptions& o) -> double& { return o.eps(); })
+          .option("ns_steps", [](MuonOptions& o) -> int64_t& { return o.ns_steps(); })
+          // PyTorch's default is None, which means "original".
+          .option(
+              "adjust_lr_fn", [](const MuonOptions& o) { return c10::IValue(o.adjust_lr_fn()); },
+              [](MuonOptions& o, const c10::IValue& v) {
+                TORCH_CHECK(v.isNone() || v.isString(), "state_dict option 'adjust_lr_fn' must be None or a "
+                            "string, got ", v.tagKind());
+                o.adjust_lr_fn(v.isNone() ? "original" : v.toStringRef());
+              })
+          .option("flatten", [](MuonOptions& o) -> bool& { return o.flatten(); })
+          .tensor("momentum_buffer", [](MuonParamState& s) -> at::Tensor& { return s.momentum_buffer(); })
+          .cost(&muon_cost));
+}
+
+}  // namespace detail
 
 void Muon::save(torch::serialize::OutputArchive& archive) const {
   torch::optim::serialize<MuonParamState, MuonOptions>(archive, *this);

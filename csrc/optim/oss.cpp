@@ -19,6 +19,7 @@
 #include <torch/csrc/api/include/torch/optim/lbfgs.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <cmath>
 #include <map>
 #include <sstream>
 #include <unordered_map>
@@ -30,11 +31,24 @@ using detail::GenericDict;
 
 namespace {
 
-std::unique_ptr<optim::OptimizerOptions> probe_defaults(const OptimizerFactory& factory) {
+// What `factory` makes, over no parameters.
+std::unique_ptr<optim::Optimizer> probe(const OptimizerFactory& factory) {
   SHARDOPT_CHECK(factory, "OSS needs an optimizer factory, got an empty one");
-  auto probe = factory({optim::OptimizerParamGroup({at::zeros({1}).requires_grad_()})});
-  SHARDOPT_CHECK(probe, "the optimizer factory returned null");
-  return probe->defaults().clone();
+  auto made = factory({optim::OptimizerParamGroup(std::vector<at::Tensor>{})});
+  SHARDOPT_CHECK(made, "the optimizer factory returned null");
+  return made;
+}
+
+std::unique_ptr<optim::OptimizerOptions> probe_defaults(const OptimizerFactory& factory) {
+  return probe(factory)->defaults().clone();
+}
+
+const OptimizerFactory& first_factory(const std::vector<OptimizerGroup>& groups) {
+  SHARDOPT_CHECK(!groups.empty(), "OSS needs at least one OptimizerGroup, got none");
+  for (size_t k = 0; k < groups.size(); ++k) {
+    SHARDOPT_CHECK(groups[k].optimizer, "OptimizerGroup ", k, " has no optimizer factory");
+  }
+  return groups.front().optimizer;
 }
 
 // The first problem with the user's parameters on this rank, or "".
@@ -107,7 +121,25 @@ OSS::OSS(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory factor
       group_(std::move(group)),
       options_(options) {
   SHARDOPT_CHECK(group_, "OSS needs a process group, got null");
-  init(std::move(groups), std::move(factory));
+  std::vector<Unit> units(1);
+  units[0].factory = std::move(factory);
+  for (size_t g = 0; g < groups.size(); ++g) units[0].groups.push_back(g);
+  init(std::move(groups), std::move(units));
+}
+
+OSS::OSS(std::vector<OptimizerGroup> groups, std::shared_ptr<ProcessGroup> group, OSSOptions options)
+    : optim::Optimizer(std::vector<optim::OptimizerParamGroup>{}, probe_defaults(first_factory(groups))),
+      group_(std::move(group)),
+      options_(options) {
+  SHARDOPT_CHECK(group_, "OSS needs a process group, got null");
+  std::vector<optim::OptimizerParamGroup> param_groups;
+  std::vector<Unit> units(groups.size());
+  for (size_t k = 0; k < groups.size(); ++k) {
+    param_groups.emplace_back(std::move(groups[k].params), probe_defaults(groups[k].optimizer));
+    units[k].factory = std::move(groups[k].optimizer);
+    units[k].groups = {k};
+  }
+  init(std::move(param_groups), std::move(units));
 }
 
 OSS::~OSS() {
@@ -118,7 +150,7 @@ OSS::~OSS() {
   }
 }
 
-void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory factory) {
+void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit> units) {
   // Every rank learns of any rank's bad input, so no rank is left waiting in a collective.
   const std::string problem = local_param_problem(groups);
   auto problems = group_->allgather_ints(encode_text(problem));
@@ -147,16 +179,41 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
     }
   }
 
+  units_ = std::move(units);
+  unit_of_group_.assign(param_groups_.size(), 0);
+  local_group_of_.assign(param_groups_.size(), 0);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    for (size_t k = 0; k < units_[u].groups.size(); ++k) {
+      unit_of_group_[units_[u].groups[k]] = u;
+      local_group_of_[units_[u].groups[k]] = k;
+    }
+    auto made = probe(units_[u].factory);
+    SHARDOPT_CHECK(!dynamic_cast<optim::LBFGS*>(made.get()),
+                   "OSS cannot shard LBFGS: each of its steps evaluates the closure several times and takes dot "
+                   "products over all parameters, which a rank holding a shard cannot do alone; use "
+                   "torch::optim::LBFGS on every rank without OSS");
+    units_[u].codec = detail::find_codec(*made);
+    // Nothing is switched off silently: without a codec, state cannot move between ranks.
+    const optim::Optimizer& ref = *made;
+    SHARDOPT_CHECK(units_[u].codec || !options_.rebalance(), "OSS: the optimizer ", c10::demangle(typeid(ref).name()),
+                   " is not registered (shardopt knows Adam, AdamW, SGD, RMSprop, Adagrad and Muon; "
+                   "shardopt::register_optimizer in shardopt/optim/state_layout.h says how another one's state is "
+                   "laid out), so its state cannot move to a new owner after a freeze; register it, or pass "
+                   "OSSOptions().rebalance(false) to train with it (state_dict() will not be available either)");
+  }
+
   mixed_ = options_.mixed_precision().enabled() || !options_.mixed_precision().problem().empty();
   if (mixed_) master_sources_ = detail::cast_to_param_dtype(*global_group_, params_, options_.mixed_precision());
-  for (const auto& p : params_) weights_.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
+  weigh_params();
   trainable_ = detail::trainable_mask(params_);
   balanced_for_ = trainable_;
   Partition partition = Partition::balance(weights_, group_->size(), trainable_);
-  choose_partition_mode(factory, partition);
+  choose_partition_mode(partition);
+  if (split_) partition = Partition::balance(partition_weights(), group_->size(), trainable_);
   holdings_.assign(params_.size(), {});
   store_ = std::make_unique<detail::ShardStore>(params_, group_, options_.layout(), options_.sync());
   store_->set_partition(std::move(partition));
+  store_->set_kept_whole(whole_kind_);
   // Whoever lays the store out (this OSS, or ShardedDDP for its forward's trainable set), the
   // holdings follow the new layout at once.
   store_->follow_layouts([this] { assign_holdings(); });
@@ -168,70 +225,94 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, OptimizerFactory 
   settled_ = holdings_;
   settled_version_ = store_->layout_version();
 
-  make_local(factory);
+  make_local();
   master_sources_.clear();
   place_state();
 }
 
-// The wrapped optimizer over this rank's holdings, with the global groups' options.
-void OSS::make_local(const OptimizerFactory& factory) {
-  std::vector<optim::OptimizerParamGroup> local_groups;
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    local_groups.emplace_back(std::vector<at::Tensor>{}, param_groups_[g].options().clone());
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    for (const auto& h : holdings_[i]) {
-      if (h.rank == group_->rank()) local_groups[group_of_[i]].params().push_back(h.tensor);
+// The wrapped optimizers over this rank's holdings, with the global groups' options.
+void OSS::make_local() {
+  for (auto& unit : units_) {
+    std::vector<optim::OptimizerParamGroup> local_groups;
+    for (size_t g : unit.groups) {
+      local_groups.emplace_back(std::vector<at::Tensor>{}, param_groups_[g].options().clone());
     }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (unit_of(i).groups != unit.groups) continue;
+      for (const auto& h : holdings_[i]) {
+        if (h.rank == group_->rank()) local_groups[local_group_of_[group_of_[i]]].params().push_back(h.tensor);
+      }
+    }
+    unit.local = unit.factory(std::move(local_groups));
+    SHARDOPT_CHECK(unit.local, "the optimizer factory returned null");
   }
-  local_ = factory(std::move(local_groups));
-  SHARDOPT_CHECK(local_, "the optimizer factory returned null");
 }
 
-// Note [Split parameters]
-// With an element-wise optimizer (each element's update reads only that element's gradient and
-// state: Adam, AdamW, SGD, RMSprop, Adagrad) the trainable run of each flat group is cut into
-// world_size equal ranges (FlatLayout's split mode), so every rank owns 1/world_size of the
-// state however large one tensor is. A rank steps, for each range it owns, a tensor that views
-// those elements of the parameter (the parameter itself when it owns all of it); its state
-// lives under that tensor. The ranges follow the trainable set: a layout for a new set gives
-// new holdings at once (the buckets reduce to the new owners), and the state follows at the
-// next step(), or at the next collective that needs it (settle_state), when every rank is known
-// to hold the same set; only ranges that change rank move. A frozen parameter keeps its state
-// where it was. Other optimizers (a user's) keep whole parameters. kAuto splits only when whole
-// parameters are out of balance (by more than split_above_imbalance, 3%): measured on the
-// GPT-2-shaped model at two ranks, where whole parameters balance within 0.4%, a split step
-// spent 125-139 ms in backward against 98-111 ms (docs/benchmarks.md). The owners' ranges are
-// contiguous in backward order, so for the first half of backward every reduction goes to one
-// rank and for the second half to the other, while whole parameters interleave the owners.
-void OSS::choose_partition_mode(const OptimizerFactory& factory, const Partition& whole) {
-  auto probe = factory({optim::OptimizerParamGroup({at::zeros({1}).requires_grad_()})});
-  SHARDOPT_CHECK(probe, "the optimizer factory returned null");
-  const optim::Optimizer& made = *probe;
-  const std::string type = c10::demangle(typeid(made).name());
-  SHARDOPT_CHECK(!dynamic_cast<optim::LBFGS*>(probe.get()),
-                 "OSS cannot shard LBFGS: each of its steps evaluates the closure several times and takes dot "
-                 "products over all parameters, which a rank holding a shard cannot do alone; use "
-                 "torch::optim::LBFGS on every rank without OSS");
-  const bool element_wise = detail::find_codec(*probe) != nullptr;
-  // Nothing is switched off silently: without a codec, state cannot move between ranks.
-  SHARDOPT_CHECK(element_wise || !options_.rebalance(), "OSS: the optimizer ", type,
-                 " has no state codec (shardopt has them for Adam, AdamW, SGD, RMSprop and Adagrad), so its "
-                 "state cannot move to a new owner after a freeze; pass OSSOptions().rebalance(false) to train "
-                 "with it (state_dict() will not be available either)");
+// Note [Ownership by kind]
+// Each parameter's optimizer says how its state may be cut (shardopt/optim/state_layout.h): an
+// element-wise one's (Adam, SGD, ...) into ranges, a whole-tensor one's (Muon) not at all. In a
+// split layout the element-wise parameters of each (device, dtype) form one flat group cut into
+// equal ranges (Note [Split parameters]) and the whole-tensor ones another, cut as whole
+// parameters per owner (FlatLayout's whole-kind groups), so neither constrains the other's
+// cuts. The partition then places only the whole-tensor parameters, balancing the cost of their
+// updates, not their bytes: Muon's Newton-Schulz iteration costs about m n min(m, n) per matrix
+// (Note [Muon's cost]), so a square matrix costs far more than a flat one of the same bytes.
+// weights_ holds each whole-tensor parameter's cost scaled so that all of them sum to their
+// bytes (the cost's proportions, in the units of the element-wise parameters' bytes), so that in
+// a whole-parameter layout (kWholeParameters) one partition can place both kinds. After a change
+// of the trainable set the whole-tensor owners are re-balanced like whole parameters (Note
+// [Rebalance after a freeze]), and a frozen matrix's state waits with its owner.
+void OSS::choose_partition_mode(const Partition& whole) {
+  bool all_known = true, any_element_wise = false, any_whole_kind = false;
+  for (const auto& unit : units_) all_known &= unit.codec != nullptr;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!unit_of(i).codec) continue;
+    (whole_kind_[i] ? any_whole_kind : any_element_wise) = true;
+  }
   switch (options_.partition()) {
     case PartitionMode::kAuto:
       whole_imbalance_ = whole.imbalance(weights_, trainable_);
-      split_ = element_wise && whole_imbalance_ > options_.split_above_imbalance();
+      split_ = all_known && any_element_wise && (any_whole_kind || whole_imbalance_ > options_.split_above_imbalance());
       break;
     case PartitionMode::kWholeParameters: split_ = false; break;
     case PartitionMode::kSplit:
-      SHARDOPT_CHECK(element_wise, "partition kSplit needs an element-wise optimizer shardopt can move state for "
-                     "(Adam, AdamW, SGD, RMSprop, Adagrad); use kWholeParameters or kAuto for this one");
+      SHARDOPT_CHECK(all_known, "partition kSplit needs optimizers shardopt can move state for (Adam, AdamW, SGD, "
+                     "RMSprop, Adagrad, Muon or a registered one); use kWholeParameters or kAuto for this one");
       split_ = true;
       break;
   }
   options_.layout().split(split_);
+}
+
+void OSS::weigh_params() {
+  whole_kind_.assign(params_.size(), 0);
+  weights_.assign(params_.size(), 0);
+  int64_t whole_bytes = 0;
+  double whole_cost = 0;
+  std::vector<double> cost(params_.size(), 0.0);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto* codec = unit_of(i).codec;
+    weights_[i] = params_[i].numel() * static_cast<int64_t>(params_[i].element_size());
+    // An optimizer shardopt does not know keeps whole parameters, balanced by bytes.
+    whole_kind_[i] = !codec || codec->kind == StateKind::kWholeTensor;
+    if (!codec || codec->kind != StateKind::kWholeTensor) continue;
+    cost[i] = codec->cost(params_[i].sizes());
+    SHARDOPT_CHECK(cost[i] >= 0 && std::isfinite(cost[i]), "the cost of parameter ", i, " (", params_[i].sizes(),
+                   ") is ", cost[i], "; a registered cost must be finite and >= 0");
+    whole_bytes += weights_[i];
+    whole_cost += cost[i];
+  }
+  if (whole_cost <= 0) return;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (cost[i] > 0) weights_[i] = std::max<int64_t>(1, std::llround(cost[i] / whole_cost * static_cast<double>(whole_bytes)));
+  }
+}
+
+std::vector<int64_t> OSS::partition_weights() const {
+  if (!split_) return weights_;
+  std::vector<int64_t> w(weights_.size(), 0);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = whole_kind_[i] ? weights_[i] : 0;
+  return w;
 }
 
 void OSS::check_params_across_ranks() {
@@ -248,7 +329,7 @@ void OSS::assign_holdings() {
   const int rank = group_->rank();
   std::vector<std::vector<detail::Holding>> next(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!split_) {
+    if (kept_whole(i)) {
       next[i].push_back({store_->partition().owner(i), {0, params_[i].numel()}, at::Tensor()});
     } else if (store_->laid_out_for()[i]) {
       for (size_t k : store_->layout().pieces_of(i)) {
@@ -308,7 +389,8 @@ void OSS::settle_state() {
     const detail::HoldingGrads grads{
         [this](size_t i, const detail::Holding& h) { return owned_grad(i, h); },
         [this](size_t i, const detail::Holding& h, at::Tensor g) { set_owned_grad(i, h, std::move(g)); }};
-    detail::migrate_holdings(*group_, *local_, settled_, holdings_, grads, stats, /*carry_values=*/mixed_);
+    detail::migrate_holdings(*group_, [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; }, settled_,
+                             holdings_, grads, stats, /*carry_values=*/mixed_);
     last_rebalance_ = stats;
     ++state_moves_;
   }
@@ -320,10 +402,14 @@ void OSS::settle_state() {
 }
 
 void OSS::place_state() {
-  const detail::OptimizerCodec* codec = detail::find_codec(*local_);
-  if (!codec || settled_version_ != store_->layout_version()) return;  // a user's optimizer keeps its own state
-  store_->plan(group_->rank(), settled_, *local_);
-  store_->adopt(*local_, *codec);
+  for (const auto& unit : units_) {
+    if (!unit.codec) return;  // an optimizer shardopt does not know keeps its own state
+  }
+  if (settled_version_ != store_->layout_version()) return;
+  store_->plan(group_->rank(), settled_, [this](size_t i, const at::Tensor& key) {
+    return unit_of(i).local->state().count(compat::state_key(key)) != 0;
+  });
+  for (auto& unit : units_) store_->adopt(*unit.local, *unit.codec);
   if (mixed_) store_->adopt_masters(settled_, group_->rank());
 }
 
@@ -350,11 +436,13 @@ at::Tensor OSS::holding_grad(size_t i, const detail::Holding& h) const {
 }
 
 void OSS::set_local_groups() {
-  auto& groups = local_->param_groups();
-  for (auto& g : groups) g.params().clear();
+  for (auto& unit : units_) {
+    for (auto& g : unit.local->param_groups()) g.params().clear();
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
+    auto& group = unit_of(i).local->param_groups()[local_group_of_[group_of_[i]]];
     for (const auto& h : settled_[i]) {
-      if (h.rank == group_->rank()) groups[group_of_[i]].params().push_back(h.tensor);
+      if (h.rank == group_->rank()) group.params().push_back(h.tensor);
     }
   }
 }
@@ -392,25 +480,65 @@ std::vector<int> OSS::owners(const torch::Tensor& param) const {
 
 std::string OSS::describe() const {
   std::ostringstream out;
+  bool any_whole_kind = false;
+  for (size_t i = 0; i < params_.size(); ++i) any_whole_kind |= whole_kind_[i] && unit_of(i).codec;
   out << "OSS over " << group_->size() << (group_->size() == 1 ? " rank: " : " ranks: ")
-      << (split_ ? "parameters split into equal ranges (element-wise optimizer)"
-                 : "whole parameters per owner")
+      << (!split_ ? "whole parameters per owner"
+                  : any_whole_kind ? "element-wise optimizers' parameters split into equal ranges, whole-tensor "
+                                     "optimizers' parameters whole per owner, balanced by cost"
+                                   : "parameters split into equal ranges (element-wise optimizer)")
       << ", trainable imbalance " << imbalance() * 100.0 << "%";
   if (!split_ && options_.partition() == PartitionMode::kAuto) {
-    if (detail::find_codec(*local_)) {
+    bool all_known = true;
+    for (const auto& unit : units_) all_known &= unit.codec != nullptr;
+    if (!all_known) {
+      out << " (the wrapped optimizer is not one shardopt knows the state layout of)";
+    } else if (!any_whole_kind || whole_imbalance_ > 0) {
       out << " (whole parameters balance within " << whole_imbalance_ * 100.0 << "%, under the "
           << options_.split_above_imbalance() * 100.0 << "% that would split them)";
-    } else {
-      out << " (the wrapped optimizer is not one shardopt knows to be element-wise)";
     }
+  }
+  // Per rank, from the holdings and the optimizers' declared state sizes (every rank computes
+  // the same table).
+  const int world = group_->size();
+  std::vector<double> cost(world, 0.0);
+  std::vector<int64_t> state_bytes(world, 0), whole(world, 0), part(world, 0);
+  double total_cost = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Unit& unit = unit_of(i);
+    const bool held = trainable_[i] || store_->stepped()[i];
+    for (const auto& h : holdings_[i]) {
+      if (h.rank < 0 || !held) continue;
+      const bool all = whole_range(params_[i], h.in_param);
+      ++(all ? whole : part)[h.rank];
+      if (unit.codec) {
+        const auto& options = param_groups_[group_of_[i]].options();
+        const int64_t numel = all ? unit.codec->state_numel(options, params_[i].sizes())
+                                  : unit.codec->state_numel(options, {h.in_param.size()});
+        const int64_t element = mixed_ ? 4 : static_cast<int64_t>(params_[i].element_size());
+        state_bytes[h.rank] += numel * element;
+        if (whole_kind_[i] && trainable_[i]) {
+          const double c = unit.codec->cost(params_[i].sizes());
+          cost[h.rank] += c;
+          total_cost += c;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    out << "\n  rank " << r << ": ";
+    if (total_cost > 0) out << "whole-tensor cost " << 100.0 * cost[r] / total_cost << "%, ";
+    out << "state " << state_bytes[r] << " bytes, " << whole[r] << " whole and " << part[r] << " split parameters";
   }
   return out.str();
 }
 
 int64_t OSS::local_state_bytes() const {
   int64_t bytes = 0;
-  const auto& codec = detail::codec_for(*local_);
-  for (const auto& [key, state] : local_->state()) bytes += detail::state_tensor_bytes(codec.encode_state(*state));
+  for (const auto& unit : units_) {
+    const auto& codec = detail::codec_for(*unit.local);
+    for (const auto& [key, state] : unit.local->state()) bytes += detail::state_tensor_bytes(codec.encode_state(*state));
+  }
   return bytes;
 }
 

@@ -2,7 +2,6 @@
 #include <shardopt/optim/oss.h>
 #include <shardopt/check.h>
 
-#include "optim/codec.h"
 #include "optim/shard_store.h"
 
 namespace shardopt {
@@ -33,21 +32,29 @@ bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
               " trainable flags for ", params_.size(), " parameters");
   if (trainable == balanced_for_) return false;
   balanced_for_ = trainable;
-  // Split ranges are equal for every trainable set (Note [Split parameters]), kept ones too.
-  if (split_ || !options_.rebalance() || group_->size() == 1 || !detail::find_codec(*local_)) return false;
+  if (!options_.rebalance() || group_->size() == 1) return false;
+  for (const auto& unit : units_) {
+    if (!unit.codec) return false;
+  }
+  // Split ranges are equal for every trainable set (Note [Split parameters]), kept ones too; the
+  // partition places only what stays whole (Note [Ownership by kind]).
+  bool any_whole = !split_;
+  for (size_t i = 0; i < params_.size() && !any_whole; ++i) any_whole = whole_kind_[i];
+  if (!any_whole) return false;
+  const std::vector<int64_t> weights = partition_weights();
   const Partition& now = store_->partition();
-  const double before = now.imbalance(weights_, trainable);
+  const double before = now.imbalance(weights, trainable);
   Partition next = now;
   if (before > options_.rebalance_threshold()) {
-    Partition balanced = Partition::rebalance(now, weights_, trainable);
-    if (balanced.imbalance(weights_, trainable) < before) next = std::move(balanced);
+    Partition balanced = Partition::rebalance(now, weights, trainable);
+    if (balanced.imbalance(weights, trainable) < before) next = std::move(balanced);
   }
   // The state of frozen parameters spreads too, so that every rank holds its share in all (Note
   // [Kept state]); the trainable balance stays as decided.
   std::vector<uint8_t> kept(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) kept[i] = !trainable[i] && store_->stepped()[i];
-  if (next.held_imbalance(weights_, trainable, kept) > kKeptImbalance) {
-    next = Partition::spread_kept(next, weights_, trainable, kept);
+  if (next.held_imbalance(weights, trainable, kept) > kKeptImbalance) {
+    next = Partition::spread_kept(next, weights, trainable, kept);
   }
   bool moved = false;
   for (size_t i = 0; i < params_.size() && !moved; ++i) moved = next.owner(i) != now.owner(i);
@@ -56,7 +63,7 @@ bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
   settle_state();  // state still owed from an earlier layout goes first
   last_rebalance_ = RebalanceStats();
   last_rebalance_.imbalance_before = before;
-  last_rebalance_.imbalance_after = next.imbalance(weights_, trainable);
+  last_rebalance_.imbalance_after = next.imbalance(weights, trainable);
   store_->set_partition(std::move(next));
   ++partition_version_;
   store_->lay_out(trainable);

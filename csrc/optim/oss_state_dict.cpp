@@ -26,10 +26,12 @@ namespace {
 
 // This rank's ranges with state or a master weight: [{"param", "begin", "end", "state"?,
 // "master"?}, ...] (masters with `masters`: the holdings' tensors are mixed precision's).
-c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>& holdings, optim::Optimizer& local,
-                                 const detail::OptimizerCodec& codec, int rank, bool masters) {
+// `local_of(i)` is the optimizer of parameter i.
+c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>& holdings,
+                                 const std::function<optim::Optimizer&(size_t)>& local_of, int rank, bool masters) {
   c10::impl::GenericList shard(c10::AnyType::get());
   for (size_t i = 0; i < holdings.size(); ++i) {
+    optim::Optimizer& local = local_of(i);
     for (const auto& h : holdings[i]) {
       if (h.rank != rank) continue;
       auto it = local.state().find(compat::state_key(h.tensor));
@@ -39,7 +41,7 @@ c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>
       d.insert("param", static_cast<int64_t>(i));
       d.insert("begin", h.in_param.begin);
       d.insert("end", h.in_param.end);
-      if (has_state) d.insert("state", detail::with_own_storage(codec.encode_state(*it->second)));
+      if (has_state) d.insert("state", detail::with_own_storage(detail::codec_for(local).encode_state(*it->second)));
       if (masters) d.insert("master", h.tensor.detach().reshape(-1));
       shard.push_back(d);
     }
@@ -67,8 +69,9 @@ class Stitcher {
       if (!d.contains("state")) continue;
       auto [it, fresh] = parts_.try_emplace(i, detail::make_string_dict(), 0);
       auto& [full, filled] = it->second;
+      const bool all = begin == 0 && end == params_[i].numel();
       for (const auto& v : d.at("state").toGenericDict()) {
-        if (!detail::is_state_tensor(v)) {
+        if (!detail::is_state_tensor(v) || (all && fresh)) {  // a whole range: as it is, whatever its shape
           if (fresh) full.insert(v.key(), v.value());
           continue;
         }
@@ -89,7 +92,8 @@ class Stitcher {
                      params_[i].numel(), " elements (a shard missing or given twice?)");
       GenericDict shaped = detail::make_string_dict();
       for (const auto& v : full) {
-        shaped.insert(v.key(), detail::is_state_tensor(v) ? c10::IValue(v.value().toTensor().view(params_[i].sizes())) : v.value());
+        const bool like_param = detail::is_state_tensor(v) && v.value().toTensor().numel() == params_[i].numel();
+        shaped.insert(v.key(), like_param ? c10::IValue(v.value().toTensor().view(params_[i].sizes())) : v.value());
       }
       state.insert(static_cast<int64_t>(i), shaped);
     }
@@ -132,7 +136,8 @@ void OSS::consolidate_state_dict(int recipient) {
   Agreement().field("the recipient of consolidate_state_dict", recipient).check(*group_);
   SHARDOPT_CHECK(recipient >= 0 && recipient < group_->size(), "consolidate_state_dict recipient ",
               recipient, " is outside [0, ", group_->size(), ")");
-  const auto& codec = detail::codec_for(*local_);
+  const auto local_of = [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; };
+  for (const auto& unit : units_) detail::codec_for(*unit.local);  // every rank stops here alike
   const int rank = group_->rank();
   consolidated_.reset();
   last_recipient_ = recipient;
@@ -144,11 +149,11 @@ void OSS::consolidate_state_dict(int recipient) {
   Stitcher stitcher(params_);
   for (int r = 0; r < group_->size(); ++r) {
     if (r == recipient) {
-      if (rank == recipient) stitcher.add(own_shard(holdings_, *local_, codec, rank, mixed_));
+      if (rank == recipient) stitcher.add(own_shard(holdings_, local_of, rank, mixed_));
       continue;
     }
     if (rank == r) {
-      group_->send_bytes(torch::pickle_save(own_shard(holdings_, *local_, codec, rank, mixed_)), recipient, r);
+      group_->send_bytes(torch::pickle_save(own_shard(holdings_, local_of, rank, mixed_)), recipient, r);
     } else if (rank == recipient) {
       stitcher.add(torch::pickle_load(group_->recv_bytes(r, r)).toList());
     }
@@ -159,10 +164,10 @@ void OSS::consolidate_state_dict(int recipient) {
 
 // The param groups in PyTorch's layout: options and parameter indices.
 c10::impl::GenericList OSS::param_groups_value() const {
-  const auto& codec = detail::codec_for(*local_);
   c10::impl::GenericList groups(c10::AnyType::get());
   size_t index = 0;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& codec = detail::codec_for(*units_[unit_of_group_[g]].local);
     GenericDict d = codec.encode_options(param_groups_[g].options());
     // A generic list: Python's safe loader accepts it without extra allow-listed globals.
     c10::impl::GenericList ids(c10::AnyType::get());
@@ -175,10 +180,11 @@ c10::impl::GenericList OSS::param_groups_value() const {
 
 torch::IValue OSS::state_shard() {
   SHARDOPT_CHECK(!holdings_.empty() || params_.empty(), "OSS::state_shard before the first layout");
-  const auto& codec = detail::codec_for(*local_);
+  for (const auto& unit : units_) detail::codec_for(*unit.local);
   settle_state();
   GenericDict d = detail::make_string_dict();
-  d.insert("shard", own_shard(holdings_, *local_, codec, group_->rank(), mixed_));
+  d.insert("shard", own_shard(holdings_, [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; },
+                              group_->rank(), mixed_));
   d.insert("param_groups", param_groups_value());
   d.insert("rank", static_cast<int64_t>(group_->rank()));
   d.insert("world_size", static_cast<int64_t>(group_->size()));
@@ -226,11 +232,14 @@ std::unordered_map<size_t, GenericDict> OSS::saved_entries(const GenericDict& di
                 " belongs to no parameter of any group");
     const size_t i = it->second;
     const auto values = entry.value().toGenericDict();
+    const auto& codec = detail::codec_for(*unit_of(i).local);
     for (const auto& v : values) {
       if (!detail::is_state_tensor(v)) continue;
       const auto& t = v.value().toTensor();
-      SHARDOPT_CHECK(t.sizes() == params_[i].sizes(), "load_state_dict: state '", v.key().toStringRef(),
-                  "' of parameter ", i, " has shape ", t.sizes(), " but the parameter has shape ", params_[i].sizes());
+      const auto expected = codec.entry_shape(v.key().toStringRef(), params_[i].sizes());
+      SHARDOPT_CHECK(t.sizes() == at::IntArrayRef(expected), "load_state_dict: state '", v.key().toStringRef(),
+                     "' of parameter ", i, " has shape ", t.sizes(), " but ", codec.name, " keeps it in shape ",
+                     at::IntArrayRef(expected), " for a parameter of shape ", params_[i].sizes());
     }
     entries.emplace(i, values);
   }
@@ -246,7 +255,6 @@ void OSS::load_state_dict(const torch::IValue& sd) {
   SHARDOPT_CHECK(saved_groups.size() == param_groups_.size(), "load_state_dict: the state has ",
               saved_groups.size(), " param groups, this optimizer has ", param_groups_.size());
   const auto entries = saved_entries(dict);
-  const auto& codec = detail::codec_for(*local_);
   // A parameter with saved state has state from now on; a frozen one's is kept, spread over the
   // ranks (Note [Kept state]).
   bool kept_changed = false;
@@ -256,13 +264,14 @@ void OSS::load_state_dict(const torch::IValue& sd) {
   }
   if (kept_changed && split_) store_->lay_out(store_->laid_out_for());
   for (size_t g = 0; g < saved_groups.size(); ++g) {
+    const auto& codec = detail::codec_for(*units_[unit_of_group_[g]].local);
     param_groups_[g].set_options(codec.decode_options(saved_groups[g].toGenericDict(), param_groups_[g].options()));
   }
   sync_options_to_local();
   // The loaded state replaces whatever was owed to the current holdings.
-  auto& local_state = local_->state();
   const int rank = group_->rank();
   for (size_t i = 0; i < params_.size(); ++i) {
+    auto& local_state = unit_of(i).local->state();
     for (const auto& old : settled_[i]) {
       bool kept = false;
       for (const auto& h : holdings_[i]) kept |= h.tensor.defined() && h.tensor.is_same(old.tensor);
@@ -274,6 +283,8 @@ void OSS::load_state_dict(const torch::IValue& sd) {
   set_local_groups();
   if (mixed_) load_masters(dict);
   for (size_t i = 0; i < params_.size(); ++i) {
+    auto& local_state = unit_of(i).local->state();
+    const auto& codec = detail::codec_for(*unit_of(i).local);
     for (const auto& h : holdings_[i]) {
       if (h.rank != rank) continue;
       const auto key = compat::state_key(h.tensor);
@@ -284,10 +295,11 @@ void OSS::load_state_dict(const torch::IValue& sd) {
         continue;
       }
       const GenericDict full = codec.encode_state(*codec.decode_state(it->second));
-      local_state[key] = detail::decode_state_like(codec, detail::slice_state(full, h.in_param.begin, h.in_param.end),
-                                                   h.tensor);
+      local_state[key] = detail::decode_state_like(
+          codec, detail::slice_state(full, h.in_param.begin, h.in_param.end, params_[i].numel()), h.tensor);
     }
-  }  place_state();
+  }
+  place_state();
 }
 
 // The masters of this rank's ranges from the state's "master_weights" (by parameter position),

@@ -16,6 +16,8 @@
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
+
 namespace shardopt {
 
 void OSS::sync_options_to_local() {
@@ -26,7 +28,7 @@ void OSS::sync_options_to_local() {
     SHARDOPT_CHECK(param_groups_[g].params().size() == group_sizes_[g], "OSS param group ", g,
                 " changed size after construction (", group_sizes_[g], " -> ", param_groups_[g].params().size(),
                 " parameters)");
-    local_->param_groups()[g].set_options(param_groups_[g].options().clone());
+    units_[unit_of_group_[g]].local->param_groups()[local_group_of_[g]].set_options(param_groups_[g].options().clone());
   }
 }
 
@@ -59,8 +61,13 @@ torch::Tensor OSS::step(LossClosure closure) {
 }
 
 bool OSS::folds_unscaling() const {
-  return options_.fused_step() &&
-         (detail::adam_like(*local_) || dynamic_cast<const torch::optim::SGD*>(local_.get()) != nullptr);
+  if (!options_.fused_step()) return false;
+  for (const auto& unit : units_) {
+    if (!detail::adam_like(*unit.local) && dynamic_cast<const torch::optim::SGD*>(unit.local.get()) == nullptr) {
+      return false;
+    }
+  }
+  return true;
 }
 
 bool OSS::step_with(std::optional<double> inv_scale) {
@@ -128,9 +135,10 @@ bool OSS::step_shard(std::optional<double> inv_scale) {
   detail::FusedStepInputs in;
   in.allocate = [this](const at::Tensor& t, const char* kind) { return store_->fresh_slot(t, kind); };
   std::vector<std::pair<size_t, const detail::Holding*>> stepped;
-  const bool mixed_kernel = mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*local_);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!trainable_[i] || !store_->laid_out_for()[i]) continue;
+    const bool mixed_kernel =
+        mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*unit_of(i).local);
     for (const auto& h : holdings_[i]) {
       if (h.rank != group_->rank()) continue;
       at::Tensor grad = holding_grad(i, h);
@@ -145,23 +153,39 @@ bool OSS::step_shard(std::optional<double> inv_scale) {
       stepped.emplace_back(i, &h);
     }
   }
-  stepped_fused_ = options_.fused_step() && detail::fused_step_unsupported(*local_, in).empty();
-  if (!stepped_fused_ && !in.copies.empty()) {
+  // Each optimizer steps fused where it can (Adam, AdamW and SGD), else with its own step().
+  auto fits = [&] {
+    for (const auto& unit : units_) {
+      if (!detail::fused_step_unsupported(*unit.local, in).empty()) return false;
+    }
+    return true;
+  };
+  fused_.assign(units_.size(), 0);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    fused_[u] = options_.fused_step() && detail::fused_step_unsupported(*units_[u].local, in).empty();
+  }
+  if (!in.copies.empty() && !fits()) {
     // Not all of it fits the mixed kernel: every master steps upcast, fused where it can.
     for (const auto& [i, h] : stepped) {
       const auto* key = h->tensor.unsafeGetTensorImpl();
       if (in.copies.erase(key) != 0) in.grads[key] = in.grads[key].to(at::kFloat);
     }
-    stepped_fused_ = options_.fused_step() && detail::fused_step_unsupported(*local_, in).empty();
+    for (size_t u = 0; u < units_.size(); ++u) {
+      fused_[u] = options_.fused_step() && detail::fused_step_unsupported(*units_[u].local, in).empty();
+    }
   }
+  stepped_fused_ = std::all_of(fused_.begin(), fused_.end(), [](uint8_t f) { return f != 0; });
   if (inv_scale && !scale_in_step(in, *inv_scale)) return false;
-  if (stepped_fused_) {
-    const detail::FusedStepResult result = detail::fused_step(*local_, in);
-    fused_segments_ = result.segments;
-    if (!result.stepped) return false;
-  } else {
-    StepGradients with(*local_, in.grads);
-    local_->step();
+  fused_segments_ = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (fused_[u]) {
+      const detail::FusedStepResult result = detail::fused_step(*units_[u].local, in);
+      fused_segments_ += result.segments;
+      if (!result.stepped) return false;  // the found-inf flag: the same for every optimizer
+    } else {
+      StepGradients with(*units_[u].local, in.grads);
+      units_[u].local->step();
+    }
   }
   if (mixed_) {
     for (const auto& [i, h] : stepped) {
@@ -196,7 +220,9 @@ bool OSS::scale_in_step(detail::FusedStepInputs& in, double inv_scale) {
   if (stepped_fused_) {
     in.inv_scale = at::full({1}, inv_scale, found.options());
     in.found_inf = found;
-    if (detail::fused_step_unsupported(*local_, in).empty()) return true;
+    bool fits = true;
+    for (const auto& unit : units_) fits &= detail::fused_step_unsupported(*unit.local, in).empty();
+    if (fits) return true;
     stepped_fused_ = false;
     in.inv_scale = in.found_inf = at::Tensor();
   }

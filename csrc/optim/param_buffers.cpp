@@ -82,6 +82,7 @@ FlatLayout ShardStore::plan_layout(const std::vector<uint8_t>& trainable) const 
                    "; OSS supports CPU and CUDA parameters");
     specs.push_back(LayoutParam::of(p, partition_.owner(i), trainable[i] != 0));
     specs.back().keeps_state = !trainable[i] && stepped_[i];
+    specs.back().whole = i < kept_whole_.size() && kept_whole_[i];
   }
   return FlatLayout::plan(specs, group_->size(), layout_options_);
 }

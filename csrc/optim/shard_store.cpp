@@ -28,7 +28,8 @@ namespace shardopt::detail {
 // pieces has its master, its state and its low-precision parameters each in one range. An
 // optimizer shardopt has no codec for keeps its state, and its masters, as it makes them.
 
-void ShardStore::plan(int rank, const std::vector<std::vector<Holding>>& holdings, const torch::optim::Optimizer& local) {
+void ShardStore::plan(int rank, const std::vector<std::vector<Holding>>& holdings,
+                      const std::function<bool(size_t param, const at::Tensor& tensor)>& has_state) {
   const FlatLayout& layout = layout_;
   const auto& groups = layout.groups();
   std::vector<int64_t> numel(groups.size(), 0);
@@ -50,7 +51,7 @@ void ShardStore::plan(int rank, const std::vector<std::vector<Holding>>& holding
         }
       }
       if (!placed) {  // kept state: a slot only for state that exists
-        if (local.state().count(compat::state_key(h.tensor)) == 0) continue;
+        if (!has_state(i, h.tensor)) continue;
         slot.kept = true;
         slot.offset = numel[slot.group];
         numel[slot.group] += slot.numel;

@@ -62,6 +62,9 @@ class ShardStore {
   // equal ranges instead (Note [Split parameters]).
   const Partition& partition() const { return partition_; }
   void set_partition(Partition partition) { partition_ = std::move(partition); }
+  // Per parameter, whether it stays whole in a split layout (its optimizer needs whole tensors:
+  // Note [Ownership by kind]); empty: none.
+  void set_kept_whole(std::vector<uint8_t> whole) { kept_whole_ = std::move(whole); }
   // Parameters stepped (or loaded with state) since construction: the frozen ones among them keep
   // their state, and the layout places it (Note [Kept state]).
   std::vector<uint8_t>& stepped() { return stepped_; }
@@ -108,7 +111,9 @@ class ShardStore {
   // each other holding with state in `local` (a frozen parameter's kept state) after it. When the
   // plan differs from the last one, new slabs are made as state arrives (adopt(), fresh_slot()),
   // and the old ones are freed once no state tensor refers to them.
-  void plan(int rank, const std::vector<std::vector<Holding>>& holdings, const torch::optim::Optimizer& local);
+  // `has_state(param, tensor)` says whether the optimizer of `param` holds state for `tensor`.
+  void plan(int rank, const std::vector<std::vector<Holding>>& holdings,
+            const std::function<bool(size_t param, const at::Tensor& tensor)>& has_state);
 
   // A zeroed view of `tensor`'s slot (a holding tensor: it keys the state) in the slab of `kind`,
   // shaped like it; undefined when it has no slot or the dtype or device differ from the slab's.
@@ -187,6 +192,7 @@ class ShardStore {
   LayoutOptions layout_options_;
   ParamSync sync_;
   Partition partition_;
+  std::vector<uint8_t> kept_whole_;
   std::vector<uint8_t> stepped_;
   FlatLayout layout_;
   std::vector<uint8_t> laid_out_for_;

@@ -32,7 +32,9 @@ Slice cut_slice(const OptimizerCodec& codec, const torch::optim::Optimizer& loca
   Slice slice{begin, end, std::nullopt, at::Tensor(), at::Tensor()};
   const int64_t from = begin - o.in_param.begin;
   auto it = local.state().find(compat::state_key(o.tensor));
-  if (it != local.state().end()) slice.state = slice_state(codec.encode_state(*it->second), from, from + end - begin);
+  if (it != local.state().end()) {
+    slice.state = slice_state(codec.encode_state(*it->second), from, from + end - begin, o.in_param.size());
+  }
   if (const at::Tensor g = grads.get(param, o); g.defined()) slice.grad = g.reshape(-1).narrow(0, from, end - begin).clone();
   if (carry_values) slice.values = o.tensor.detach().reshape(-1).narrow(0, from, end - begin).clone();
   return slice;
@@ -230,7 +232,10 @@ void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, size_t
     all_values &= s.values.defined();
   }
   TORCH_INTERNAL_ASSERT(at == h.in_param.end, "state slices end at ", at, ", the holding at ", h.in_param.end);
-  if (all_state && !slices.empty()) {
+  if (all_state && slices.size() == 1) {
+    // One range: its tensors as they came, whatever their shape.
+    local.state()[compat::state_key(h.tensor)] = decode_state_like(codec, *slices.front().state, h.tensor);
+  } else if (all_state && !slices.empty()) {
     GenericDict merged = make_string_dict();
     for (const auto& v : *slices.front().state) {
       if (!is_state_tensor(v)) {
@@ -275,10 +280,13 @@ std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const Optim
   return codec.decode_state(placed);
 }
 
-GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end) {
+GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end, int64_t numel) {
   GenericDict out = make_string_dict();
+  const bool all = begin == 0 && end == numel;
   for (const auto& v : encoded) {
-    if (is_state_tensor(v)) {
+    if (is_state_tensor(v) && all) {
+      out.insert(v.key(), v.value().toTensor().clone());
+    } else if (is_state_tensor(v)) {
       out.insert(v.key(), v.value().toTensor().reshape(-1).narrow(0, begin, end - begin).clone());
     } else {
       out.insert(v.key(), v.value());
@@ -295,7 +303,8 @@ bool same_holdings(const std::vector<Holding>& a, const std::vector<Holding>& b)
   return true;
 }
 
-void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const std::vector<std::vector<Holding>>& from,
+void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Optimizer&(size_t param)>& local_of,
+                      const std::vector<std::vector<Holding>>& from,
                       const std::vector<std::vector<Holding>>& to, const HoldingGrads& grads, RebalanceStats& stats,
                       bool carry_values) {
   TORCH_INTERNAL_ASSERT(from.size() == to.size(), "holdings of ", from.size(), " and ", to.size(), " parameters");
@@ -305,7 +314,6 @@ void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const
     if (!same_holdings(from[i], to[i])) changed.push_back(i);
   }
   if (changed.empty()) return;
-  const auto& codec = codec_for(local);
   at::NoGradGuard no_grad;
   // moving[s][d]: does any range go from rank s to another rank d?
   std::vector<std::vector<uint8_t>> moving(world, std::vector<uint8_t>(world, 0));
@@ -319,6 +327,8 @@ void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const
   }
   Incoming incoming;
   for (size_t i : changed) {
+    torch::optim::Optimizer& local = local_of(i);
+    const auto& codec = codec_for(local);
     ++stats.params_moved;
     for (size_t k = 0; k < to[i].size(); ++k) {
       const Holding& h = to[i][k];
@@ -344,7 +354,8 @@ void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const
   }
   exchange(group, moving, outgoing, device, to, incoming, stats);
   for (auto& [where, slices] : incoming) {
-    install(codec, local, where.first, to[where.first][where.second], grads, std::move(slices));
+    torch::optim::Optimizer& local = local_of(where.first);
+    install(codec_for(local), local, where.first, to[where.first][where.second], grads, std::move(slices));
   }
 }
 

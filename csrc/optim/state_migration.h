@@ -22,9 +22,10 @@ std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const Optim
                                                                      const GenericDict& encoded,
                                                                      const at::Tensor& like);
 
-// Elements [begin, end) of every state tensor of `encoded` (a state of `numel` elements), flat;
-// the other entries ("step", scalars) as they are.
-GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end);
+// Elements [begin, end) of every state tensor of `encoded` (the state of a range of `numel`
+// elements), flat; the other entries ("step", scalars) as they are. The whole range [0, numel):
+// every tensor copied as it is, whatever its shape (a whole-tensor optimizer's may have its own).
+GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end, int64_t numel);
 
 // Per parameter, whether `a` and `b` place its state identically (ranks and ranges).
 bool same_holdings(const std::vector<Holding>& a, const std::vector<Holding>& b);
@@ -38,12 +39,13 @@ struct HoldingGrads {
 
 // For every parameter whose holdings differ between `from` and `to`, each new holding collects
 // the state (and any gradient, through `grads`, where it has none) of its range from the old
-// holdings that overlap it: named with `local`'s codec and sent as raw tensor bytes (Note [State
+// holdings that overlap it: named with the codec of the parameter's optimizer (`local_of`) and sent as raw tensor bytes (Note [State
 // moves without pickling]), one pair of ranks at a time in the same order on every rank; what
 // stays on a rank is moved locally. State of ranges nobody held yet stays absent. Counts what moved in
 // `stats`. With `carry_values` the holdings' tensors are values of their own (mixed precision's
 // master weights) and move too. Collective (communicates only when a range changes rank).
-void migrate_holdings(ProcessGroup& group, torch::optim::Optimizer& local, const std::vector<std::vector<Holding>>& from,
+void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Optimizer&(size_t param)>& local_of,
+                      const std::vector<std::vector<Holding>>& from,
                       const std::vector<std::vector<Holding>>& to, const HoldingGrads& grads, RebalanceStats& stats,
                       bool carry_values = false);
 

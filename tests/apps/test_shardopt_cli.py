@@ -88,6 +88,36 @@ class CliTest(unittest.TestCase):
         opt.step()
         self.assertTrue(torch.equal(opt.state[params[0]]["exp_avg"].mul(0), torch.zeros_like(params[0])))
 
+    def test_muon_trains_through_freezes_and_resumes_bit_exact(self):
+        args = ["train", "-n", "2", *TINY, "--optimizer", "muon"]
+        full = run([*args, "--checkpoint-dir", self.path("full")])
+        out = full.stdout
+        self.assertIn("whole-tensor optimizers' parameters whole per owner, balanced by cost", out)
+        self.assertRegex(out, r"rank 1: whole-tensor cost \d+(\.\d+)?%, state \d+ bytes")
+        self.assertRegex(out, r"step 10 \(epoch 1\): froze conv")
+        self.assertRegex(out, r"step 20 \(epoch 1\): unfroze conv")
+        accuracy = float(re.findall(r"test accuracy (\d+\.\d+)%", out)[-1])
+        self.assertGreater(accuracy, 60.0, out)
+        part = [*args, "--checkpoint-dir", self.path("part"), "--checkpoint-every", "10"]
+        run([*part, "--stop-after-steps", "25"])
+        run([*part, "--resume"])
+        a = read_checkpoint.load(self.path("full/last.ckpt"))
+        b = read_checkpoint.load(self.path("part/last.ckpt"))
+        for k in a["model"]:
+            self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
+        # Muon's group first (the conv and linear weights, one momentum buffer each), then AdamW's.
+        groups = a["optimizer"]["param_groups"]
+        self.assertEqual(len(groups), 2)
+        self.assertIn("ns_coefficients", groups[0])
+        self.assertIn("betas", groups[1])
+        weights = [k for k in a["model"] if a["model"][k].dim() >= 2]
+        self.assertEqual(len(groups[0]["params"]), len(weights))
+        for i, k in zip(groups[0]["params"], weights):
+            state = a["optimizer"]["state"][i]
+            self.assertEqual(set(state), {"momentum_buffer"}, k)
+            self.assertEqual(state["momentum_buffer"].shape, a["model"][k].shape, k)
+            self.assertTrue(torch.equal(state["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"]), k)
+
     def test_mixed_precision_trains_and_resumes_bit_exact(self):
         args = ["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE, "--mixed-precision", "bf16"]
         full = run([*args, "--checkpoint-dir", self.path("full")])

@@ -170,5 +170,31 @@ TEST(Muon, ASavedOptimizerResumesWithTheSameSteps) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i;
 }
 
+// flatten (shardopt's own option): a conv filter bank [out, in, k, k] steps as the matrix
+// [out, in * k * k] does under plain Muon, bit for bit, with its state in the filter's shape;
+// without the option it is refused, the message naming the option.
+TEST(Muon, FlattenStepsAFilterBankAsItsMatrix) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  const at::Tensor start = at::randn({6, 2, 3, 3}, gen);
+  at::Tensor filters = start.clone().requires_grad_(true), matrix = start.reshape({6, 18}).clone().requires_grad_(true);
+  const auto options = MuonOptions(0.02).adjust_lr_fn("match_rms_adamw");
+  Muon flat({filters}, MuonOptions(options).flatten(true));
+  Muon plain({matrix}, options);
+  for (int step = 0; step < 4; ++step) {
+    const at::Tensor g = at::sin(at::arange(108).to(at::kFloat) * 0.3 + step);
+    filters.mutable_grad() = g.reshape({6, 2, 3, 3});
+    matrix.mutable_grad() = g.reshape({6, 18});
+    flat.step();
+    plain.step();
+    ASSERT_TRUE(at::equal(filters.detach().reshape({6, 18}), matrix.detach())) << "step " << step;
+  }
+  const auto& state = static_cast<const MuonParamState&>(*flat.state().at(filters.unsafeGetTensorImpl()));
+  EXPECT_EQ(state.momentum_buffer().sizes(), filters.sizes());
+  const std::string refused = error_of([&] { Muon bad({start.clone().requires_grad_(true)}, options); });
+  EXPECT_NE(refused.find("torch.Size([6, 2, 3, 3])"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("flatten(true)"), std::string::npos) << refused;
+  EXPECT_DOUBLE_EQ(muon_cost({6, 2, 3, 3}), muon_cost({6, 18}));
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -2,11 +2,13 @@
 // consolidated C++ state loads into the same torch.optim class and one more step matches; a state
 // saved by torch.optim loads into OSS at world sizes 2 and 3 and one more step matches Python's.
 // Python is the interpreter of the project's own environment (the same torch wheel).
+#include <shardopt/optim/muon.h>
 #include <shardopt/optim/oss.h>
 
 #include "harness.h"
 #include "model.h"
 
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/optim.h>
 #include <torch/csrc/jit/serialization/pickle.h>
@@ -178,6 +180,90 @@ TEST(PythonInterop, TorchOptimStateLoadsIntoOssAtWorldSizesTwoAndThree) {
         }
       });
     }
+  }
+}
+
+// ---- Muon and AdamW in one OSS ----------------------------------------------------------------
+
+// The same options as MUON_OPTIONS and ADAMW_OPTIONS in tests/python/optim_interop.py: Muon on the
+// two matrices (parameters 0 and 2 of the test model), AdamW on the three vectors; the OSS numbers
+// the matrices first.
+OSS muon_and_adamw(const Params& p, std::shared_ptr<ProcessGroup> g) {
+  return OSS({{{p[0], p[2]}, optimizer<Muon>(MuonOptions(0.02).weight_decay(0.01).momentum(0.9).adjust_lr_fn("match_rms_adamw"))},
+              {{p[1], p[3], p[4]}, optimizer<optim::AdamW>(optim::AdamWOptions(3e-3).betas({0.85, 0.99}).weight_decay(0.01))}},
+             std::move(g));
+}
+
+// One thread, as Python runs: Muon's bfloat16 products then sum in the same order.
+struct OneThread {
+  OneThread() : threads(at::get_num_threads()) { at::set_num_threads(1); }
+  ~OneThread() { at::set_num_threads(threads); }
+  int threads;
+};
+
+// Muon's update is bfloat16: steps that see the same bits give the same bits, so the bound is
+// float rounding, as for the other optimizers.
+constexpr double kMuonTolerance = 1e-6;
+
+TEST(PythonInterop, MuonAndAdamWStateLoadsIntoTorchOptimMuonAndAdamWAndTakesTheSameStep) {
+  OneThread one;
+  const std::string dir = ::testing::TempDir();
+  const std::string in_path = dir + "/oss_muon_state.pt", out_path = dir + "/oss_muon_after.pt";
+  std::mutex mu;
+  Params after_cpp;
+  run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+    Params p = testing::make_params();
+    OSS oss = muon_and_adamw(p, g);
+    for (int s = 0; s < 3; ++s) {
+      oss.zero_grad(true);
+      backward_global(p, s, *g);
+      oss.step();
+    }
+    oss.consolidate_state_dict(0);
+    oss.zero_grad(true);
+    backward_global(p, 3, *g);
+    const Params in_order{p[0], p[2], p[1], p[3], p[4]};
+    if (g->rank() == 0) write_step_input(in_path, "Muon+AdamW", in_order, oss.state_dict());
+    oss.step();
+    if (g->rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      after_cpp = testing::clone_params(in_order);
+    }
+  });
+  const std::string cmd = python("muon-step " + in_path + " " + out_path);
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  auto after_py = torch::pickle_load(read_file(out_path)).toList();
+  ASSERT_EQ(after_py.size(), after_cpp.size());
+  for (size_t i = 0; i < after_cpp.size(); ++i) {
+    EXPECT_LE(testing::rel_diff(after_cpp[i], after_py.get(i).toTensor()), kMuonTolerance) << "parameter " << i;
+  }
+}
+
+TEST(PythonInterop, TorchOptimMuonAndAdamWStateLoadsIntoOssAtWorldSizesTwoAndThree) {
+  OneThread one;
+  const std::string path = ::testing::TempDir() + "/torch_muon_state.pt";
+  const std::string cmd = python("muon-make " + path);
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const auto blob = torch::pickle_load(read_file(path)).toGenericDict();
+  const auto saved_params = blob.at("params").toList(), grads = blob.at("grads").toList(),
+             after = blob.at("after").toList();
+  for (int world : {2, 3}) {
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      // Python's order: the matrices, then the vectors; the test model's order for muon_and_adamw.
+      Params p(5);
+      const size_t model_index[] = {0, 2, 1, 3, 4};
+      for (size_t k = 0; k < 5; ++k) p[model_index[k]] = saved_params.get(k).toTensor().clone().requires_grad_();
+      OSS oss = muon_and_adamw(p, g);
+      oss.load_state_dict(blob.at("state"));
+      EXPECT_DOUBLE_EQ(oss.param_groups()[0].options().get_lr(), 0.02);
+      EXPECT_EQ(static_cast<const MuonOptions&>(oss.param_groups()[0].options()).adjust_lr_fn(), "match_rms_adamw");
+      for (size_t k = 0; k < 5; ++k) p[model_index[k]].mutable_grad() = grads.get(k).toTensor().clone();
+      oss.step();
+      for (size_t k = 0; k < 5; ++k) {
+        EXPECT_LE(testing::rel_diff(p[model_index[k]], after.get(k).toTensor()), kMuonTolerance)
+            << "parameter " << k << " (Python's order) at world " << world;
+      }
+    });
   }
 }
 

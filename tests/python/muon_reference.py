@@ -20,7 +20,7 @@ CASES = [
                                              ns_coefficients=(3.0, -3.2, 1.2), ns_steps=3, eps=1e-5)),
     ("original, no momentum", dict(lr=0.03, momentum=0.0, adjust_lr_fn="original")),
 ]
-STEPS = 3
+STEPS = 20
 
 
 def grad(shape, step, index):

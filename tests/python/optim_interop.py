@@ -9,6 +9,16 @@
                                    gradients, writes {"params", "state", "grads", "after"} to OUT:
                                    the state, the next step's gradients and the parameters after
                                    that step.
+    optim_interop.py muon-step IN OUT     as `step`, for an OSS of two optimizer groups, Muon's
+                                   (the matrices) then AdamW's: the state is split into one
+                                   torch.optim.Muon and one torch.optim.AdamW state dict.
+    optim_interop.py muon-make OUT as `make`, for torch.optim.Muon on the matrices and AdamW on the
+                                   vectors; the state is the two combined in OSS's layout (the
+                                   Muon group first), the parameters in that order.
+
+An OSS of several optimizer groups has one state dict in PyTorch's layout: one param group per
+optimizer, the parameters numbered across the groups in order. split() and combine() convert
+between it and one state dict per torch.optim optimizer.
 """
 import copy
 import sys
@@ -71,5 +81,79 @@ def make(name: str, dst: str) -> None:
     torch.save(blob, dst)
 
 
+# Muon on the matrices, AdamW on the rest, with options other than the defaults.
+MUON_OPTIONS = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adjust_lr_fn="match_rms_adamw")
+ADAMW_OPTIONS = dict(lr=3e-3, betas=(0.85, 0.99), weight_decay=0.01)
+
+
+def split(state_dict):
+    """One state dict per param group of an OSS state dict, each numbered from 0."""
+    out = []
+    for group in state_dict["param_groups"]:
+        ids = list(group["params"])
+        local = dict(group, params=list(range(len(ids))))
+        state = {k: state_dict["state"][i] for k, i in enumerate(ids) if i in state_dict["state"]}
+        out.append({"state": state, "param_groups": [local]})
+    return out
+
+
+def combine(state_dicts):
+    """The OSS layout of several optimizers' state dicts, numbered across them in order."""
+    state, groups, first = {}, [], 0
+    for sd in state_dicts:
+        for group in sd["param_groups"]:
+            groups.append(dict(group, params=[first + i for i in group["params"]]))
+        for i, s in sd["state"].items():
+            state[first + i] = s
+        first += sum(len(g["params"]) for g in sd["param_groups"])
+    return {"state": state, "param_groups": groups}
+
+
+def muon_and_adamw(params):
+    matrices = [p for p in params if p.dim() == 2]
+    others = [p for p in params if p.dim() != 2]
+    return torch.optim.Muon(matrices, lr=0.5), torch.optim.AdamW(others, lr=0.5)
+
+
+def muon_step(src: str, dst: str) -> None:
+    torch.set_num_threads(1)
+    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+        blob = torch.load(src)
+    params = [p.clone().requires_grad_(True) for p in blob["params"]]
+    opts = muon_and_adamw(params)
+    for opt, sd in zip(opts, split(blob["state"])):
+        opt.load_state_dict(sd)
+        assert opt.param_groups[0]["lr"] != 0.5, "the loaded param group did not replace the options"
+    for p, g in zip(params, blob["grads"]):
+        p.grad = g.clone()
+    for opt in opts:
+        opt.step()
+    torch.save([p.detach() for p in params], dst)
+
+
+def muon_make(dst: str) -> None:
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(8, 5), (3, 8), (8,), (3,), (3,)]
+    params = [torch.randn(s, generator=gen).requires_grad_(True) for s in shapes]
+    opts = (torch.optim.Muon(params[:2], **MUON_OPTIONS), torch.optim.AdamW(params[2:], **ADAMW_OPTIONS))
+    for k in range(3):
+        for p, g in zip(params, grads_for(params, k)):
+            p.grad = g
+        for opt in opts:
+            opt.step()
+    blob = {"params": [p.detach().clone() for p in params],
+            "state": copy.deepcopy(combine([opt.state_dict() for opt in opts]))}
+    nxt = grads_for(params, 3)
+    for p, g in zip(params, nxt):
+        p.grad = g
+    for opt in opts:
+        opt.step()
+    blob["grads"] = nxt
+    blob["after"] = [p.detach().clone() for p in params]
+    torch.save(blob, dst)
+
+
 if __name__ == "__main__":
-    {"step": lambda: step(sys.argv[2], sys.argv[3]), "make": lambda: make(sys.argv[2], sys.argv[3])}[sys.argv[1]]()
+    {"step": lambda: step(sys.argv[2], sys.argv[3]), "make": lambda: make(sys.argv[2], sys.argv[3]),
+     "muon-step": lambda: muon_step(sys.argv[2], sys.argv[3]), "muon-make": lambda: muon_make(sys.argv[2])}[sys.argv[1]]()

@@ -15,7 +15,9 @@
 //                               ignore parameter boundaries (DeepSpeed's flat partitions,
 //                               Megatron-Core's bucket ranges): a parameter may be cut into
 //                               pieces with different owners, and each rank owns 1/world_size
-//                               of the trainable elements. Only for element-wise optimizers.
+//                               of the trainable elements. Only for element-wise optimizers;
+//                               parameters marked `whole` (a whole-tensor optimizer's) form
+//                               groups of their own, laid out as whole parameters per owner.
 //
 // Frames. Every offset says what it is relative to, in its name:
 //   in_param   elements of the parameter (its flattened view)
@@ -76,6 +78,7 @@ struct LayoutParam {
   int owner = 0;           // rank that owns it (from the partition; unused when split)
   bool trainable = true;   // only trainable parameters are in the shards and buckets
   bool keeps_state = false;  // frozen with optimizer state to keep (split mode's kept run)
+  bool whole = false;        // stays whole in split mode: in a whole-kind group of its own
   static LayoutParam of(const at::Tensor& param, int owner, bool trainable);
 };
 
@@ -112,6 +115,7 @@ struct Keeping {
 struct FlatGroup {
   c10::Device device = c10::Device(c10::kCPU);
   c10::ScalarType dtype = c10::kFloat;
+  bool split = false;             // cut into equal ranges; else whole parameters per owner
   int world_size = 1;
   int64_t shard_numel = 1;        // every owner's shard: >= 1, a multiple of `align`
   std::vector<int64_t> used;      // per owner: elements its pieces occupy (gaps included)

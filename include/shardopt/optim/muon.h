@@ -36,6 +36,10 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
   TORCH_ARG(int64_t, ns_steps) = 5;  // fewer than 100
   // "original" (PyTorch's default, written None there) or "match_rms_adamw".
   TORCH_ARG(std::string, adjust_lr_fn) = "original";
+  // shardopt's own, off by default (torch.optim.Muon has none): a parameter of more than two
+  // dimensions (a convolution's weight) is taken as the matrix (size(0), the rest), as Keller
+  // Jordan's Muon takes conv filters; its state keeps the parameter's shape.
+  TORCH_ARG(bool, flatten) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -56,7 +60,7 @@ struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonPa
 
 class Muon : public torch::optim::Optimizer {
  public:
-  // Every parameter must be 2-D, and the options as torch.optim.Muon takes them (lr, momentum,
+  // Every parameter must be 2-D (or more, with flatten), and the options as torch.optim.Muon takes them (lr, momentum,
   // weight_decay >= 0; adjust_lr_fn one of the two names); errors name the bad value.
   explicit Muon(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, MuonOptions defaults = {});
   explicit Muon(std::vector<at::Tensor> params, MuonOptions defaults = {});
@@ -68,9 +72,13 @@ class Muon : public torch::optim::Optimizer {
   void load(torch::serialize::InputArchive& archive) override;
 };
 
-// The learning rate Muon applies to a parameter of `sizes` (rows, cols) for `fn`; an unknown name
-// leaves `lr` as it is, as PyTorch's _adjust_lr does.
+// The learning rate Muon applies to a parameter of `sizes` (rows, cols; more dimensions count as
+// columns) for `fn`; an unknown name leaves `lr` as it is, as PyTorch's _adjust_lr does.
 double muon_adjusted_lr(double lr, const std::string& fn, at::IntArrayRef sizes);
+
+// The cost of one Newton-Schulz iteration on a matrix of `sizes`, s^2 (2 l + s) multiply-adds
+// with s and l its short and long side (Note [Muon's cost]): what OSS balances Muon's owners by.
+double muon_cost(at::IntArrayRef sizes);
 
 // The orthogonalised update of a 2-D `update`: PyTorch's _zeropower_via_newtonschulz, in
 // bfloat16 (the result is bfloat16).

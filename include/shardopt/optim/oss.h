@@ -51,6 +51,7 @@ class OSS;
 class ShardedGradScaler;
 namespace detail {
 class ShardStore;
+struct OptimizerCodec;
 struct FusedStepInputs;
 // The store OSS keeps its shard in, which ShardedDDP shares (Note [Owned gradients]).
 ShardStore& store_of(OSS& optimizer);
@@ -74,6 +75,14 @@ OptimizerFactory optimizer(Options defaults) {
              -> std::unique_ptr<torch::optim::Optimizer> { return std::make_unique<Opt>(groups, defaults); };
 }
 
+// One optimizer of several in one OSS: its parameters and the optimizer that steps them, e.g.
+//   {matrices, optimizer<shardopt::Muon>(shardopt::MuonOptions(0.02))}
+// Each becomes one of OSS's param_groups(), with the factory's default options.
+struct OptimizerGroup {
+  std::vector<torch::Tensor> params;
+  OptimizerFactory optimizer;
+};
+
 // How every rank's copy of the parameters is made current after the owners stepped.
 // Measured on Gloo/CPU (docs/benchmarks.md): per-owner broadcasts, all in flight at once, are
 // about 2.5x faster than one all-gather (which Gloo stages through a temporary), so they are
@@ -85,12 +94,14 @@ enum class ParamSync {
 
 // Who owns what (Note [Split parameters]).
 enum class PartitionMode {
-  kAuto,             // kSplit for the element-wise optimizers shardopt knows (Adam, AdamW, SGD,
-                     // RMSprop, Adagrad) when whole parameters would leave some rank more than
-                     // split_above_imbalance above its share, else kWholeParameters (also for
-                     // any other optimizer)
+  kAuto,             // kSplit for element-wise optimizers (Adam, AdamW, SGD, RMSprop, Adagrad, or
+                     // registered as such) when whole parameters would leave some rank more than
+                     // split_above_imbalance above its share, or when a whole-tensor optimizer
+                     // (Muon) steps other parameters of the same OSS; else kWholeParameters
+                     // (also for an optimizer shardopt does not know)
   kWholeParameters,  // each parameter's state on one rank (fairscale OSS, ZeroRedundancyOptimizer)
-  kSplit,            // equal ranges of the trainable elements, cut across parameter boundaries
+  kSplit,            // equal ranges of the element-wise optimizers' trainable elements, cut across
+                     // parameter boundaries; a whole-tensor optimizer's parameters stay whole
 };
 
 struct OSSOptions {
@@ -139,6 +150,9 @@ class OSS : public torch::optim::Optimizer {
       OSSOptions options = {});
   OSS(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory,
       std::shared_ptr<ProcessGroup> group, OSSOptions options = {});
+  // Several optimizers in one: each group's parameters are stepped by its own optimizer (Note
+  // [Ownership by kind] in csrc/optim/oss.cpp), and each is one of param_groups(), in order.
+  OSS(std::vector<OptimizerGroup> groups, std::shared_ptr<ProcessGroup> group, OSSOptions options = {});
   ~OSS() override;
 
   // Steps the owned shard with the wrapped optimizer, then makes every rank's copy current.
@@ -216,7 +230,10 @@ class OSS : public torch::optim::Optimizer {
   const std::vector<torch::Tensor>& all_params() const { return params_; }
   size_t index_of(const torch::Tensor& param) const;
   const std::vector<uint8_t>& trainable_mask() const { return trainable_; }
-  torch::optim::Optimizer& local_optimizer() { return *local_; }
+  // The wrapped optimizer over this rank's holdings: the first, or the k-th of several
+  // (OptimizerGroup), each over its groups' holdings.
+  torch::optim::Optimizer& local_optimizer(size_t k = 0) { return *units_.at(k).local; }
+  size_t num_optimizers() const { return units_.size(); }
   // Bytes of optimizer-state tensors this rank holds.
   int64_t local_state_bytes() const;
   // Makes every rank's copy of the parameters equal to the owner's. Collective.
@@ -232,8 +249,13 @@ class OSS : public torch::optim::Optimizer {
   void finish_param_sync(size_t param);
   // Whether parameters are split across owners (PartitionMode resolved).
   bool split() const { return split_; }
-  // One line: the partition mode and why, the world size, the imbalance.
+  // The partition mode and why, the world size and the imbalance; then one line per rank: its
+  // share of the whole-tensor optimizers' cost, the bytes of optimizer state it holds (by the
+  // optimizers' declared state sizes), and how many parameters it holds whole and in part.
   std::string describe() const;
+  // Whether parameter `param` (an index in all_params()) stays whole on one owner: its optimizer
+  // needs whole tensors (StateKind::kWholeTensor), or parameters are not split.
+  bool kept_whole(size_t param) const { return !split_ || whole_kind_.at(param); }
   // The trainable elements the busiest rank owns against 1/world_size: max / ideal - 1.
   double imbalance() const { return layout().imbalance(); }
   // Counts re-partitions: owner() answers differently after it changed.
@@ -255,13 +277,28 @@ class OSS : public torch::optim::Optimizer {
   // stepped. Collective.
   bool step_with(std::optional<double> inv_scale);
 
-  void init(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory);
+  // One wrapped optimizer over some of the global groups (all of them, or one OptimizerGroup's).
+  struct Unit {
+    OptimizerFactory factory;
+    std::vector<size_t> groups;  // global group indices, in the local optimizer's group order
+    std::unique_ptr<torch::optim::Optimizer> local;
+    const detail::OptimizerCodec* codec = nullptr;  // null: a class shardopt does not know
+  };
+  void init(std::vector<torch::optim::OptimizerParamGroup> groups, std::vector<Unit> units);
+  // The unit that steps parameter `param`.
+  Unit& unit_of(size_t param) { return units_[unit_of_group_[group_of_[param]]]; }
+  const Unit& unit_of(size_t param) const { return units_[unit_of_group_[group_of_[param]]]; }
+  // What the partition balances: the parameters it places (all, or only the whole-kind ones when
+  // split) weigh their cost, the rest nothing (Note [Ownership by kind]).
+  std::vector<int64_t> partition_weights() const;
   void check_params_across_ranks();
   // With shard_group_size: splits the group into blocks and replica groups; group_ becomes the block.
   void form_blocks();
   // Whole parameters (balanced as `whole`), or split ranges: PartitionMode resolved.
-  void choose_partition_mode(const OptimizerFactory& factory, const Partition& whole);
-  void make_local(const OptimizerFactory& factory);
+  void choose_partition_mode(const Partition& whole);
+  // whole_kind_ and weights_ from the optimizers' kinds and costs.
+  void weigh_params();
+  void make_local();
   void sync_options_to_local();
   bool trainable_mask_changed() const;
   void agree_on_trainable(bool force);
@@ -304,15 +341,21 @@ class OSS : public torch::optim::Optimizer {
   std::vector<std::vector<detail::Holding>> holdings_;  // per parameter: where its state lives now
   int64_t state_moves_ = 0;
   std::shared_ptr<ProcessGroup> global_group_, replica_group_;
-  bool stepped_fused_ = false;
+  bool stepped_fused_ = false;  // every optimizer stepped fused last time
+  std::vector<uint8_t> fused_;  // per optimizer: steps fused this time
   int64_t fused_segments_ = 0;  // the segments the last fused step stepped (one CUDA launch each)
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
-  std::unique_ptr<torch::optim::Optimizer> local_;
+  std::vector<Unit> units_;
+  std::vector<size_t> unit_of_group_, local_group_of_;  // per global group: its unit, its index there
+  std::vector<uint8_t> whole_kind_;  // per parameter: its optimizer needs whole tensors
   // The partition, the parameter buffers, the slabs the local optimizer's state lives in, and the
   // owned gradients (shared with ShardedDDP: detail::store_of).
   std::unique_ptr<detail::ShardStore> store_;
   std::vector<uint8_t> trainable_;
-  std::vector<int64_t> weights_;        // bytes of each parameter, what the partition balances
+  // Per parameter, what a step on it costs: its bytes for an element-wise optimizer; for a
+  // whole-tensor one its cost (OptimizerCodec::cost), scaled so that those parameters' costs sum
+  // to their bytes (Note [Ownership by kind]).
+  std::vector<int64_t> weights_;
   std::vector<uint8_t> balanced_for_;   // the trainable set the partition was last decided for
   int64_t partition_version_ = 0;
   RebalanceStats last_rebalance_;

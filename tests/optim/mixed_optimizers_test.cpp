@@ -1,0 +1,236 @@
+// Several optimizers in one OSS (Muon on the hidden matrices, AdamW on the rest) under ShardedDDP,
+// against a single-process reference built on the same optimizers: parity through freezing and
+// unfreezing a hidden matrix and an embedding, with clipping, at world sizes 2, 3 and 4; and the
+// owners of whole matrices balanced by Newton-Schulz cost, not bytes.
+#include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/muon.h>
+#include <shardopt/optim/oss.h>
+#include <shardopt/optim/partition.h>
+#include <shardopt/testing/introspection.h>
+
+#include "harness.h"
+#include "model.h"
+#include "parity.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/nn/modules/activation.h>
+#include <torch/csrc/api/include/torch/nn/modules/container/functional.h>
+#include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
+#include <torch/csrc/api/include/torch/nn/modules/embedding.h>
+#include <torch/csrc/api/include/torch/nn/modules/linear.h>
+#include <torch/csrc/api/include/torch/nn/utils/clip_grad.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <vector>
+
+namespace shardopt {
+namespace {
+
+namespace optim = torch::optim;
+using testing::Introspection;
+using testing::run_ranks;
+using Params = std::vector<at::Tensor>;
+
+// tokens [B, 5] -> embedding [B, 5, 8] -> mean [B, 8] -> tanh(Linear 8x16) -> tanh(Linear 16x16)
+// -> Linear 16x3. Parameters: 0 embedding, 1-2 first linear, 3-4 hidden linear, 5-6 head.
+torch::nn::Sequential token_net(uint64_t seed) {
+  auto made = torch::nn::Sequential(
+      torch::nn::Embedding(20, 8), torch::nn::Functional([](const at::Tensor& t) { return t.mean(1); }),
+      torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16), torch::nn::Tanh(),
+      torch::nn::Linear(16, 3));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::NoGradGuard no_grad;
+  for (auto& p : made->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.3);
+  return made;
+}
+
+at::Tensor tokens(const at::Tensor& x) {
+  return (x.abs() * 7).to(at::kLong).remainder(20);
+}
+
+// Muon on the two hidden matrices (parameters 1 and 3), AdamW on everything else.
+const std::vector<size_t> kMatrices{1, 3};
+const std::vector<size_t> kOthers{0, 2, 4, 5, 6};
+
+Params pick(const Params& all, const std::vector<size_t>& which) {
+  Params out;
+  for (size_t i : which) out.push_back(all[i]);
+  return out;
+}
+
+MuonOptions muon_options() { return MuonOptions(0.02).weight_decay(0.01); }
+optim::AdamWOptions adamw_options() { return optim::AdamWOptions(3e-3).weight_decay(0.01); }
+
+TEST(MixedOptimizers, MuonAndAdamWMatchASingleProcessReferenceThroughFreezes) {
+  for (int world : {2, 3, 4}) {
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      const std::string where = "world " + std::to_string(world) + ", rank " + std::to_string(g->rank());
+      auto net = token_net(5), ref_net = token_net(5);
+      Params params = net->parameters(), ref = ref_net->parameters();
+      OSS oss({{pick(params, kMatrices), optimizer<Muon>(muon_options())},
+               {pick(params, kOthers), optimizer<optim::AdamW>(adamw_options())}},
+              g);
+      ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().reduce_bucket_bytes(512));
+      Muon ref_muon(pick(ref, kMatrices), muon_options());
+      optim::AdamW ref_adamw(pick(ref, kOthers), adamw_options());
+      ASSERT_EQ(oss.num_optimizers(), 2u);
+      ASSERT_TRUE(oss.split()) << oss.describe();
+      for (int step = 0; step < 9; ++step) {
+        // The hidden matrix (Muon) and the embedding (AdamW) frozen for steps 3-5.
+        const bool frozen = step >= 3 && step < 6;
+        for (Params* q : {&params, &ref}) (*q)[3].requires_grad_(!frozen), (*q)[0].requires_grad_(!frozen);
+        const auto data = testing::rank_data(step, g->rank(), 4);
+        if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g)) << where;
+        ddp.zero_grad();
+        testing::loss_of(ddp.forward(tokens(data.x)), data, 4).backward();
+        const double norm = oss.clip_grad_norm(0.5);
+        oss.step();
+
+        ref_muon.zero_grad(true);
+        ref_adamw.zero_grad(true);
+        testing::loss_of(ref_net->forward(tokens(data.x)), data, 4).backward();
+        testing::allreduce_grads(ref, *g);
+        const double ref_norm = torch::nn::utils::clip_grad_norm_(ref, 0.5);
+        ref_muon.step();
+        ref_adamw.step();
+        EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << where << ", step " << step;
+        // Muon's update is bfloat16 (Note [Muon's step]): a gradient a rounding apart can flip the
+        // last bit of a bfloat16 element, 2^-8 of it, times the learning rate.
+        ASSERT_TRUE(testing::matches_reference(params, ref, *g, 1e-3)) << where << ", step " << step;
+        // The matrices stay whole on one owner; the rest is cut into equal ranges.
+        for (size_t i : kMatrices) {
+          EXPECT_TRUE(oss.kept_whole(oss.index_of(params[i]))) << where;
+          EXPECT_EQ(oss.owners(params[i]).size(), 1u) << where << ", parameter " << i;
+        }
+        EXPECT_FALSE(oss.kept_whole(oss.index_of(params[6]))) << where;
+      }
+    });
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+// Matrices of very different shapes: 8 flat ones (16 x 1024) and 8 square ones (128 x 128) have
+// the same bytes, but a square one's Newton-Schulz iteration costs 128^2 (2*128 + 128) = 6.3e6
+// multiply-adds against 16^2 (2*1024 + 16) = 5.3e5. Balanced by cost, every rank gets two square
+// ones; balanced by bytes, a rank can get four square ones and none of the cheap.
+TEST(MixedOptimizers, WholeMatricesAreBalancedByNewtonSchulzCost) {
+  std::vector<std::vector<int64_t>> shapes;
+  for (int k = 0; k < 8; ++k) shapes.push_back({16, 1024}), shapes.push_back({128, 128});
+  shapes.push_back({64, 300}), shapes.push_back({300, 64}), shapes.push_back({40, 40});
+  run_ranks(4, [&](std::shared_ptr<ProcessGroup> g) {
+    Params matrices, others;
+    for (const auto& s : shapes) matrices.push_back(at::zeros(s).requires_grad_());
+    for (int k = 0; k < 3; ++k) others.push_back(at::zeros({100}).requires_grad_());
+    OSS oss({{matrices, optimizer<Muon>(MuonOptions(0.02))}, {others, optimizer<optim::AdamW>(adamw_options())}},
+            g);
+    std::vector<double> cost(4, 0.0);
+    double largest = 0, total = 0;
+    for (const auto& m : matrices) {
+      const int owner = oss.owner(m);
+      ASSERT_GE(owner, 0);
+      cost[owner] += muon_cost(m.sizes());
+      largest = std::max(largest, muon_cost(m.sizes()));
+      total += muon_cost(m.sizes());
+    }
+    const double mean = total / 4, busiest = *std::max_element(cost.begin(), cost.end());
+    // No whole-matrix placement can do better than max(mean, largest); the partition (largest
+    // first, then moves and swaps) stays within 4/3 of that, and here within 5% of the mean.
+    EXPECT_LE(busiest, 4.0 / 3.0 * std::max(mean, largest));
+    EXPECT_LE(busiest / mean - 1, 0.05) << oss.describe();
+    // The same matrices balanced by bytes leave a rank with far more than its share of the cost.
+    std::vector<int64_t> bytes;
+    for (const auto& m : matrices) bytes.push_back(m.numel() * 4);
+    const Partition by_bytes = Partition::balance(bytes, 4);
+    std::vector<double> bytes_cost(4, 0.0);
+    for (size_t i = 0; i < matrices.size(); ++i) bytes_cost[by_bytes.owner(i)] += muon_cost(matrices[i].sizes());
+    EXPECT_GT(*std::max_element(bytes_cost.begin(), bytes_cost.end()) / mean - 1, 0.2);
+    EXPECT_NE(oss.describe().find("whole-tensor cost"), std::string::npos) << oss.describe();
+    EXPECT_NE(oss.describe().find("rank 3:"), std::string::npos) << oss.describe();
+  });
+}
+
+// Freezing matrices re-balances the cost of the ones still trained; only owners that change move
+// state, and training goes on equal to plain Muon.
+TEST(MixedOptimizers, FreezingMatricesRebalancesTheirCost) {
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    std::vector<std::vector<int64_t>> shapes{{32, 32}, {32, 32}, {32, 32}, {32, 32}, {8, 64}, {8, 64}};
+    Params params, ref;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    for (const auto& s : shapes) {
+      params.push_back(at::randn(s, gen).requires_grad_());
+      ref.push_back(params.back().detach().clone().requires_grad_());
+    }
+    OSS oss(params, optimizer<Muon>(muon_options()), g);
+    Muon ref_opt(ref, muon_options());
+    ASSERT_FALSE(oss.split()) << oss.describe();
+    for (int step = 0; step < 6; ++step) {
+      // The two square matrices on one rank frozen from step 2: the other rank has the work.
+      if (step == 2) {
+        std::vector<size_t> on_zero;
+        for (size_t i = 0; i < 4; ++i) {
+          if (oss.owner(params[i]) == 0) on_zero.push_back(i);
+        }
+        ASSERT_EQ(on_zero.size(), 2u) << oss.describe();
+        for (size_t i : on_zero) params[i].requires_grad_(false), ref[i].requires_grad_(false);
+      }
+      for (size_t i = 0; i < params.size(); ++i) {
+        const at::Tensor grad = at::sin(at::arange(params[i].numel()).to(at::kFloat) * 0.3 + step + i)
+                                    .reshape(params[i].sizes());
+        params[i].mutable_grad() = params[i].requires_grad() ? grad.clone() : at::Tensor();
+        ref[i].mutable_grad() = ref[i].requires_grad() ? grad.clone() : at::Tensor();
+      }
+      oss.step();
+      ref_opt.step();
+      ASSERT_TRUE(testing::matches_reference(params, ref, *g, 1e-6)) << "step " << step;
+      if (step == 2) {
+        // Two square matrices left: one per rank, and one of them moved with its momentum.
+        EXPECT_GE(oss.partition_version(), 1) << oss.describe();
+        std::vector<int> owners;
+        for (size_t i = 0; i < 4; ++i) {
+          if (params[i].requires_grad()) owners.push_back(oss.owner(params[i]));
+        }
+        ASSERT_EQ(owners.size(), 2u);
+        EXPECT_NE(owners[0], owners[1]) << oss.describe();
+        EXPECT_LE(oss.last_rebalance().params_moved, 2) << oss.describe();
+      }
+    }
+  });
+}
+
+// The consolidated state of a Muon + AdamW OSS is PyTorch's layout: one param group per
+// optimizer with that optimizer's keys, the state of every parameter under its index.
+TEST(MixedOptimizers, ConsolidatedStateKeepsEachOptimizersLayout) {
+  run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = token_net(9);
+    Params params = net->parameters();
+    OSS oss({{pick(params, kMatrices), optimizer<Muon>(muon_options())},
+             {pick(params, kOthers), optimizer<optim::AdamW>(adamw_options())}},
+            g);
+    const auto data = testing::rank_data(0, g->rank(), 4);
+    oss.zero_grad();
+    testing::loss_of(net->forward(tokens(data.x)), data, 4).backward();
+    testing::allreduce_grads(params, *g);
+    oss.step();
+    oss.consolidate_state_dict(0);
+    if (g->rank() != 0) return;
+    const auto dict = oss.state_dict().toGenericDict();
+    const auto groups = dict.at("param_groups").toListRef();
+    ASSERT_EQ(groups.size(), 2u);
+    EXPECT_TRUE(groups[0].toGenericDict().contains("ns_coefficients"));
+    EXPECT_TRUE(groups[1].toGenericDict().contains("betas"));
+    const auto state = dict.at("state").toGenericDict();
+    ASSERT_EQ(state.size(), 7u);
+    // Indices in group order: the two matrices first (momentum only), then AdamW's five.
+    EXPECT_TRUE(state.at(0).toGenericDict().contains("momentum_buffer"));
+    EXPECT_FALSE(state.at(0).toGenericDict().contains("exp_avg"));
+    EXPECT_TRUE(state.at(2).toGenericDict().contains("exp_avg_sq"));
+    EXPECT_EQ(state.at(1).toGenericDict().at("momentum_buffer").toTensor().sizes(), params[3].sizes());
+  });
+}
+
+}  // namespace
+}  // namespace shardopt
