@@ -151,6 +151,11 @@ int main(int argc, char** argv) {
   bool rebalance = true;
   std::string freeze = "embeddings", partition = "auto";
   app.add_option("--impl", impl)->check(CLI::IsMember({"sharded", "allreduce"}));
+  std::string optimizer_name = "adam";
+  app.add_option("--optimizer", optimizer_name,
+                 "adam, or muon: Muon on the 2-D weights past the embeddings, Adam on the rest (one OSS of two "
+                 "optimizer groups, or the two plain optimizers under allreduce)")
+      ->check(CLI::IsMember({"adam", "muon"}));
   app.add_option("--model", model_name)->check(CLI::IsMember({"gpt2", "gpt2small", "small"}));
   app.add_option("--partition", partition, "OSSOptions::partition (sharded)")
       ->check(CLI::IsMember({"auto", "split", "whole"}));
@@ -212,7 +217,15 @@ int main(int argc, char** argv) {
     std::unique_ptr<shardopt::OSS> oss;
     std::unique_ptr<shardopt::ShardedDDP> ddp;
     std::unique_ptr<torch::optim::Adam> adam;
+    std::unique_ptr<shardopt::Muon> muon;
     auto factory = shardopt::optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-4));
+    // --optimizer muon: the hidden matrices (2-D, past the embeddings) and the rest.
+    std::vector<at::Tensor> matrices, others;
+    {
+      size_t k = 0;
+      for (const auto& p : module->parameters()) (optimizer_name == "muon" && p.dim() == 2 && k++ >= 2 ? matrices : others).push_back(p);
+    }
+    const auto muon_options = shardopt::MuonOptions(0.02).adjust_lr_fn("match_rms_adamw");
     if (impl == "sharded") {
       const auto mode = partition == "split"   ? shardopt::PartitionMode::kSplit
                         : partition == "whole" ? shardopt::PartitionMode::kWholeParameters
@@ -222,14 +235,20 @@ int main(int argc, char** argv) {
       if (mixed != "off") {
         options.mixed_precision(shardopt::MixedPrecision().param_dtype(mixed == "bf16" ? at::kBFloat16 : at::kHalf));
       }
-      oss = std::make_unique<shardopt::OSS>(module->parameters(), factory, group, options);
+      oss = optimizer_name == "muon"
+                ? std::make_unique<shardopt::OSS>(
+                      std::vector<shardopt::OptimizerGroup>{{matrices, shardopt::optimizer<shardopt::Muon>(muon_options)},
+                                                            {others, factory}},
+                      group, options)
+                : std::make_unique<shardopt::OSS>(module->parameters(), factory, group, options);
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss,
                                                    shardopt::ShardedDDPOptions().overlap_param_sync(overlap).gradient_as_bucket_view(bucket_view));
       if (auto gpt = std::dynamic_pointer_cast<GPT2Like>(module); gpt && overlap) {
         gpt->before_use = [d = ddp.get()](const std::vector<at::Tensor>& ps) { d->wait_param_sync(ps); };
       }
     } else {
-      adam = std::make_unique<torch::optim::Adam>(module->parameters(), torch::optim::AdamOptions(1e-4));
+      adam = std::make_unique<torch::optim::Adam>(others, torch::optim::AdamOptions(1e-4));
+      if (!matrices.empty()) muon = std::make_unique<shardopt::Muon>(matrices, muon_options);
     }
     auto params = module->parameters();
 
@@ -255,6 +274,7 @@ int main(int argc, char** argv) {
       }
       auto tz = std::chrono::steady_clock::now();
       adam->zero_grad(/*set_to_none=*/clearing == "none");
+      if (muon) muon->zero_grad(/*set_to_none=*/clearing == "none");
       phases[3].push_back(ms_since(tz));
       auto t0 = std::chrono::steady_clock::now();
       at::Tensor loss = loss_fn(step);
@@ -286,6 +306,7 @@ int main(int argc, char** argv) {
       }
       flush();
       adam->step();
+      if (muon) muon->step();
       phases[2].push_back(ms_since(t2));
     };
 
@@ -391,7 +412,7 @@ int main(int argc, char** argv) {
       after_freeze_ms = median(after);
     }
     const nlohmann::json row = {
-        {"impl", "shardopt-" + impl}, {"model", model_name}, {"rank", group->rank()}, {"world", group->size()},
+        {"impl", "shardopt-" + impl}, {"model", model_name}, {"optimizer", optimizer_name}, {"rank", group->rank()}, {"world", group->size()},
         {"params", nparams}, {"median_step_ms", step_ms}, {"peak_rss_mb", train_peak_mb},
         {"added_rss_mb", train_peak_mb - rss_start}, {"check_ms", check_ms}, {"rebuild_ms", rebuild_ms},
         {"move_step_ms", move_step_ms}, {"still_step_ms", still_step_ms},
