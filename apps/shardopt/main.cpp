@@ -124,6 +124,10 @@ void add_memory_options(CLI::App& memory, MemoryOptions& o) {
       ->delimiter(',')
       ->check(CLI::IsMember({"ddp", "zero1", "zero2", "zero1-bf16", "zero2-bf16"}))
       ->capture_default_str();
+  memory.add_option("--optimizer", o.optimizer, "adam, or muon (Muon on the weight matrices that are not embeddings, "
+                                                "one momentum buffer each; Adam on the rest)")
+      ->check(CLI::IsMember({"adam", "muon"}))
+      ->capture_default_str();
   memory.add_option("--steps", o.steps, "steps before each measurement")->capture_default_str();
   memory.add_option("--freeze-fraction", o.freeze_fraction, "fraction of the parameters (leading layers) frozen for "
                                                             "the second measurement")->capture_default_str();

@@ -68,7 +68,8 @@ std::vector<std::string> worker_args(const MemoryOptions& o, char** argv, const 
   } else {
     a.insert(a.end(), {"--preset", o.preset});
   }
-  a.insert(a.end(), {"--steps", std::to_string(o.steps), "--freeze-fraction", fmt::format("{}", o.freeze_fraction),
+  a.insert(a.end(), {"--optimizer", o.optimizer, "--steps", std::to_string(o.steps), "--freeze-fraction",
+                     fmt::format("{}", o.freeze_fraction),
                      "--worker-mode", mode, "--worker-out", out});
   return a;
 }
@@ -83,11 +84,13 @@ const nlohmann::json* largest(const nlohmann::json& rows, int world, const std::
   return best;
 }
 
-void print_table(const nlohmann::json& rows, const nlohmann::json& skipped, const ModelSpec& spec) {
-  std::printf("\nmemory per rank, %s (%s parameters, Adam; fp32, or bf16 with fp32 masters counted as state): the "
+void print_table(const nlohmann::json& rows, const nlohmann::json& skipped, const ModelSpec& spec,
+                 const std::string& optimizer) {
+  std::printf("\nmemory per rank, %s (%s parameters, %s; fp32, or bf16 with fp32 masters counted as state): the "
               "largest rank of each run; every rank is in the JSON and CSV files. formula = the ZeRO paper's params + "
               "grads + state\n",
-              spec.name.c_str(), count_text(spec.numel()).c_str());
+              spec.name.c_str(), count_text(spec.numel()).c_str(),
+              optimizer == "muon" ? "Muon on the matrices, Adam on the rest" : "Adam");
   std::printf("%-10s %5s  %-14s %10s %10s %10s %10s %10s %10s | %10s\n", "mode", "world", "scenario", "params", "grads",
               "state", "buckets", "other", "peak RSS", "formula");
   std::vector<std::string> scenarios;
@@ -164,7 +167,7 @@ ModelSpec spec_of(const MemoryOptions& o) { return o.spec.empty() ? preset_spec(
 int run_memory(const MemoryOptions& o, char** argv) {
   const ModelSpec spec = spec_of(o);
   if (!o.worker_mode.empty()) {
-    run_memory_worker(spec, o.worker_mode, o.steps, o.freeze_fraction, o.worker_out);
+    run_memory_worker(spec, o.worker_mode, o.optimizer, o.steps, o.freeze_fraction, o.worker_out);
     return 0;
   }
   SHARDOPT_CHECK(!under_a_launcher(), "shardopt memory starts its own ranks for each world size; run it without a launcher");
@@ -202,7 +205,7 @@ int run_memory(const MemoryOptions& o, char** argv) {
       ::unlink(out.c_str());
     }
   }
-  print_table(rows, skipped, spec);
+  print_table(rows, skipped, spec, o.optimizer);
   print_state_per_rank(rows);
   nlohmann::json report = {{"model", spec.name}, {"numel", spec.numel()}, {"rows", rows}, {"skipped", skipped}};
   std::ofstream(o.out_dir + "/memory.json") << report.dump(1) << "\n";

@@ -23,6 +23,7 @@ struct MemoryOptions {
   std::string spec;  // a JSON spec instead of a preset
   std::vector<int> world_sizes{1, 2, 4, 8};
   std::vector<std::string> modes{"ddp", "zero1", "zero2"};
+  std::string optimizer = "adam";  // or "muon"
   int steps = 3;
   double freeze_fraction = 0.5;  // of the parameters (leading layers), frozen for the second measurement
   std::string out_dir = "memory-report";

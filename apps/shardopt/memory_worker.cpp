@@ -57,12 +57,26 @@ int64_t grad_bytes(const std::vector<at::Tensor>& params) {
 int64_t torch_state_bytes(torch::optim::Optimizer& opt) {
   int64_t bytes = 0;
   for (const auto& [key, state] : opt.state()) {
+    if (const auto* muon = dynamic_cast<const MuonParamState*>(state.get())) {
+      bytes += static_cast<int64_t>(muon->momentum_buffer().nbytes());
+      continue;
+    }
     auto& adam = static_cast<torch::optim::AdamParamState&>(*state);
     for (const at::Tensor& t : {adam.exp_avg(), adam.exp_avg_sq(), adam.max_exp_avg_sq()}) {
       if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
     }
   }
   return bytes;
+}
+
+// --optimizer muon: Muon on the weights of two or more dimensions that are not embeddings (a
+// name containing "wte", "wpe" or "emb"), conv filters taken as matrices; Adam on the rest.
+bool takes_muon(const std::string& optimizer, const LayerShape& layer) {
+  if (optimizer != "muon" || layer.shape.size() < 2) return false;
+  for (const char* embedding : {"wte", "wpe", "emb"}) {
+    if (layer.name.find(embedding) != std::string::npos) return false;
+  }
+  return true;
 }
 
 // Plain data parallel's gradient exchange: the gradients copied into flat buckets that live for
@@ -99,7 +113,8 @@ int64_t proc_kib(const std::string& file, const std::string& key) {
   return 0;
 }
 
-nlohmann::json zero_formula(const std::string& mode, int world, int64_t numel, int64_t trainable, int64_t with_state) {
+nlohmann::json zero_formula(const std::string& mode, int world, int64_t numel, int64_t trainable, int64_t with_state,
+                            int64_t muon) {
   const double w = world;
   const bool bf16 = mode.size() > 5 && mode.compare(mode.size() - 5, 5, "-bf16") == 0;
   const bool zero2 = mode.rfind("zero2", 0) == 0;
@@ -107,12 +122,14 @@ nlohmann::json zero_formula(const std::string& mode, int world, int64_t numel, i
   nlohmann::json f;
   f["params"] = low * numel;
   f["grads"] = zero2 ? low * trainable / w : low * trainable;
-  f["state"] = bf16 ? 12.0 * with_state / w : mode == "ddp" ? 8.0 * with_state : 8.0 * with_state / w;
+  // Adam: exp_avg and exp_avg_sq; Muon: momentum_buffer; bf16: an fp32 master beside either.
+  const double state = (bf16 ? 12.0 : 8.0) * static_cast<double>(with_state - muon) + (bf16 ? 8.0 : 4.0) * muon;
+  f["state"] = mode == "ddp" ? state : state / w;
   return f;
 }
 
-void run_memory_worker(const ModelSpec& spec, const std::string& mode, int steps, double freeze_fraction,
-                       const std::string& out) {
+void run_memory_worker(const ModelSpec& spec, const std::string& mode, const std::string& optimizer_name, int steps,
+                       double freeze_fraction, const std::string& out) {
   SHARDOPT_CHECK(mode == "ddp" || mode == "zero1" || mode == "zero2" || mode == "zero1-bf16" || mode == "zero2-bf16",
                  "mode '", mode, "' is not one of ddp, zero1, zero2, zero1-bf16, zero2-bf16");
   const bool bf16 = mode.find("-bf16") != std::string::npos;
@@ -121,16 +138,32 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, int steps
   at::manual_seed(0);
   auto model = std::make_shared<SpecModule>(spec);
   const auto& params = model->params;
+  SHARDOPT_CHECK(optimizer_name == "adam" || optimizer_name == "muon", "optimizer '", optimizer_name,
+                 "' is not one of adam, muon");
+  std::vector<at::Tensor> matrices, others;
+  int64_t muon_numel = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const bool muon = takes_muon(optimizer_name, spec.layers.at(i));
+    (muon ? matrices : others).push_back(params[i]);
+    muon_numel += muon ? params[i].numel() : 0;
+  }
+  const auto muon_options = MuonOptions(0.02).flatten(true);
   std::unique_ptr<torch::optim::Adam> plain;
+  std::unique_ptr<Muon> plain_muon;
   std::unique_ptr<OSS> oss;
   std::unique_ptr<ShardedDDP> ddp;
   FlatAllReduce allreduce;
   if (mode == "ddp") {
-    plain = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-4));
+    plain = std::make_unique<torch::optim::Adam>(others, torch::optim::AdamOptions(1e-4));
+    if (!matrices.empty()) plain_muon = std::make_unique<Muon>(matrices, muon_options);
   } else {
     OSSOptions options;
     if (bf16) options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
-    oss = std::make_unique<OSS>(params, optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-4)), group, options);
+    auto adam = optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-4));
+    oss = matrices.empty() ? std::make_unique<OSS>(params, adam, group, options)
+                           : std::make_unique<OSS>(std::vector<OptimizerGroup>{{matrices, optimizer<Muon>(muon_options)},
+                                                                               {others, adam}},
+                                                   group, options);
     if (mode.rfind("zero2", 0) == 0) ddp = std::make_unique<ShardedDDP>(model, *oss);
   }
   auto step = [&] {
@@ -139,18 +172,25 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, int steps
       ddp->pre_forward();
     } else if (plain) {
       plain->zero_grad(true);
+      if (plain_muon) plain_muon->zero_grad(true);
     } else {
       oss->zero_grad(true);
     }
     model->forward().backward();
     if (!ddp) allreduce.run(params, *group);
-    if (plain) plain->step(); else oss->step();
+    if (plain) {
+      plain->step();
+      if (plain_muon) plain_muon->step();
+    } else {
+      oss->step();
+    }
   };
   auto measure = [&] {
     std::vector<double> mine = {static_cast<double>(storage_bytes(params)),
                                 static_cast<double>(ddp ? ddp->local_grad_bytes() : grad_bytes(params)),
                                 // Under mixed precision the fp32 masters count as state, as in ZeRO's 12 bytes.
-                                static_cast<double>(plain ? torch_state_bytes(*plain)
+                                static_cast<double>(plain ? torch_state_bytes(*plain) +
+                                                                (plain_muon ? torch_state_bytes(*plain_muon) : 0)
                                                           : oss->local_state_bytes() + oss->local_master_bytes()),
                                 static_cast<double>(allreduce.bucket.defined() ? allreduce.bucket.nbytes() : 0),
                                 static_cast<double>(peak_rss_bytes())};
@@ -172,7 +212,7 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, int steps
       row["scenario"] = scenario;
       row["rank"] = r;
       for (int64_t f = 0; f < fields; ++f) row[kMeasured[f]] = all[r * fields + f].item<double>();
-      row["formula"] = zero_formula(mode, group->size(), numel, trainable, numel);
+      row["formula"] = zero_formula(mode, group->size(), numel, trainable, numel, muon_numel);
       rows.push_back(row);
     }
   };

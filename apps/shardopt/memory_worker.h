@@ -15,8 +15,9 @@ constexpr const char* kMeasured[] = {"params", "grads", "state", "buckets", "pea
 
 // Runs mode `mode` ("ddp", "zero1", "zero2", "zero1-bf16", "zero2-bf16") on the group from the environment; rank 0 writes
 // every rank's rows to `out` (JSON). Collective.
-void run_memory_worker(const ModelSpec& spec, const std::string& mode, int steps, double freeze_fraction,
-                       const std::string& out);
+// `optimizer`: "adam", or "muon" (Muon on the matrices that are not embeddings, Adam on the rest).
+void run_memory_worker(const ModelSpec& spec, const std::string& mode, const std::string& optimizer, int steps,
+                       double freeze_fraction, const std::string& out);
 
 // A "key: N kB" value of a /proc file ("/proc/self/status", "VmHWM:"); 0 when absent.
 int64_t proc_kib(const std::string& file, const std::string& key);
@@ -25,7 +26,9 @@ int64_t proc_kib(const std::string& file, const std::string& key);
 // trainable element (divided by the world size under zero2), state 8 per element with state
 // (divided by the world size under zero1 and zero2). "-bf16" modes: parameters 2, gradients 2
 // (over the world size under zero2-bf16), state 12 over the world size (fp32 master, exp_avg,
-// exp_avg_sq).
-nlohmann::json zero_formula(const std::string& mode, int world, int64_t numel, int64_t trainable, int64_t with_state);
+// exp_avg_sq). Of the elements with state, `muon` are Muon's: 4 bytes each (momentum_buffer), 8
+// with the fp32 master.
+nlohmann::json zero_formula(const std::string& mode, int world, int64_t numel, int64_t trainable, int64_t with_state,
+                            int64_t muon = 0);
 
 }  // namespace shardopt::app

@@ -303,6 +303,20 @@ class CliTest(unittest.TestCase):
             self.assertEqual(r["params"], 2 * n)
             self.assertAlmostEqual(r["state"] / (12 * n / r["world"]), 1.0, delta=0.03, msg=str(r))
             self.assertAlmostEqual(r["grads"] / (2 * n / r["world"]), 1.0, delta=0.03, msg=str(r))
+        # Muon on the matrix that is not an embedding (fc): one fp32 momentum buffer, 4 bytes per
+        # element, against Adam's 8 on the rest; ddp holds it all, zero1 half per rank.
+        run(["memory", "--spec", spec, "--world-sizes", "1,2", "--modes", "ddp,zero1", "--steps", "1",
+             "--optimizer", "muon", "-o", out])
+        with open(os.path.join(out, "memory.json")) as f:
+            report = json.load(f)
+        muon_state = 4 * 64 * 64 + 8 * (1000 * 64 + 64)
+        for r in (r for r in report["rows"] if r["scenario"] == "all trainable"):
+            self.assertEqual(r["formula"]["state"], muon_state if r["mode"] == "ddp" else muon_state / r["world"], str(r))
+            if r["mode"] == "ddp" or r["world"] == 1:
+                self.assertEqual(r["state"], muon_state, str(r))
+        two = [r["state"] for r in report["rows"] if r["scenario"] == "all trainable" and r["mode"] == "zero1"
+               and r["world"] == 2]
+        self.assertEqual(sum(two), muon_state)
         with open(spec, "w") as f:
             f.write('{"layers": [{"shape": [3, -1]}]}')
         p = run(["memory", "--spec", spec], check=False)
