@@ -225,7 +225,21 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
   settled_ = holdings_;
   settled_version_ = store_->layout_version();
 
-  make_local();
+  // A factory may refuse this rank's holdings (Muon a parameter that is not 2-D): every rank
+  // learns of it, so none is left waiting in the next collective.
+  std::string failed;
+  try {
+    make_local();
+  } catch (const c10::Error& e) {
+    failed = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    failed = e.what();
+  }
+  const auto failures = group_->allgather_ints(encode_text(failed));
+  for (int r = 0; r < group_->size(); ++r) {
+    SHARDOPT_CHECK(failures[r].empty(), "OSS on rank ", r, ": the optimizer factory failed over that rank's "
+                   "parameters: ", decode_text(failures[r]));
+  }
   master_sources_.clear();
   place_state();
 }

@@ -161,6 +161,40 @@ TEST(FlatLayout, SplitCutsTheTrainableRunIntoEqualRangesAcrossParameterBoundarie
   EXPECT_EQ(head.in_bucket, (Range{4, 10}));
 }
 
+// Parameters marked whole (a whole-tensor optimizer's) form a group of their own in a split
+// layout: laid out per owner, one piece each, never cut; the others are cut into equal ranges as
+// if the whole ones were not there. A frozen whole one keeps its state with its owner, not in the
+// kept run.
+TEST(FlatLayout, WholeMarkedParametersStayWholeInAGroupOfTheirOwn) {
+  auto whole = [](LayoutParam p) { return p.whole = true, p; };
+  LayoutParam kept = whole(param(9, 1, false));
+  kept.keeps_state = true;
+  // Element-wise: 0 (16), 2 (4), 4 (10) = 30 elements, 3 ranks of 10. Whole: 1 (12) on rank 2,
+  // 3 (8) on rank 0, 5 frozen.
+  const auto layout = FlatLayout::plan({param(16, 0), whole(param(12, 2)), param(4, 0), whole(param(8, 0)),
+                                        param(10, 0), kept},
+                                       3, LayoutOptions().split(true).bucket_bytes(1 << 20));
+  ASSERT_EQ(layout.groups().size(), 2u);
+  const size_t split_group = layout.groups()[0].split ? 0 : 1;
+  EXPECT_TRUE(layout.groups()[split_group].split);
+  EXPECT_FALSE(layout.groups()[1 - split_group].split);
+  EXPECT_EQ(layout.groups()[split_group].shard_numel, 10);
+  EXPECT_EQ(layout.groups()[1 - split_group].shard_numel, 12);  // the longest owner's whole parameters
+  EXPECT_EQ(layout.owners_of(1), std::vector<int>{2});
+  EXPECT_EQ(layout.owners_of(3), std::vector<int>{0});
+  for (size_t i : {1, 3}) {
+    ASSERT_EQ(layout.pieces_of(i).size(), 1u);
+    EXPECT_TRUE(layout.pieces()[layout.pieces_of(i)[0]].whole());
+    EXPECT_EQ(layout.pieces()[layout.pieces_of(i)[0]].group, 1 - split_group);
+  }
+  EXPECT_EQ(layout.owners_of(4), std::vector<int>{0});
+  EXPECT_EQ(layout.owners_of(0), (std::vector<int>{1, 2}));
+  EXPECT_TRUE(layout.keepers_of(5).empty());
+  for (const auto& b : layout.buckets()) {
+    for (size_t k : b.pieces) EXPECT_EQ(layout.pieces()[k].group, b.group);
+  }
+}
+
 TEST(FlatLayout, SplitGivesEveryRankItsShareWhateverOneTensorWeighs) {
   // One tensor holds over 90% of the elements; whole parameters leave one rank with it.
   std::vector<LayoutParam> params = {param(1000, 0), param(30, 1), param(20, 1), param(10, 1)};

@@ -20,9 +20,11 @@
 #include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/nn/utils/clip_grad.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/api/include/torch/optim/schedulers/step_lr.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -230,6 +232,46 @@ TEST(MixedOptimizers, ConsolidatedStateKeepsEachOptimizersLayout) {
     EXPECT_TRUE(state.at(2).toGenericDict().contains("exp_avg_sq"));
     EXPECT_EQ(state.at(1).toGenericDict().at("momentum_buffer").toTensor().sizes(), params[3].sizes());
   });
+}
+
+// A LibTorch LR scheduler over the OSS reaches every optimizer group: each local optimizer steps
+// with its group's new rate, as each of torch.optim.Muon and AdamW would.
+TEST(MixedOptimizers, AnLrSchedulerReachesEveryOptimizerGroup) {
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = token_net(3);
+    Params params = net->parameters();
+    OSS oss({{pick(params, kMatrices), optimizer<Muon>(muon_options())},
+             {pick(params, kOthers), optimizer<optim::AdamW>(adamw_options())}},
+            g);
+    optim::StepLR schedule(oss, /*step_size=*/1, /*gamma=*/0.5);
+    for (int step = 0; step < 3; ++step) {
+      const auto data = testing::rank_data(step, g->rank(), 4);
+      oss.zero_grad();
+      testing::loss_of(net->forward(tokens(data.x)), data, 4).backward();
+      testing::allreduce_grads(params, *g);
+      oss.step();
+      // LibTorch's StepLR leaves the rate alone at its first step(), then halves it at each.
+      const double scale = std::pow(0.5, std::max(0, step - 1));
+      EXPECT_DOUBLE_EQ(oss.param_groups()[0].options().get_lr(), 0.02 * scale);
+      EXPECT_DOUBLE_EQ(oss.local_optimizer(0).param_groups()[0].options().get_lr(), 0.02 * scale);
+      EXPECT_DOUBLE_EQ(oss.local_optimizer(1).param_groups()[0].options().get_lr(), 3e-3 * scale);
+      schedule.step();
+    }
+  });
+}
+
+// Muon refuses a parameter that is not 2-D; only its owner builds the Muon that sees it, and every
+// rank fails with PyTorch's message, none left waiting.
+TEST(MixedOptimizers, AParameterMuonRefusesFailsEveryRankNamingIt) {
+  const auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    OSS oss({{{at::zeros({4, 4}).requires_grad_(), at::zeros({3}).requires_grad_()}, optimizer<Muon>(MuonOptions())}},
+            g);
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("Muon only supports 2D parameters whereas we found a parameter with size: torch.Size([3])"),
+              std::string::npos)
+        << e;
+  }
 }
 
 }  // namespace

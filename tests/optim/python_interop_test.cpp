@@ -62,6 +62,19 @@ void write_step_input(const std::string& path, const std::string& name, const Pa
   std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
+// Runs optim_interop.py `command` IN OUT and checks that the parameters Python wrote to OUT are
+// `want` within `tolerance` (relative).
+void expect_python_step(const std::string& command, const std::string& in_path, const std::string& out_path,
+                        const Params& want, double tolerance, const std::string& what) {
+  const std::string cmd = python(command + " " + in_path + " " + out_path);
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  auto after_py = torch::pickle_load(read_file(out_path)).toList();
+  ASSERT_EQ(after_py.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_LE(testing::rel_diff(want[i], after_py.get(i).toTensor()), tolerance) << what << " " << i;
+  }
+}
+
 // Gradients summed over ranks of a global batch of 12: the same on every world size.
 void backward_global(const Params& params, int64_t step, ProcessGroup& g) {
   const int per_rank = 12 / g.size();
@@ -97,13 +110,7 @@ TEST(PythonInterop, ConsolidatedStateLoadsIntoTorchOptimAndTakesTheSameStep) {
         after_cpp = testing::clone_params(p);
       }
     });
-    const std::string cmd = python("step " + in_path + " " + out_path);
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    auto after_py = torch::pickle_load(read_file(out_path)).toList();
-    ASSERT_EQ(after_py.size(), after_cpp.size());
-    for (size_t i = 0; i < after_cpp.size(); ++i) {
-      EXPECT_LE(testing::rel_diff(after_cpp[i], after_py.get(i).toTensor()), 1e-6) << c.name << " parameter " << i;
-    }
+    expect_python_step("step", in_path, out_path, after_cpp, 1e-6, std::string(c.name) + " parameter");
   }
 }
 
@@ -144,13 +151,7 @@ TEST(PythonInterop, MixedPrecisionStateResumesInTorchOptimFromTheMasters) {
       for (size_t i = 0; i < p.size(); ++i) masters_after.push_back(m.at(static_cast<int64_t>(i)).toTensor());
     }
   });
-  const std::string cmd = python("step " + in_path + " " + out_path);
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  auto after_py = torch::pickle_load(read_file(out_path)).toList();
-  ASSERT_EQ(after_py.size(), masters_after.size());
-  for (size_t i = 0; i < masters_after.size(); ++i) {
-    EXPECT_LE(testing::rel_diff(masters_after[i], after_py.get(i).toTensor()), 1e-6) << "master " << i;
-  }
+  expect_python_step("step", in_path, out_path, masters_after, 1e-6, "master");
 }
 
 TEST(PythonInterop, TorchOptimStateLoadsIntoOssAtWorldSizesTwoAndThree) {
@@ -230,13 +231,7 @@ TEST(PythonInterop, MuonAndAdamWStateLoadsIntoTorchOptimMuonAndAdamWAndTakesTheS
       after_cpp = testing::clone_params(in_order);
     }
   });
-  const std::string cmd = python("muon-step " + in_path + " " + out_path);
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  auto after_py = torch::pickle_load(read_file(out_path)).toList();
-  ASSERT_EQ(after_py.size(), after_cpp.size());
-  for (size_t i = 0; i < after_cpp.size(); ++i) {
-    EXPECT_LE(testing::rel_diff(after_cpp[i], after_py.get(i).toTensor()), kMuonTolerance) << "parameter " << i;
-  }
+  expect_python_step("muon-step", in_path, out_path, after_cpp, kMuonTolerance, "parameter");
 }
 
 TEST(PythonInterop, TorchOptimMuonAndAdamWStateLoadsIntoOssAtWorldSizesTwoAndThree) {

@@ -40,10 +40,10 @@ struct DecayState : public optim::OptimizerCloneableParamState<DecayState> {
   TORCH_ARG(at::Tensor, row_sq);  // the whole-tensor one's: one value per row
 };
 
-// Element-wise: v <- beta v + g; p <- p - lr tanh(v) / sqrt(step).
-class TanhMomentum : public optim::Optimizer {
+// Both test optimizers: v <- beta v + g for each parameter with a gradient, then update().
+class WithVelocity : public optim::Optimizer {
  public:
-  TanhMomentum(const std::vector<optim::OptimizerParamGroup>& groups, DecayOptions defaults)
+  WithVelocity(const std::vector<optim::OptimizerParamGroup>& groups, DecayOptions defaults)
       : Optimizer(groups, std::make_unique<DecayOptions>(defaults)) {}
   at::Tensor step(LossClosure = nullptr) override {
     at::NoGradGuard no_grad;
@@ -52,44 +52,51 @@ class TanhMomentum : public optim::Optimizer {
       for (auto& p : group.params()) {
         if (!p.grad().defined()) continue;
         auto& slot = state_[p.unsafeGetTensorImpl()];
-        if (!slot) slot = std::make_unique<DecayState>(DecayState().velocity(at::zeros_like(p)));
+        if (!slot) slot = fresh(p);
         auto& s = static_cast<DecayState&>(*slot);
         s.step(s.step() + 1);
         s.velocity().mul_(o.beta()).add_(p.grad());
-        p.add_(at::tanh(s.velocity()), -o.lr() / std::sqrt(static_cast<double>(s.step())));
+        update(p, o, s);
       }
     }
     return {};
   }
+
+ protected:
+  virtual std::unique_ptr<DecayState> fresh(const at::Tensor& p) const = 0;
+  virtual void update(at::Tensor& p, const DecayOptions& o, DecayState& s) const = 0;
 };
 
-// Whole-tensor: v as above, r <- beta r + (1 - beta) (sum of g^2 over each row); p <- p - lr v /
-// sqrt(r + 1e-3) row by row. r has one value per row: it needs the whole parameter.
-class RowScaled : public optim::Optimizer {
+// Element-wise: p <- p - lr tanh(v) / sqrt(step).
+class TanhMomentum : public WithVelocity {
  public:
-  RowScaled(const std::vector<optim::OptimizerParamGroup>& groups, DecayOptions defaults)
-      : Optimizer(groups, std::make_unique<DecayOptions>(defaults)) {}
-  at::Tensor step(LossClosure = nullptr) override {
-    at::NoGradGuard no_grad;
-    for (auto& group : param_groups_) {
-      const auto& o = static_cast<const DecayOptions&>(group.options());
-      for (auto& p : group.params()) {
-        if (!p.grad().defined()) continue;
-        const at::Tensor g = p.grad().reshape({p.size(0), -1});
-        auto& slot = state_[p.unsafeGetTensorImpl()];
-        if (!slot) {
-          slot = std::make_unique<DecayState>(
-              DecayState().velocity(at::zeros_like(p)).row_sq(at::zeros({p.size(0)}, p.options())));
-        }
-        auto& s = static_cast<DecayState&>(*slot);
-        s.step(s.step() + 1);
-        s.velocity().mul_(o.beta()).add_(p.grad());
-        s.row_sq().mul_(o.beta()).add_(g.pow(2).sum(1), 1 - o.beta());
-        const at::Tensor scale = (s.row_sq() + 1e-3).rsqrt().reshape({p.size(0), 1});
-        p.add_((s.velocity().reshape({p.size(0), -1}) * scale).reshape(p.sizes()), -o.lr());
-      }
-    }
-    return {};
+  using WithVelocity::WithVelocity;
+
+ protected:
+  std::unique_ptr<DecayState> fresh(const at::Tensor& p) const override {
+    return std::make_unique<DecayState>(DecayState().velocity(at::zeros_like(p)));
+  }
+  void update(at::Tensor& p, const DecayOptions& o, DecayState& s) const override {
+    p.add_(at::tanh(s.velocity()), -o.lr() / std::sqrt(static_cast<double>(s.step())));
+  }
+};
+
+// Whole-tensor: r <- beta r + (1 - beta) (sum of g^2 over each row); p <- p - lr v / sqrt(r + 1e-3)
+// row by row. r has one value per row: it needs the whole parameter.
+class RowScaled : public WithVelocity {
+ public:
+  using WithVelocity::WithVelocity;
+
+ protected:
+  std::unique_ptr<DecayState> fresh(const at::Tensor& p) const override {
+    return std::make_unique<DecayState>(
+        DecayState().velocity(at::zeros_like(p)).row_sq(at::zeros({p.size(0)}, p.options())));
+  }
+  void update(at::Tensor& p, const DecayOptions& o, DecayState& s) const override {
+    const at::Tensor g = p.grad().reshape({p.size(0), -1});
+    s.row_sq().mul_(o.beta()).add_(g.pow(2).sum(1), 1 - o.beta());
+    const at::Tensor scale = (s.row_sq() + 1e-3).rsqrt().reshape({p.size(0), 1});
+    p.add_((s.velocity().reshape({p.size(0), -1}) * scale).reshape(p.sizes()), -o.lr());
   }
 };
 
