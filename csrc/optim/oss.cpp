@@ -179,28 +179,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
     }
   }
 
-  units_ = std::move(units);
-  unit_of_group_.assign(param_groups_.size(), 0);
-  local_group_of_.assign(param_groups_.size(), 0);
-  for (size_t u = 0; u < units_.size(); ++u) {
-    for (size_t k = 0; k < units_[u].groups.size(); ++k) {
-      unit_of_group_[units_[u].groups[k]] = u;
-      local_group_of_[units_[u].groups[k]] = k;
-    }
-    auto made = probe(units_[u].factory);
-    SHARDOPT_CHECK(!dynamic_cast<optim::LBFGS*>(made.get()),
-                   "OSS cannot shard LBFGS: each of its steps evaluates the closure several times and takes dot "
-                   "products over all parameters, which a rank holding a shard cannot do alone; use "
-                   "torch::optim::LBFGS on every rank without OSS");
-    units_[u].codec = detail::find_codec(*made);
-    // Nothing is switched off silently: without a codec, state cannot move between ranks.
-    const optim::Optimizer& ref = *made;
-    SHARDOPT_CHECK(units_[u].codec || !options_.rebalance(), "OSS: the optimizer ", c10::demangle(typeid(ref).name()),
-                   " is not registered (shardopt knows Adam, AdamW, SGD, RMSprop, Adagrad and Muon; "
-                   "shardopt::register_optimizer in shardopt/optim/state_layout.h says how another one's state is "
-                   "laid out), so its state cannot move to a new owner after a freeze; register it, or pass "
-                   "OSSOptions().rebalance(false) to train with it (state_dict() will not be available either)");
-  }
+  set_units(std::move(units));
 
   mixed_ = options_.mixed_precision().enabled() || !options_.mixed_precision().problem().empty();
   if (mixed_) master_sources_ = detail::cast_to_param_dtype(*global_group_, params_, options_.mixed_precision());
@@ -225,6 +204,38 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
   settled_ = holdings_;
   settled_version_ = store_->layout_version();
 
+  make_local_on_every_rank();
+  master_sources_.clear();
+  place_state();
+}
+
+// The optimizers, each over its global groups, and what shardopt knows of each.
+void OSS::set_units(std::vector<Unit> units) {
+  units_ = std::move(units);
+  unit_of_group_.assign(param_groups_.size(), 0);
+  local_group_of_.assign(param_groups_.size(), 0);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    for (size_t k = 0; k < units_[u].groups.size(); ++k) {
+      unit_of_group_[units_[u].groups[k]] = u;
+      local_group_of_[units_[u].groups[k]] = k;
+    }
+    auto made = probe(units_[u].factory);
+    SHARDOPT_CHECK(!dynamic_cast<optim::LBFGS*>(made.get()),
+                   "OSS cannot shard LBFGS: each of its steps evaluates the closure several times and takes dot "
+                   "products over all parameters, which a rank holding a shard cannot do alone; use "
+                   "torch::optim::LBFGS on every rank without OSS");
+    units_[u].codec = detail::find_codec(*made);
+    // Nothing is switched off silently: without a codec, state cannot move between ranks.
+    const optim::Optimizer& ref = *made;
+    SHARDOPT_CHECK(units_[u].codec || !options_.rebalance(), "OSS: the optimizer ", c10::demangle(typeid(ref).name()),
+                   " is not registered (shardopt knows Adam, AdamW, SGD, RMSprop, Adagrad and Muon; "
+                   "shardopt::register_optimizer in shardopt/optim/state_layout.h says how another one's state is "
+                   "laid out), so its state cannot move to a new owner after a freeze; register it, or pass "
+                   "OSSOptions().rebalance(false) to train with it (state_dict() will not be available either)");
+  }
+}
+
+void OSS::make_local_on_every_rank() {
   // A factory may refuse this rank's holdings (Muon a parameter that is not 2-D): every rank
   // learns of it, so none is left waiting in the next collective.
   std::string failed;
@@ -240,8 +251,6 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
     SHARDOPT_CHECK(failures[r].empty(), "OSS on rank ", r, ": the optimizer factory failed over that rank's "
                    "parameters: ", decode_text(failures[r]));
   }
-  master_sources_.clear();
-  place_state();
 }
 
 // The wrapped optimizers over this rank's holdings, with the global groups' options.

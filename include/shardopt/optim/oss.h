@@ -285,6 +285,9 @@ class OSS : public torch::optim::Optimizer {
     const detail::OptimizerCodec* codec = nullptr;  // null: a class shardopt does not know
   };
   void init(std::vector<torch::optim::OptimizerParamGroup> groups, std::vector<Unit> units);
+  void set_units(std::vector<Unit> units);
+  // make_local(), with any rank's failure raised on every rank. Collective.
+  void make_local_on_every_rank();
   // The unit that steps parameter `param`.
   Unit& unit_of(size_t param) { return units_[unit_of_group_[group_of_[param]]]; }
   const Unit& unit_of(size_t param) const { return units_[unit_of_group_[group_of_[param]]]; }
