@@ -19,6 +19,7 @@
 #include <torch/csrc/api/include/torch/optim/lbfgs.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <sstream>
@@ -286,8 +287,8 @@ void OSS::make_local() {
 // of the trainable set the whole-tensor owners are re-balanced like whole parameters (Note
 // [Rebalance after a freeze]), and a frozen matrix's state waits with its owner.
 void OSS::choose_partition_mode(const Partition& whole) {
-  bool all_known = true, any_element_wise = false, any_whole_kind = false;
-  for (const auto& unit : units_) all_known &= unit.codec != nullptr;
+  const bool all_known = all_registered();
+  bool any_element_wise = false, any_whole_kind = false;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!unit_of(i).codec) continue;
     (whole_kind_[i] ? any_whole_kind : any_element_wise) = true;
@@ -329,6 +330,10 @@ void OSS::weigh_params() {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (cost[i] > 0) weights_[i] = std::max<int64_t>(1, std::llround(cost[i] / whole_cost * static_cast<double>(whole_bytes)));
   }
+}
+
+bool OSS::all_registered() const {
+  return std::all_of(units_.begin(), units_.end(), [](const Unit& unit) { return unit.codec != nullptr; });
 }
 
 std::vector<int64_t> OSS::partition_weights() const {
@@ -425,10 +430,8 @@ void OSS::settle_state() {
 }
 
 void OSS::place_state() {
-  for (const auto& unit : units_) {
-    if (!unit.codec) return;  // an optimizer shardopt does not know keeps its own state
-  }
-  if (settled_version_ != store_->layout_version()) return;
+  // An optimizer shardopt does not know keeps its own state.
+  if (!all_registered() || settled_version_ != store_->layout_version()) return;
   store_->plan(group_->rank(), settled_, [this](size_t i, const at::Tensor& key) {
     return unit_of(i).local->state().count(compat::state_key(key)) != 0;
   });
@@ -512,9 +515,7 @@ std::string OSS::describe() const {
                                    : "parameters split into equal ranges (element-wise optimizer)")
       << ", trainable imbalance " << imbalance() * 100.0 << "%";
   if (!split_ && options_.partition() == PartitionMode::kAuto) {
-    bool all_known = true;
-    for (const auto& unit : units_) all_known &= unit.codec != nullptr;
-    if (!all_known) {
+    if (!all_registered()) {
       out << " (the wrapped optimizer is not one shardopt knows the state layout of)";
     } else if (!any_whole_kind || whole_imbalance_ > 0) {
       out << " (whole parameters balance within " << whole_imbalance_ * 100.0 << "%, under the "

@@ -32,10 +32,7 @@ bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
               " trainable flags for ", params_.size(), " parameters");
   if (trainable == balanced_for_) return false;
   balanced_for_ = trainable;
-  if (!options_.rebalance() || group_->size() == 1) return false;
-  for (const auto& unit : units_) {
-    if (!unit.codec) return false;
-  }
+  if (!options_.rebalance() || group_->size() == 1 || !all_registered()) return false;
   // Split ranges are equal for every trainable set (Note [Split parameters]), kept ones too; the
   // partition places only what stays whole (Note [Ownership by kind]).
   bool any_whole = !split_;

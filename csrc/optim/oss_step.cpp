@@ -135,15 +135,19 @@ bool OSS::step_shard(std::optional<double> inv_scale) {
   detail::FusedStepInputs in;
   in.allocate = [this](const at::Tensor& t, const char* kind) { return store_->fresh_slot(t, kind); };
   std::vector<std::pair<size_t, const detail::Holding*>> stepped;
+  // Per optimizer: whether its masters may take the mixed CUDA kernel (Adam and AdamW).
+  std::vector<uint8_t> mixed_kernel(units_.size(), 0);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    mixed_kernel[u] = mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*units_[u].local);
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!trainable_[i] || !store_->laid_out_for()[i]) continue;
-    const bool mixed_kernel =
-        mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*unit_of(i).local);
+    const bool mixed_kernel_here = mixed_kernel[unit_of_group_[group_of_[i]]] != 0;
     for (const auto& h : holdings_[i]) {
       if (h.rank != group_->rank()) continue;
       at::Tensor grad = holding_grad(i, h);
       if (!grad.defined()) continue;
-      if (mixed_kernel && h.tensor.is_cuda() && grad.is_contiguous() && params_[i].is_contiguous()) {
+      if (mixed_kernel_here && h.tensor.is_cuda() && grad.is_contiguous() && params_[i].is_contiguous()) {
         in.copies[h.tensor.unsafeGetTensorImpl()] =
             params_[i].detach().view(-1).narrow(0, h.in_param.begin, h.in_param.size());
       } else if (grad.scalar_type() != h.tensor.scalar_type()) {
@@ -154,18 +158,15 @@ bool OSS::step_shard(std::optional<double> inv_scale) {
     }
   }
   // Each optimizer steps fused where it can (Adam, AdamW and SGD), else with its own step().
-  auto fits = [&] {
-    for (const auto& unit : units_) {
-      if (!detail::fused_step_unsupported(*unit.local, in).empty()) return false;
-    }
-    return true;
-  };
   fused_.assign(units_.size(), 0);
   for (size_t u = 0; u < units_.size(); ++u) {
     fused_[u] = options_.fused_step() && detail::fused_step_unsupported(*units_[u].local, in).empty();
   }
-  if (!in.copies.empty() && !fits()) {
-    // Not all of it fits the mixed kernel: every master steps upcast, fused where it can.
+  // Only an Adam or AdamW gives its masters to the mixed kernel; one that cannot step fused (a
+  // tensor the fused step does not fit) makes every master step upcast, fused where it can.
+  bool upcast = false;
+  for (size_t u = 0; u < units_.size(); ++u) upcast |= mixed_kernel[u] && !fused_[u];
+  if (!in.copies.empty() && upcast) {
     for (const auto& [i, h] : stepped) {
       const auto* key = h->tensor.unsafeGetTensorImpl();
       if (in.copies.erase(key) != 0) in.grads[key] = in.grads[key].to(at::kFloat);

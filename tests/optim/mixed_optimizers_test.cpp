@@ -67,6 +67,13 @@ Params pick(const Params& all, const std::vector<size_t>& which) {
 MuonOptions muon_options() { return MuonOptions(0.02).weight_decay(0.01); }
 optim::AdamWOptions adamw_options() { return optim::AdamWOptions(3e-3).weight_decay(0.01); }
 
+// Muon on token_net's hidden matrices, AdamW on the rest.
+OSS muon_and_adamw(const Params& params, std::shared_ptr<ProcessGroup> g, OSSOptions options = {}) {
+  return OSS({{pick(params, kMatrices), optimizer<Muon>(muon_options())},
+              {pick(params, kOthers), optimizer<optim::AdamW>(adamw_options())}},
+             std::move(g), options);
+}
+
 // kAuto splits AdamW's parameters; kWholeParameters keeps every parameter whole, the matrices
 // weighed by cost and the rest by bytes in one partition (at world 2 only).
 TEST(MixedOptimizers, MuonAndAdamWMatchASingleProcessReferenceThroughFreezes) {
@@ -78,9 +85,7 @@ TEST(MixedOptimizers, MuonAndAdamWMatchASingleProcessReferenceThroughFreezes) {
                                 ", rank " + std::to_string(g->rank());
       auto net = token_net(5), ref_net = token_net(5);
       Params params = net->parameters(), ref = ref_net->parameters();
-      OSS oss({{pick(params, kMatrices), optimizer<Muon>(muon_options())},
-               {pick(params, kOthers), optimizer<optim::AdamW>(adamw_options())}},
-              g, OSSOptions().partition(mode));
+      OSS oss = muon_and_adamw(params, g, OSSOptions().partition(mode));
       ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().reduce_bucket_bytes(512));
       Muon ref_muon(pick(ref, kMatrices), muon_options());
       optim::AdamW ref_adamw(pick(ref, kOthers), adamw_options());
@@ -214,9 +219,7 @@ TEST(MixedOptimizers, ConsolidatedStateKeepsEachOptimizersLayout) {
   run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
     auto net = token_net(9);
     Params params = net->parameters();
-    OSS oss({{pick(params, kMatrices), optimizer<Muon>(muon_options())},
-             {pick(params, kOthers), optimizer<optim::AdamW>(adamw_options())}},
-            g);
+    OSS oss = muon_and_adamw(params, g);
     const auto data = testing::rank_data(0, g->rank(), 4);
     oss.zero_grad();
     testing::loss_of(net->forward(tokens(data.x)), data, 4).backward();
@@ -251,9 +254,7 @@ TEST(MixedOptimizers, MuonAndAdamWUnderMixedPrecisionFollowFp32Masters) {
     Params masters;
     for (const auto& p : ref) masters.push_back(p.detach().clone().requires_grad_());
     ref_net->to(at::kBFloat16);
-    OSS oss({{pick(params, kMatrices), optimizer<Muon>(muon_options())},
-             {pick(params, kOthers), optimizer<optim::AdamW>(adamw_options())}},
-            g, OSSOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)));
+    OSS oss = muon_and_adamw(params, g, OSSOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)));
     ShardedDDP ddp(net.ptr(), oss);
     Muon ref_muon(pick(masters, kMatrices), muon_options());
     optim::AdamW ref_adamw(pick(masters, kOthers), adamw_options());
@@ -287,9 +288,7 @@ TEST(MixedOptimizers, AnLrSchedulerReachesEveryOptimizerGroup) {
   run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
     auto net = token_net(3);
     Params params = net->parameters();
-    OSS oss({{pick(params, kMatrices), optimizer<Muon>(muon_options())},
-             {pick(params, kOthers), optimizer<optim::AdamW>(adamw_options())}},
-            g);
+    OSS oss = muon_and_adamw(params, g);
     optim::StepLR schedule(oss, /*step_size=*/1, /*gamma=*/0.5);
     for (int step = 0; step < 3; ++step) {
       const auto data = testing::rank_data(step, g->rank(), 4);

@@ -82,6 +82,19 @@ void backward_global(const Params& params, int64_t step, ProcessGroup& g) {
   testing::allreduce_grads(params, g, /*average=*/false);
 }
 
+// Three steps, the state consolidated on rank 0, then the gradients of a fourth step: what
+// optim_interop.py's `step` continues from.
+void three_steps_then_consolidate(OSS& oss, const Params& p, ProcessGroup& g) {
+  for (int s = 0; s < 3; ++s) {
+    oss.zero_grad(true);
+    backward_global(p, s, g);
+    oss.step();
+  }
+  oss.consolidate_state_dict(0);
+  oss.zero_grad(true);
+  backward_global(p, 3, g);
+}
+
 TEST(PythonInterop, ConsolidatedStateLoadsIntoTorchOptimAndTakesTheSameStep) {
   for (const auto& c : cases()) {
     SCOPED_TRACE(c.name);
@@ -93,14 +106,7 @@ TEST(PythonInterop, ConsolidatedStateLoadsIntoTorchOptimAndTakesTheSameStep) {
       Params p = testing::make_params();
       OSS oss(p, c.factory, g, OSSOptions().partition(PartitionMode::kSplit));
       ASSERT_EQ(oss.owners(p[0]).size(), 2u) << "w1 is split across both ranks: the state dict stitches it";
-      for (int s = 0; s < 3; ++s) {
-        oss.zero_grad(true);
-        backward_global(p, s, *g);
-        oss.step();
-      }
-      oss.consolidate_state_dict(0);
-      oss.zero_grad(true);
-      backward_global(p, 3, *g);
+      three_steps_then_consolidate(oss, p, *g);
       if (g->rank() == 0) {
         write_step_input(in_path, c.name, p, oss.state_dict());
       }
@@ -215,14 +221,7 @@ TEST(PythonInterop, MuonAndAdamWStateLoadsIntoTorchOptimMuonAndAdamWAndTakesTheS
   run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
     Params p = testing::make_params();
     OSS oss = muon_and_adamw(p, g);
-    for (int s = 0; s < 3; ++s) {
-      oss.zero_grad(true);
-      backward_global(p, s, *g);
-      oss.step();
-    }
-    oss.consolidate_state_dict(0);
-    oss.zero_grad(true);
-    backward_global(p, 3, *g);
+    three_steps_then_consolidate(oss, p, *g);
     const Params in_order{p[0], p[2], p[1], p[3], p[4]};
     if (g->rank() == 0) write_step_input(in_path, "Muon+AdamW", in_order, oss.state_dict());
     oss.step();

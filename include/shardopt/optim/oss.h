@@ -291,6 +291,8 @@ class OSS : public torch::optim::Optimizer {
   // The unit that steps parameter `param`.
   Unit& unit_of(size_t param) { return units_[unit_of_group_[group_of_[param]]]; }
   const Unit& unit_of(size_t param) const { return units_[unit_of_group_[group_of_[param]]]; }
+  // Whether shardopt knows the state layout of every optimizer (built in or registered).
+  bool all_registered() const;
   // What the partition balances: the parameters it places (all, or only the whole-kind ones when
   // split) weigh their cost, the rest nothing (Note [Ownership by kind]).
   std::vector<int64_t> partition_weights() const;
