@@ -3,6 +3,7 @@
 #include <shardopt/check.h>
 
 #include "ddp/executor.h"
+#include "optim/shard_store.h"
 #include "optim/trainable.h"
 
 #include <ATen/ATen.h>
@@ -462,6 +463,18 @@ int64_t ShardedDDP::local_grad_bytes() const {
   }
   for (const auto& e : entries_) {  // pieces of split parameters this rank owns
     if (!e.whole && e.owned && e.grad().defined()) bytes += static_cast<int64_t>(e.grad().nbytes());
+  }
+  return bytes;
+}
+
+int64_t ShardedDDP::local_bucket_bytes() const {
+  int64_t bytes = 0;
+  for (OSS* opt : optimizers_) {
+    const auto& store = detail::store_of(*opt);
+    for (size_t g = 0; g < store.layout().groups().size(); ++g) {
+      const at::Tensor slab = store.grad_slab(g);
+      if (slab.defined()) bytes += static_cast<int64_t>(slab.nbytes());
+    }
   }
   return bytes;
 }

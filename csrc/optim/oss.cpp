@@ -184,20 +184,19 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
 
   mixed_ = options_.mixed_precision().enabled() || !options_.mixed_precision().problem().empty();
   if (mixed_) master_sources_ = detail::cast_to_param_dtype(*global_group_, params_, options_.mixed_precision());
-  weigh_params();
   trainable_ = detail::trainable_mask(params_);
   balanced_for_ = trainable_;
-  Partition partition = Partition::balance(weights_, group_->size(), trainable_);
-  choose_partition_mode(partition);
-  if (split_) partition = Partition::balance(partition_weights(), group_->size(), trainable_);
+  placement_ = place_params(param_shapes(), group_->size(), options_.partition(), options_.split_above_imbalance());
+  options_.layout().split(placement_.split);
+  Partition partition = placement_.partition;
   holdings_.assign(params_.size(), {});
   store_ = std::make_unique<detail::ShardStore>(params_, group_, options_.layout(), options_.sync());
   store_->set_partition(std::move(partition));
-  store_->set_kept_whole(whole_kind_);
+  store_->set_kept_whole(placement_.whole_kind);
   // Whoever lays the store out (this OSS, or ShardedDDP for its forward's trainable set), the
   // holdings follow the new layout at once.
   store_->follow_layouts([this] { assign_holdings(); });
-  if (split_) {
+  if (placement_.split) {
     // A parameter frozen from the start keeps its state where it would be if all were trainable.
     store_->lay_out(std::vector<uint8_t>(params_.size(), 1));
   }
@@ -272,75 +271,26 @@ void OSS::make_local() {
   }
 }
 
-// Note [Ownership by kind]
-// Each parameter's optimizer says how its state may be cut (shardopt/optim/state_layout.h): an
-// element-wise one's (Adam, SGD, ...) into ranges, a whole-tensor one's (Muon) not at all. In a
-// split layout the element-wise parameters of each (device, dtype) form one flat group cut into
-// equal ranges (Note [Split parameters]) and the whole-tensor ones another, cut as whole
-// parameters per owner (FlatLayout's whole-kind groups), so neither constrains the other's
-// cuts. The partition then places only the whole-tensor parameters, balancing the cost of their
-// updates, not their bytes: Muon's Newton-Schulz iteration costs about m n min(m, n) per matrix
-// (Note [Muon's cost]), so a square matrix costs far more than a flat one of the same bytes.
-// weights_ holds each whole-tensor parameter's cost scaled so that all of them sum to their
-// bytes (the cost's proportions, in the units of the element-wise parameters' bytes), so that in
-// a whole-parameter layout (kWholeParameters) one partition can place both kinds. After a change
-// of the trainable set the whole-tensor owners are re-balanced like whole parameters (Note
-// [Rebalance after a freeze]), and a frozen matrix's state waits with its owner.
-void OSS::choose_partition_mode(const Partition& whole) {
-  const bool all_known = all_registered();
-  bool any_element_wise = false, any_whole_kind = false;
+// What placement needs of each parameter (Note [Ownership by kind] in placement.cpp).
+std::vector<ParamShape> OSS::param_shapes() const {
+  std::vector<ParamShape> shapes;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!unit_of(i).codec) continue;
-    (whole_kind_[i] ? any_whole_kind : any_element_wise) = true;
-  }
-  switch (options_.partition()) {
-    case PartitionMode::kAuto:
-      whole_imbalance_ = whole.imbalance(weights_, trainable_);
-      split_ = all_known && any_element_wise && (any_whole_kind || whole_imbalance_ > options_.split_above_imbalance());
-      break;
-    case PartitionMode::kWholeParameters: split_ = false; break;
-    case PartitionMode::kSplit:
-      SHARDOPT_CHECK(all_known, "partition kSplit needs optimizers shardopt can move state for (Adam, AdamW, SGD, "
-                     "RMSprop, Adagrad, Muon or a registered one); use kWholeParameters or kAuto for this one");
-      split_ = true;
-      break;
-  }
-  options_.layout().split(split_);
-}
-
-void OSS::weigh_params() {
-  whole_kind_.assign(params_.size(), 0);
-  weights_.assign(params_.size(), 0);
-  int64_t whole_bytes = 0;
-  double whole_cost = 0;
-  std::vector<double> cost(params_.size(), 0.0);
-  for (size_t i = 0; i < params_.size(); ++i) {
+    ParamShape s;
+    s.sizes = params_[i].sizes().vec();
+    s.dtype = params_[i].scalar_type();
+    s.device = params_[i].device();
+    s.trainable = trainable_[i] != 0;
     const auto* codec = unit_of(i).codec;
-    weights_[i] = params_[i].numel() * static_cast<int64_t>(params_[i].element_size());
-    // An optimizer shardopt does not know keeps whole parameters, balanced by bytes.
-    whole_kind_[i] = !codec || codec->kind == StateKind::kWholeTensor;
-    if (!codec || codec->kind != StateKind::kWholeTensor) continue;
-    cost[i] = codec->cost(params_[i].sizes());
-    SHARDOPT_CHECK(cost[i] >= 0 && std::isfinite(cost[i]), "the cost of parameter ", i, " (", params_[i].sizes(),
-                   ") is ", cost[i], "; a registered cost must be finite and >= 0");
-    whole_bytes += weights_[i];
-    whole_cost += cost[i];
+    s.registered = codec != nullptr;
+    s.whole_tensor = codec && codec->kind == StateKind::kWholeTensor;
+    s.cost = s.whole_tensor ? codec->cost(params_[i].sizes()) : 0.0;
+    shapes.push_back(std::move(s));
   }
-  if (whole_cost <= 0) return;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (cost[i] > 0) weights_[i] = std::max<int64_t>(1, std::llround(cost[i] / whole_cost * static_cast<double>(whole_bytes)));
-  }
+  return shapes;
 }
 
 bool OSS::all_registered() const {
   return std::all_of(units_.begin(), units_.end(), [](const Unit& unit) { return unit.codec != nullptr; });
-}
-
-std::vector<int64_t> OSS::partition_weights() const {
-  if (!split_) return weights_;
-  std::vector<int64_t> w(weights_.size(), 0);
-  for (size_t i = 0; i < w.size(); ++i) w[i] = whole_kind_[i] ? weights_[i] : 0;
-  return w;
 }
 
 void OSS::check_params_across_ranks() {
@@ -357,15 +307,10 @@ void OSS::assign_holdings() {
   const int rank = group_->rank();
   std::vector<std::vector<detail::Holding>> next(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (kept_whole(i)) {
-      next[i].push_back({store_->partition().owner(i), {0, params_[i].numel()}, at::Tensor()});
-    } else if (store_->laid_out_for()[i]) {
-      for (size_t k : store_->layout().pieces_of(i)) {
-        const Piece& piece = store_->layout().pieces()[k];
-        next[i].push_back({piece.owner, piece.in_param, at::Tensor()});
-      }
-    } else if (!store_->layout().keepers_of(i).empty()) {
-      for (const Keeping& k : store_->layout().keepers_of(i)) next[i].push_back({k.rank, k.in_param, at::Tensor()});
+    const auto held = held_ranges(store_->layout(), store_->partition(), kept_whole(i),
+                                  store_->laid_out_for()[i] != 0, i, params_[i].numel());
+    if (held) {
+      for (const auto& [owner, range] : *held) next[i].push_back({owner, range, at::Tensor()});
     } else {
       next[i] = holdings_[i];  // frozen without state: nothing to keep, nothing moves
     }
@@ -507,18 +452,18 @@ std::vector<int> OSS::owners(const torch::Tensor& param) const {
 std::string OSS::describe() const {
   std::ostringstream out;
   bool any_whole_kind = false;
-  for (size_t i = 0; i < params_.size(); ++i) any_whole_kind |= whole_kind_[i] && unit_of(i).codec;
+  for (size_t i = 0; i < params_.size(); ++i) any_whole_kind |= placement_.whole_kind[i] && unit_of(i).codec;
   out << "OSS over " << group_->size() << (group_->size() == 1 ? " rank: " : " ranks: ")
-      << (!split_ ? "whole parameters per owner"
+      << (!placement_.split ? "whole parameters per owner"
                   : any_whole_kind ? "element-wise optimizers' parameters split into equal ranges, whole-tensor "
                                      "optimizers' parameters whole per owner, balanced by cost"
                                    : "parameters split into equal ranges (element-wise optimizer)")
       << ", trainable imbalance " << imbalance() * 100.0 << "%";
-  if (!split_ && options_.partition() == PartitionMode::kAuto) {
+  if (!placement_.split && options_.partition() == PartitionMode::kAuto) {
     if (!all_registered()) {
       out << " (the wrapped optimizer is not one shardopt knows the state layout of)";
-    } else if (!any_whole_kind || whole_imbalance_ > 0) {
-      out << " (whole parameters balance within " << whole_imbalance_ * 100.0 << "%, under the "
+    } else if (!any_whole_kind || placement_.whole_imbalance > 0) {
+      out << " (whole parameters balance within " << placement_.whole_imbalance * 100.0 << "%, under the "
           << options_.split_above_imbalance() * 100.0 << "% that would split them)";
     }
   }
@@ -541,7 +486,7 @@ std::string OSS::describe() const {
                                   : unit.codec->state_numel(options, {h.in_param.size()});
         const int64_t element = mixed_ ? 4 : static_cast<int64_t>(params_[i].element_size());
         state_bytes[h.rank] += numel * element;
-        if (whole_kind_[i] && trainable_[i]) {
+        if (placement_.whole_kind[i] && trainable_[i]) {
           const double c = unit.codec->cost(params_[i].sizes());
           cost[h.rank] += c;
           total_cost += c;

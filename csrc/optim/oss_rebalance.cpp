@@ -8,9 +8,6 @@ namespace shardopt {
 
 // ---- re-partitioning ---------------------------------------------------------------------------
 
-// Whole parameters' kept state spreads when the busiest rank holds more than this above its share.
-constexpr double kKeptImbalance = 0.02;
-
 // Note [Rebalance after a freeze]
 // The partition balances the trainable parameters first and spreads the frozen ones by total
 // weight (Partition::balance with flags). When the trainable set changes, the work a step does
@@ -35,24 +32,15 @@ bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
   if (!options_.rebalance() || group_->size() == 1 || !all_registered()) return false;
   // Split ranges are equal for every trainable set (Note [Split parameters]), kept ones too; the
   // partition places only what stays whole (Note [Ownership by kind]).
-  bool any_whole = !split_;
-  for (size_t i = 0; i < params_.size() && !any_whole; ++i) any_whole = whole_kind_[i];
+  bool any_whole = !placement_.split;
+  for (size_t i = 0; i < params_.size() && !any_whole; ++i) any_whole = placement_.whole_kind[i];
   if (!any_whole) return false;
-  const std::vector<int64_t> weights = partition_weights();
+  const std::vector<int64_t> weights = placement_.partition_weights();
   const Partition& now = store_->partition();
   const double before = now.imbalance(weights, trainable);
-  Partition next = now;
-  if (before > options_.rebalance_threshold()) {
-    Partition balanced = Partition::rebalance(now, weights, trainable);
-    if (balanced.imbalance(weights, trainable) < before) next = std::move(balanced);
-  }
-  // The state of frozen parameters spreads too, so that every rank holds its share in all (Note
-  // [Kept state]); the trainable balance stays as decided.
   std::vector<uint8_t> kept(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) kept[i] = !trainable[i] && store_->stepped()[i];
-  if (next.held_imbalance(weights, trainable, kept) > kKeptImbalance) {
-    next = Partition::spread_kept(next, weights, trainable, kept);
-  }
+  Partition next = repartition(now, weights, trainable, kept, options_.rebalance_threshold());
   bool moved = false;
   for (size_t i = 0; i < params_.size() && !moved; ++i) moved = next.owner(i) != now.owner(i);
   if (!moved) return false;

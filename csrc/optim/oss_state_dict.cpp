@@ -262,7 +262,7 @@ void OSS::load_state_dict(const torch::IValue& sd) {
     kept_changed |= !store_->stepped()[entry.first] && !store_->laid_out_for()[entry.first];
     store_->stepped()[entry.first] = 1;
   }
-  if (kept_changed && split_) store_->lay_out(store_->laid_out_for());
+  if (kept_changed && placement_.split) store_->lay_out(store_->laid_out_for());
   for (size_t g = 0; g < saved_groups.size(); ++g) {
     const auto& codec = detail::codec_for(*units_[unit_of_group_[g]].local);
     param_groups_[g].set_options(codec.decode_options(saved_groups[g].toGenericDict(), param_groups_[g].options()));

@@ -3,6 +3,8 @@
 #include "optim/param_buffers.h"
 #include "optim/shard_store.h"
 
+#include <shardopt/optim/placement.h>
+
 #include <shardopt/check.h>
 #include <shardopt/optim/oss.h>
 
@@ -75,16 +77,19 @@ ShardStore::ShardStore(std::vector<at::Tensor> params, std::shared_ptr<ProcessGr
       stepped_(params_.size(), 0) {}
 
 FlatLayout ShardStore::plan_layout(const std::vector<uint8_t>& trainable) const {
-  std::vector<LayoutParam> specs;
+  std::vector<ParamShape> shapes;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
     SHARDOPT_CHECK(p.device().is_cpu() || p.device().is_cuda(), "parameter ", i, " is on ", p.device(),
                    "; OSS supports CPU and CUDA parameters");
-    specs.push_back(LayoutParam::of(p, partition_.owner(i), trainable[i] != 0));
-    specs.back().keeps_state = !trainable[i] && stepped_[i];
-    specs.back().whole = i < kept_whole_.size() && kept_whole_[i];
+    ParamShape shape;
+    shape.sizes = p.sizes().vec();
+    shape.dtype = p.scalar_type();
+    shape.device = p.device();
+    shapes.push_back(std::move(shape));
   }
-  return FlatLayout::plan(specs, group_->size(), layout_options_);
+  return FlatLayout::plan(layout_params(shapes, partition_, trainable, stepped_, kept_whole_), group_->size(),
+                          layout_options_);
 }
 
 bool ShardStore::lay_out_for(const std::vector<uint8_t>& trainable) {

@@ -2,6 +2,8 @@
 // the gradient buckets it owns, and which gradients the last zero_grad(false) zeroed.
 #include "optim/shard_store.h"
 
+#include <shardopt/optim/placement.h>
+
 #include <ATen/ATen.h>
 
 namespace shardopt::detail {
@@ -85,8 +87,6 @@ bool ShardStore::zeroed(const at::Tensor& grad) const {
 
 namespace {
 
-constexpr int64_t kBucketAlign = 16;  // elements
-
 // A tensor of `numel` elements over `slab`'s memory from element `offset` on, with a storage of
 // its own that keeps `slab` alive.
 at::Tensor carve(const at::Tensor& slab, int64_t offset, int64_t numel) {
@@ -119,8 +119,7 @@ void ShardStore::carve_grad_slab(size_t group, const at::TensorOptions& options)
   for (size_t b = 0; b < buckets.size(); ++b) {
     if (buckets[b].group != group || buckets[b].owner != group_->rank()) continue;
     offsets.emplace_back(b, total);
-    const int64_t elements = buckets[b].numel() + static_cast<int64_t>(buckets[b].pieces.size());
-    total += (elements + kBucketAlign - 1) / kBucketAlign * kBucketAlign;
+    total += bucket_memory_numel(buckets[b]);
   }
   grad_slabs_[group] = at::empty({total}, options);
   for (const auto& [b, offset] : offsets) {

@@ -175,6 +175,9 @@ class ShardedDDP {
   // ---- introspection ----
   // Bytes of gradients this rank holds now.
   int64_t local_grad_bytes() const;
+  // Bytes of the gradient memory this rank keeps between backward passes: one slab per layout
+  // group, carved into the buckets it owns (their gradients, one count per piece, alignment).
+  int64_t local_bucket_bytes() const;
   size_t num_buckets() const;
   int64_t rebuild_count() const { return rebuilds_; }
 

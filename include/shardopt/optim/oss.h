@@ -29,6 +29,7 @@
 #include <shardopt/optim/flat_layout.h>
 #include <shardopt/optim/mixed_precision.h>
 #include <shardopt/optim/partition.h>
+#include <shardopt/optim/placement.h>
 
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/api/include/torch/types.h>
@@ -151,7 +152,7 @@ class OSS : public torch::optim::Optimizer {
   OSS(std::vector<torch::optim::OptimizerParamGroup> groups, OptimizerFactory factory,
       std::shared_ptr<ProcessGroup> group, OSSOptions options = {});
   // Several optimizers in one: each group's parameters are stepped by its own optimizer (Note
-  // [Ownership by kind] in csrc/optim/oss.cpp), and each is one of param_groups(), in order.
+  // [Ownership by kind] in csrc/optim/placement.cpp), and each is one of param_groups(), in order.
   OSS(std::vector<OptimizerGroup> groups, std::shared_ptr<ProcessGroup> group, OSSOptions options = {});
   ~OSS() override;
 
@@ -248,14 +249,14 @@ class OSS : public torch::optim::Optimizer {
   void finish_param_sync();
   void finish_param_sync(size_t param);
   // Whether parameters are split across owners (PartitionMode resolved).
-  bool split() const { return split_; }
+  bool split() const { return placement_.split; }
   // The partition mode and why, the world size and the imbalance; then one line per rank: its
   // share of the whole-tensor optimizers' cost, the bytes of optimizer state it holds (by the
   // optimizers' declared state sizes), and how many parameters it holds whole and in part.
   std::string describe() const;
   // Whether parameter `param` (an index in all_params()) stays whole on one owner: its optimizer
   // needs whole tensors (StateKind::kWholeTensor), or parameters are not split.
-  bool kept_whole(size_t param) const { return !split_ || whole_kind_.at(param); }
+  bool kept_whole(size_t param) const { return placement_.kept_whole(param); }
   // The trainable elements the busiest rank owns against 1/world_size: max / ideal - 1.
   double imbalance() const { return layout().imbalance(); }
   // Counts re-partitions: owner() answers differently after it changed.
@@ -293,16 +294,12 @@ class OSS : public torch::optim::Optimizer {
   const Unit& unit_of(size_t param) const { return units_[unit_of_group_[group_of_[param]]]; }
   // Whether shardopt knows the state layout of every optimizer (built in or registered).
   bool all_registered() const;
-  // What the partition balances: the parameters it places (all, or only the whole-kind ones when
-  // split) weigh their cost, the rest nothing (Note [Ownership by kind]).
-  std::vector<int64_t> partition_weights() const;
   void check_params_across_ranks();
   // With shard_group_size: splits the group into blocks and replica groups; group_ becomes the block.
   void form_blocks();
-  // Whole parameters (balanced as `whole`), or split ranges: PartitionMode resolved.
-  void choose_partition_mode(const Partition& whole);
-  // whole_kind_ and weights_ from the optimizers' kinds and costs.
-  void weigh_params();
+  // What placement needs of each parameter: its shape, dtype, trainability, and its optimizer's
+  // kind and cost.
+  std::vector<ParamShape> param_shapes() const;
   void make_local();
   void sync_options_to_local();
   bool trainable_mask_changed() const;
@@ -341,8 +338,8 @@ class OSS : public torch::optim::Optimizer {
   std::vector<size_t> group_sizes_;
   std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> position in params_
   int64_t settled_version_ = -1;        // the store's layout version when the state was last settled
-  bool split_ = false;
-  double whole_imbalance_ = 0.0;      // of the whole-parameter partition at construction (kAuto)
+  // Weights, kinds, split or whole, decided at construction (shardopt/optim/placement.h).
+  Placement placement_;
   std::vector<std::vector<detail::Holding>> holdings_;  // per parameter: where its state lives now
   int64_t state_moves_ = 0;
   std::shared_ptr<ProcessGroup> global_group_, replica_group_;
@@ -352,15 +349,10 @@ class OSS : public torch::optim::Optimizer {
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::vector<Unit> units_;
   std::vector<size_t> unit_of_group_, local_group_of_;  // per global group: its unit, its index there
-  std::vector<uint8_t> whole_kind_;  // per parameter: its optimizer needs whole tensors
   // The partition, the parameter buffers, the slabs the local optimizer's state lives in, and the
   // owned gradients (shared with ShardedDDP: detail::store_of).
   std::unique_ptr<detail::ShardStore> store_;
   std::vector<uint8_t> trainable_;
-  // Per parameter, what a step on it costs: its bytes for an element-wise optimizer; for a
-  // whole-tensor one its cost (OptimizerCodec::cost), scaled so that those parameters' costs sum
-  // to their bytes (Note [Ownership by kind]).
-  std::vector<int64_t> weights_;
   std::vector<uint8_t> balanced_for_;   // the trainable set the partition was last decided for
   int64_t partition_version_ = 0;
   RebalanceStats last_rebalance_;

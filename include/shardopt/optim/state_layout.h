@@ -6,7 +6,7 @@
 // (Adam, SGD): its parameters may be cut into ranges with different owners, like Adam's. A
 // whole-tensor optimizer needs the whole parameter at once (Muon orthogonalises a matrix, Shampoo
 // preconditions one): each parameter stays whole on one owner, and the owners are chosen to
-// balance the update's cost (`cost`, Note [Ownership by kind] in csrc/optim/oss.cpp).
+// balance the update's cost (`cost`, Note [Ownership by kind] in csrc/optim/placement.cpp).
 //
 //   shardopt::register_optimizer(
 //       shardopt::OptimizerRegistration<MyOpt, MyOptions, MyParamState>("MyOpt", shardopt::StateKind::kElementWise)
