@@ -4,11 +4,13 @@
 //   shardopt train --freeze conv@2 --unfreeze conv@4 --checkpoint-dir run
 //   torchrun --nproc-per-node 4 shardopt train   one rank per process under any launcher
 //   shardopt memory --preset gpt2-small          measured memory per rank for DDP, ZeRO-1, ZeRO-2
+//   shardopt plan --preset llama-70b             planned memory and traffic per rank at any world size
 //
 // Under a launcher (RANK or the Open MPI / PMI / SLURM variables set) the process is one rank;
 // otherwise `-n N` starts N local ranks. Errors print one line and exit non-zero.
 #include "local_ranks.h"
 #include "memory.h"
+#include "plan.h"
 #include "train.h"
 #include "fashion_mnist.h"
 
@@ -137,6 +139,44 @@ void add_memory_options(CLI::App& memory, MemoryOptions& o) {
   memory.add_option("--worker-out", o.worker_out)->group("");
 }
 
+void add_plan_options(CLI::App& plan, PlanOptions& o) {
+  plan.add_option("--preset", o.preset, "cnn, gpt2-small, many-small, llama-7b or llama-70b")->capture_default_str();
+  plan.add_option("--spec", o.spec, "a JSON file {\"layers\": [{\"name\": ..., \"shape\": [...]}, ...]} instead of a preset");
+  plan.add_option("--world-sizes", o.world_sizes, "world sizes to plan")->delimiter(',')->check(kPositive)->capture_default_str();
+  plan.add_option("--modes", o.modes, "ddp, zero1, zero2, and zero1-bf16, zero2-bf16 (bf16 parameters and "
+                                    "gradients, fp32 master weights and state sharded)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "zero1-bf16", "zero2-bf16"}))
+      ->capture_default_str();
+  plan.add_option("--shard-group-size", o.shard_group_size, "hierarchical sharding: shard within blocks of this many "
+                                                            "ranks, one replica per block (0: the whole group)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  plan.add_option("--optimizer", o.optimizer, "adam, or muon (Muon on the weight matrices that are not embeddings or "
+                                            "the output layer; Adam on the rest)")
+      ->check(CLI::IsMember({"adam", "muon"}))
+      ->capture_default_str();
+  plan.add_option("--partition", o.partition, "auto, split (equal ranges) or whole (whole parameters per owner)")
+      ->check(CLI::IsMember({"auto", "split", "whole"}))
+      ->capture_default_str();
+  plan.add_option("--bucket-mb", o.bucket_mb, "ZeRO-2's reduce buckets, MiB (0: one per parameter)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  plan.add_option("--freeze-fraction", o.freeze_fraction, "fraction of the parameters (leading layers) frozen for a "
+                                                          "second scenario (0: none)")
+      ->check(number_in(0, 0.999999, "in [0, 1)"))
+      ->capture_default_str();
+  plan.add_option("--intra-node-bandwidth", o.intra_node_gbps, "GB/s each way between ranks of one node (NVLink)")
+      ->check(kPositive)
+      ->capture_default_str();
+  plan.add_option("--inter-node-bandwidth", o.inter_node_gbps, "GB/s each way between nodes, per rank (InfiniBand)")
+      ->check(kPositive)
+      ->capture_default_str();
+  plan.add_option("--ranks-per-node", o.ranks_per_node, "ranks (GPUs) per node")->check(kPositive)->capture_default_str();
+  plan.add_option("-o,--out", o.out_dir, "folder for plan.json, plan.csv and plan.png")->capture_default_str();
+  plan.add_option("--python", o.python, "Python with matplotlib for the chart (default: the build's)");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -155,9 +195,14 @@ int main(int argc, char** argv) {
   CLI::App* memory = app.add_subcommand("memory", "measure memory per rank for plain data parallel, OSS (ZeRO-1) "
                                                   "and OSS + ShardedDDP (ZeRO-2) at several world sizes");
   add_memory_options(*memory, memory_options);
+  PlanOptions plan_options;
+  CLI::App* plan = app.add_subcommand("plan", "plan memory and traffic per rank for any world size from the real "
+                                              "layout, without allocating tensors");
+  add_plan_options(*plan, plan_options);
 
-  if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "train" && std::string(argv[1]) != "memory") {
-    std::fprintf(stderr, "shardopt: unknown subcommand '%s' (the subcommands: train, memory; see shardopt --help)\n", argv[1]);
+  if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "train" && std::string(argv[1]) != "memory" &&
+      std::string(argv[1]) != "plan") {
+    std::fprintf(stderr, "shardopt: unknown subcommand '%s' (the subcommands: train, memory, plan; see shardopt --help)\n", argv[1]);
     return 2;
   }
   try {
@@ -169,7 +214,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    const char* sub = *train ? " train" : *memory ? " memory" : "";
+    const char* sub = *train ? " train" : *memory ? " memory" : *plan ? " plan" : "";
     std::fprintf(stderr, "shardopt: %s (see shardopt%s --help)\n", e.what(), sub);
     return e.get_exit_code() == 0 ? 2 : e.get_exit_code();
   }
@@ -198,6 +243,7 @@ int main(int argc, char** argv) {
       }
       return run_train(train_options);
     }
+    if (*plan) return run_plan(plan_options);
     return run_memory(memory_options, argv);
   } catch (const std::exception& e) {
     if (launched && rank) {

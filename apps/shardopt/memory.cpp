@@ -1,5 +1,6 @@
 #include "memory.h"
 
+#include "charts.h"
 #include "local_ranks.h"
 #include "memory_worker.h"
 #include "model_spec.h"
@@ -10,8 +11,6 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,33 +31,6 @@ double estimate_per_rank(const std::string& mode, int world, int64_t numel) {
   const double buckets = mode.rfind("zero2", 0) == 0 ? 0.0 : 4.0 * numel;
   const double transient = 4.0 * numel;  // the backward's temporaries and the step's
   return f["params"].get<double>() + f["grads"].get<double>() + f["state"].get<double>() + buckets + transient + 400e6;
-}
-
-std::string exe_dir() {
-  char buf[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return ".";
-  std::string path(buf, static_cast<size_t>(n));
-  return path.substr(0, path.find_last_of('/'));
-}
-
-bool exists(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0;
-}
-
-// The chart script: installed beside the executable's share folder, or in the source tree.
-std::string plot_script() {
-  const std::string installed = exe_dir() + "/../share/shardopt/plot_memory.py";
-  return exists(installed) ? installed : std::string(SHARDOPT_APP_SOURCE_DIR) + "/plot_memory.py";
-}
-
-// Runs `argv` with stdout and stderr to the terminal; returns the exit code.
-int run_command(const std::vector<std::string>& args) {
-  std::string line;
-  for (const auto& a : args) line += (line.empty() ? "" : " ") + ("'" + a + "'");
-  const int rc = std::system(line.c_str());
-  return rc == -1 ? 127 : (WIFEXITED(rc) ? WEXITSTATUS(rc) : 128);
 }
 
 std::vector<std::string> worker_args(const MemoryOptions& o, char** argv, const std::string& mode, const std::string& out) {
@@ -160,12 +132,10 @@ void write_csv(const nlohmann::json& rows, const std::string& path) {
   }
 }
 
-ModelSpec spec_of(const MemoryOptions& o) { return o.spec.empty() ? preset_spec(o.preset) : read_spec(o.spec); }
-
 }  // namespace
 
 int run_memory(const MemoryOptions& o, char** argv) {
-  const ModelSpec spec = spec_of(o);
+  const ModelSpec spec = model_spec(o.preset, o.spec);
   if (!o.worker_mode.empty()) {
     run_memory_worker(spec, o.worker_mode, o.optimizer, o.steps, o.freeze_fraction, o.worker_out);
     return 0;
@@ -174,12 +144,7 @@ int run_memory(const MemoryOptions& o, char** argv) {
   SHARDOPT_CHECK(o.steps > 0, "--steps must be positive, got ", o.steps);
   SHARDOPT_CHECK(o.freeze_fraction >= 0 && o.freeze_fraction < 1, "--freeze-fraction must be in [0, 1), got ", o.freeze_fraction);
   for (int w : o.world_sizes) SHARDOPT_CHECK(w >= 1, "--world-sizes: ", w, " is not a positive world size");
-  ::mkdir(o.out_dir.c_str(), 0755);
-  struct stat st {};
-  SHARDOPT_CHECK(::stat(o.out_dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::access(o.out_dir.c_str(), W_OK) == 0,
-                 "-o '", o.out_dir, "' is not a folder it can write to");
-  const std::string python = o.python.empty() ? std::string(SHARDOPT_APP_PYTHON) : o.python;
-  SHARDOPT_CHECK(::access(python.c_str(), X_OK) == 0, "--python '", python, "' is not an executable file");
+  const std::string python = chart_python(o.python, o.out_dir);
   nlohmann::json rows = nlohmann::json::array(), skipped = nlohmann::json::array();
   for (int world : o.world_sizes) {
     for (const auto& mode : o.modes) {
@@ -210,9 +175,7 @@ int run_memory(const MemoryOptions& o, char** argv) {
   nlohmann::json report = {{"model", spec.name}, {"numel", spec.numel()}, {"rows", rows}, {"skipped", skipped}};
   std::ofstream(o.out_dir + "/memory.json") << report.dump(1) << "\n";
   write_csv(rows, o.out_dir + "/memory.csv");
-  const int rc = run_command({python, plot_script(), o.out_dir + "/memory.json", o.out_dir + "/memory.png"});
-  SHARDOPT_CHECK(rc == 0, "drawing the chart with '", python, "' failed (exit code ", rc,
-                 "; it needs matplotlib: tools/setup.sh installs it)");
+  draw_chart(python, "plot_memory.py", o.out_dir + "/memory.json", o.out_dir + "/memory.png");
   std::printf("wrote %s/memory.json, memory.csv and memory.png\n", o.out_dir.c_str());
   return 0;
 }

@@ -1,5 +1,7 @@
 #include "memory_worker.h"
 
+#include "shard_plan.h"
+
 #include <shardopt/shardopt.h>
 
 #include <ATen/ATen.h>
@@ -69,16 +71,6 @@ int64_t torch_state_bytes(torch::optim::Optimizer& opt) {
   return bytes;
 }
 
-// --optimizer muon: Muon on the weights of two or more dimensions that are not embeddings (a
-// name containing "wte", "wpe" or "emb"), conv filters taken as matrices; Adam on the rest.
-bool takes_muon(const std::string& optimizer, const LayerShape& layer) {
-  if (optimizer != "muon" || layer.shape.size() < 2) return false;
-  for (const char* embedding : {"wte", "wpe", "emb"}) {
-    if (layer.name.find(embedding) != std::string::npos) return false;
-  }
-  return true;
-}
-
 // Plain data parallel's gradient exchange: the gradients copied into flat buckets that live for
 // the whole run (as DDP's do), all-reduced, averaged and copied back.
 struct FlatAllReduce {
@@ -143,7 +135,7 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, const std
   std::vector<at::Tensor> matrices, others;
   int64_t muon_numel = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    const bool muon = takes_muon(optimizer_name, spec.layers.at(i));
+    const bool muon = optimizer_name == "muon" && muon_matrix(spec.layers.at(i));
     (muon ? matrices : others).push_back(params[i]);
     muon_numel += muon ? params[i].numel() : 0;
   }
@@ -192,7 +184,10 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, const std
                                 static_cast<double>(plain ? torch_state_bytes(*plain) +
                                                                 (plain_muon ? torch_state_bytes(*plain_muon) : 0)
                                                           : oss->local_state_bytes() + oss->local_master_bytes()),
-                                static_cast<double>(allreduce.bucket.defined() ? allreduce.bucket.nbytes() : 0),
+                                // ZeRO-2: the owned gradient slabs' bytes beyond the gradients
+                                // in them (counts, alignment); else the all-reduce's bucket.
+                                static_cast<double>(ddp ? ddp->local_bucket_bytes() - ddp->local_grad_bytes()
+                                                        : allreduce.bucket.defined() ? allreduce.bucket.nbytes() : 0),
                                 static_cast<double>(peak_rss_bytes())};
     const int64_t fields = static_cast<int64_t>(mine.size());
     at::Tensor all = at::zeros({group->size() * fields}, at::kDouble);
@@ -219,13 +214,13 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, const std
   for (int s = 0; s < steps; ++s) step();
   record("all trainable", measure(), numel);
 
-  // Freeze the leading layers up to the fraction, then step and count again.
+  // Freeze the leading layers up to the fraction (as `shardopt plan` does), then step and count again.
   int64_t frozen = 0;
-  for (const auto& p : params) {
-    if (frozen + p.numel() > freeze_fraction * static_cast<double>(numel)) break;
-    p.requires_grad_(false);
-    p.mutable_grad().reset();
-    frozen += p.numel();
+  const auto trainable = freeze_leading(spec, freeze_fraction, &frozen);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (trainable[i]) continue;
+    params[i].requires_grad_(false);
+    params[i].mutable_grad().reset();
   }
   // The new trainable set agreed and the shards re-balanced now, as the next forward() would do
   // over two steps: the measurement sees the settled layout whatever --steps is.

@@ -4,6 +4,7 @@
 
 #include <shardopt/check.h>
 #include <shardopt/models/gpt2.h>
+#include <shardopt/models/llama.h>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -35,8 +36,12 @@ ModelSpec preset_spec(const std::string& name) {
       s.layers.push_back({fmt::format("layer{}.weight", l), {64, 64}});
       s.layers.push_back({fmt::format("layer{}.bias", l), {64}});
     }
+  } else if (name == "llama-7b" || name == "llama-70b") {
+    for (const auto& layer : models::llama_shapes(name == "llama-7b" ? models::llama_7b() : models::llama_70b())) {
+      s.layers.push_back({layer.name, layer.shape});
+    }
   } else {
-    SHARDOPT_CHECK(false, "--preset '", name, "' is not one of cnn, gpt2-small, many-small");
+    SHARDOPT_CHECK(false, "--preset '", name, "' is not one of cnn, gpt2-small, many-small, llama-7b, llama-70b");
   }
   return s;
 }
@@ -68,6 +73,18 @@ ModelSpec read_spec(const std::string& path) {
     s.layers.push_back(shape);
   }
   return s;
+}
+
+ModelSpec model_spec(const std::string& preset, const std::string& spec) {
+  return spec.empty() ? preset_spec(preset) : read_spec(spec);
+}
+
+bool muon_matrix(const LayerShape& layer) {
+  if (layer.shape.size() < 2) return false;
+  for (const char* excluded : {"wte", "wpe", "emb", "lm_head"}) {
+    if (layer.name.find(excluded) != std::string::npos) return false;
+  }
+  return true;
 }
 
 }  // namespace shardopt::app

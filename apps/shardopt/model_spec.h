@@ -22,10 +22,19 @@ struct ModelSpec {
 
 // "cnn" (the train command's CNN), "gpt2-small" (GPT-2 small's 124M parameters in its 148 tensor
 // shapes, the output layer tied to the embedding), "many-small" (1,000 tensors: 500 layers of
-// 64x64 and a bias). An unknown name is an error listing the presets.
+// 64x64 and a bias), "llama-7b" and "llama-70b" (Llama 2's shapes: 6.74B parameters in 291
+// tensors, 69.0B in 723). An unknown name is an error listing the presets.
 ModelSpec preset_spec(const std::string& name);
 
 // Reads a JSON spec; errors name the file and the bad entry.
 ModelSpec read_spec(const std::string& path);
+
+// A preset's shapes, or a spec file's when `spec` is not empty.
+ModelSpec model_spec(const std::string& preset, const std::string& spec);
+
+// --optimizer muon: whether Muon steps this layer: a weight of two or more dimensions that is not
+// an embedding or the output layer (a name containing "wte", "wpe", "emb" or "lm_head"), conv
+// filters taken as matrices. Adam steps the rest.
+bool muon_matrix(const LayerShape& layer);
 
 }  // namespace shardopt::app

@@ -1,0 +1,217 @@
+#include "plan.h"
+
+#include "charts.h"
+#include "memory_worker.h"
+#include "model_spec.h"
+#include "shard_plan.h"
+#include "units.h"
+
+#include <shardopt/check.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+namespace shardopt::app {
+
+namespace {
+
+// One planned configuration and scenario, with what the table, the JSON and the CSV show.
+struct Row {
+  PlanConfig config;
+  ScenarioPlan plan;
+  double comm_seconds = 0;    // the slowest rank's time to move its bytes at the link bandwidths
+  nlohmann::json formula;     // the ZeRO paper's bytes per rank
+  int64_t muon_numel = 0;
+};
+
+const RankPlan& busiest(const ScenarioPlan& p) {
+  return *std::max_element(p.ranks.begin(), p.ranks.end(),
+                           [](const RankPlan& a, const RankPlan& b) { return a.total() < b.total(); });
+}
+
+const RankPlan& least(const ScenarioPlan& p) {
+  return *std::min_element(p.ranks.begin(), p.ranks.end(),
+                           [](const RankPlan& a, const RankPlan& b) { return a.total() < b.total(); });
+}
+
+// The busiest rank's state and masters against the mean: how far the sharded part is from 1/N.
+double state_imbalance(const ScenarioPlan& p) {
+  double sum = 0, most = 0;
+  for (const auto& r : p.ranks) {
+    sum += r.state + r.masters;
+    most = std::max(most, r.state + r.masters);
+  }
+  return sum > 0 ? most * static_cast<double>(p.ranks.size()) / sum - 1.0 : 0.0;
+}
+
+// Seconds to move each rank's bytes: a group that fits in one node moves at the intra-node
+// bandwidth, one that spans nodes at the inter-node bandwidth (its ring crosses the slowest link).
+double comm_seconds(const PlanOptions& o, const PlanConfig& c, const ScenarioPlan& p) {
+  const int block = c.mode == "ddp" || c.shard_group_size == 0 ? c.world_size : c.shard_group_size;
+  const double block_bw = (block <= o.ranks_per_node ? o.intra_node_gbps : o.inter_node_gbps) * 1e9;
+  const double across_bw = (c.world_size <= o.ranks_per_node ? o.intra_node_gbps : o.inter_node_gbps) * 1e9;
+  double worst = 0;
+  for (const auto& r : p.ranks) {
+    worst = std::max(worst, std::max(r.sent_block, r.received_block) / block_bw +
+                                std::max(r.sent_across, r.received_across) / across_bw);
+  }
+  return worst;
+}
+
+nlohmann::json rank_json(const RankPlan& r) {
+  return {{"rank", r.rank},
+          {"params", r.params},
+          {"grads", r.grads},
+          {"buckets", r.buckets},
+          {"masters", r.masters},
+          {"state", r.state},
+          {"total", r.total()},
+          {"bytes_sent_per_step", r.sent()},
+          {"bytes_received_per_step", r.received()},
+          {"bytes_sent_within_block", r.sent_block},
+          {"bytes_received_within_block", r.received_block},
+          {"bytes_sent_across_blocks", r.sent_across},
+          {"bytes_received_across_blocks", r.received_across}};
+}
+
+// Why the busiest rank differs from the ZeRO paper's formula, part by part.
+std::string differences(const Row& row) {
+  const RankPlan& b = busiest(row.plan);
+  const double params = b.params - row.formula["params"].get<double>();
+  const double grads = b.grads - row.formula["grads"].get<double>();
+  const double state = b.state + b.masters - row.formula["state"].get<double>();
+  std::string out;
+  auto add = [&](double bytes, const char* why) {
+    if (std::abs(bytes) < 0.5) return;
+    out += fmt::format("{}{}{} {}", out.empty() ? "" : ", ", bytes > 0 ? "+" : "-", bytes_text(std::abs(bytes)), why);
+  };
+  add(params, "parameter padding");
+  add(grads, "gradients (owned ranges)");
+  add(b.buckets, "buckets");
+  add(state, "state (imbalance, padding)");
+  return out.empty() ? "equal" : out;
+}
+
+void print_table(const std::vector<Row>& rows, const ModelSpec& spec, const PlanOptions& o) {
+  std::printf("plan per rank, %s (%s parameters, %s): the busiest rank of each configuration (all blocks are "
+              "alike); traffic per step; communication at %.0f GB/s inside a node and %.0f GB/s across nodes (%d "
+              "ranks each)\n",
+              spec.name.c_str(), count_text(spec.numel()).c_str(),
+              o.optimizer == "muon" ? "Muon on the matrices, Adam on the rest" : "Adam", o.intra_node_gbps,
+              o.inter_node_gbps, o.ranks_per_node);
+  std::printf("%-10s %5s %5s  %-14s %9s %9s %9s %9s %9s %9s | %9s %6s | %9s %9s %9s | %s\n", "mode", "world", "block",
+              "scenario", "params", "grads", "buckets", "masters", "state", "total", "least", "imbal", "sent",
+              "received", "comm", "against the ZeRO formula");
+  for (const auto& row : rows) {
+    const RankPlan& b = busiest(row.plan);
+    const int block = row.config.mode == "ddp" || row.config.shard_group_size == 0 ? row.config.world_size
+                                                                                   : row.config.shard_group_size;
+    std::printf("%-10s %5d %5d  %-14s %9s %9s %9s %9s %9s %9s | %9s %5.1f%% | %9s %9s %7.2fms | %s\n",
+                row.config.mode.c_str(), row.config.world_size, block, row.plan.scenario.c_str(),
+                bytes_text(b.params).c_str(), bytes_text(b.grads).c_str(), bytes_text(b.buckets).c_str(),
+                bytes_text(b.masters).c_str(), bytes_text(b.state).c_str(), bytes_text(b.total()).c_str(),
+                bytes_text(least(row.plan).total()).c_str(), 100.0 * state_imbalance(row.plan),
+                bytes_text(b.sent()).c_str(), bytes_text(b.received()).c_str(), row.comm_seconds * 1e3,
+                differences(row).c_str());
+  }
+}
+
+nlohmann::json report_json(const std::vector<Row>& rows, const ModelSpec& spec, const PlanOptions& o) {
+  nlohmann::json configs = nlohmann::json::array();
+  for (const auto& row : rows) {
+    configs.push_back({{"world_size", row.config.world_size},
+                       {"mode", row.config.mode},
+                       {"shard_group_size", row.config.shard_group_size},
+                       {"scenario", row.plan.scenario},
+                       {"optimizer", row.config.optimizer},
+                       {"split", row.plan.split},
+                       {"buckets", row.plan.buckets},
+                       {"trainable", row.plan.trainable},
+                       {"layout_imbalance", row.plan.layout_imbalance},
+                       {"state_imbalance", state_imbalance(row.plan)},
+                       {"comm_seconds_per_step", row.comm_seconds},
+                       {"max_rank", rank_json(busiest(row.plan))},
+                       {"min_rank", rank_json(least(row.plan))},
+                       {"formula", row.formula},
+                       {"against_formula", differences(row)}});
+  }
+  return {{"model", spec.name},
+          {"numel", spec.numel()},
+          {"links", {{"intra_node_gbps", o.intra_node_gbps}, {"inter_node_gbps", o.inter_node_gbps},
+                     {"ranks_per_node", o.ranks_per_node}}},
+          {"configs", configs}};
+}
+
+void write_csv(const std::vector<Row>& rows, const std::string& path) {
+  std::ofstream f(path);
+  SHARDOPT_CHECK(f, "cannot write '", path, "'");
+  f << "mode,world,shard_group_size,scenario,rank,params,grads,buckets,masters,state,total,sent_within_block,"
+       "received_within_block,sent_across_blocks,received_across_blocks\n";
+  for (const auto& row : rows) {
+    for (const auto& r : row.plan.ranks) {
+      f << fmt::format("{},{},{},{},{},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f}\n",
+                       row.config.mode, row.config.world_size, row.config.shard_group_size, row.plan.scenario, r.rank,
+                       r.params, r.grads, r.buckets, r.masters, r.state, r.total(), r.sent_block, r.received_block,
+                       r.sent_across, r.received_across);
+    }
+  }
+}
+
+}  // namespace
+
+int run_plan(const PlanOptions& o) {
+  const auto started = std::chrono::steady_clock::now();
+  const ModelSpec spec = model_spec(o.preset, o.spec);
+  SHARDOPT_CHECK(o.intra_node_gbps > 0, "--intra-node-bandwidth must be positive, got ", o.intra_node_gbps);
+  SHARDOPT_CHECK(o.inter_node_gbps > 0, "--inter-node-bandwidth must be positive, got ", o.inter_node_gbps);
+  SHARDOPT_CHECK(o.ranks_per_node >= 1, "--ranks-per-node must be positive, got ", o.ranks_per_node);
+  SHARDOPT_CHECK(o.bucket_mb >= 0, "--bucket-mb must be >= 0, got ", o.bucket_mb);
+  for (int w : o.world_sizes) {
+    SHARDOPT_CHECK(w >= 1, "--world-sizes: ", w, " is not a positive world size");
+    SHARDOPT_CHECK(o.shard_group_size == 0 || w % o.shard_group_size == 0, "--shard-group-size ", o.shard_group_size,
+                   " does not divide the world size ", w);
+  }
+  const std::string python = chart_python(o.python, o.out_dir);
+  int64_t muon_numel = 0;
+  for (const auto& layer : spec.layers) {
+    int64_t n = 1;
+    for (int64_t d : layer.shape) n *= d;
+    muon_numel += o.optimizer == "muon" && muon_matrix(layer) ? n : 0;
+  }
+  std::vector<Row> rows;
+  for (int world : o.world_sizes) {
+    for (const auto& mode : o.modes) {
+      PlanConfig c;
+      c.mode = mode;
+      c.world_size = world;
+      c.shard_group_size = mode == "ddp" || o.shard_group_size == world ? 0 : o.shard_group_size;
+      c.optimizer = o.optimizer;
+      c.partition = o.partition;
+      c.bucket_bytes = static_cast<int64_t>(o.bucket_mb * (1 << 20));
+      c.freeze_fraction = o.freeze_fraction;
+      for (auto& plan : plan_config(spec, c)) {
+        Row row{c, std::move(plan), 0.0, {}, 0};
+        row.comm_seconds = comm_seconds(o, c, row.plan);
+        const int sharded = c.shard_group_size > 0 ? c.shard_group_size : world;
+        row.formula = zero_formula(mode, sharded, spec.numel(), row.plan.trainable, spec.numel(), muon_numel);
+        rows.push_back(std::move(row));
+      }
+    }
+  }
+  print_table(rows, spec, o);
+  std::ofstream(o.out_dir + "/plan.json") << report_json(rows, spec, o).dump(1) << "\n";
+  write_csv(rows, o.out_dir + "/plan.csv");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  draw_chart(python, "plot_plan.py", o.out_dir + "/plan.json", o.out_dir + "/plan.png");
+  std::printf("planned %zu configurations in %.2f s; wrote %s/plan.json, plan.csv and plan.png\n", rows.size(), seconds,
+              o.out_dir.c_str());
+  return 0;
+}
+
+}  // namespace shardopt::app

@@ -1,0 +1,149 @@
+"""`shardopt plan`, run as a user runs it: its bytes against what `shardopt memory` measures on
+real ranks, the ZeRO paper's formula where the layout adds nothing, a 70B shape at 4,096 ranks,
+and bad input.
+
+Run by ctest with the project's Python; SHARDOPT_EXE names the executable.
+"""
+import csv
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import unittest
+
+EXE = os.environ["SHARDOPT_EXE"]
+
+
+def run(args, check=True, timeout=600):
+    p = subprocess.run([EXE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"shardopt {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+# A model whose shapes make the layout do work: an embedding, matrices and vectors of odd sizes
+# (alignment, split pieces, buckets), and enough tensors that whole parameters do not balance.
+SPEC = {"layers": [{"name": "emb", "shape": [997, 48]}] +
+        [{"name": f"h{i}.w", "shape": [48 + 8 * (i % 3), 48]} for i in range(9)] +
+        [{"name": f"h{i}.b", "shape": [48 + 8 * (i % 3)]} for i in range(9)] +
+        [{"name": "head", "shape": [10, 48]}]}
+
+
+class PlanTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="shardopt-plan-")
+
+    def tearDown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def compare(self, args, modes, optimizer):
+        """Every rank's bytes in `plan.csv` equal `shardopt memory`'s, in every mode, world size and scenario."""
+        common = [*args, "--world-sizes", "1,2,4", "--modes", modes, "--optimizer", optimizer,
+                  "--freeze-fraction", "0.5"]
+        run(["memory", *common, "--steps", "2", "-o", self.path("memory")])
+        run(["plan", *common, "-o", self.path("plan")])
+        with open(self.path("memory/memory.json")) as f:
+            measured = json.load(f)["rows"]
+        with open(self.path("plan/plan.csv")) as f:
+            planned = {(r["mode"], int(r["world"]), r["scenario"], int(r["rank"])): r for r in csv.DictReader(f)}
+        self.assertEqual(len(measured), len(planned))
+        self.assertEqual(len(measured), sum(w for w in (1, 2, 4)) * len(modes.split(",")) * 2)
+        for m in measured:
+            p = planned[(m["mode"], m["world"], m["scenario"], m["rank"])]
+            what = f"{optimizer} {m['mode']} world {m['world']} {m['scenario']} rank {m['rank']}"
+            self.assertEqual(float(p["params"]), m["params"], what)
+            self.assertEqual(float(p["grads"]), m["grads"], what)
+            self.assertEqual(float(p["buckets"]), m["buckets"], what)
+            # memory counts fp32 masters as state, as ZeRO's 12 bytes do
+            self.assertEqual(float(p["state"]) + float(p["masters"]), m["state"], what)
+        return measured
+
+    def test_plan_equals_memory_on_real_ranks(self):
+        spec = self.path("spec.json")
+        with open(spec, "w") as f:
+            json.dump(SPEC, f)
+        rows = self.compare(["--spec", spec], "ddp,zero1,zero2,zero1-bf16,zero2-bf16", "adam")
+        # The freeze left some rank holding more than its share somewhere, so the comparison
+        # covers placements that are not even.
+        frozen = [r["state"] for r in rows if r["mode"] == "zero1" and r["world"] == 4 and r["scenario"] != "all trainable"]
+        self.assertEqual(len(frozen), 4)
+        # Muon keeps its matrices whole on owners balanced by cost, Adam splits the rest.
+        self.compare(["--spec", spec], "zero1,zero2", "muon")
+        # The CNN that `shardopt train` trains.
+        self.compare(["--preset", "cnn"], "zero2,zero2-bf16", "adam")
+
+    def test_plan_equals_the_zero_formula_where_the_layout_adds_nothing(self):
+        # One rank: no padding, no imbalance; ZeRO-2's only addition is its bucket slab's counts.
+        run(["plan", "--preset", "gpt2-small", "--world-sizes", "1,2", "--modes", "zero1,zero2", "-o", self.path("p")])
+        with open(self.path("p/plan.json")) as f:
+            report = json.load(f)
+        n = report["numel"]
+        self.assertEqual(n, 124439808)
+        for c in report["configs"]:
+            r, f = c["max_rank"], c["formula"]
+            if c["world_size"] == 1:
+                self.assertEqual(r["params"], f["params"], c)
+                self.assertEqual(r["grads"], f["grads"], c)
+                self.assertEqual(r["state"] + r["masters"], f["state"], c)
+                # What the formula leaves out: DDP's all-reduce bucket beside ZeRO-1, ZeRO-2's counts
+                if c["mode"] == "zero1":
+                    self.assertEqual(r["buckets"], r["grads"], c)
+                else:
+                    self.assertLess(r["buckets"], 1e-4 * r["grads"], c)
+                self.assertTrue(c["against_formula"].endswith(" buckets"), c)
+                self.assertNotIn(",", c["against_formula"], c)
+            self.assertIn("bytes_sent_per_step", r)
+            self.assertIn("bytes_received_per_step", r)
+        self.assertTrue(os.path.getsize(self.path("p/plan.png")) > 10000)
+        with open(self.path("p/plan.png"), "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+    def test_a_70b_shape_plans_at_4096_ranks(self):
+        run(["plan", "--preset", "llama-70b", "--world-sizes", "4096", "--modes", "zero1,zero2,zero2-bf16", "-o",
+             self.path("p")])
+        with open(self.path("p/plan.json")) as f:
+            report = json.load(f)
+        n = report["numel"]
+        self.assertEqual(n, 68976648192)
+        for c in report["configs"]:
+            self.assertTrue(c["split"], c)
+            ideal = (12 if c["mode"].endswith("bf16") else 8) * n / 4096
+            busiest = c["max_rank"]["state"] + c["max_rank"]["masters"]
+            # 1/4096 of the total, plus at most one element of padding per rank
+            self.assertGreaterEqual(busiest, ideal)
+            self.assertLessEqual(busiest, 1.01 * ideal, c)
+            # Per step every rank sends and receives about the model's bytes twice under ZeRO-2 (a
+            # reduce to each owner, a broadcast from it), three times under ZeRO-1 (an all-reduce
+            # of the gradients, then the broadcast)
+            low = 2 if c["mode"].endswith("bf16") else 4
+            times = 3 if c["mode"].startswith("zero1") else 2
+            for key in ("bytes_sent_per_step", "bytes_received_per_step"):
+                self.assertAlmostEqual(c["max_rank"][key] / (times * low * n), 1.0, delta=0.01, msg=c)
+        with open(self.path("p/plan.csv")) as f:
+            self.assertEqual(len(list(csv.DictReader(f))), 3 * 4096)
+
+    def test_bad_input_is_one_line_naming_it(self):
+        spec = self.path("bad.json")
+        with open(spec, "w") as f:
+            f.write('{"layers": [{"shape": [3, ')
+        cases = [
+            (["--world-sizes", "12", "--shard-group-size", "8"], "--shard-group-size 8 does not divide the world size 12"),
+            (["--preset", "gpt5"], "--preset 'gpt5' is not one of"),
+            (["--spec", spec], "is not valid JSON"),
+            (["--intra-node-bandwidth", "0"], "--intra-node-bandwidth: must be positive, got 0"),
+            (["--inter-node-bandwidth", "-5"], "--inter-node-bandwidth: must be positive, got -5"),
+            (["--world-sizes", "0"], "--world-sizes: must be positive, got 0"),
+        ]
+        for args, message in cases:
+            p = run(["plan", *args, "-o", self.path("p")], check=False)
+            self.assertNotEqual(p.returncode, 0, args)
+            self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+            self.assertIn(message, p.stderr, args)
+
+
+if __name__ == "__main__":
+    unittest.main()
