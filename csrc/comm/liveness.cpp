@@ -29,6 +29,21 @@ namespace shardopt {
 
 namespace {
 std::string heartbeat_key(int rank) { return "shardopt/heartbeat/" + std::to_string(rank); }
+
+// Every rank's heartbeat count: one multi-get where the store has it and every counter exists
+// (two requests per rank however many ranks there are), else one request per rank.
+std::vector<int64_t> heartbeat_counts(c10d::Store& store, int size) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(heartbeat_key(r));
+  std::vector<int64_t> counts(size);
+  if (store.hasExtendedApi() && store.check(keys)) {
+    const auto values = store.multiGet(keys);
+    for (int r = 0; r < size; ++r) counts[r] = std::stoll(std::string(values[r].begin(), values[r].end()));
+  } else {
+    for (int r = 0; r < size; ++r) counts[r] = store.add(keys[r], 0);
+  }
+  return counts;
+}
 }  // namespace
 
 void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) {
@@ -69,12 +84,12 @@ std::string ProcessGroup::roll_call() {
   try {
     // A rank that saw a failure says so first: it may exit before the others look.
     store_->set("shardopt/failed/" + std::to_string(rank_), std::vector<uint8_t>{1});
-    std::vector<int64_t> before(size_);
-    for (int r = 0; r < size_; ++r) before[r] = store_->add(heartbeat_key(r), 0);
+    const std::vector<int64_t> before = heartbeat_counts(*store_, size_);
     std::this_thread::sleep_for(std::chrono::seconds(3));
+    const std::vector<int64_t> after = heartbeat_counts(*store_, size_);
     std::vector<int> gone, failed_too;
     for (int r = 0; r < size_; ++r) {
-      if (r == rank_ || store_->add(heartbeat_key(r), 0) != before[r]) continue;
+      if (r == rank_ || after[r] != before[r]) continue;
       (store_->check({"shardopt/failed/" + std::to_string(r)}) ? failed_too : gone).push_back(r);
     }
     std::string text;
