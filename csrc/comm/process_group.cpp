@@ -167,13 +167,25 @@ std::string ProcessGroup::label(std::string what) const {
 }
 
 // Note [CPU tensors on NCCL]
+// Note [Staging]
 // NCCL moves CUDA tensors only, while the small control messages (agreement checks, the
 // trainability hash, clipping's norm, the scaler's found-inf, serialized state and its sizes)
 // are CPU tensors. In an NCCL group such a tensor travels through a copy on this rank's current
-// CUDA device, and the result is copied back when the work is waited on. Gloo takes both.
+// CUDA device. The other way round, Gloo's collectives are CPU code: in a Gloo group a CUDA
+// tensor travels through a copy in pinned host memory (from PyTorch's caching host allocator, so
+// a step's buffers are reused, not pinned anew), which makes OSS and ShardedDDP on CUDA
+// parameters work over Gloo, several ranks on one GPU included (NCCL refuses two ranks on one
+// device). Either way the result is copied back when the work is waited on.
 at::Tensor ProcessGroup::staged(const at::Tensor& tensor) const {
-  if (backend_name_ != "nccl" || !tensor.device().is_cpu()) return tensor;
-  return tensor.to(at::Device(at::kCUDA), /*non_blocking=*/false, /*copy=*/true);
+  if (backend_name_ == "nccl" && tensor.device().is_cpu()) {
+    return tensor.to(at::Device(at::kCUDA), /*non_blocking=*/false, /*copy=*/true);
+  }
+  if (backend_name_ != "nccl" && tensor.device().is_cuda()) {
+    at::Tensor host = at::empty(tensor.sizes(), tensor.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(tensor);
+    return host;
+  }
+  return tensor;
 }
 
 void ProcessGroup::unstage_after(PendingWork& work, at::Tensor tensor, const at::Tensor& staged) {
@@ -284,15 +296,16 @@ PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, 
   if (size_ >= 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {
     constexpr uint32_t kFirstTag = 1u << 24;
     const int tag = static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
+    at::Tensor host = staged(tensor);  // a CUDA tensor's pinned copy (Note [Staging])
     if (rank_ != root) {
-      std::vector<at::Tensor> ts{tensor};
+      std::vector<at::Tensor> ts{host};
       return track(CommStats::kReduce, nbytes(tensor), [&] { return backend_->send(ts, root, tag); });
     }
     std::vector<at::Tensor> incoming;
     PendingWork work;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
-      std::vector<at::Tensor> ts{at::empty_like(tensor)};
+      std::vector<at::Tensor> ts{at::empty_like(host)};
       incoming.push_back(ts[0]);
       auto recv = start(CommStats::kReduce, [&] { return backend_->recv(ts, r, tag); });
       if (!work.valid()) {
@@ -301,7 +314,10 @@ PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, 
         work.also_wait_for(std::move(recv));
       }
     }
-    work.set_then([tensor, incoming, numel, divisor]() mutable { sum_into(tensor, incoming, numel, divisor); });
+    work.set_then([tensor, host, incoming, numel, divisor]() mutable {
+      sum_into(host, incoming, numel, divisor);
+      if (!host.is_same(tensor)) tensor.copy_(host);
+    });
     return work;
   }
   std::vector<at::Tensor> ts{staged(tensor)};
@@ -349,12 +365,14 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& i
   int64_t bytes = 0;
   for (const auto& i : inputs) bytes += nbytes(i);
   check_in(CommStats::kReduceScatter, bytes, -1);
-  std::vector<at::Tensor> out{output};
-  std::vector<std::vector<at::Tensor>> in{inputs};
+  std::vector<at::Tensor> out{staged(output)};
+  std::vector<std::vector<at::Tensor>> in{{}};
+  for (const auto& i : inputs) in[0].push_back(staged(i));
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
   track(CommStats::kReduceScatter, bytes, [&] { return backend_->reduce_scatter(out, in, opts); }).wait();
+  if (!out[0].is_same(output)) output.copy_(out[0]);
 }
 
 void ProcessGroup::send(at::Tensor& tensor, int dst, int tag) {

@@ -1,6 +1,7 @@
 // Process groups: how ranks find each other and move tensors.
 //
-// A ProcessGroup wraps one c10d backend (Gloo; NCCL for CUDA tensors) and makes every collective blocking with a
+// A ProcessGroup wraps one c10d backend (Gloo; NCCL for CUDA tensors; Gloo also takes CUDA
+// tensors, staged through pinned host memory) and makes every collective blocking with a
 // timeout: no call here waits longer than `timeout()`; a peer that is gone or late becomes a
 // c10::Error naming the collective, the rank and the time waited. `stats()` counts what this
 // rank moved, so tests and benchmarks can assert communication volume.
@@ -187,8 +188,9 @@ class ProcessGroup {
   // Runs `call` (the backend's call that starts a collective); a failure becomes an error naming
   // the collective, this rank and any peer the roll call finds gone.
   c10::intrusive_ptr<c10d::Work> start(CommStats::Kind kind, const std::function<c10::intrusive_ptr<c10d::Work>()>& call);
-  // What the backend is handed for `tensor`: the tensor itself, or, for a CPU tensor in an NCCL
-  // group, a copy on this rank's CUDA device (Note [CPU tensors on NCCL]).
+  // What the backend is handed for `tensor` (Note [Staging]): the tensor itself; for a CPU
+  // tensor in an NCCL group, a copy on this rank's CUDA device; for a CUDA tensor in a Gloo
+  // group, a copy in pinned host memory.
   at::Tensor staged(const at::Tensor& tensor) const;
   // After `work`, copies a staged tensor back into `tensor` (no-op when it was not staged).
   static void unstage_after(PendingWork& work, at::Tensor tensor, const at::Tensor& staged);
