@@ -104,6 +104,9 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
   train.add_option("--test-samples", o.test_samples, "use only the first N test images (0: all)")
       ->check(kNonNegative)
       ->capture_default_str();
+  train.add_option("--metrics", o.metrics, "the metrics file (JSON lines: loss, accuracy, samples/s, each rank's "
+                                          "state and gradient bytes, freeze and rebalance events) and its chart beside "
+                                          "it (.png); default: DIR/metrics.jsonl under --checkpoint-dir DIR; off: none");
   train.add_option("--threads", o.threads, "intra-op threads per rank (0: cores / local ranks)")
       ->check(number_in(0, 1024, "from 0 to 1024"))
       ->capture_default_str();

@@ -3,6 +3,7 @@
 #include "cnn.h"
 #include "fashion_mnist.h"
 #include "freeze_schedule.h"
+#include "metrics_log.h"
 #include "progress.h"
 #include "units.h"
 
@@ -86,6 +87,13 @@ std::string per_rank_bytes(const std::vector<int64_t>& v) {
   return out;
 }
 
+// Where the metrics go (TrainOptions::metrics); empty: nowhere.
+std::string metrics_file(const TrainOptions& o) {
+  if (o.metrics == "off") return "";
+  if (!o.metrics.empty()) return o.metrics;
+  return o.checkpoint_dir.empty() ? "" : o.checkpoint_dir + "/metrics.jsonl";
+}
+
 class Trainer {
  public:
   explicit Trainer(const TrainOptions& o);
@@ -102,6 +110,8 @@ class Trainer {
   std::pair<int64_t, int64_t> evaluate();
   void save(int64_t next_epoch_step);
   void summary();
+  // Every rank's optimizer state, master and gradient bytes into the metrics file. Collective.
+  void log_memory();
 
   const TrainOptions& o_;
   std::shared_ptr<ProcessGroup> group_;
@@ -120,6 +130,9 @@ class Trainer {
   int64_t steps_per_epoch_ = 0, total_steps_ = 0, step_ = 0, epoch_ = 0, first_epoch_step_ = 0;
   int64_t last_grad_bytes_ = 0;
   std::unique_ptr<Progress> progress_;
+  bool metrics_on_ = false;             // every rank: the metrics file is written (by rank 0)
+  std::unique_ptr<MetricsLog> metrics_;  // rank 0
+  int64_t memory_every_ = 1;            // steps between memory records
   double last_accuracy_ = -1.0;
   // Values before a trainability change, reported after the step that follows it.
   struct Before {
@@ -142,12 +155,21 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
     SHARDOPT_CHECK(::access(o.checkpoint_dir.c_str(), W_OK) == 0, "--checkpoint-dir '", o.checkpoint_dir,
                    "' is not writable");
   }
+  const std::string metrics_path = metrics_file(o);
+  metrics_on_ = !metrics_path.empty();
+  if (metrics_on_) {  // every rank checks, so that every rank says it
+    const size_t slash = metrics_path.find_last_of('/');
+    const std::string folder = slash == std::string::npos ? "." : metrics_path.substr(0, std::max<size_t>(slash, 1));
+    SHARDOPT_CHECK(::access(folder.c_str(), W_OK) == 0, "--metrics '", metrics_path, "': the folder '", folder,
+                   "' does not exist or is not writable");
+  }
   const bool cuda = o.device == "cuda";
   SHARDOPT_CHECK(!cuda || torch::cuda::is_available(), "--device cuda: no CUDA device is visible");
   group_ = init_process_group(
       InitOptions().backend(cuda ? "nccl" : "gloo").timeout(std::chrono::seconds(o.timeout_s)));
   rank_ = group_->rank();
   world_ = group_->size();
+  if (metrics_on_ && rank_ == 0) metrics_ = std::make_unique<MetricsLog>(metrics_path, o.resume);
   if (cuda) {
     // One GPU per rank: its local rank's (the NCCL group made it the current device). cuDNN's
     // deterministic algorithms: a resumed run repeats the uninterrupted one bit for bit.
@@ -314,6 +336,22 @@ void Trainer::report_change(int64_t step, const std::vector<const FreezeEvent*>&
                                   : std::string("buckets unchanged");
   std::string partition = rebalanced ? "partition rebalanced" : (oss_->split() ? "split ranges cut again" : "partition kept");
   if (moved_state) partition += fmt::format(", {} of optimizer state moved", bytes_text(static_cast<double>(moved_total)));
+  if (metrics_) {
+    bool freezes = false, unfreezes = false;
+    for (const auto* e : events) (e->freeze ? freezes : unfreezes) = true;
+    metrics_->write({{"step", step},
+                     {"epoch", epoch_ + 1},
+                     {"event", freezes && unfreezes ? "freeze and unfreeze" : freezes ? "freeze" : "unfreeze"},
+                     {"what", what},
+                     {"buckets_rebuilt", ddp_->rebuild_count() != before.rebuilds},
+                     {"buckets", ddp_->num_buckets()},
+                     {"rebalanced", rebalanced},
+                     {"state_bytes_moved", moved_total},
+                     {"grad_bytes_before", grads_before},
+                     {"grad_bytes_after", grads_after},
+                     {"state_bytes_before", state_before},
+                     {"state_bytes_after", state_after}});
+  }
   progress_->print(fmt::format("step {} (epoch {}): {}; {}; {}; per rank gradients {} -> {}, optimizer state {} -> {}",
                                step, epoch_ + 1, what, rebuild, partition, per_rank_bytes(grads_before),
                                per_rank_bytes(grads_after), per_rank_bytes(state_before), per_rank_bytes(state_after)));
@@ -329,6 +367,15 @@ void Trainer::run_step(int64_t s) {
   const double loss = train_step(s);
   if (!events.empty()) report_change(step_, events, before);
   progress_->update(step_, epoch_, o_.epochs, loss);
+  if (metrics_) {
+    metrics_->write({{"step", step_},
+                     {"epoch", epoch_ + 1},
+                     {"loss", loss},
+                     {"lr", lr_at(o_, step_, total_steps_)},
+                     {"samples_per_s", static_cast<double>(progress_->steps_done() * o_.batch_size) /
+                                           std::max(progress_->seconds(), 1e-9)}});
+  }
+  if (metrics_on_ && (step_ % memory_every_ == 0 || !events.empty())) log_memory();
   ++step_;
   const bool epoch_end = s + 1 == steps_per_epoch_;
   if (!o_.checkpoint_dir.empty() && !epoch_end && o_.checkpoint_every > 0 && step_ % o_.checkpoint_every == 0) save(s + 1);
@@ -337,6 +384,7 @@ void Trainer::run_step(int64_t s) {
   last_accuracy_ = static_cast<double>(correct) / static_cast<double>(std::max<int64_t>(seen, 1));
   progress_->print(fmt::format("epoch {}/{}: test accuracy {:.2f}% ({}/{}), {:.1f} s", epoch_ + 1, o_.epochs,
                                100.0 * last_accuracy_, correct, seen, progress_->seconds()));
+  if (metrics_) metrics_->write({{"step", step_ - 1}, {"epoch", epoch_ + 1}, {"test_accuracy", last_accuracy_}});
   if (!o_.checkpoint_dir.empty()) save(steps_per_epoch_);
 }
 
@@ -352,6 +400,20 @@ int Trainer::run() {
                                  device_.is_cuda() ? "CUDA (NCCL)" : "CPU (Gloo)", o_.batch_size, steps_per_epoch_,
                                  steps_per_epoch_ == 1 ? "" : "s",
                                  o_.optimizer, oss_->describe()));
+  }
+  memory_every_ = std::max<int64_t>(1, steps_per_epoch_ / 25);
+  if (metrics_) {
+    metrics_->write({{"event", o_.resume ? "resume" : "start"},
+                     {"step", step_},
+                     {"world", world_},
+                     {"optimizer", o_.optimizer},
+                     {"mixed_precision", o_.mixed_precision},
+                     {"device", o_.device},
+                     {"params", model_numel()},
+                     {"batch_size", o_.batch_size},
+                     {"steps_per_epoch", steps_per_epoch_},
+                     {"total_steps", total_steps_},
+                     {"partition", oss_->split() ? "split" : "whole"}});
   }
   const int64_t stop = o_.stop_after_steps > 0 ? std::min(o_.stop_after_steps, total_steps_) : total_steps_;
   while (step_ < stop) {
@@ -423,6 +485,16 @@ void Trainer::summary() {
   for (const auto& p : params_) grad_total += p.requires_grad() ? p.numel() * static_cast<int64_t>(p.element_size()) : 0;
   const double seconds = progress_->seconds();
   const int64_t steps = progress_->steps_done();
+  if (metrics_) {
+    metrics_->write({{"event", "done"},
+                     {"step", step_},
+                     {"steps", steps},
+                     {"seconds", seconds},
+                     {"samples_per_s", static_cast<double>(steps * o_.batch_size) / std::max(seconds, 1e-9)},
+                     {"test_accuracy", last_accuracy_},
+                     {"state_bytes", state},
+                     {"grad_bytes", grads}});
+  }
   std::printf("done: %lld steps in %.1f s (%.0f samples/s)%s\n", static_cast<long long>(steps), seconds,
               static_cast<double>(steps * o_.batch_size) / std::max(seconds, 1e-9),
               last_accuracy_ >= 0 ? fmt::format(", test accuracy {:.2f}%", 100.0 * last_accuracy_).c_str() : "");
@@ -435,7 +507,23 @@ void Trainer::summary() {
               o_.mixed_precision != "off" ? " + fp32 master weights" : "",
               per_rank_bytes(state).c_str(), bytes_text(static_cast<double>(state_total)).c_str(),
               per_rank_bytes(grads).c_str(), bytes_text(static_cast<double>(grad_total)).c_str());
+  if (metrics_) {
+    try {
+      std::printf("metrics: %s, chart %s\n", metrics_->path().c_str(), metrics_->draw(SHARDOPT_APP_PYTHON).c_str());
+    } catch (const c10::Error& e) {  // the run itself succeeded: a missing chart is a warning
+      std::printf("metrics: %s; no chart: %s\n", metrics_->path().c_str(), e.what_without_backtrace());
+    }
+  }
   std::fflush(stdout);
+}
+
+void Trainer::log_memory() {
+  const auto state = per_rank(*group_, oss_->local_state_bytes());
+  const auto masters = per_rank(*group_, oss_->local_master_bytes());
+  const auto grads = per_rank(*group_, last_grad_bytes_);
+  if (metrics_) {
+    metrics_->write({{"step", step_}, {"state_bytes", state}, {"master_bytes", masters}, {"grad_bytes", grads}});
+  }
 }
 
 }  // namespace

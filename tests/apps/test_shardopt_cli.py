@@ -171,6 +171,50 @@ class CliTest(unittest.TestCase):
         lines = [l for l in p.stderr.splitlines() if "NCCL needs a GPU of its own for each rank" in l]
         self.assertEqual(len(lines), ranks, p.stderr)
 
+    def test_metrics_file_parses_and_the_chart_is_drawn(self):
+        metrics = self.path("m.jsonl")
+        p = run(["train", "-n", "2", *TINY, "--metrics", metrics])
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f]
+        self.assertEqual(records[0]["event"], "start")
+        self.assertEqual(records[0]["world"], 2)
+        steps = [r for r in records if "loss" in r]
+        self.assertEqual([r["step"] for r in steps], list(range(30)))
+        for r in steps:
+            self.assertGreater(r["loss"], 0)
+            self.assertGreater(r["samples_per_s"], 0)
+        # conv frozen at step 10, unfrozen at step 20; each event with every rank's bytes
+        events = [r for r in records if r.get("event") in ("freeze", "unfreeze")]
+        self.assertEqual([(e["event"], e["step"]) for e in events], [("freeze", 10), ("unfreeze", 20)])
+        self.assertTrue(events[0]["what"].startswith("froze conv"), events[0])
+        for e in events:
+            self.assertEqual(len(e["state_bytes_after"]), 2)
+            self.assertEqual(len(e["grad_bytes_after"]), 2)
+        # freezing the convolutions leaves every rank fewer gradient bytes until they are unfrozen
+        self.assertLess(sum(events[0]["grad_bytes_after"]), sum(events[0]["grad_bytes_before"]))
+        memory = [r for r in records if "state_bytes" in r and "event" not in r]
+        self.assertGreaterEqual(len(memory), 3)
+        for m in memory:
+            self.assertEqual(len(m["state_bytes"]), 2)
+            self.assertTrue(all(b > 0 for b in m["state_bytes"]), m)
+        accuracy = [r for r in records if "test_accuracy" in r and "event" not in r]
+        self.assertEqual(len(accuracy), 1)
+        self.assertTrue(0 < accuracy[0]["test_accuracy"] <= 1)
+        self.assertEqual(records[-1]["event"], "done")
+        self.assertEqual(records[-1]["steps"], 30)
+        png = self.path("m.png")
+        with open(png, "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+        self.assertGreater(os.path.getsize(png), 20000)
+        self.assertIn("chart " + png, p.stdout)
+        # A folder that cannot be written is one line on every rank, before any training.
+        bad = run(["train", "-n", "2", *TINY, "--metrics", "/nonexistent/m.jsonl"], check=False)
+        self.assertNotEqual(bad.returncode, 0)
+        lines = [l for l in bad.stderr.splitlines() if l.strip() and "exited with code" not in l]
+        self.assertEqual(len(lines), 2, bad.stderr)
+        for line in lines:
+            self.assertIn("--metrics '/nonexistent/m.jsonl': the folder '/nonexistent' does not exist", line)
+
     def test_one_rank_and_four_ranks_end_within_1e_4(self):
         run(["train", *TINY, "--checkpoint-dir", self.path("one")])
         run(["train", *TINY, "-n", "4", "--checkpoint-dir", self.path("four")])
