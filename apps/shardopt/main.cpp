@@ -121,7 +121,7 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
 }
 
 void add_memory_options(CLI::App& memory, MemoryOptions& o) {
-  memory.add_option("--preset", o.preset, "cnn, gpt2-small or many-small")->capture_default_str();
+  memory.add_option("--preset", o.preset, "cnn, gpt2-mini, gpt2-small, many-small, llama-7b or llama-70b")->capture_default_str();
   memory.add_option("--spec", o.spec, "a JSON file {\"layers\": [{\"name\": ..., \"shape\": [...]}, ...]} instead of a preset");
   memory.add_option("--world-sizes", o.world_sizes, "world sizes to measure")->delimiter(',')->capture_default_str();
   memory.add_option("--modes", o.modes, "ddp, zero1, zero2, and zero1-bf16, zero2-bf16 (bf16 parameters and "
@@ -143,7 +143,7 @@ void add_memory_options(CLI::App& memory, MemoryOptions& o) {
 }
 
 void add_plan_options(CLI::App& plan, PlanOptions& o) {
-  plan.add_option("--preset", o.preset, "cnn, gpt2-small, many-small, llama-7b or llama-70b")->capture_default_str();
+  plan.add_option("--preset", o.preset, "cnn, gpt2-mini, gpt2-small, many-small, llama-7b or llama-70b")->capture_default_str();
   plan.add_option("--spec", o.spec, "a JSON file {\"layers\": [{\"name\": ..., \"shape\": [...]}, ...]} instead of a preset");
   plan.add_option("--world-sizes", o.world_sizes, "world sizes to plan")->delimiter(',')->check(kPositive)->capture_default_str();
   plan.add_option("--modes", o.modes, "ddp, zero1, zero2, and zero1-bf16, zero2-bf16 (bf16 parameters and "

@@ -59,12 +59,16 @@ const nlohmann::json* largest(const nlohmann::json& rows, int world, const std::
 void print_table(const nlohmann::json& rows, const nlohmann::json& skipped, const ModelSpec& spec,
                  const std::string& optimizer) {
   std::printf("\nmemory per rank, %s (%s parameters, %s; fp32, or bf16 with fp32 masters counted as state): the "
-              "largest rank of each run; every rank is in the JSON and CSV files. formula = the ZeRO paper's params + "
-              "grads + state\n",
+              "largest rank of each run; every rank is in the JSON and CSV files. model state = params + grads + "
+              "state + buckets; formula = the ZeRO paper's params + grads + state\n",
               spec.name.c_str(), count_text(spec.numel()).c_str(),
               optimizer == "muon" ? "Muon on the matrices, Adam on the rest" : "Adam");
-  std::printf("%-10s %5s  %-14s %10s %10s %10s %10s %10s %10s | %10s\n", "mode", "world", "scenario", "params", "grads",
-              "state", "buckets", "other", "peak RSS", "formula");
+  double runtime = 0;
+  for (const auto& r : rows) runtime = std::max(runtime, r["runtime"].get<double>());
+  std::printf("the runtime's fixed cost (LibTorch and Gloo, before the model exists), the most any rank had: %s\n",
+              bytes_text(runtime).c_str());
+  std::printf("%-10s %5s  %-14s %10s %10s %10s %10s %11s | %10s %10s | %10s\n", "mode", "world", "scenario", "params",
+              "grads", "state", "buckets", "model state", "transient", "peak RSS", "formula");
   std::vector<std::string> scenarios;
   for (const auto& r : rows) {
     if (std::find(scenarios.begin(), scenarios.end(), r["scenario"]) == scenarios.end()) scenarios.push_back(r["scenario"]);
@@ -80,11 +84,11 @@ void print_table(const nlohmann::json& rows, const nlohmann::json& skipped, cons
       const double counted = (*b)["params"].get<double>() + (*b)["grads"].get<double>() + (*b)["state"].get<double>() +
                              (*b)["buckets"].get<double>();
       const auto& f = (*b)["formula"];
-      std::printf("%-10s %5d  %-14s %10s %10s %10s %10s %10s %10s | %10s\n", key.second.c_str(), key.first,
+      const double transient = (*b)["peak_rss"].get<double>() - (*b)["runtime"].get<double>() - counted;
+      std::printf("%-10s %5d  %-14s %10s %10s %10s %10s %11s | %10s %10s | %10s\n", key.second.c_str(), key.first,
                   scenario.c_str(), bytes_text((*b)["params"]).c_str(), bytes_text((*b)["grads"]).c_str(),
-                  bytes_text((*b)["state"]).c_str(), bytes_text((*b)["buckets"]).c_str(),
-                  bytes_text(std::max(0.0, (*b)["peak_rss"].get<double>() - counted)).c_str(),
-                  bytes_text((*b)["peak_rss"]).c_str(),
+                  bytes_text((*b)["state"]).c_str(), bytes_text((*b)["buckets"]).c_str(), bytes_text(counted).c_str(),
+                  bytes_text(std::max(0.0, transient)).c_str(), bytes_text((*b)["peak_rss"]).c_str(),
                   bytes_text(f["params"].get<double>() + f["grads"].get<double>() + f["state"].get<double>()).c_str());
     }
   }
@@ -122,12 +126,12 @@ void print_state_per_rank(const nlohmann::json& rows) {
 void write_csv(const nlohmann::json& rows, const std::string& path) {
   std::ofstream f(path);
   SHARDOPT_CHECK(f, "cannot write '", path, "'");
-  f << "mode,world,scenario,rank,params,grads,state,buckets,peak_rss,formula_params,formula_grads,formula_state\n";
+  f << "mode,world,scenario,rank,params,grads,state,buckets,peak_rss,runtime,formula_params,formula_grads,formula_state\n";
   for (const auto& r : rows) {
-    f << fmt::format("{},{},{},{},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f}\n", r["mode"].get<std::string>(),
+    f << fmt::format("{},{},{},{},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f}\n", r["mode"].get<std::string>(),
                      r["world"].get<int>(), r["scenario"].get<std::string>(), r["rank"].get<int>(), r["params"].get<double>(),
                      r["grads"].get<double>(), r["state"].get<double>(), r["buckets"].get<double>(),
-                     r["peak_rss"].get<double>(), r["formula"]["params"].get<double>(),
+                     r["peak_rss"].get<double>(), r["runtime"].get<double>(), r["formula"]["params"].get<double>(),
                      r["formula"]["grads"].get<double>(), r["formula"]["state"].get<double>());
   }
 }

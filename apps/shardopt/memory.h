@@ -3,14 +3,15 @@
 //
 // For each world size and mode it starts that many local ranks (real processes, real Gloo
 // groups), builds the real objects for the model's shapes and runs real steps of Adam. The
-// model's forward is a cheap function of every parameter (the sum of their squares), so the
+// model's forward is the sum of every parameter, which adds no parameter-sized temporary, so the
 // memory measured is that of the data-parallel machinery, not of activations. Each rank counts,
 // from the tensors themselves: parameters (the storages holding them), gradients (the gradient
 // tensors it holds after the last step), optimizer state, communication buckets kept between
-// steps, and reads its peak resident memory (VmHWM); "other" is the peak minus what was counted
-// (the runtime, transient buffers). Then a fraction of the model is frozen and the same is
-// measured after more steps. World sizes whose estimate does not fit the machine's available
-// memory are reported as skipped.
+// steps (the model state); it reads its resident memory once the runtime is up and before the
+// model exists (the runtime's fixed cost: LibTorch, Gloo) and its peak resident memory (VmHWM);
+// "transient" is the peak minus the runtime and the model state (buffers that lived during a
+// step). Then a fraction of the model is frozen and the same is measured after more steps. World
+// sizes whose estimate does not fit the machine's available memory are reported as skipped.
 #pragma once
 
 #include <string>
@@ -19,7 +20,7 @@
 namespace shardopt::app {
 
 struct MemoryOptions {
-  std::string preset = "cnn";
+  std::string preset = "gpt2-mini";
   std::string spec;  // a JSON spec instead of a preset
   std::vector<int> world_sizes{1, 2, 4, 8};
   std::vector<std::string> modes{"ddp", "zero1", "zero2"};

@@ -18,8 +18,9 @@ namespace shardopt::app {
 
 namespace {
 
-// The model's shapes as parameters; forward is the scaled sum of squares of all of them, so that
-// a backward produces every trainable gradient at the cost of one pass over the parameters.
+// The model's shapes as parameters; forward is the scaled sum of all of them: a backward produces
+// every trainable gradient and nothing else of a parameter's size (no temporaries in the forward,
+// none in the backward but the gradients themselves).
 struct SpecModule : torch::nn::Module {
   explicit SpecModule(const ModelSpec& spec) {
     for (const auto& l : spec.layers) {
@@ -31,7 +32,7 @@ struct SpecModule : torch::nn::Module {
   at::Tensor forward() {
     at::Tensor total = at::zeros({});
     for (const auto& p : params) {
-      if (p.requires_grad()) total = total + p.square().sum();
+      if (p.requires_grad()) total = total + p.sum();
     }
     return total * 1e-3;
   }
@@ -39,6 +40,7 @@ struct SpecModule : torch::nn::Module {
 };
 
 int64_t peak_rss_bytes() { return proc_kib("/proc/self/status", "VmHWM:") * 1024; }
+int64_t rss_bytes() { return proc_kib("/proc/self/status", "VmRSS:") * 1024; }
 
 // Bytes of the distinct storages that hold the parameters.
 int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
@@ -127,6 +129,10 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, const std
   const bool bf16 = mode.find("-bf16") != std::string::npos;
   at::set_num_threads(1);
   auto group = init_process_group(InitOptions().backend("gloo").timeout(std::chrono::minutes(10)));
+  // The runtime's fixed cost, before the model exists: after a first collective (Gloo's buffers
+  // and threads up).
+  group->barrier();
+  const auto runtime = static_cast<double>(rss_bytes());
   at::manual_seed(0);
   auto model = std::make_shared<SpecModule>(spec);
   const auto& params = model->params;
@@ -188,7 +194,7 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, const std
                                 // in them (counts, alignment); else the all-reduce's bucket.
                                 static_cast<double>(ddp ? ddp->local_bucket_bytes() - ddp->local_grad_bytes()
                                                         : allreduce.bucket.defined() ? allreduce.bucket.nbytes() : 0),
-                                static_cast<double>(peak_rss_bytes())};
+                                static_cast<double>(peak_rss_bytes()), runtime};
     const int64_t fields = static_cast<int64_t>(mine.size());
     at::Tensor all = at::zeros({group->size() * fields}, at::kDouble);
     all.narrow(0, group->rank() * fields, fields).copy_(at::tensor(mine, at::kDouble));

@@ -11,7 +11,9 @@
 namespace shardopt::app {
 
 // Fields of one measurement, in the order the ranks exchange them.
-constexpr const char* kMeasured[] = {"params", "grads", "state", "buckets", "peak_rss"};
+// runtime: the process's resident memory once LibTorch and the group are up, before the model
+// exists: the runtime's fixed cost, the same whatever the model.
+constexpr const char* kMeasured[] = {"params", "grads", "state", "buckets", "peak_rss", "runtime"};
 
 // Runs mode `mode` ("ddp", "zero1", "zero2", "zero1-bf16", "zero2-bf16") on the group from the environment; rank 0 writes
 // every rank's rows to `out` (JSON). Collective.

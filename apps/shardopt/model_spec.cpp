@@ -29,6 +29,8 @@ ModelSpec preset_spec(const std::string& name) {
   if (name == "cnn") {
     Cnn cnn;
     for (const auto& p : cnn->named_parameters()) s.layers.push_back({p.key(), p.value().sizes().vec()});
+  } else if (name == "gpt2-mini") {
+    for (const auto& layer : models::gpt2_shapes(512, 10000, 512, 6)) s.layers.push_back({layer.name, layer.shape});
   } else if (name == "gpt2-small") {
     for (const auto& layer : models::gpt2_shapes()) s.layers.push_back({layer.name, layer.shape});
   } else if (name == "many-small") {
@@ -41,7 +43,7 @@ ModelSpec preset_spec(const std::string& name) {
       s.layers.push_back({layer.name, layer.shape});
     }
   } else {
-    SHARDOPT_CHECK(false, "--preset '", name, "' is not one of cnn, gpt2-small, many-small, llama-7b, llama-70b");
+    SHARDOPT_CHECK(false, "--preset '", name, "' is not one of cnn, gpt2-mini, gpt2-small, many-small, llama-7b, llama-70b");
   }
   return s;
 }
