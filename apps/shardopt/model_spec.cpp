@@ -67,9 +67,12 @@ ModelSpec read_spec(const std::string& path) {
                    path, "': layer ", i, " needs a non-empty \"shape\" list");
     LayerShape shape;
     shape.name = l.contains("name") && l["name"].is_string() ? l["name"].get<std::string>() : fmt::format("layer{}", i);
+    int64_t numel = 1;
     for (const auto& dim : l["shape"]) {
       SHARDOPT_CHECK(dim.is_number_integer() && dim.get<int64_t>() > 0, "--spec '", path, "': layer ", i, " ('",
                      shape.name, "') has a dimension that is not a positive integer");
+      SHARDOPT_CHECK(!__builtin_mul_overflow(numel, dim.get<int64_t>(), &numel) && numel <= (int64_t{1} << 50),
+                     "--spec '", path, "': layer ", i, " ('", shape.name, "') has more than 2^50 elements");
       shape.shape.push_back(dim.get<int64_t>());
     }
     s.layers.push_back(shape);

@@ -35,6 +35,13 @@ const RankPlan& busiest(const ScenarioPlan& p) {
                            [](const RankPlan& a, const RankPlan& b) { return a.total() < b.total(); });
 }
 
+// The rank that moves the most bytes per step (sent or received).
+const RankPlan& most_traffic(const ScenarioPlan& p) {
+  return *std::max_element(p.ranks.begin(), p.ranks.end(), [](const RankPlan& a, const RankPlan& b) {
+    return std::max(a.sent(), a.received()) < std::max(b.sent(), b.received());
+  });
+}
+
 const RankPlan& least(const ScenarioPlan& p) {
   return *std::min_element(p.ranks.begin(), p.ranks.end(),
                            [](const RankPlan& a, const RankPlan& b) { return a.total() < b.total(); });
@@ -105,6 +112,8 @@ void print_table(const std::vector<Row>& rows, const ModelSpec& spec, const Plan
               spec.name.c_str(), count_text(spec.numel()).c_str(),
               o.optimizer == "muon" ? "Muon on the matrices, Adam on the rest" : "Adam", o.intra_node_gbps,
               o.inter_node_gbps, o.ranks_per_node);
+  std::printf("memory: the busiest rank's bytes, the least loaded rank's total; traffic: the bytes per step of the "
+              "rank that moves the most, the slowest rank's communication time\n");
   std::printf("%-10s %5s %5s  %-14s %9s %9s %9s %9s %9s %9s | %9s %6s | %9s %9s %9s | %s\n", "mode", "world", "block",
               "scenario", "params", "grads", "buckets", "masters", "state", "total", "least", "imbal", "sent",
               "received", "comm", "against the ZeRO formula");
@@ -117,7 +126,8 @@ void print_table(const std::vector<Row>& rows, const ModelSpec& spec, const Plan
                 bytes_text(b.params).c_str(), bytes_text(b.grads).c_str(), bytes_text(b.buckets).c_str(),
                 bytes_text(b.masters).c_str(), bytes_text(b.state).c_str(), bytes_text(b.total()).c_str(),
                 bytes_text(least(row.plan).total()).c_str(), 100.0 * state_imbalance(row.plan),
-                bytes_text(b.sent()).c_str(), bytes_text(b.received()).c_str(), row.comm_seconds * 1e3,
+                bytes_text(most_traffic(row.plan).sent()).c_str(), bytes_text(most_traffic(row.plan).received()).c_str(),
+                row.comm_seconds * 1e3,
                 differences(row).c_str());
   }
 }
@@ -138,6 +148,7 @@ nlohmann::json report_json(const std::vector<Row>& rows, const ModelSpec& spec, 
                        {"comm_seconds_per_step", row.comm_seconds},
                        {"max_rank", rank_json(busiest(row.plan))},
                        {"min_rank", rank_json(least(row.plan))},
+                       {"max_traffic_rank", rank_json(most_traffic(row.plan))},
                        {"formula", row.formula},
                        {"against_formula", differences(row)}});
   }

@@ -6,7 +6,7 @@
 Per scenario, two panels. Above: the busiest rank's memory per configuration (mode at each world
 size), stacked: parameters, gradients, buckets, fp32 masters, optimizer state, in GiB; a black
 tick marks the least loaded rank's total, so an imbalance shows as a gap. Below: the bytes the
-busiest rank sends per step, within its block and across blocks, and the communication time
+rank that moves the most sends per step, within its block and across blocks, and the communication time
 they imply at the report's link bandwidths.
 """
 import json
@@ -53,13 +53,13 @@ def main(src, dst):
         ax.legend(fontsize=8, loc="upper right")
         ax.grid(axis="y", alpha=0.3)
         ax = axes[2 * row + 1][0]
-        within = [c["max_rank"]["bytes_sent_within_block"] / GIB for c in cs]
-        across = [c["max_rank"]["bytes_sent_across_blocks"] / GIB for c in cs]
+        within = [c["max_traffic_rank"]["bytes_sent_within_block"] / GIB for c in cs]
+        across = [c["max_traffic_rank"]["bytes_sent_across_blocks"] / GIB for c in cs]
         ax.bar(xs, within, color="#4C72B0", label="sent within a block", width=0.7)
         ax.bar(xs, across, bottom=within, color="#DD8452", label="sent across blocks", width=0.7)
         ax.set_xticks(list(xs))
         ax.set_xticklabels([label(c) for c in cs], fontsize=8)
-        ax.set_ylabel("GiB sent per step (busiest rank)")
+        ax.set_ylabel("GiB sent per step (the rank that moves the most)")
         links = report["links"]
         ax.set_title(f"{scenario}: traffic per step; time at {links['intra_node_gbps']:g} GB/s in a node, "
                      f"{links['inter_node_gbps']:g} GB/s across", fontsize=10)

@@ -20,10 +20,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def main(src, dst):
     steps, losses, acc, memory, events, start = [], [], [], [], [], {}
+
+    def before(step):
+        """A resumed run repeats the steps after its checkpoint: what was recorded from there goes."""
+        for records in (acc, memory, events):
+            records[:] = [r for r in records if (r[0] if isinstance(r, tuple) else r["step"]) < step]
+        while steps and steps[-1] >= step:
+            steps.pop()
+            losses.pop()
+
     with open(src) as f:
         for line in f:
             r = json.loads(line)
             if r.get("event") in ("start", "resume"):
+                before(r.get("step", 0))
                 start = r
             elif "event" in r and r["event"] != "done":
                 events.append(r)
@@ -55,6 +65,8 @@ def main(src, dst):
         h2, l2 = right.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
     top.legend(handles, labels, fontsize=8, loc="center right")
+    # A run resumed at another world size has another number of ranks: the latest run's are drawn.
+    memory = [m for m in memory if len(m["state_bytes"]) == len(memory[-1]["state_bytes"])] if memory else memory
     if memory:
         ranks = len(memory[0]["state_bytes"])
         xs = [m["step"] for m in memory]

@@ -181,6 +181,8 @@ std::vector<ScenarioPlan> plan_config(const ModelSpec& spec, const PlanConfig& c
   std::vector<uint8_t> all(shapes.size(), 1), none(shapes.size(), 0);
   int64_t frozen_numel = 0;
   const std::vector<uint8_t> frozen_set = freeze_leading(spec, c.freeze_fraction, &frozen_numel);
+  SHARDOPT_CHECK(c.freeze_fraction <= 0 || frozen_numel > 0, "--freeze-fraction ", c.freeze_fraction,
+                 " freezes no layer: the first, '", spec.layers.front().name, "', is alone more than that fraction of the model");
   std::vector<ScenarioPlan> out(1);
   out[0].scenario = "all trainable";
   if (c.freeze_fraction > 0) {
@@ -194,7 +196,8 @@ std::vector<ScenarioPlan> plan_config(const ModelSpec& spec, const PlanConfig& c
   }
   // OSS's construction (OSS::init) over one block, then ShardedDDP's buckets.
   const int shard_world = c.shard_group_size > 0 ? c.shard_group_size : c.world_size;
-  const Placement placement = place_params(shapes, shard_world, partition_mode(c.partition), OSSOptions().split_above_imbalance());
+  const Placement placement =
+      place_params(shapes, shard_world, partition_mode(c.partition), OSSOptions().split_above_imbalance(), true);
   LayoutOptions options = OSSOptions().layout();
   options.split(placement.split).bucket_bytes(c.mode.rfind("zero2", 0) == 0 ? c.bucket_bytes : 0);
   const FlatLayout first = FlatLayout::plan(layout_params(shapes, placement.partition, all, none, placement.whole_kind),

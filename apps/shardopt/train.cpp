@@ -162,6 +162,9 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
     const std::string folder = slash == std::string::npos ? "." : metrics_path.substr(0, std::max<size_t>(slash, 1));
     SHARDOPT_CHECK(::access(folder.c_str(), W_OK) == 0, "--metrics '", metrics_path, "': the folder '", folder,
                    "' does not exist or is not writable");
+    struct stat st {};
+    SHARDOPT_CHECK(::stat(metrics_path.c_str(), &st) != 0 || (S_ISREG(st.st_mode) && ::access(metrics_path.c_str(), W_OK) == 0),
+                   "--metrics '", metrics_path, "' exists and is not a file it can write");
   }
   const bool cuda = o.device == "cuda";
   SHARDOPT_CHECK(!cuda || torch::cuda::is_available(), "--device cuda: no CUDA device is visible");

@@ -176,13 +176,14 @@ std::string ProcessGroup::label(std::string what) const {
 // a step's buffers are reused, not pinned anew), which makes OSS and ShardedDDP on CUDA
 // parameters work over Gloo, several ranks on one GPU included (NCCL refuses two ranks on one
 // device). Either way the result is copied back when the work is waited on.
-at::Tensor ProcessGroup::staged(const at::Tensor& tensor) const {
+at::Tensor ProcessGroup::staged(const at::Tensor& tensor, bool copy_in) const {
   if (backend_name_ == "nccl" && tensor.device().is_cpu()) {
+    if (!copy_in) return at::empty(tensor.sizes(), tensor.options().device(at::kCUDA));
     return tensor.to(at::Device(at::kCUDA), /*non_blocking=*/false, /*copy=*/true);
   }
   if (backend_name_ != "nccl" && tensor.device().is_cuda()) {
     at::Tensor host = at::empty(tensor.sizes(), tensor.options().device(at::kCPU).pinned_memory(true));
-    host.copy_(tensor);
+    if (copy_in) host.copy_(tensor);
     return host;
   }
   return tensor;
@@ -196,12 +197,13 @@ void ProcessGroup::unstage_after(PendingWork& work, at::Tensor tensor, const at:
 PendingWork ProcessGroup::broadcast_async(at::Tensor& tensor, int root) {
   SHARDOPT_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is outside [0, ", size_, ")");
   check_in(CommStats::kBroadcast, nbytes(tensor), root);
-  std::vector<at::Tensor> ts{staged(tensor)};
+  // The root's data goes out and comes back unchanged: only the others' copies are staged back.
+  std::vector<at::Tensor> ts{staged(tensor, /*copy_in=*/rank_ == root)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = timeout_;
   auto work = track(CommStats::kBroadcast, nbytes(tensor), [&] { return backend_->broadcast(ts, opts); });
-  unstage_after(work, tensor, ts[0]);
+  if (rank_ != root) unstage_after(work, tensor, ts[0]);
   return work;
 }
 
@@ -349,7 +351,7 @@ void ProcessGroup::allgather(std::vector<at::Tensor>& outputs, const at::Tensor&
   for (const auto& o : outputs) bytes += nbytes(o);
   check_in(CommStats::kAllgather, bytes, -1);
   std::vector<std::vector<at::Tensor>> out{{}};
-  for (const auto& o : outputs) out[0].push_back(staged(o));
+  for (const auto& o : outputs) out[0].push_back(staged(o, /*copy_in=*/false));
   std::vector<at::Tensor> in{staged(input)};
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;
@@ -365,7 +367,7 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& i
   int64_t bytes = 0;
   for (const auto& i : inputs) bytes += nbytes(i);
   check_in(CommStats::kReduceScatter, bytes, -1);
-  std::vector<at::Tensor> out{staged(output)};
+  std::vector<at::Tensor> out{staged(output, /*copy_in=*/false)};
   std::vector<std::vector<at::Tensor>> in{{}};
   for (const auto& i : inputs) in[0].push_back(staged(i));
   c10d::ReduceScatterOptions opts;
@@ -385,7 +387,7 @@ void ProcessGroup::send(at::Tensor& tensor, int dst, int tag) {
 void ProcessGroup::recv(at::Tensor& tensor, int src, int tag) {
   SHARDOPT_CHECK(src >= 0 && src < size_ && src != rank_, "recv from rank ", src,
               " on rank ", rank_, " of ", size_, " is invalid");
-  std::vector<at::Tensor> ts{staged(tensor)};
+  std::vector<at::Tensor> ts{staged(tensor, /*copy_in=*/false)};
   auto work = track(CommStats::kRecv, nbytes(tensor), [&] { return backend_->recv(ts, src, tag); });
   unstage_after(work, tensor, ts[0]);
   work.wait();

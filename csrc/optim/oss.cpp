@@ -186,7 +186,8 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
   if (mixed_) master_sources_ = detail::cast_to_param_dtype(*global_group_, params_, options_.mixed_precision());
   trainable_ = detail::trainable_mask(params_);
   balanced_for_ = trainable_;
-  placement_ = place_params(param_shapes(), group_->size(), options_.partition(), options_.split_above_imbalance());
+  placement_ = place_params(param_shapes(), group_->size(), options_.partition(), options_.split_above_imbalance(),
+                            all_registered());
   options_.layout().split(placement_.split);
   Partition partition = placement_.partition;
   holdings_.assign(params_.size(), {});

@@ -48,7 +48,7 @@ std::vector<int64_t> Placement::partition_weights() const {
 // of the trainable set the whole-tensor owners are re-balanced like whole parameters (Note
 // [Rebalance after a freeze]), and a frozen matrix's state waits with its owner.
 Placement place_params(const std::vector<ParamShape>& params, int world_size, PartitionMode mode,
-                       double split_above_imbalance) {
+                       double split_above_imbalance, bool all_registered) {
   SHARDOPT_CHECK(world_size >= 1, "placement needs a world size >= 1, got ", world_size);
   Placement p;
   const size_t n = params.size();
@@ -61,13 +61,13 @@ Placement place_params(const std::vector<ParamShape>& params, int world_size, Pa
   int64_t whole_bytes = 0;
   double whole_cost = 0;
   std::vector<double> cost(n, 0.0);
-  bool all_known = true, any_element_wise = false, any_whole_kind = false;
+  bool all_known = all_registered, any_element_wise = false, any_whole_kind = false;
   for (size_t i = 0; i < n; ++i) {
     const auto& s = params[i];
     trainable[i] = s.trainable;
     p.weights[i] = s.numel() * static_cast<int64_t>(c10::elementSize(s.dtype));
     p.whole_kind[i] = !s.registered || s.whole_tensor;
-    all_known &= s.registered;
+    all_known = all_known && s.registered;
     if (s.registered) (s.whole_tensor ? any_whole_kind : any_element_wise) = true;
     if (!s.registered || !s.whole_tensor) continue;
     cost[i] = s.cost;

@@ -22,12 +22,12 @@ def run(args, check=True, timeout=600):
     return p
 
 
-# A model whose shapes make the layout do work: an embedding, matrices and vectors of odd sizes
-# (alignment, split pieces, buckets), and enough tensors that whole parameters do not balance.
-SPEC = {"layers": [{"name": "emb", "shape": [997, 48]}] +
-        [{"name": f"h{i}.w", "shape": [48 + 8 * (i % 3), 48]} for i in range(9)] +
+# A model whose shapes make the layout do work: matrices and vectors of odd sizes (alignment, split
+# pieces, buckets), an embedding, and enough tensors that whole parameters do not balance. Freezing
+# half of it freezes the leading layers up to the embedding (a third of the elements).
+SPEC = {"layers": [{"name": f"h{i}.w", "shape": [48 + 8 * (i % 3), 48]} for i in range(9)] +
         [{"name": f"h{i}.b", "shape": [48 + 8 * (i % 3)]} for i in range(9)] +
-        [{"name": "head", "shape": [10, 48]}]}
+        [{"name": "emb", "shape": [997, 48]}, {"name": "head", "shape": [10, 48]}]}
 
 
 class PlanTest(unittest.TestCase):
@@ -67,12 +67,15 @@ class PlanTest(unittest.TestCase):
         with open(spec, "w") as f:
             json.dump(SPEC, f)
         rows = self.compare(["--spec", spec], "ddp,zero1,zero2,zero1-bf16,zero2-bf16", "adam")
-        # The freeze left some rank holding more than its share somewhere, so the comparison
-        # covers placements that are not even.
-        frozen = [r["state"] for r in rows if r["mode"] == "zero1" and r["world"] == 4 and r["scenario"] != "all trainable"]
+        # The freeze froze something.
+        frozen = [r for r in rows if r["mode"] == "zero1" and r["world"] == 4 and r["scenario"] != "all trainable"]
         self.assertEqual(len(frozen), 4)
-        # Muon keeps its matrices whole on owners balanced by cost, Adam splits the rest.
-        self.compare(["--spec", spec], "zero1,zero2", "muon")
+        self.assertEqual(frozen[0]["scenario"], "34% frozen")
+        # Muon keeps its matrices whole on owners balanced by cost, Adam splits the rest: the ranks
+        # hold different amounts of state, so the comparison covers placements that are not even.
+        muon = self.compare(["--spec", spec], "zero1,zero2", "muon")
+        states = {r["state"] for r in muon if r["mode"] == "zero2" and r["world"] == 4}
+        self.assertGreater(len(states), 1, muon)
         # The CNN that `shardopt train` trains.
         self.compare(["--preset", "cnn"], "zero2,zero2-bf16", "adam")
 
@@ -137,6 +140,8 @@ class PlanTest(unittest.TestCase):
             (["--intra-node-bandwidth", "0"], "--intra-node-bandwidth: must be positive, got 0"),
             (["--inter-node-bandwidth", "-5"], "--inter-node-bandwidth: must be positive, got -5"),
             (["--world-sizes", "0"], "--world-sizes: must be positive, got 0"),
+            (["--preset", "gpt2-small", "--freeze-fraction", "0.3"],
+             "--freeze-fraction 0.3 freezes no layer: the first, 'wte', is alone more than that fraction"),
         ]
         for args, message in cases:
             p = run(["plan", *args, "-o", self.path("p")], check=False)

@@ -190,8 +190,9 @@ class ProcessGroup {
   c10::intrusive_ptr<c10d::Work> start(CommStats::Kind kind, const std::function<c10::intrusive_ptr<c10d::Work>()>& call);
   // What the backend is handed for `tensor` (Note [Staging]): the tensor itself; for a CPU
   // tensor in an NCCL group, a copy on this rank's CUDA device; for a CUDA tensor in a Gloo
-  // group, a copy in pinned host memory.
-  at::Tensor staged(const at::Tensor& tensor) const;
+  // group, a copy in pinned host memory. `copy_in` false: a buffer the collective only writes (a
+  // receive, an output), not filled from `tensor`.
+  at::Tensor staged(const at::Tensor& tensor, bool copy_in = true) const;
   // After `work`, copies a staged tensor back into `tensor` (no-op when it was not staged).
   static void unstage_after(PendingWork& work, at::Tensor tensor, const at::Tensor& staged);
   // `what` with the phase and, in a sub-group, its global ranks: how errors name an operation.

@@ -54,11 +54,12 @@ struct Placement {
 enum class PartitionMode;
 
 // OSS's decision at construction for `params` over `world_size` ranks (the shard group's size
-// under hierarchical sharding). `mode` and `split_above_imbalance` are OSSOptions'. Errors name
-// the parameter (a cost that is not finite and >= 0) or the mode (kSplit with an optimizer
-// shardopt cannot move state for).
+// under hierarchical sharding). `mode` and `split_above_imbalance` are OSSOptions';
+// `all_registered`: every optimizer of the OSS is one whose state shardopt can move (those with no
+// parameters included). Errors name the parameter (a cost that is not finite and >= 0) or the mode
+// (kSplit with an optimizer shardopt cannot move state for).
 Placement place_params(const std::vector<ParamShape>& params, int world_size, PartitionMode mode,
-                       double split_above_imbalance);
+                       double split_above_imbalance, bool all_registered);
 
 // OSS's re-partition after the trainable set changed (Note [Rebalance after a freeze]): starting
 // from `now`, better owners for the trainable work when it is more than `threshold` above the
