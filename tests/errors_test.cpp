@@ -6,6 +6,9 @@
 
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <thread>
 
 
 namespace shardopt {
@@ -165,6 +168,40 @@ TEST(Errors, UnknownBackendAndMalformedInitMethod) {
   expect_init_error(InitOptions().init_method("file://relative/path").rank(0).world_size(1), "malformed init_method");
   expect_init_error(InitOptions().init_method("udp://x:1").rank(0).world_size(1), "malformed init_method 'udp://x:1'");
   expect_init_error(InitOptions().init_method("tcp://127.0.0.1:1234").rank(2).world_size(2), "rank 2 is outside [0, 2)");
+}
+
+// Two ranks started with another world size, or another backend, fail at the join, each naming
+// the field and both values, before any backend connects and long before the timeout (a rank
+// waiting for a third rank that never comes is told at once).
+TEST(Errors, RanksThatDisagreeOnWorldSizeOrBackendAtJoinFailEveryRank) {
+  const auto base = [](int rank) { return InitOptions().rank(rank).timeout(std::chrono::seconds(30)); };
+  const std::vector<std::pair<std::function<InitOptions(int)>, std::vector<std::string>>> cases = {
+      {[&](int r) { return base(r).backend("gloo").world_size(r == 0 ? 2 : 3); },
+       {"ranks disagree on world_size: 2 on rank 0 but 3 on rank 1", "start every rank with the same options"}},
+      {[&](int r) { return base(r).world_size(2).backend(r == 0 ? "gloo" : "nccl"); },
+       {"ranks disagree on backend: gloo on rank 0 but nccl on rank 1"}},
+  };
+  for (const auto& test_case : cases) {
+    const auto& options = test_case.first;
+    const auto& parts = test_case.second;
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    std::vector<std::string> errors(2);
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          init_process_group(store, options(r));
+          errors[r] = "";
+        } catch (const c10::Error& e) {
+          errors[r] = e.what_without_backtrace();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    expect_all_ranks_fail(errors, parts);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(25)) << "told at once, not at the timeout";
+  }
 }
 
 TEST(Errors, NcclWithoutACudaDeviceIsANamedError) {

@@ -22,6 +22,7 @@
 
 #include <csignal>
 #include <dirent.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <cstdio>
 #include <cstdlib>
@@ -150,6 +151,7 @@ double rss_mib() {
 // after warm-up (step 1,000) and at the end, parity checked every 2,000 steps and at the end.
 void soak(std::shared_ptr<ProcessGroup> group, int64_t steps, const std::string& dir) {
   auto& g = *group;
+  ::mkdir(dir.c_str(), 0755);
   auto net = std::make_shared<Net>();
   auto ref = shardopt::testing::make_params();
   optim::Adam ref_opt(ref, optim::AdamOptions(1e-3));
@@ -190,6 +192,15 @@ void soak(std::shared_ptr<ProcessGroup> group, int64_t steps, const std::string&
               static_cast<long long>(threads_warm), static_cast<long long>(count_entries("/proc/self/task")),
               static_cast<long long>(fds_warm), static_cast<long long>(count_entries("/proc/self/fd")));
   std::fflush(stdout);
+  // The bounds docs/reliability.md states: resident memory grows at most 5% after warm-up, and no
+  // thread or descriptor is added.
+  TORCH_CHECK(steps > 1000, "soak: needs more than the 1,000 warm-up steps, got ", steps);
+  TORCH_CHECK(rss_max_after <= 1.05 * rss_warm, "soak: rank ", g.rank(), "'s resident memory grew from ", rss_warm,
+              " MiB at step 1000 to ", rss_max_after, " MiB (more than 5%)");
+  TORCH_CHECK(count_entries("/proc/self/task") == threads_warm, "soak: rank ", g.rank(), " had ", threads_warm,
+              " threads at step 1000 and ", count_entries("/proc/self/task"), " at the end");
+  TORCH_CHECK(count_entries("/proc/self/fd") == fds_warm, "soak: rank ", g.rank(), " had ", fds_warm,
+              " file descriptors at step 1000 and ", count_entries("/proc/self/fd"), " at the end");
 }
 
 }  // namespace

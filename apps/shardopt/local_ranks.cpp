@@ -1,6 +1,10 @@
 #include "local_ranks.h"
 
 #include <shardopt/comm/launch_env.h>
+#include <shardopt/comm/store_server.h>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <fmt/format.h>
 
@@ -46,6 +50,9 @@ namespace {
 
 int exit_code_of(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
 
+// How long the ranks that are still running get after SIGTERM before SIGKILL.
+constexpr std::chrono::seconds kKillGrace(10);
+
 }  // namespace
 
 bool under_a_launcher() {
@@ -55,6 +62,12 @@ bool under_a_launcher() {
   return false;
 }
 
+// Note [The launcher's store]
+// `shardopt train -n N` serves the rendezvous store from its own process, as torchrun's agent
+// does, and tells the ranks so (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects as a
+// client. With rank 0 serving it, rank 0's death took the store along and the others could only
+// say that the store was gone; now they name rank 0 like any other rank, and the store outlives
+// every rank, which a run that goes on without a dead rank needs.
 int run_local_ranks(int n, char** argv) {
   const int port = free_local_port();
   if (port == 0) {
@@ -66,17 +79,26 @@ int run_local_ranks(int n, char** argv) {
     const std::string kv = *e;
     const std::string key = kv.substr(0, kv.find('='));
     if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" ||
-        key == "MASTER_ADDR" || key == "MASTER_PORT") {
+        key == "MASTER_ADDR" || key == "MASTER_PORT" || key == kLauncherStoreVariable) {
       continue;
     }
     base.push_back(kv);
+  }
+  // This process serves the rendezvous store (Note [The launcher's store]), so that any rank,
+  // rank 0 included, can die and be named by the others.
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = serve_store("127.0.0.1", port);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "shardopt: %s\n", e.what_without_backtrace());
+    return 1;
   }
   std::map<pid_t, int> ranks;  // pid -> rank
   for (int r = 0; r < n; ++r) {
     std::vector<std::string> env = base;
     for (const auto& kv : {fmt::format("RANK={}", r), fmt::format("WORLD_SIZE={}", n), fmt::format("LOCAL_RANK={}", r),
                            fmt::format("LOCAL_WORLD_SIZE={}", n), std::string("MASTER_ADDR=127.0.0.1"),
-                           fmt::format("MASTER_PORT={}", port)}) {
+                           fmt::format("MASTER_PORT={}", port), fmt::format("{}=True", kLauncherStoreVariable)}) {
       env.push_back(kv);
     }
     std::vector<char*> envp;
@@ -93,17 +115,29 @@ int run_local_ranks(int n, char** argv) {
     ranks[pid] = r;
   }
   // When one rank fails, the others get a grace period to report their own error (bad input is
-  // seen by every rank), then are stopped: they may wait in a collective for the failed one.
+  // seen by every rank), then are asked to stop (SIGTERM, with SIGCONT for a stopped one: they
+  // may wait in a collective for the failed one), and any still there after a second grace
+  // period, a hung or stopped rank among them, is killed (SIGKILL): the launcher never waits on a
+  // rank forever.
   int result = 0;
-  std::chrono::steady_clock::time_point stop_at{};
-  bool stopped = false;
+  std::chrono::steady_clock::time_point stop_at{}, kill_at{};
+  enum { kRunning, kTerminated, kKilled } stage = kRunning;
   while (!ranks.empty()) {
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, result == 0 ? 0 : WNOHANG);
     if (pid == 0) {
-      if (!stopped && std::chrono::steady_clock::now() >= stop_at) {
-        for (const auto& [p, _] : ranks) ::kill(p, SIGTERM);
-        stopped = true;
+      const auto now = std::chrono::steady_clock::now();
+      if (stage == kRunning && now >= stop_at) {
+        for (const auto& [p, _] : ranks) ::kill(p, SIGTERM), ::kill(p, SIGCONT);
+        stage = kTerminated;
+        kill_at = now + kKillGrace;
+      } else if (stage == kTerminated && now >= kill_at) {
+        for (const auto& [p, rank] : ranks) {
+          std::fprintf(stderr, "shardopt: rank %d did not stop within %lld s of SIGTERM; killed it\n", rank,
+                       static_cast<long long>(kKillGrace.count()));
+          ::kill(p, SIGKILL);
+        }
+        stage = kKilled;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;

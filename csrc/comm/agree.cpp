@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -129,21 +130,27 @@ std::string Agreement::format(size_t field, const std::vector<int64_t>& values) 
 }
 
 std::string Agreement::disagreement(const std::vector<std::vector<int64_t>>& all) const {
+  std::vector<int> ranks(all.size());
+  for (size_t r = 0; r < all.size(); ++r) ranks[r] = static_cast<int>(r);
+  return disagreement(all, ranks);
+}
+
+std::string Agreement::disagreement(const std::vector<std::vector<int64_t>>& all, const std::vector<int>& ranks) const {
   const std::string prefix = (context_.empty() ? "" : context_ + ": ") + "ranks disagree on ";
   const std::string suffix = hint_.empty() ? "" : "; " + hint_;
   std::vector<std::vector<std::vector<int64_t>>> fields(all.size());
   size_t common = SIZE_MAX;
   for (size_t r = 0; r < all.size(); ++r) {
-    TORCH_INTERNAL_ASSERT(decode(all[r], fields[r]), "Agreement: rank ", r, " sent a malformed field vector");
+    TORCH_INTERNAL_ASSERT(decode(all[r], fields[r]), "Agreement: rank ", ranks[r], " sent a malformed field vector");
     common = std::min(common, fields[r].size());
   }
   for (size_t f = 0; f < common; ++f) {
     std::map<std::vector<int64_t>, std::vector<int>> holders;  // value -> ranks
     std::vector<const std::vector<int64_t>*> order;            // values in order of first holder
     for (size_t r = 0; r < all.size(); ++r) {
-      auto& ranks = holders[fields[r][f]];
-      if (ranks.empty()) order.push_back(&fields[r][f]);
-      ranks.push_back(static_cast<int>(r));
+      auto& holding = holders[fields[r][f]];
+      if (holding.empty()) order.push_back(&fields[r][f]);
+      holding.push_back(ranks[r]);
     }
     if (order.size() == 1) continue;
     std::ostringstream out;
@@ -154,12 +161,12 @@ std::string Agreement::disagreement(const std::vector<std::vector<int64_t>>& all
     return out.str() + suffix;
   }
   std::map<size_t, std::vector<int>> counts;
-  for (size_t r = 0; r < all.size(); ++r) counts[fields[r].size()].push_back(static_cast<int>(r));
+  for (size_t r = 0; r < all.size(); ++r) counts[fields[r].size()].push_back(ranks[r]);
   if (counts.size() == 1) return "";
   std::ostringstream out;
   out << prefix << "the number of fields checked: ";
   size_t k = 0;
-  for (const auto& [n, ranks] : counts) out << (k++ == 0 ? "" : k == 2 ? " but " : ", ") << n << " on " << rank_list(ranks);
+  for (const auto& [n, holding] : counts) out << (k++ == 0 ? "" : k == 2 ? " but " : ", ") << n << " on " << rank_list(holding);
   return out.str() + suffix;
 }
 
@@ -188,7 +195,8 @@ void Agreement::check(c10d::Store& store, const std::string& key, int rank, int 
             std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(mine.data()),
                                  reinterpret_cast<const uint8_t*>(mine.data() + mine.size())));
   std::vector<std::vector<int64_t>> all(static_cast<size_t>(world_size));
-  for (int r = 0; r < world_size; ++r) {
+  std::string message;
+  for (int r = 0; r < world_size && message.empty(); ++r) {
     std::vector<uint8_t> bytes;
     try {
       bytes = store.get(at + std::to_string(r));
@@ -199,8 +207,31 @@ void Agreement::check(c10d::Store& store, const std::string& key, int rank, int 
                      e.what());
     }
     all[r] = to_ints(std::string(bytes.begin(), bytes.end()));
+    // Once a rank differs, the others are read as they come, each waited for briefly: with another
+    // world size, a rank this one waits for may never come, and the disagreement is named at once
+    // among the ranks that did.
+    if (all[r] != mine) {
+      std::vector<std::vector<int64_t>> seen(all.begin(), all.begin() + r + 1);
+      std::vector<int> ranks(static_cast<size_t>(r) + 1);
+      for (int k = 0; k <= r; ++k) ranks[k] = k;
+      for (int k = r + 1; k < world_size; ++k) {
+        if (k == rank) {
+          seen.push_back(mine), ranks.push_back(k);
+          continue;
+        }
+        try {
+          store.wait({at + std::to_string(k)}, std::min<std::chrono::milliseconds>(store.getTimeout(),
+                                                                                  std::chrono::seconds(2)));
+          const auto more = store.get(at + std::to_string(k));
+          seen.push_back(to_ints(std::string(more.begin(), more.end()))), ranks.push_back(k);
+        } catch (const std::exception&) {
+          // not there: named by the ranks that are
+        }
+      }
+      message = disagreement(seen, ranks);
+    }
   }
-  const std::string message = disagreement(all);
+  if (message.empty()) message = disagreement(all);
   if (!message.empty()) {
     // Rank 0's process serves the store: it waits (at most the store's timeout) until every rank
     // has read what it needs, so that each raises this message rather than "store closed".

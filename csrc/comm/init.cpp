@@ -2,6 +2,7 @@
 // agreement every rank checks at the join (shardopt version, backend, world size, timeout); the
 // NCCL or Gloo backend behind the group; the launcher's local rank.
 #include <shardopt/comm/process_group.h>
+#include <shardopt/comm/store_server.h>
 #include <shardopt/check.h>
 #include <shardopt/comm/agree.h>
 #include <shardopt/comm/launch_env.h>
@@ -83,17 +84,23 @@ bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
 
+// The backend a rank asks for: "nccl" for nccl (usable or not: the ranks agree on the request
+// first, then each checks it can serve it), "auto" resolved on this rank. Errors name a backend
+// that does not exist.
 std::string resolve_backend(const std::string& requested) {
   SHARDOPT_CHECK(requested == "auto" || requested == "gloo" || requested == "nccl",
               "unknown backend '", requested, "' (expected \"gloo\", \"nccl\" or \"auto\")");
-  if (requested == "nccl") {
-    SHARDOPT_CHECK(detail::nccl_compiled(), "backend 'nccl' was requested but this build has no NCCL "
-                "backend; use \"gloo\" (CPU tensors)");
-    SHARDOPT_CHECK(detail::nccl_usable(), "backend 'nccl' was requested but no CUDA device is visible");
-    return "nccl";
-  }
+  if (requested == "nccl") return "nccl";
   if (requested == "auto" && detail::nccl_usable()) return "nccl";
   return "gloo";
+}
+
+// After the ranks agreed on the backend: whether this rank can serve NCCL.
+void check_backend_usable(const std::string& backend) {
+  if (backend != "nccl") return;
+  SHARDOPT_CHECK(detail::nccl_compiled(), "backend 'nccl' was requested but this build has no NCCL "
+                 "backend; use \"gloo\" (CPU tensors)");
+  SHARDOPT_CHECK(detail::nccl_usable(), "backend 'nccl' was requested but no CUDA device is visible");
 }
 
 // Every rank learns, before any backend connects, whether the ranks were started alike: a rank
@@ -190,6 +197,7 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
                                          const InitOptions& options, const std::string& host) {
   const std::string backend = resolve_backend(options.backend());
   agree_on_init(*store, options, backend);
+  check_backend_usable(backend);
   ProcessGroup::BackendFactory factory;
   if (backend == "nccl") {
     factory = [timeout = options.timeout()](const c10::intrusive_ptr<c10d::Store>& s, int rank, int size) {
@@ -246,35 +254,40 @@ void check_rank(const InitOptions& options) {
                  options.transport_thread_nice());
 }
 
+// A socket listening on loopback host:port for a store's server (which otherwise listens on every
+// interface); -1 for a host that is not loopback. Errors name the address.
+int loopback_listen_fd(const std::string& host, int port, const std::string& who) {
+  if (!is_loopback(host) || host == "::1") return -1;
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  SHARDOPT_CHECK(fd >= 0, "cannot create the store's socket: ", std::strerror(errno));
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, host == "localhost" ? "127.0.0.1" : host.c_str(), &addr.sin_addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    SHARDOPT_CHECK(false, who, " cannot listen on ", host, ":", port, " for the rendezvous store: ", std::strerror(err));
+  }
+  return fd;
+}
+
 c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, const InitOptions& options) {
   SHARDOPT_CHECK(port > 0 && port < 65536, "port ", port, " is outside (0, 65536)");
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<uint16_t>(port);
-  // Under torchrun the agent already serves the store at MASTER_ADDR:MASTER_PORT (and says so):
-  // every rank connects to it as a client, as torch.distributed does.
-  const char* agent_store = env_var("TORCHELASTIC_USE_AGENT_STORE");
-  opts.isServer = options.rank() == 0 && !(agent_store && std::string(agent_store) == "True");
+  // Under torchrun, or shardopt's own launcher, the launcher already serves the store at
+  // MASTER_ADDR:MASTER_PORT (and says so): every rank connects to it as a client, as
+  // torch.distributed does.
+  opts.isServer = options.rank() == 0 && !store_served_by_launcher();
   opts.numWorkers = options.world_size();
   opts.waitWorkers = false;
   opts.timeout = options.timeout();
   // A loopback rendezvous listens on loopback only: rank 0 binds the socket itself and hands it
-  // to the store (which otherwise listens on every interface).
-  if (opts.isServer && is_loopback(host) && host != "::1") {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    SHARDOPT_CHECK(fd >= 0, "cannot create the store's socket: ", std::strerror(errno));
-    const int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    ::inet_pton(AF_INET, host == "localhost" ? "127.0.0.1" : host.c_str(), &addr.sin_addr);
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-      const int err = errno;
-      ::close(fd);
-      SHARDOPT_CHECK(false, "rank 0 cannot listen on ", host, ":", port, " for the rendezvous store: ", std::strerror(err));
-    }
-    opts.masterListenFd = fd;
-  }
+  // to the store.
+  if (opts.isServer) opts.masterListenFd = loopback_listen_fd(host, port, "rank 0");
   try {
     return c10::make_intrusive<c10d::TCPStore>(host, opts);
   } catch (const std::exception& e) {
@@ -334,6 +347,26 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
   }
   SHARDOPT_CHECK(false, "malformed init_method '", method,
               "' (expected \"env://\", \"tcp://HOST:PORT\" or \"file:///PATH\")");
+}
+
+bool store_served_by_launcher() {
+  const char* v = env_var(kLauncherStoreVariable);
+  return v && std::string(v) == "True";
+}
+
+c10::intrusive_ptr<c10d::Store> serve_store(const std::string& host, int port, std::chrono::milliseconds timeout) {
+  SHARDOPT_CHECK(port > 0 && port < 65536, "port ", port, " is outside (0, 65536)");
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(port);
+  opts.isServer = true;
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  opts.masterListenFd = loopback_listen_fd(host, port, "the launcher");
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, opts);
+  } catch (const std::exception& e) {
+    SHARDOPT_CHECK(false, "the launcher could not serve the rendezvous store at ", host, ":", port, ": ", e.what());
+  }
 }
 
 }  // namespace shardopt

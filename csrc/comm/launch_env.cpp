@@ -29,7 +29,7 @@ const std::vector<LaunchVariable> kLaunchVariables = {
     {"SLURM_JOB_NODELIST", "SLURM: the job's nodes; the first is the default MASTER_ADDR"},
     {"SLURM_NODELIST", "SLURM (older): the same"},
     {"SLURM_JOB_ID", "SLURM: the job id; the default MASTER_PORT is 29500 + SLURM_JOB_ID % 1000"},
-    {"TORCHELASTIC_USE_AGENT_STORE", "torchrun: True when its agent serves the store; every rank then connects as a client"},
+    {"TORCHELASTIC_USE_AGENT_STORE", "True when the launcher serves the store (torchrun's agent, `shardopt train -n N`); every rank then connects as a client"},
     {"MASTER_ADDR", "the host of the rendezvous store (rank 0 serves it); wins over the defaults"},
     {"MASTER_PORT", "its port; wins over the default 29500"},
     {"SHARDOPT_CHECK_DESYNC", "1: check every collective's sequence number and kind across ranks"},

@@ -1,6 +1,7 @@
 // Liveness and agreement of a group's collectives: the heartbeat and roll call that name a dead
 // rank, and the desync check.
 #include <shardopt/comm/process_group.h>
+#include <shardopt/comm/store_server.h>
 #include <shardopt/check.h>
 
 #include <ATen/ATen.h>
@@ -24,14 +25,16 @@ namespace shardopt {
 // notice only later. Each rank's group keeps a heartbeat in the rendezvous store (a counter it
 // bumps once a second from a thread of its own, whatever the rank is doing), and a rank whose
 // collective failed watches every counter for 3 s: the ranks whose counter did not move are
-// named. The store is served by rank 0's process, so when it cannot be reached at all, rank 0 is
-// the one gone.
+// named. Under a plain env:// rendezvous the store is served by rank 0's process, so when it
+// cannot be reached at all, rank 0 is the one gone; under a launcher that serves it (torchrun,
+// `shardopt train -n N`: shardopt/comm/store_server.h) any rank can die and be named.
 
 namespace {
 std::string heartbeat_key(int rank) { return "shardopt/heartbeat/" + std::to_string(rank); }
 
-// Every rank's heartbeat count: one multi-get where the store has it and every counter exists
-// (two requests per rank however many ranks there are), else one request per rank.
+// Every rank's heartbeat count: a check and one multi-get where the store has them and every
+// counter exists (a constant number of requests however many ranks there are), else one request
+// per rank.
 std::vector<int64_t> heartbeat_counts(c10d::Store& store, int size) {
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(heartbeat_key(r));
@@ -99,6 +102,9 @@ std::string ProcessGroup::roll_call() {
     }
     return text;
   } catch (const std::exception&) {
+    if (store_served_by_launcher()) {
+      return "the rendezvous store, which the launcher serves, cannot be reached: the launcher exited or was killed";
+    }
     return "rank 0 (which serves the rendezvous store) cannot be reached: it exited or was killed";
   }
 }

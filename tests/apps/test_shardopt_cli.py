@@ -10,9 +10,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import torch
@@ -34,6 +36,24 @@ def run(args, check=True, timeout=600):
     if check and p.returncode != 0:
         raise AssertionError(f"shardopt {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
     return p
+
+
+def children_of(pid):
+    """The pids of `pid`'s children (from /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def env_of(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
 
 
 def max_abs_diff(a, b):
@@ -79,14 +99,34 @@ class CliTest(unittest.TestCase):
                 if torch.is_tensor(value):
                     self.assertTrue(torch.equal(value, b["optimizer"]["state"][i][key]), f"{i} {key}")
 
-        # The optimizer part loads into torch.optim.Adam and steps.
+        # The optimizer part loads into torch.optim.Adam, each entry on the parameter of its index,
+        # and the next step is Adam's update from the saved moments, computed here by hand.
         params = [torch.nn.Parameter(a["model"][k].clone()) for k in a["model"]]
-        opt = torch.optim.Adam(params, lr=1e-3)
+        opt = torch.optim.Adam(params, lr=0.5)
         opt.load_state_dict(a["optimizer"])
-        for p in params:
-            p.grad = torch.zeros_like(p)
+        group = opt.param_groups[0]
+        self.assertEqual(group["lr"], 1e-3)  # the checkpoint's, not the constructor's
+        # (copies: the loaded state may share the checkpoint's tensors, which the step updates in place)
+        saved = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                 for i, st in a["optimizer"]["state"].items()}
+        self.assertEqual(sorted(saved), list(range(len(params))))
+        gen = torch.Generator().manual_seed(3)
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        before = [p.detach().clone() for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
         opt.step()
-        self.assertTrue(torch.equal(opt.state[params[0]]["exp_avg"].mul(0), torch.zeros_like(params[0])))
+        beta1, beta2 = group["betas"]
+        for i, p in enumerate(params):
+            s = saved[i]
+            self.assertEqual(s["exp_avg"].shape, p.shape, i)
+            step = float(s["step"]) + 1
+            m = beta1 * s["exp_avg"] + (1 - beta1) * grads[i]
+            v = beta2 * s["exp_avg_sq"] + (1 - beta2) * grads[i] ** 2
+            update = (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + group["eps"])
+            expected = before[i] - group["lr"] * update
+            self.assertLessEqual((p.detach() - expected).abs().max().item(), 1e-6, i)
+            self.assertGreater((p.detach() - before[i]).abs().max().item(), 1e-5, i)
 
     def test_muon_trains_through_freezes_and_resumes_bit_exact(self):
         args = ["train", "-n", "2", *TINY, "--optimizer", "muon"]
@@ -170,6 +210,68 @@ class CliTest(unittest.TestCase):
         self.assertNotEqual(p.returncode, 0)
         lines = [l for l in p.stderr.splitlines() if "NCCL needs a GPU of its own for each rank" in l]
         self.assertEqual(len(lines), ranks, p.stderr)
+
+    def signal_a_rank_mid_epoch(self, rank, sig):
+        """`shardopt train -n 3 --timeout 15`; `sig` to `rank` once training runs. Returns the
+        exit code, stderr, the seconds from the signal to the exit, and the ranks' pids."""
+        p = subprocess.Popen([EXE, "train", "-n", "3", "--epochs", "1", "--train-samples", "60000",
+                              "--test-samples", "500", "--timeout", "15"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            ranks = {}
+            deadline = time.monotonic() + 60
+            while len(ranks) < 3 and time.monotonic() < deadline:
+                for child in children_of(p.pid):
+                    r = env_of(child).get("RANK")
+                    if r is not None:
+                        ranks[int(r)] = child
+                time.sleep(0.2)
+            self.assertEqual(sorted(ranks), [0, 1, 2])
+            line = p.stdout.readline()  # the first line: the ranks are training
+            self.assertIn("training the CNN", line)
+            time.sleep(2)
+            os.kill(ranks[rank], sig)
+            t0 = time.monotonic()
+            _, err = p.communicate(timeout=120)
+            elapsed = time.monotonic() - t0
+        finally:
+            if p.poll() is None:
+                p.kill()
+        for r, pid in ranks.items():
+            with self.assertRaises(ProcessLookupError, msg=f"rank {r} (pid {pid}) still runs"):
+                os.kill(pid, 0)
+        return p.returncode, err, elapsed
+
+    def test_a_stopped_rank_does_not_hang_the_launcher(self):
+        # Rank 2 stopped with SIGSTOP mid-epoch: ranks 0 and 1 name it within the timeout and
+        # exit, and `-n 3` then ends rank 2 too and exits non-zero, instead of waiting on it.
+        code, err, elapsed = self.signal_a_rank_mid_epoch(2, signal.SIGSTOP)
+        self.assertNotEqual(code, 0)
+        self.assertRegex(err, r"rank 2 stopped answering")
+        self.assertLess(elapsed, 15 + 3 + 5 + 10 + 20, err)
+
+    def test_rank_0_killed_is_named_by_the_others(self):
+        # The store lives in the launcher (`-n N` serves it): rank 0's death does not take it
+        # along, and ranks 1 and 2 name rank 0 like any other rank.
+        code, err, elapsed = self.signal_a_rank_mid_epoch(0, signal.SIGKILL)
+        self.assertNotEqual(code, 0)
+        self.assertIn("shardopt: rank 0 exited with code 137", err)
+        # Each survivor that reports before the launcher stops it (5 s after rank 0's exit) names
+        # rank 0; at least one does.
+        reports = [l for l in err.splitlines() if re.match(r"shardopt: rank [12]: ", l)]
+        self.assertTrue(reports, err)
+        for line in reports:
+            self.assertIn("rank 0 stopped answering", line)
+        self.assertNotIn("cannot be reached", err)
+        self.assertLess(elapsed, 15 + 3 + 5 + 20, err)
+
+    def test_torchrun_starts_the_ranks(self):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2",
+                            EXE, "train", "--epochs", "1", "--train-samples", "1200", "--test-samples", "200"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertRegex(p.stdout, r"2 ranks on CPU \(Gloo\), global batch 120")
+        self.assertRegex(p.stdout, r"done: 10 steps .*test accuracy \d+\.\d+%")
 
     def test_metrics_file_parses_and_the_chart_is_drawn(self):
         metrics = self.path("m.jsonl")

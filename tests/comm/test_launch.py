@@ -223,6 +223,30 @@ class Launcher(unittest.TestCase):
             self.assertNotIn("Traceback", p.stdout, f"attempt {attempt}")
             self.assertRegex(p.stdout, r"launch: rank \d exited with code 3; stopped the other ranks")
 
+    def test_a_stopped_or_deaf_rank_is_ended_after_a_grace_period(self):
+        # Rank 0 fails; rank 1 ignores SIGTERM, rank 2 has stopped itself (SIGSTOP): the launcher
+        # continues and terminates rank 2, kills rank 1 10 s after SIGTERM, and exits non-zero.
+        code = ("import os, signal, sys, time\n"
+                "r = int(os.environ['RANK'])\n"
+                "print(os.getpid(), flush=True)\n"
+                "if r == 1: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "if r == 2: os.kill(os.getpid(), signal.SIGSTOP)\n"
+                "if r == 0: time.sleep(2); sys.exit(3)\n"
+                "time.sleep(600)\n")
+        t0 = time.monotonic()
+        p = subprocess.Popen([sys.executable, self.LAUNCH, "-n", "3", sys.executable, "-c", code], env=base_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, _ = p.communicate(timeout=90)
+        elapsed = time.monotonic() - t0
+        self.assertEqual(p.returncode, 1, out)
+        self.assertIn("launch: rank 0 exited with code 3; stopped the other ranks", out)
+        self.assertIn("launch: rank 1 did not stop within 10 s of SIGTERM; killed it", out)
+        self.assertNotIn("rank 2 did not stop", out)
+        self.assertLess(elapsed, 60, out)
+        for rank, pid in enumerate(int(x) for x in re.findall(r"\[rank \d\] (\d+)", out)):
+            with self.assertRaises(ProcessLookupError, msg=f"rank {rank} (pid {pid}) still runs"):
+                os.kill(pid, 0)
+
     def test_stopping_the_launcher_stops_every_rank(self):
         for sig in (signal.SIGTERM, signal.SIGHUP):
             code = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"

@@ -61,6 +61,8 @@ class Agreement {
   uint64_t hash() const;
   // The error message for every rank's encode(), in rank order; "" when all agree.
   std::string disagreement(const std::vector<std::vector<int64_t>>& all) const;
+  // The same over some ranks: all[i] is what rank ranks[i] sent.
+  std::string disagreement(const std::vector<std::vector<int64_t>>& all, const std::vector<int>& ranks) const;
 
  private:
   struct Item {
