@@ -152,7 +152,10 @@ std::vector<uint8_t> freeze_leading(const ModelSpec& spec, double fraction, int6
   return trainable;
 }
 
-std::vector<ScenarioPlan> plan_config(const ModelSpec& spec, const PlanConfig& c) {
+namespace {
+
+// Errors name the option.
+void check_config(const PlanConfig& c) {
   const std::vector<std::string> modes = {"ddp", "zero1", "zero2", "zero1-bf16", "zero2-bf16"};
   SHARDOPT_CHECK(std::find(modes.begin(), modes.end(), c.mode) != modes.end(), "--modes: '", c.mode,
                  "' is not one of ddp, zero1, zero2, zero1-bf16, zero2-bf16");
@@ -164,9 +167,13 @@ std::vector<ScenarioPlan> plan_config(const ModelSpec& spec, const PlanConfig& c
   SHARDOPT_CHECK(c.bucket_bytes >= 0, "--bucket-mb must be >= 0");
   SHARDOPT_CHECK(c.freeze_fraction >= 0 && c.freeze_fraction < 1, "--freeze-fraction must be in [0, 1), got ",
                  c.freeze_fraction);
+}
+
+// The model's parameters as OSS sees them under `c`, and the fp32 state elements each element of
+// them holds (Muon: momentum_buffer; Adam: exp_avg, exp_avg_sq).
+std::vector<ParamShape> shapes_of(const ModelSpec& spec, const PlanConfig& c, std::vector<int>& state_per_element) {
   const bool bf16 = is_bf16(c.mode);
   std::vector<ParamShape> shapes;
-  std::vector<int> state_per_element;  // fp32 state elements per parameter element
   for (const auto& layer : spec.layers) {
     ParamShape s;
     s.sizes = layer.shape;
@@ -175,8 +182,17 @@ std::vector<ScenarioPlan> plan_config(const ModelSpec& spec, const PlanConfig& c
     s.whole_tensor = muon;
     s.cost = muon ? muon_cost(s.sizes) : 0.0;
     shapes.push_back(std::move(s));
-    state_per_element.push_back(muon ? 1 : 2);  // Muon: momentum_buffer; Adam: exp_avg, exp_avg_sq
+    state_per_element.push_back(muon ? 1 : 2);
   }
+  return shapes;
+}
+
+}  // namespace
+
+std::vector<ScenarioPlan> plan_config(const ModelSpec& spec, const PlanConfig& c) {
+  check_config(c);
+  std::vector<int> state_per_element;
+  const std::vector<ParamShape> shapes = shapes_of(spec, c, state_per_element);
   const int64_t all_numel = spec.numel();
   std::vector<uint8_t> all(shapes.size(), 1), none(shapes.size(), 0);
   int64_t frozen_numel = 0;

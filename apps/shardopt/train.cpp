@@ -94,6 +94,18 @@ std::string metrics_file(const TrainOptions& o) {
   return o.checkpoint_dir.empty() ? "" : o.checkpoint_dir + "/metrics.jsonl";
 }
 
+// A metrics file this rank could write: its folder exists and is writable, and it is a writable
+// file if it exists. Errors name --metrics.
+void check_metrics_path(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  const std::string folder = slash == std::string::npos ? "." : path.substr(0, std::max<size_t>(slash, 1));
+  SHARDOPT_CHECK(::access(folder.c_str(), W_OK) == 0, "--metrics '", path, "': the folder '", folder,
+                 "' does not exist or is not writable");
+  struct stat st {};
+  SHARDOPT_CHECK(::stat(path.c_str(), &st) != 0 || (S_ISREG(st.st_mode) && ::access(path.c_str(), W_OK) == 0),
+                 "--metrics '", path, "' exists and is not a file it can write");
+}
+
 class Trainer {
  public:
   explicit Trainer(const TrainOptions& o);
@@ -157,15 +169,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   }
   const std::string metrics_path = metrics_file(o);
   metrics_on_ = !metrics_path.empty();
-  if (metrics_on_) {  // every rank checks, so that every rank says it
-    const size_t slash = metrics_path.find_last_of('/');
-    const std::string folder = slash == std::string::npos ? "." : metrics_path.substr(0, std::max<size_t>(slash, 1));
-    SHARDOPT_CHECK(::access(folder.c_str(), W_OK) == 0, "--metrics '", metrics_path, "': the folder '", folder,
-                   "' does not exist or is not writable");
-    struct stat st {};
-    SHARDOPT_CHECK(::stat(metrics_path.c_str(), &st) != 0 || (S_ISREG(st.st_mode) && ::access(metrics_path.c_str(), W_OK) == 0),
-                   "--metrics '", metrics_path, "' exists and is not a file it can write");
-  }
+  if (metrics_on_) check_metrics_path(metrics_path);  // every rank checks, so that every rank says it
   const bool cuda = o.device == "cuda";
   SHARDOPT_CHECK(!cuda || torch::cuda::is_available(), "--device cuda: no CUDA device is visible");
   group_ = init_process_group(
