@@ -202,6 +202,19 @@ class RankDeath(unittest.TestCase):
         self.assertIn("launch: rank 2 was killed by signal 9", p.stdout)
         self.assertLess(elapsed, 20 + 10)
 
+    def test_rank_0_killed_under_the_launcher_is_named(self):
+        # tools/launch serves the store (it restarts itself under the project's Python, which has
+        # PyTorch's TCPStore): rank 0's death leaves the store up, and the others name rank 0.
+        launch = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "launch")
+        p = subprocess.run([sys.executable, launch, "-n", "3", "--keep-going", WORKER, "die_in", "backward", "0"],
+                           env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        self.assertNotEqual(p.returncode, 0)
+        for r in (1, 2):
+            self.assertRegex(p.stdout, rf"\[rank {r}\] shardopt: .*rank 0 stopped answering")
+            self.assertIn(f"launch: rank {r} exited with code 1", p.stdout)
+        self.assertIn("launch: rank 0 was killed by signal 9", p.stdout)
+        self.assertNotIn("cannot be reached", p.stdout)
+
     def test_the_store_host_killed(self):
         out, elapsed = self.run_phase("step", victim=0)
         self.assertIn("rank 0 (which serves the rendezvous store) cannot be reached", out)
