@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <cstdlib>
@@ -124,6 +125,8 @@ class Trainer {
   void summary();
   // Every rank's optimizer state, master and gradient bytes into the metrics file. Collective.
   void log_memory();
+  // Note [Restarted by torchrun]: resume_, restarts_ and the fault injection from the environment.
+  void read_restart_env(const TrainOptions& o);
 
   const TrainOptions& o_;
   std::shared_ptr<ProcessGroup> group_;
@@ -142,6 +145,10 @@ class Trainer {
   int64_t steps_per_epoch_ = 0, total_steps_ = 0, step_ = 0, epoch_ = 0, first_epoch_step_ = 0;
   int64_t last_grad_bytes_ = 0;
   std::unique_ptr<Progress> progress_;
+  bool resume_ = false;                 // --resume, or a restart by torchrun with a checkpoint to resume
+  int64_t restarts_ = 0;                // TORCHELASTIC_RESTART_COUNT
+  int fault_rank_ = -1;                 // SHARDOPT_FAULT_AT_STEP: this rank kills itself before step
+  int64_t fault_step_ = -1;             // fault_step_ of a run not yet restarted
   bool metrics_on_ = false;             // every rank: the metrics file is written (by rank 0)
   std::unique_ptr<MetricsLog> metrics_;  // rank 0
   int64_t memory_every_ = 1;            // steps between memory records
@@ -159,6 +166,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   lr_at(o, 0, 1);  // rejects an unknown schedule before any work
   schedule_ = FreezeSchedule::parse(o.freeze, o.unfreeze);
   SHARDOPT_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  read_restart_env(o);
   if (!o.checkpoint_dir.empty()) {  // a folder it can write to, before any training
     ::mkdir(o.checkpoint_dir.c_str(), 0755);
     struct stat st {};
@@ -176,7 +184,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
       InitOptions().backend(cuda ? "nccl" : "gloo").timeout(std::chrono::seconds(o.timeout_s)));
   rank_ = group_->rank();
   world_ = group_->size();
-  if (metrics_on_ && rank_ == 0) metrics_ = std::make_unique<MetricsLog>(metrics_path, o.resume);
+  if (metrics_on_ && rank_ == 0) metrics_ = std::make_unique<MetricsLog>(metrics_path, resume_);
   if (cuda) {
     // One GPU per rank: its local rank's (the NCCL group made it the current device). cuDNN's
     // deterministic algorithms: a resumed run repeats the uninterrupted one bit for bit.
@@ -277,8 +285,9 @@ void Trainer::restore() {
   epoch_ = state.sampler->epoch;
   first_epoch_step_ = state.sampler->next_step;
   if (rank_ == 0) {
-    std::printf("resumed from %s/last.ckpt: step %lld, epoch %lld, step %lld of the epoch\n", o_.checkpoint_dir.c_str(),
-                static_cast<long long>(step_), static_cast<long long>(epoch_ + 1),
+    std::printf("%sresumed from %s/last.ckpt: step %lld, epoch %lld, step %lld of the epoch\n",
+                o_.resume ? "" : fmt::format("restarted by torchrun (restart {}): ", restarts_).c_str(),
+                o_.checkpoint_dir.c_str(), static_cast<long long>(step_), static_cast<long long>(epoch_ + 1),
                 static_cast<long long>(first_epoch_step_));
   }
 }
@@ -367,6 +376,7 @@ void Trainer::report_change(int64_t step, const std::vector<const FreezeEvent*>&
 // Step `s` of the current epoch, with what comes with it: the schedule (and its report), the
 // progress line, checkpoints, and at the epoch's end the test accuracy.
 void Trainer::run_step(int64_t s) {
+  if (rank_ == fault_rank_ && step_ == fault_step_) std::raise(SIGKILL);
   const auto events = schedule_.events_at(step_, steps_per_epoch_);
   const Before before{last_grad_bytes_, oss_->local_state_bytes(), ddp_->rebuild_count(), oss_->partition_version(),
                       oss_->state_moves(), ddp_->num_buckets()};
@@ -396,7 +406,7 @@ void Trainer::run_step(int64_t s) {
 }
 
 int Trainer::run() {
-  if (o_.resume) restore();
+  if (resume_) restore();
   progress_ = std::make_unique<Progress>(rank_ == 0, total_steps_, o_.batch_size,
                                          std::max<int64_t>(1, steps_per_epoch_ / 4));
   if (rank_ == 0) {
@@ -410,7 +420,7 @@ int Trainer::run() {
   }
   memory_every_ = std::max<int64_t>(1, steps_per_epoch_ / 25);
   if (metrics_) {
-    metrics_->write({{"event", o_.resume ? "resume" : "start"},
+    metrics_->write({{"event", resume_ ? "resume" : "start"},
                      {"step", step_},
                      {"world", world_},
                      {"optimizer", o_.optimizer},
@@ -522,6 +532,30 @@ void Trainer::summary() {
     }
   }
   std::fflush(stdout);
+}
+
+// Note [Restarted by torchrun]
+// Under torchrun's --max-restarts, a failed worker makes the agent restart every worker with
+// TORCHELASTIC_RESTART_COUNT one higher. A restarted run with --checkpoint-dir whose last.ckpt
+// exists resumes from it by itself, as if --resume had been passed: the job goes on from its last
+// checkpoint instead of starting over. Every rank reads the same count and the same folder, so
+// every rank decides alike. SHARDOPT_FAULT_AT_STEP=R:S makes rank R kill itself before step S in
+// a run that has not been restarted, so that the restart can be tested.
+void Trainer::read_restart_env(const TrainOptions& o) {
+  resume_ = o.resume;
+  if (const char* v = env_var("TORCHELASTIC_RESTART_COUNT")) restarts_ = std::atoll(v);
+  struct stat st {};
+  if (!resume_ && restarts_ > 0 && !o.checkpoint_dir.empty() &&
+      ::stat((o.checkpoint_dir + "/last.ckpt").c_str(), &st) == 0) {
+    resume_ = true;
+  }
+  if (const char* v = env_var("SHARDOPT_FAULT_AT_STEP"); v && restarts_ == 0) {
+    const std::string text = v;
+    const size_t colon = text.find(':');
+    SHARDOPT_CHECK(colon != std::string::npos && colon > 0, "SHARDOPT_FAULT_AT_STEP='", text, "' is not RANK:STEP");
+    fault_rank_ = std::atoi(text.substr(0, colon).c_str());
+    fault_step_ = std::atoll(text.substr(colon + 1).c_str());
+  }
 }
 
 void Trainer::log_memory() {

@@ -13,6 +13,7 @@
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -289,7 +290,12 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
   // to the store.
   if (opts.isServer) opts.masterListenFd = loopback_listen_fd(host, port, "rank 0");
   try {
-    return c10::make_intrusive<c10d::TCPStore>(host, opts);
+    auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
+    if (!store_served_by_launcher()) return store;
+    // The launcher's store outlives the workers: each attempt of a job torchrun restarts keeps its
+    // keys (the group's addresses, heartbeats, agreements) apart, under torch.distributed's prefix.
+    const char* attempt = env_var("TORCHELASTIC_RESTART_COUNT");
+    return c10::make_intrusive<c10d::PrefixStore>(std::string("/worker/attempt_") + (attempt ? attempt : "0"), store);
   } catch (const std::exception& e) {
     SHARDOPT_CHECK(false, "rank ", options.rank(), " could not reach the store at ", host, ":",
                 port, " within ", options.timeout().count(), " ms: ", e.what());

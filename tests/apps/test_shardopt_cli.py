@@ -273,6 +273,25 @@ class CliTest(unittest.TestCase):
         self.assertRegex(p.stdout, r"2 ranks on CPU \(Gloo\), global batch 120")
         self.assertRegex(p.stdout, r"done: 10 steps .*test accuracy \d+\.\d+%")
 
+    def test_torchrun_restart_resumes_from_the_checkpoint(self):
+        # Under torchrun --max-restarts 1, rank 1 kills itself before step 15 (after the checkpoint
+        # of step 10); the agent restarts both workers, which resume from step 10 by themselves
+        # and end bit for bit where an uninterrupted run at the same world size ends.
+        args = ["train", *TINY, "--checkpoint-every", "10"]
+        run([*args, "-n", "2", "--checkpoint-dir", self.path("full")])
+        env = dict(os.environ, SHARDOPT_FAULT_AT_STEP="1:15")
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2",
+                            "--max-restarts", "1", EXE, *args, "--checkpoint-dir", self.path("restarted")],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("restarted by torchrun (restart 1): resumed from", p.stdout)
+        self.assertIn("step 10, epoch 1, step 10 of the epoch", p.stdout)
+        a = read_checkpoint.load(self.path("full/last.ckpt"))
+        b = read_checkpoint.load(self.path("restarted/last.ckpt"))
+        self.assertEqual(b["step"], 30)
+        for k in a["model"]:
+            self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
+
     def test_metrics_file_parses_and_the_chart_is_drawn(self):
         metrics = self.path("m.jsonl")
         p = run(["train", "-n", "2", *TINY, "--metrics", metrics])
