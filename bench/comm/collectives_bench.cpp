@@ -6,6 +6,8 @@
 // the owner, sum then div_ against reduce_mean_async, in pairs.
 //
 //   build/bench/collectives_bench --benchmark_counters_tabular=true
+#include "median.h"
+
 #include <shardopt/comm/process_group.h>
 
 #include "harness.h"
@@ -25,10 +27,7 @@ constexpr int kWarmup = 1, kRuns = 5;
 
 using Collective = std::function<void(shardopt::ProcessGroup&, at::Tensor&)>;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using shardopt::bench::median;
 
 void run(benchmark::State& state, const Collective& op) {
   std::mutex mu;

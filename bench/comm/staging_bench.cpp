@@ -7,6 +7,8 @@
 // One JSON line per size and collective: the median time over the repetitions on each device and
 // their ratio (the copy back to the device is synchronous, so each time includes it). Without a
 // CUDA device it says so and exits 0.
+#include "median.h"
+
 #include <shardopt/comm/process_group.h>
 
 #include <ATen/ATen.h>
@@ -23,10 +25,7 @@
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using shardopt::bench::median;
 
 }  // namespace
 

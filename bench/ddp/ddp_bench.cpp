@@ -17,6 +17,8 @@
 // the re-partition that follows (with --rebalance 1), the trainable-work imbalance kept or
 // re-partitioned, the optimizer-state bytes moved, and the step time after the freeze. Phase
 // times (forward, backward, step) go to stderr.
+#include "median.h"
+
 #include <shardopt/models/gpt2.h>
 #include <shardopt/shardopt.h>
 
@@ -61,10 +63,9 @@ int64_t written_bytes() {
   }
   return 0;
 }
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
+
+using shardopt::bench::median;
+
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }

@@ -10,6 +10,8 @@
 // process, per rank, and the heartbeat's store traffic: increments of every rank's heartbeat
 // counter per second over the timed steps. On 2 cores the step time is overhead per rank, not
 // speed-up.
+#include "median.h"
+
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/oss.h>
 
@@ -125,9 +127,8 @@ int main(int argc, char** argv) {
       });
     }
     for (auto& t : threads) t.join();
-    std::sort(step_ms.begin(), step_ms.end());
     nlohmann::json line = {{"world", world},
-                           {"step_ms_median", step_ms[step_ms.size() / 2]},
+                           {"step_ms_median", shardopt::bench::median(step_ms)},
                            {"collectives_per_step", collectives},
                            {"threads_per_rank", static_cast<double>(during.threads - before.threads) / world},
                            {"fds_per_rank", static_cast<double>(during.fds - before.fds) / world},

@@ -10,6 +10,8 @@
 // one intra-op thread: the compute of the step alone, without the parameter sync, and without
 // ranks sharing the machine's cores. World 1 is the unsharded step; bench/optim/muon_step_peer.py
 // times torch.optim.Muon + AdamW on the same shapes in Python.
+#include "median.h"
+
 #include <shardopt/models/gpt2.h>
 #include <shardopt/optim/fused_step.h>
 #include <shardopt/shardopt.h>
@@ -27,10 +29,7 @@
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using shardopt::bench::median;
 
 }  // namespace
 

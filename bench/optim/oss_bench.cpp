@@ -3,6 +3,8 @@
 // process over Gloo (loopback), one intra-op thread each.
 //
 //   build/oss_bench --benchmark_counters_tabular=true
+#include "median.h"
+
 #include <shardopt/models/gpt2.h>
 #include <shardopt/optim/oss.h>
 
@@ -41,10 +43,7 @@ int64_t numel(const std::vector<at::Tensor>& ps) {
 
 constexpr int kWarmup = 2, kSteps = 10;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using shardopt::bench::median;
 
 void BM_AdamUnsharded(benchmark::State& state) {
   at::set_num_threads(1);
