@@ -68,7 +68,7 @@ bool under_a_launcher() {
 // client. With rank 0 serving it, rank 0's death took the store along and the others could only
 // say that the store was gone; now they name rank 0 like any other rank, and the store outlives
 // every rank, which a run that goes on without a dead rank needs.
-int run_local_ranks(int n, char** argv) {
+int run_local_ranks(int n, char** argv, bool survive_failures) {
   const int port = free_local_port();
   if (port == 0) {
     std::fprintf(stderr, "shardopt: cannot find a free TCP port on 127.0.0.1 for the local ranks\n");
@@ -120,11 +120,12 @@ int run_local_ranks(int n, char** argv) {
   // period, a hung or stopped rank among them, is killed (SIGKILL): the launcher never waits on a
   // rank forever.
   int result = 0;
+  bool survived = false, finishing = false;  // --survive-failures: a rank died and the others went on; one finished
   std::chrono::steady_clock::time_point stop_at{}, kill_at{};
   enum { kRunning, kTerminated, kKilled } stage = kRunning;
   while (!ranks.empty()) {
     int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, result == 0 ? 0 : WNOHANG);
+    const pid_t pid = ::waitpid(-1, &status, result == 0 && !finishing ? 0 : WNOHANG);
     if (pid == 0) {
       const auto now = std::chrono::steady_clock::now();
       if (stage == kRunning && now >= stop_at) {
@@ -151,12 +152,30 @@ int run_local_ranks(int n, char** argv) {
     const int rank = it->second;
     ranks.erase(it);
     const int code = exit_code_of(status);
+    if (finishing && code != 0) {
+      std::fprintf(stderr, "shardopt: rank %d did not finish within 30 s of the others (the survivors had counted it "
+                   "as gone); stopped it\n", rank);
+      continue;
+    }
+    if (survive_failures && WIFSIGNALED(status) && result == 0 && !ranks.empty()) {
+      std::fprintf(stderr, "shardopt: rank %d was killed by signal %d; the others go on without it (--survive-failures)\n",
+                   rank, WTERMSIG(status));
+      survived = true;
+      continue;
+    }
+    if (survive_failures && code == 0 && result == 0 && stage == kRunning && !finishing && !ranks.empty()) {
+      // Done: the others should be done too, unless one is stuck (the survivors counted it as gone).
+      finishing = true;
+      result = 0;
+      stop_at = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    }
     if (code != 0 && result == 0) {
       result = code;
       stop_at = std::chrono::steady_clock::now() + std::chrono::seconds(5);
       if (!ranks.empty()) std::fprintf(stderr, "shardopt: rank %d exited with code %d\n", rank, code);
     }
   }
+  if (survived && result == 0) std::fprintf(stderr, "shardopt: the run survived the loss of a rank\n");
   return result;
 }
 

@@ -14,7 +14,10 @@ int free_local_port();
 // WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set); they share the
 // terminal. When one rank fails the others have 5 s to exit (each reports its own error), then
 // are stopped. Returns 0 when every rank exits 0, else
-// the first failing rank's exit code (128 + signal for a signal).
-int run_local_ranks(int n, char** argv);
+// the first failing rank's exit code (128 + signal for a signal). With `survive_failures` a rank
+// killed by a signal is left to the others (they go on without it, shardopt/resilience/resilient.h):
+// it is reported, and the run succeeds when the ranks that exit by themselves exit 0; once one rank
+// has finished, the others have 30 s to finish too.
+int run_local_ranks(int n, char** argv, bool survive_failures = false);
 
 }  // namespace shardopt::app

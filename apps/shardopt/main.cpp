@@ -114,6 +114,15 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
   train.add_option("--device", o.device, "cpu (Gloo) or cuda (NCCL; each rank takes the GPU of its local rank)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
+  CLI::Option* survive = train.add_flag(
+      "--survive-failures", o.survive_failures,
+      "training goes on when a rank dies: every rank keeps a copy of another rank's shard in host memory, and the "
+      "survivors roll back to the last copy and go on at the smaller world size (one line per recovery)");
+  train.add_option("--refresh-every", o.refresh_every, "--survive-failures: steps between refreshes of the copies "
+                   "(a failure rolls back at most this many steps less one)")
+      ->check(kPositive)
+      ->needs(survive)
+      ->capture_default_str();
   train.add_option("--mixed-precision", o.mixed_precision, "off, bf16 or fp16: parameters and gradients in that "
                    "dtype, fp32 master weights and optimizer state sharded (fp16 with loss scaling)")
       ->check(CLI::IsMember({"off", "bf16", "fp16"}))
@@ -232,7 +241,7 @@ int main(int argc, char** argv) {
         throw std::invalid_argument("--batch-size " + std::to_string(train_options.batch_size) +
                                     " (global) must be a positive multiple of the world size " + std::to_string(ranks));
       }
-      if (!launched && ranks > 0) return run_local_ranks(ranks, argv);
+      if (!launched && ranks > 0) return run_local_ranks(ranks, argv, train_options.survive_failures);
       const char* world = shardopt::env_var("WORLD_SIZE");
       if (launched && ranks > 0 && world && std::atoi(world) != ranks) {
         throw std::invalid_argument("-n " + std::to_string(ranks) + " contradicts WORLD_SIZE=" + world +

@@ -25,6 +25,12 @@ Progress::Progress(bool enabled, int64_t total_steps, int64_t samples_per_step, 
       start_(std::chrono::steady_clock::now()),
       last_draw_(start_) {}
 
+void Progress::enable() {
+  if (enabled_) return;
+  enabled_ = true;
+  live_ = ::isatty(STDOUT_FILENO);
+}
+
 double Progress::seconds() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
 }

@@ -21,6 +21,8 @@ class Progress {
   void print(const std::string& text);
   // Ends the live line.
   void finish();
+  // This rank prints from now on (it became rank 0 after a recovery).
+  void enable();
 
   double seconds() const;
   int64_t steps_done() const { return steps_; }

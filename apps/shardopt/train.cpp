@@ -127,6 +127,10 @@ class Trainer {
   void log_memory();
   // Note [Restarted by torchrun]: resume_, restarts_ and the fault injection from the environment.
   void read_restart_env(const TrainOptions& o);
+  // --survive-failures: the loop over steps, and what follows a recovery.
+  void run_surviving(int64_t stop);
+  void recovered(const Recovery& r);
+  std::unique_ptr<OSS> make_oss(std::shared_ptr<ProcessGroup> group) const;
 
   const TrainOptions& o_;
   std::shared_ptr<ProcessGroup> group_;
@@ -136,8 +140,13 @@ class Trainer {
   std::vector<std::string> names_;
   std::vector<at::Tensor> params_;
   at::Device device_ = at::kCPU;
-  std::unique_ptr<OSS> oss_;
-  std::unique_ptr<ShardedDDP> ddp_;
+  // The optimizer and ShardedDDP: this run's own, or under --survive-failures the Resilient run's
+  // (which replaces them at each recovery).
+  OSS* oss_ = nullptr;
+  ShardedDDP* ddp_ = nullptr;
+  std::unique_ptr<OSS> owned_oss_;
+  std::unique_ptr<ShardedDDP> owned_ddp_;
+  std::unique_ptr<Resilient> resilient_;
   std::unique_ptr<ShardedGradScaler> scaler_;  // fp16
   int64_t skipped_steps_ = 0;                  // fp16 steps skipped for inf/nan gradients
   std::unique_ptr<BalancedSampler> sampler_;
@@ -166,6 +175,9 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   lr_at(o, 0, 1);  // rejects an unknown schedule before any work
   schedule_ = FreezeSchedule::parse(o.freeze, o.unfreeze);
   SHARDOPT_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  SHARDOPT_CHECK(!o.survive_failures || o.mixed_precision != "fp16", "--survive-failures does not support "
+                 "--mixed-precision fp16 yet: the loss scale is not part of the copies a recovery goes back to");
+  SHARDOPT_CHECK(o.refresh_every >= 1, "--refresh-every must be >= 1, got ", o.refresh_every);
   read_restart_env(o);
   if (!o.checkpoint_dir.empty()) {  // a folder it can write to, before any training
     ::mkdir(o.checkpoint_dir.c_str(), 0755);
@@ -210,21 +222,44 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
     names_.push_back(p.key());
     params_.push_back(p.value());
   }
-  sampler_ = std::make_unique<BalancedSampler>(data_.train_images.size(0), *group_,
-                                               SamplerOptions(o.batch_size / world_).seed(o.seed));
+  // Under --survive-failures the world size may change: every rank computes the global batch (a
+  // sampler of one rank with batch G: the same global batches, docs/sampler.md) and takes its
+  // share of it, which is what the sampler of the whole group gives each rank while G divides.
+  sampler_ = o.survive_failures
+                 ? std::make_unique<BalancedSampler>(data_.train_images.size(0), 0, 1,
+                                                     SamplerOptions(o.batch_size).seed(o.seed))
+                 : std::make_unique<BalancedSampler>(data_.train_images.size(0), *group_,
+                                                     SamplerOptions(o.batch_size / world_).seed(o.seed));
   steps_per_epoch_ = sampler_->steps_per_epoch();
   total_steps_ = steps_per_epoch_ * o.epochs;
   schedule_.validate(names_, steps_per_epoch_, total_steps_);
-  OSSOptions oss_options;
-  if (o.mixed_precision != "off") {
-    oss_options.mixed_precision(MixedPrecision().param_dtype(o.mixed_precision == "bf16" ? at::kBFloat16 : at::kHalf));
-  }
-  oss_ = o.optimizer == "muon" ? std::make_unique<OSS>(muon_groups(params_, o), group_, oss_options)
-                               : std::make_unique<OSS>(params_, make_optimizer(o), group_, oss_options);
   if (o.mixed_precision == "fp16") scaler_ = std::make_unique<ShardedGradScaler>();
   // Each rank's loss is the sum over its real samples; gradients are divided by the real
   // samples of the global step, so a padded last step weighs exactly right.
-  ddp_ = std::make_unique<ShardedDDP>(model_.ptr(), *oss_, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples));
+  auto make_ddp = [this](OSS& opt) {
+    return std::make_unique<ShardedDDP>(model_.ptr(), opt, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples));
+  };
+  if (o.survive_failures) {
+    resilient_ = std::make_unique<Resilient>(
+        group_, model_.ptr(), [this](std::shared_ptr<ProcessGroup> g) { return make_oss(std::move(g)); }, make_ddp,
+        ResilienceOptions().refresh_every(o.refresh_every));
+    oss_ = &resilient_->optimizer();
+    ddp_ = resilient_->ddp();
+  } else {
+    owned_oss_ = make_oss(group_);
+    owned_ddp_ = make_ddp(*owned_oss_);
+    oss_ = owned_oss_.get();
+    ddp_ = owned_ddp_.get();
+  }
+}
+
+std::unique_ptr<OSS> Trainer::make_oss(std::shared_ptr<ProcessGroup> group) const {
+  OSSOptions oss_options;
+  if (o_.mixed_precision != "off") {
+    oss_options.mixed_precision(MixedPrecision().param_dtype(o_.mixed_precision == "bf16" ? at::kBFloat16 : at::kHalf));
+  }
+  return o_.optimizer == "muon" ? std::make_unique<OSS>(muon_groups(params_, o_), group, oss_options)
+                                : std::make_unique<OSS>(params_, make_optimizer(o_), group, oss_options);
 }
 
 // The options a checkpoint must be resumed with, as numbers (TrainingState::scalars): their
@@ -298,7 +333,13 @@ void Trainer::apply_schedule(int64_t step) {
 }
 
 double Trainer::train_step(int64_t epoch_step) {
-  const Batch b = sampler_->batch(epoch_step);
+  Batch b = sampler_->batch(epoch_step);
+  if (resilient_) {  // this rank's share of the global batch
+    const auto n = static_cast<int64_t>(b.indices.size());
+    const int64_t lo = n * rank_ / world_, hi = n * (rank_ + 1) / world_;
+    b.indices = std::vector<int64_t>(b.indices.begin() + lo, b.indices.begin() + hi);
+    b.real = std::vector<uint8_t>(b.real.begin() + lo, b.real.begin() + hi);
+  }
   const at::Tensor idx = at::tensor(b.indices, at::kLong).to(device_);
   const at::Tensor real = at::tensor(std::vector<float>(b.real.begin(), b.real.end())).to(device_);
   for (auto& g : oss_->param_groups()) g.options().set_lr(lr_at(o_, step_, total_steps_));
@@ -376,7 +417,7 @@ void Trainer::report_change(int64_t step, const std::vector<const FreezeEvent*>&
 // Step `s` of the current epoch, with what comes with it: the schedule (and its report), the
 // progress line, checkpoints, and at the epoch's end the test accuracy.
 void Trainer::run_step(int64_t s) {
-  if (rank_ == fault_rank_ && step_ == fault_step_) std::raise(SIGKILL);
+  if (group_->global_rank() == fault_rank_ && step_ == fault_step_) std::raise(SIGKILL);
   const auto events = schedule_.events_at(step_, steps_per_epoch_);
   const Before before{last_grad_bytes_, oss_->local_state_bytes(), ddp_->rebuild_count(), oss_->partition_version(),
                       oss_->state_moves(), ddp_->num_buckets()};
@@ -433,6 +474,12 @@ int Trainer::run() {
                      {"partition", oss_->split() ? "split" : "whole"}});
   }
   const int64_t stop = o_.stop_after_steps > 0 ? std::min(o_.stop_after_steps, total_steps_) : total_steps_;
+  if (resilient_) {
+    run_surviving(stop);
+    progress_->finish();
+    summary();
+    return 0;
+  }
   while (step_ < stop) {
     if (first_epoch_step_ == 0) sampler_->set_epoch(epoch_);
     int64_t s = first_epoch_step_;
@@ -445,6 +492,49 @@ int Trainer::run() {
   summary();
   return 0;
 }
+// Note [Surviving in the tool]
+// Every step, with what comes with it (the schedule's report, memory records, a checkpoint, the
+// epoch's test accuracy), runs inside the Resilient run's step: a rank dying in any of them is
+// survived. A recovery rolls back to the step of the last refresh; the loop goes on from there
+// at the new world size, with the same global batches (each rank's share of the sampler's global
+// batch), so the run is the one a restart at that step with the new world size would make.
+void Trainer::run_surviving(int64_t stop) {
+  if (rank_ == 0) progress_->print(fmt::format("surviving failures: {}", resilient_->describe()));
+  int64_t epoch_set = -1;
+  while (step_ < stop) {
+    epoch_ = step_ / steps_per_epoch_;
+    const int64_t s = step_ % steps_per_epoch_;
+    if (epoch_ != epoch_set) sampler_->set_epoch(epoch_set = epoch_);
+    const StepResult r = resilient_->step_by(step_, [&] { run_step(s); });
+    if (r.recovery) recovered(*r.recovery);
+    step_ = r.next_step;
+  }
+}
+
+void Trainer::recovered(const Recovery& r) {
+  group_ = resilient_->group_ptr();
+  rank_ = group_->rank();
+  world_ = group_->size();
+  oss_ = &resilient_->optimizer();
+  ddp_ = resilient_->ddp();
+  if (rank_ == 0) {
+    progress_->enable();  // the first survivor prints from now on, rank 0 or not before
+    if (metrics_on_ && !metrics_) metrics_ = std::make_unique<MetricsLog>(metrics_file(o_), /*append=*/true);
+  }
+  if (metrics_) {
+    metrics_->write({{"event", "recovery"},
+                     {"step", r.resume_step},
+                     {"lost_ranks", r.lost},
+                     {"phase", r.phase},
+                     {"failed_step", r.failed_step},
+                     {"steps_rolled_back", r.steps_rolled_back},
+                     {"world", r.world_size},
+                     {"seconds", r.seconds}});
+  }
+  progress_->print(fmt::format("step {} (epoch {}): {}", r.failed_step, r.failed_step / steps_per_epoch_ + 1,
+                               r.to_string()));
+}
+
 std::pair<int64_t, int64_t> Trainer::evaluate() {
   at::NoGradGuard no_grad;
   model_->eval();

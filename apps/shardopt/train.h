@@ -35,6 +35,10 @@ struct TrainOptions {
   // The metrics file (metrics_log.h) and its chart beside it: this path; empty: DIR/metrics.jsonl
   // under --checkpoint-dir DIR, else none; "off": none.
   std::string metrics;
+  // Training goes on when a rank dies (shardopt/resilience/resilient.h): buddy copies of every
+  // shard, refreshed every refresh_every steps.
+  bool survive_failures = false;
+  int64_t refresh_every = 1;
 };
 
 // Trains; returns the process exit code. Throws c10::Error on bad input.

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "comm/failure_watch.h"
 #include "comm/heartbeat.h"
 
 #include <chrono>
@@ -53,11 +54,14 @@ void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) {
   store_ = std::move(store);
   if (!store_ || size_ == 1 || heartbeat_) return;
   heartbeat_ = std::make_unique<Heartbeat>();
-  heartbeat_->thread = std::thread([store = store_, key = heartbeat_key(rank_), hb = heartbeat_.get()] {
+  heartbeat_->thread = std::thread([store = store_, key = heartbeat_key(rank_), hb = heartbeat_.get(),
+                                    failure = failure_] {
     std::unique_lock<std::mutex> lock(hb->mu);
     while (!hb->stop) {
       try {
         store->add(key, 1);
+        // Note [Failure watch]: another rank saw this group fail.
+        if (failure->watching && !failure->broken && store->check({detail::kBrokenKey})) failure->told();
       } catch (const std::exception&) {
         return;  // the store is gone: the job is ending
       }

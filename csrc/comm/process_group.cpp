@@ -1,6 +1,7 @@
 #include <shardopt/comm/process_group.h>
 #include <shardopt/check.h>
 
+#include "comm/failure_watch.h"
 #include "comm/heartbeat.h"
 
 #include <ATen/ATen.h>
@@ -11,6 +12,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <csignal>
 #include <cstdlib>
 #include <sstream>
 
@@ -57,15 +60,48 @@ PendingWork& PendingWork::operator=(PendingWork&&) noexcept = default;
 
 void PendingWork::also_wait_for(c10::intrusive_ptr<c10d::Work> work) { more_.push_back(std::move(work)); }
 
+void PendingWork::set_failure_watch(std::shared_ptr<detail::GroupFailure> failure) { failure_ = std::move(failure); }
+
+void PendingWork::wait_one(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (!failure_ || !failure_->watching) {
+    TORCH_CHECK(work->wait(timeout_), "not completed");
+    return;
+  }
+  // Note [Failure watch]
+  TORCH_CHECK(!failure_->broken, "the group is broken: a rank saw a failure");
+  if (!detail::waits_in_slices(*work)) {
+    failure_->waiting(work);
+    bool completed = false;
+    try {
+      completed = work->wait(timeout_);
+    } catch (...) {
+      failure_->done(work);
+      throw;
+    }
+    failure_->done(work);
+    TORCH_CHECK(completed, failure_->broken ? "aborted: a rank saw a failure" : "not completed");
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    try {
+      if (work->wait(std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(100))))) return;
+    } catch (const std::exception&) {
+      if (work->isCompleted() || std::chrono::steady_clock::now() >= deadline) throw;
+    }
+    TORCH_CHECK(!failure_->broken, "abandoned: a rank saw a failure");
+  }
+}
+
 void PendingWork::wait() {
   if (!work_) return;
   auto work = std::move(work_);
   auto more = std::move(more_);
   try {
-    TORCH_CHECK(work->wait(timeout_), "not completed");
-    for (auto& w : more) TORCH_CHECK(w->wait(timeout_), "not completed");
+    wait_one(work);
+    for (auto& w : more) wait_one(w);
   } catch (const std::exception& e) {
-    const std::string gone = diagnose_ ? diagnose_() : std::string();
     std::string cause = e.what();
     cause = cause.substr(0, cause.find('\n'));
     // The phase the work was started in is in what_; the one it was waited for in may differ
@@ -74,6 +110,12 @@ void PendingWork::wait() {
     const std::string waited = now.empty() || what_.find("(" + now + ")") != std::string::npos
                                    ? std::string()
                                    : ", waited for in " + now;
+    if (failure_ && failure_->watching) {
+      failure_->mark(now.empty() ? what_ : now, what_ + waited + ": " + cause);
+      SHARDOPT_CHECK(false, "", what_, waited, " on rank ", rank_, " failed (the group is broken; recovery follows): ",
+                     cause);
+    }
+    const std::string gone = diagnose_ ? diagnose_() : std::string();
     SHARDOPT_CHECK(false, "", what_, waited, " on rank ", rank_, " failed or timed out (timeout ", timeout_.count(), " ms)",
                    gone.empty() ? std::string("; a peer may have exited or not called it") : "; " + gone, ": ", cause);
   }
@@ -89,7 +131,51 @@ namespace {
 thread_local const char* current_phase = "";
 }  // namespace
 
-CommPhase::CommPhase(const char* phase) : previous_(current_phase) { current_phase = phase; }
+// SHARDOPT_FAULT_IN_PHASE=R:TEXT[:N][;R:TEXT[:N]...]: the process whose RANK is R kills itself
+// (SIGKILL) when it enters, for the N-th time (1 by default), a phase whose name contains TEXT, in
+// a process started by no restart (TORCHELASTIC_RESTART_COUNT unset or 0). For tests of rank death
+// in every phase.
+struct PhaseFault {
+  std::string text;
+  int64_t nth = 1;
+  std::atomic<int64_t> seen{0};
+  static std::vector<PhaseFault*>& all() {
+    static std::vector<PhaseFault*>* faults = [] {
+      auto* list = new std::vector<PhaseFault*>();
+      const char* spec = std::getenv("SHARDOPT_FAULT_IN_PHASE");
+      const char* rank = std::getenv("RANK");
+      const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+      if (!spec || !*spec || !rank || (restarts && std::string(restarts) != "0")) return list;
+      std::stringstream specs(spec);
+      std::string text;
+      while (std::getline(specs, text, ';')) {
+        const auto first = text.find(':');
+        SHARDOPT_CHECK(first != std::string::npos && first > 0, "SHARDOPT_FAULT_IN_PHASE: '", text,
+                       "' is not RANK:TEXT[:N]");
+        if (text.substr(0, first) != rank) continue;
+        auto* f = new PhaseFault;
+        const auto last = text.rfind(':');
+        f->text = text.substr(first + 1, last > first ? last - first - 1 : std::string::npos);
+        if (last > first) {
+          const std::string n = text.substr(last + 1);
+          SHARDOPT_CHECK(!n.empty() && n.find_first_not_of("0123456789") == std::string::npos && std::stoll(n) > 0,
+                         "SHARDOPT_FAULT_IN_PHASE: '", text, "': N must be a positive integer, got '", n, "'");
+          f->nth = std::stoll(n);
+        }
+        list->push_back(f);
+      }
+      return list;
+    }();
+    return *faults;
+  }
+};
+
+CommPhase::CommPhase(const char* phase) : previous_(current_phase) {
+  current_phase = phase;
+  for (auto* fault : PhaseFault::all()) {
+    if (std::string(phase).find(fault->text) != std::string::npos && ++fault->seen == fault->nth) std::raise(SIGKILL);
+  }
+}
 CommPhase::~CommPhase() { current_phase = previous_; }
 const char* CommPhase::current() { return current_phase; }
 
@@ -121,6 +207,7 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Backend> backend, std::chron
   rank_ = backend_->getRank();
   size_ = backend_->getSize();
   for (int r = 0; r < size_; ++r) global_ranks_.push_back(r);
+  failure_ = std::make_shared<detail::GroupFailure>();
 }
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroup::native() const {
@@ -133,11 +220,25 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroup::native() const {
 // the rank and, by the roll call, a peer that is gone, like a failed wait.
 c10::intrusive_ptr<c10d::Work> ProcessGroup::start(CommStats::Kind kind,
                                                    const std::function<c10::intrusive_ptr<c10d::Work>()>& call) {
+  if (failure_->watching && failure_->broken) {
+    failure_->mark(*CommPhase::current() ? CommPhase::current() : label(CommStats::name(kind)), "");
+    SHARDOPT_CHECK(false, "", label(CommStats::name(kind)), " on rank ", rank_,
+                   " not started: the group is broken (a rank saw a failure; recovery follows)");
+  }
+  SHARDOPT_CHECK(backend_, "", label(CommStats::name(kind)), " on rank ", rank_,
+                 ": this group was abandoned after a failure; use the group recovery made");
   try {
     return call();
   } catch (const std::exception& e) {
     std::string what = CommStats::name(kind);
     if (kind != CommStats::kSend && kind != CommStats::kRecv) what += " #" + std::to_string(sequence_);
+    if (failure_->watching) {
+      const std::string cause = e.what();
+      failure_->mark(*CommPhase::current() ? CommPhase::current() : label(what),
+                     label(what) + " could not start: " + cause.substr(0, cause.find('\n')));
+      SHARDOPT_CHECK(false, "", label(what), " on rank ", rank_, " could not start (the group is broken; recovery ",
+                     "follows): ", cause.substr(0, cause.find('\n')));
+    }
     const std::string gone = roll_call();
     const std::string cause = e.what();
     SHARDOPT_CHECK(false, "", label(what), " on rank ", rank_, " could not start (timeout ", timeout_.count(), " ms)",
@@ -157,7 +258,9 @@ PendingWork ProcessGroup::track(CommStats::Kind kind, int64_t bytes, c10::intrus
   stats_.bytes[kind] += bytes;
   std::string what = CommStats::name(kind);
   if (kind != CommStats::kSend && kind != CommStats::kRecv) what += " #" + std::to_string(sequence_);
-  return PendingWork(std::move(work), label(what), rank_, timeout_, [this] { return roll_call(); });
+  PendingWork pending(std::move(work), label(what), rank_, timeout_, [this] { return roll_call(); });
+  pending.set_failure_watch(failure_);
+  return pending;
 }
 
 std::string ProcessGroup::label(std::string what) const {

@@ -16,3 +16,4 @@
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/optim/grad_scaler.h>
 #include <shardopt/optim/muon.h>
+#include <shardopt/resilience/resilient.h>

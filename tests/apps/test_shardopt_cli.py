@@ -265,6 +265,41 @@ class CliTest(unittest.TestCase):
         self.assertNotIn("cannot be reached", err)
         self.assertLess(elapsed, 15 + 3 + 5 + 20, err)
 
+    def test_survive_failures_goes_on_after_a_rank_dies(self):
+        # 4 ranks, rank 2 killed with SIGKILL before step 20 of 54: the other three go on at world
+        # size 3 with the same global batches and reach the accuracy of an uninterrupted run.
+        args = ["train", "--epochs", "1", "--train-samples", "6480", "--test-samples", "1000", "--batch-size", "120",
+                "-n", "4", "--survive-failures", "--refresh-every", "5"]
+        full = run(args)
+        acc_full = float(re.search(r"test accuracy (\d+\.\d+)%", full.stdout).group(1))
+        env = dict(os.environ, SHARDOPT_FAULT_AT_STEP="2:20")
+        p = subprocess.run([EXE, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           timeout=600)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("surviving failures: buddy copies of every shard", p.stdout)
+        self.assertRegex(p.stdout, r"step 20 \(epoch 1\): rank 2 died \(seen in [^)]+\)+ at step 20; rolled back 0 steps "
+                                   r"to step 20; world size 4 -> 3; recovered in \d+\.\d s")
+        self.assertIn("shardopt: rank 2 was killed by signal 9; the others go on without it", p.stderr)
+        self.assertIn("shardopt: the run survived the loss of a rank", p.stderr)
+        self.assertRegex(p.stdout, r"done: 54 steps")
+        acc = float(re.search(r"test accuracy (\d+\.\d+)%", p.stdout).group(1))
+        self.assertGreater(acc_full, 60.0)
+        self.assertLess(abs(acc - acc_full), 1.0, p.stdout)
+
+    def test_survive_failures_bad_input_is_one_line(self):
+        p = run(["train", "--epochs", "1", "--train-samples", "640", "--survive-failures"], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertEqual(p.stderr.strip().count("\n"), 0, p.stderr)
+        self.assertIn("surviving a dead rank needs at least 2 ranks", p.stderr)
+        p = run(["train", "--epochs", "1", "--train-samples", "640", "-n", "2", "--survive-failures",
+                 "--refresh-every", "0"], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("--refresh-every", p.stderr)
+        p = run(["train", "--epochs", "1", "--train-samples", "640", "-n", "2", "--survive-failures",
+                 "--mixed-precision", "fp16"], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("--survive-failures does not support --mixed-precision fp16", p.stderr)
+
     def test_torchrun_starts_the_ranks(self):
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2",
                             EXE, "train", "--epochs", "1", "--train-samples", "1200", "--test-samples", "200"],

@@ -31,6 +31,10 @@ class Work;
 
 namespace shardopt {
 
+namespace detail {
+struct GroupFailure;  // a group's failure watch (Note [Failure watch] in csrc/comm/failure_watch.cpp)
+}  // namespace detail
+
 struct InitOptions {
   TORCH_ARG(std::string, backend) = "auto";        // "gloo" | "nccl" | "auto" (nccl if CUDA, else gloo)
   TORCH_ARG(std::string, init_method) = "env://";  // "env://" | "tcp://HOST:PORT" | "file:///PATH"
@@ -99,12 +103,19 @@ class PendingWork {
   void set_then(std::function<void()> then) { then_ = std::move(then); }
   // More transfers of the same operation, waited for after the first one (several receives).
   void also_wait_for(c10::intrusive_ptr<c10d::Work> work);
+  // The group's failure watch (set by the group): a failed wait marks the group broken, and a
+  // group broken elsewhere ends this wait early.
+  void set_failure_watch(std::shared_ptr<detail::GroupFailure> failure);
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
   std::vector<c10::intrusive_ptr<c10d::Work>> more_;
   std::function<void()> then_;
   std::function<std::string()> diagnose_;
+  std::shared_ptr<detail::GroupFailure> failure_;
+  // Waits for one transfer: at most the timeout, and under a failure watch until the group is
+  // broken.
+  void wait_one(const c10::intrusive_ptr<c10d::Work>& work);
   std::string what_;
   int rank_ = -1;
   std::chrono::milliseconds timeout_{0};
@@ -181,6 +192,30 @@ class ProcessGroup {
   // When a collective failed: watches every rank's heartbeat in the store for a few seconds and
   // returns which ranks' stopped ("" when all beat, or without a store).
   std::string roll_call();
+  // The rendezvous store this group's keys live in (null for a group made from a bare backend).
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+  // ---- surviving a dead rank (shardopt/resilience/resilient.h) ----
+  // Note [Failure watch]: from here on, a collective of this group that fails marks the group
+  // broken and says so in the store (without the roll call: recovery makes its own), and every
+  // rank's collectives in flight or started later on this group end with an error within about a
+  // second of any rank's failure, instead of at the timeout.
+  void watch_failures();
+  bool broken() const;
+  // Where this rank first saw the group fail ("backward (gradient reductions)"; "" if it did not).
+  std::string failure_phase() const;
+  // The error of the first collective that failed on this rank ("" if it was told by another).
+  std::string failure_cause() const;
+  // Marks the group broken here and tells the other ranks (as a failed collective would).
+  void mark_broken(const std::string& why);
+  // Stops this group for good without waiting for what is in flight: its heartbeat stops, and its
+  // backend, whose threads may still be blocked on a dead peer until the timeout, is kept for the
+  // life of the process rather than destroyed (destroying it would wait for them).
+  void abandon();
+  // Not collective over this group, which may be broken: the listed ranks of this group (this
+  // rank among them) make a new group of the same kind over `store`, in which rank i is
+  // members[i]; it keeps this group's timeout, desync check and global ranks.
+  std::shared_ptr<ProcessGroup> regroup(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& members);
 
  private:
   PendingWork track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work);
@@ -218,6 +253,7 @@ class ProcessGroup {
   std::vector<int> global_ranks_;
   BackendFactory make_backend_;
   int splits_ = 0;
+  std::shared_ptr<detail::GroupFailure> failure_;
 };
 
 // This rank's index among the ranks of its machine, from the launcher's environment:

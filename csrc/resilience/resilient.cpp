@@ -1,0 +1,403 @@
+#include <shardopt/resilience/resilient.h>
+#include <shardopt/check.h>
+
+#include "resilience/survivors.h"
+
+#include <c10/util/Exception.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/api/include/torch/nn/module.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+namespace shardopt {
+
+// Note [Buddy copies]
+// At a refresh (before the first step, then after every refresh_every-th step), each rank
+// - copies every parameter and buffer (they are the same on every rank) into host memory,
+// - serializes its shard (OSS::state_shard(): its optimizer state, and fp32 masters under mixed
+//   precision) and keeps it,
+// - sends it to rank r+1 and receives rank r-1's (the buddy copy).
+// The previous refresh's copies are kept as well until the next one: a rank may die in the middle
+// of a refresh, when some survivors hold the new copies and others do not. Recovery then picks
+// the newest refresh whose copies every survivor and every lost rank's buddy hold. So a rank
+// holds at most two generations of (parameters, its shard, its buddy's shard) in host memory.
+//
+// Recovery: the survivors agree on who is gone (Note [Who is gone]), make a new group over the
+// store (under a prefix of this generation), put the parameters and buffers back as at the
+// chosen refresh (into fresh storage: a transfer of the broken group still in flight can only
+// write into the old), pass every old rank's shard to every survivor (the lost ones from their
+// buddies), and build a new optimizer over the new group that loads the stitched state: that is
+// OSS's load on any world size, so the partition is the new world's. Then a refresh over the new
+// group, so that a second failure is survived too. Every survivor holds the whole optimizer state
+// once, briefly, while the new optimizer loads it.
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<at::Tensor> host_copies(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.push_back(t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+  return out;
+}
+
+at::Tensor bytes_tensor(const std::vector<char>& bytes) {
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+std::vector<char> tensor_bytes(const at::Tensor& t) {
+  const char* p = static_cast<const char*>(t.data_ptr());
+  return std::vector<char>(p, p + t.numel());
+}
+
+// Sends `mine` to rank `to` and returns what rank `from` sent (a length, then the bytes, each an
+// owned tensor: a transfer aborted by a failure may still be read by the transport). Even ranks
+// send first and odd ranks receive first, so no ring of senders waits on itself.
+std::vector<char> pass_along(ProcessGroup& group, const std::vector<char>& mine, int to, int from) {
+  at::Tensor out_size = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  at::Tensor out = bytes_tensor(mine);
+  at::Tensor in_size = at::empty({1}, at::kLong);
+  auto send = [&] {
+    group.send(out_size, to, 7);
+    if (out.numel() > 0) group.send(out, to, 7);
+  };
+  at::Tensor in;
+  auto recv = [&] {
+    group.recv(in_size, from, 7);
+    in = at::empty({in_size.item<int64_t>()}, at::kByte);
+    if (in.numel() > 0) group.recv(in, from, 7);
+  };
+  if (group.rank() % 2 == 0) {
+    send();
+    recv();
+  } else {
+    recv();
+    send();
+  }
+  return tensor_bytes(in);
+}
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string text;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    text += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
+  }
+  return text;
+}
+
+}  // namespace
+
+std::string Recovery::to_string() const {
+  std::ostringstream out;
+  out << (lost.size() == 1 ? "rank " : "ranks ") << ranks_text(lost) << (lost.size() == 1 ? " died" : " died")
+      << " (seen in " << phase << ") at step " << failed_step << "; rolled back " << steps_rolled_back
+      << (steps_rolled_back == 1 ? " step" : " steps") << " to step " << resume_step << "; world size "
+      << old_world_size << " -> " << world_size << "; recovered in ";
+  char seconds_text[32];
+  std::snprintf(seconds_text, sizeof(seconds_text), "%.1f s", seconds);
+  out << seconds_text;
+  return out.str();
+}
+
+struct Resilient::Copy {
+  int64_t step = -1;
+  std::vector<at::Tensor> params, buffers;
+  std::vector<char> own, buddy;
+  bool has_buddy = false;
+  int64_t bytes() const {
+    int64_t n = static_cast<int64_t>(own.size() + buddy.size());
+    for (const auto& t : params) n += t.nbytes();
+    for (const auto& t : buffers) n += t.nbytes();
+    return n;
+  }
+};
+
+Resilient::Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn::Module> module,
+                     MakeOptimizer make_optimizer, MakeDDP make_ddp, ResilienceOptions options)
+    : group_(std::move(group)),
+      module_(std::move(module)),
+      make_optimizer_(std::move(make_optimizer)),
+      make_ddp_(std::move(make_ddp)),
+      options_(options) {
+  SHARDOPT_CHECK(group_, "Resilient needs a process group, got null");
+  SHARDOPT_CHECK(module_, "Resilient needs the module whose parameters the optimizer steps, got null");
+  SHARDOPT_CHECK(make_optimizer_, "Resilient needs a function that makes the optimizer, got an empty one");
+  // A world of 1 is refused here and now (there is nobody to wait for). Other bad options are
+  // local too: every rank checks its own, then all agree, so that no rank is left waiting in a
+  // collective the others never reach.
+  SHARDOPT_CHECK(group_->size() >= 2, "surviving a dead rank needs at least 2 ranks (the second copy of every shard ",
+                 "lives on another rank); this group has 1");
+  std::string problem;
+  if (options_.refresh_every() < 1) {
+    problem = "ResilienceOptions::refresh_every must be >= 1, got " + std::to_string(options_.refresh_every());
+  } else if (options_.min_world_size() < 1) {
+    problem = "ResilienceOptions::min_world_size must be >= 1, got " + std::to_string(options_.min_world_size());
+  } else if (!group_->store()) {
+    problem = "surviving a dead rank needs the group's rendezvous store (make the group with init_process_group)";
+  }
+  const auto all = group_->allgather_ints({problem.empty() ? 0 : 1, options_.refresh_every(), options_.min_world_size()});
+  for (int r = 0; r < group_->size(); ++r) {
+    SHARDOPT_CHECK(all[r][0] == 0, "", r == group_->rank() ? problem : group_->describe_rank(r) + " refused its "
+                   "ResilienceOptions: " + (all[r][1] < 1 ? "refresh_every " + std::to_string(all[r][1]) + " (must be >= 1)"
+                   : all[r][2] < 1 ? "min_world_size " + std::to_string(all[r][2]) + " (must be >= 1)" : "no store"));
+  }
+  for (int r = 1; r < group_->size(); ++r) {
+    SHARDOPT_CHECK(all[r][1] == all[0][1] && all[r][2] == all[0][2], "ResilienceOptions differ between ranks: rank 0 "
+                   "has refresh_every ", all[0][1], " and min_world_size ", all[0][2], ", ", group_->describe_rank(r),
+                   " has refresh_every ", all[r][1], " and min_world_size ", all[r][2]);
+  }
+  group_->watch_failures();
+  build();
+}
+
+Resilient::~Resilient() = default;
+
+int Resilient::rank() const { return group_->rank(); }
+int Resilient::world_size() const { return group_->size(); }
+
+void Resilient::build() {
+  optimizer_ = make_optimizer_(group_);
+  SHARDOPT_CHECK(optimizer_, "Resilient: the function that makes the optimizer returned null");
+  SHARDOPT_CHECK(&optimizer_->process_group() == group_.get() || &optimizer_->global_group() == group_.get(),
+                 "Resilient: the optimizer must be made over the group it is given");
+  if (make_ddp_) {
+    ddp_ = make_ddp_(*optimizer_);
+    SHARDOPT_CHECK(ddp_, "Resilient: the function that makes ShardedDDP returned null");
+  }
+}
+
+int64_t Resilient::refreshed_at() const { return current_ ? current_->step : -1; }
+
+int64_t Resilient::copy_bytes() const {
+  return (current_ ? current_->bytes() : 0) + (previous_ ? previous_->bytes() : 0);
+}
+
+std::string Resilient::describe() const {
+  std::ostringstream out;
+  out << "buddy copies of every shard (rank r keeps rank r-1's, in host memory), refreshed every "
+      << options_.refresh_every() << (options_.refresh_every() == 1 ? " step" : " steps") << "; runs on while at least "
+      << options_.min_world_size() << (options_.min_world_size() == 1 ? " rank is" : " ranks are") << " left";
+  return out.str();
+}
+
+void Resilient::refresh(int64_t step) {
+  if (ddp_) ddp_->finish_param_sync();
+  optimizer_->finish_param_sync();
+  auto copy = std::make_unique<Copy>();
+  copy->step = step;
+  {
+    at::NoGradGuard no_grad;
+    copy->params = host_copies(module_->parameters());
+    copy->buffers = host_copies(module_->buffers());
+  }
+  copy->own = torch::pickle_save(optimizer_->state_shard());
+  // From here the new copy is this rank's own; the previous one stays until its buddy part came.
+  const int w = group_->size(), r = group_->rank();
+  auto fresh = std::move(copy);
+  previous_ = std::move(current_);
+  current_ = std::move(fresh);
+  current_->buddy = pass_along(*group_, current_->own, (r + 1) % w, (r + w - 1) % w);
+  current_->has_buddy = true;
+  buddy_ = (r + w - 1) % w;
+  // Both generations are complete on this rank: the older one is needed only while another rank
+  // may still lack the newer; it goes at the next refresh.
+}
+
+StepResult Resilient::step(int64_t step, const std::function<void()>& body) { return run_step(step, body, false); }
+
+StepResult Resilient::step_by(int64_t step, const std::function<void()>& whole_step) {
+  return run_step(step, whole_step, true);
+}
+
+StepResult Resilient::run_step(int64_t step, const std::function<void()>& body, bool steps_itself) {
+  StepResult result;
+  int64_t at = step;  // the step boundary a failure is counted at
+  try {
+    if (!current_ || step < current_->step) refresh(step);  // the first copies, or a loop that went back
+    body();
+    if (!steps_itself) optimizer_->step();
+    result.next_step = step + 1;
+    // After the step, so that refresh_every 1 loses no completed step (a failure between steps,
+    // in a checkpoint say, goes back to the step just completed).
+    at = result.next_step;
+    if (result.next_step - current_->step >= options_.refresh_every()) refresh(result.next_step);
+    return result;
+  } catch (const std::exception&) {
+    if (!group_->broken()) throw;  // not a failure of the group: the caller's error
+  }
+  result.recovery = recover(at, group_->failure_phase());
+  result.next_step = result.recovery->resume_step;
+  return result;
+}
+
+std::optional<Recovery> Resilient::run(int64_t step, const std::function<void()>& work) {
+  try {
+    work();
+    return std::nullopt;
+  } catch (const std::exception&) {
+    if (!group_->broken()) throw;
+  }
+  return recover(step, group_->failure_phase());
+}
+
+Recovery Resilient::recover(int64_t failed_step, const std::string& phase) {
+  try {
+    return recover_from(failed_step, phase);
+  } catch (const c10::Error& e) {
+    const std::string cause = e.what_without_backtrace();
+    const std::string prefix = "shardopt: ";
+    SHARDOPT_CHECK(false, "recovery after a failure in ", phase.empty() ? "no phase" : phase, " at step ", failed_step,
+                   " failed: ", cause.rfind(prefix, 0) == 0 ? cause.substr(prefix.size()) : cause);
+  }
+  return {};
+}
+
+Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) {
+  const auto start = Clock::now();
+  std::shared_ptr<ProcessGroup> old = group_;
+  old->mark_broken(phase);  // the others leave their phase too (it is marked already when a collective failed)
+  const int old_world = old->size();
+  SHARDOPT_CHECK(current_, "global rank ", old->global_rank(), " saw a failure in ", phase,
+                 " before the first copy of the shards was made (the copies are made at the first step()); restart ",
+                 "from the last checkpoint");
+  const detail::Survivors who = detail::agree_on_survivors(*old);
+  std::vector<int> lost_global;
+  for (int r : who.lost) lost_global.push_back(old->global_ranks()[r]);
+  SHARDOPT_CHECK(!who.lost.empty(), "the group failed in ", phase, " but every rank is still there (",
+                 "a collective timed out or failed without a rank dying",
+                 old->failure_cause().empty() ? std::string() : "; here: " + old->failure_cause(),
+                 "); restart from the last checkpoint");
+  const int new_world = static_cast<int>(who.alive.size());
+  SHARDOPT_CHECK(new_world >= options_.min_world_size(), "global rank", lost_global.size() == 1 ? " " : "s ",
+                 ranks_text(lost_global), lost_global.size() == 1 ? " died" : " died", "; ", new_world,
+                 new_world == 1 ? " rank is" : " ranks are", " left, fewer than min_world_size ",
+                 options_.min_world_size(), "; restart from the last checkpoint");
+  auto is_lost = [&](int r) { return std::find(who.lost.begin(), who.lost.end(), r) != who.lost.end(); };
+  for (int d : who.lost) {
+    const int holder = (d + 1) % old_world;
+    SHARDOPT_CHECK(!is_lost(holder), "both copies of global rank ", old->global_ranks()[d],
+                   "'s shard are lost: it died, and so did global rank ", old->global_ranks()[holder],
+                   ", which kept its copy; restart from the last checkpoint");
+  }
+
+  // The broken group's objects go; its backend is kept, not destroyed (it may be blocked on the dead).
+  CommPhase rebuilding("recovery (rebuilding the group and the shards)");
+  ddp_.reset();
+  optimizer_.reset();
+  old->abandon();
+  ++generation_;
+  auto store = c10::make_intrusive<c10d::PrefixStore>("shardopt/generation/" + std::to_string(generation_) + "/",
+                                                      old->store());
+  // Each survivor says it is joining, so that a failure to make the new group names who did not.
+  store->set("shardopt/joining/" + std::to_string(old->global_rank()), std::vector<uint8_t>{1});
+  try {
+    group_ = old->regroup(store, who.alive);
+  } catch (const c10::Error& e) {
+    std::vector<int> missing;
+    for (int r : who.alive) {
+      const int global = old->global_ranks()[r];
+      try {
+        if (!store->check({"shardopt/joining/" + std::to_string(global)})) missing.push_back(global);
+      } catch (const std::exception&) {
+        break;  // the store is gone: the error below says the rest
+      }
+    }
+    SHARDOPT_CHECK(missing.empty(), "global rank", missing.size() == 1 ? " " : "s ", ranks_text(missing),
+                   " did not join the new group within ", old->timeout().count(), " ms (died during recovery?)");
+    throw;
+  }
+  group_->watch_failures();
+
+  // Which refresh to go back to: the newest that every survivor holds, with the lost ranks' copies.
+  auto held = [](const std::unique_ptr<Copy>& c) {
+    return std::vector<int64_t>{c ? c->step : -1, c && c->has_buddy ? 1 : 0};
+  };
+  std::vector<int64_t> mine = held(current_);
+  const auto previous_held = held(previous_);
+  mine.insert(mine.end(), previous_held.begin(), previous_held.end());
+  const auto all = group_->allgather_ints(mine);
+  int64_t chosen = -1;
+  for (int64_t candidate : {mine[0], mine[2]}) {
+    if (candidate < 0 || candidate <= chosen) continue;
+    bool ok = true;
+    for (int i = 0; i < new_world && ok; ++i) {
+      const auto& h = all[i];
+      const int old_r = who.alive[i];
+      const bool holds = h[0] == candidate || h[2] == candidate;
+      const bool holds_buddy = (h[0] == candidate && h[1]) || (h[2] == candidate && h[3]);
+      ok = holds && (!is_lost((old_r + old_world - 1) % old_world) || holds_buddy);
+    }
+    if (ok) chosen = candidate;
+  }
+  // Every survivor computed the same choice from the same table; one all-reduce checks it.
+  at::Tensor agreed = at::tensor({chosen, -chosen}, at::kLong);
+  group_->allreduce(agreed, Reduction::kMax);
+  SHARDOPT_CHECK(chosen >= 0 && agreed[0].item<int64_t>() == chosen && agreed[1].item<int64_t>() == -chosen,
+                 "the survivors hold no complete copy of every shard from one refresh (global rank ",
+                 group_->global_rank(), " holds the copies of steps ", mine[0], mine[1] ? "" : " (incomplete)", " and ",
+                 mine[2], mine[3] ? "" : " (incomplete)", "; -1: none): a rank died during the first refresh; restart ",
+                 "from the last checkpoint");
+  std::unique_ptr<Copy>& use = current_ && current_->step == chosen ? current_ : previous_;
+
+  // Parameters and buffers as at the refresh, in fresh storage.
+  {
+    at::NoGradGuard no_grad;
+    auto params = module_->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].set_data(use->params[i].to(params[i].device(), params[i].scalar_type(), false, true));
+      params[i].mutable_grad() = at::Tensor();
+    }
+    auto buffers = module_->buffers();
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      buffers[i].set_data(use->buffers[i].to(buffers[i].device(), buffers[i].scalar_type(), false, true));
+    }
+  }
+
+  // Every old rank's shard to every survivor: from itself, or from its buddy when it is lost.
+  std::vector<c10::IValue> shards(old_world);
+  for (int d = 0; d < old_world; ++d) {
+    const int holder_old = is_lost(d) ? (d + 1) % old_world : d;
+    const int holder = static_cast<int>(std::find(who.alive.begin(), who.alive.end(), holder_old) - who.alive.begin());
+    std::vector<char> bytes;
+    if (holder == group_->rank()) bytes = holder_old == d ? use->own : use->buddy;
+    at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+    group_->broadcast(size, holder);
+    at::Tensor payload = holder == group_->rank() ? bytes_tensor(bytes) : at::empty({size.item<int64_t>()}, at::kByte);
+    group_->broadcast(payload, holder);
+    shards[d] = torch::pickle_load(holder == group_->rank() ? bytes : tensor_bytes(payload));
+  }
+  build();
+  optimizer_->load_state_dict(optimizer_->state_dict_from_shards(shards));
+  shards.clear();
+  current_.reset();
+  previous_.reset();
+  refresh(chosen);
+
+  Recovery event;
+  event.lost = lost_global;
+  event.phase = phase.empty() ? "no phase" : phase;
+  event.old_world_size = old_world;
+  event.world_size = group_->size();
+  event.rank = group_->rank();
+  event.global_rank = group_->global_rank();
+  event.failed_step = failed_step;
+  event.resume_step = chosen;
+  event.steps_rolled_back = failed_step - chosen;
+  event.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  recoveries_.push_back(event);
+  for (const auto& callback : callbacks_) callback(event);
+  return event;
+}
+
+}  // namespace shardopt

@@ -1,0 +1,187 @@
+// One rank of the rank-death survival tests, started by tools/launch (env:// rendezvous, the store
+// served by the launcher). Trains a small MLP with OSS(Adam) + ShardedDDP under shardopt::Resilient
+// on a global batch of 24 samples per step that every world size splits alike; a rank is killed
+// by SHARDOPT_FAULT_IN_PHASE. Each survivor then trains plain torch::optim::Adam on the same global
+// batches in one process and checks that its parameters equal that reference.
+//
+//   survive_worker --steps T [--refresh-every N] [--freeze-at S] [--consolidate-every C]
+//                  [--checkpoint-every C --dir D] [--min-world-size M] [--expect-recoveries K]
+//                  [--expect-world W] [--refresh-every-rank-1 N]
+#include <shardopt/checkpoint/checkpoint.h>
+#include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/oss.h>
+#include <shardopt/resilience/resilient.h>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/api/include/torch/nn/modules/activation.h>
+#include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
+#include <torch/csrc/api/include/torch/nn/modules/linear.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <set>
+#include <string>
+
+using namespace shardopt;
+
+namespace {
+
+constexpr int64_t kGlobalBatch = 24;
+
+struct Args {
+  int64_t steps = 30, refresh_every = 1, freeze_at = -1, consolidate_every = 0, checkpoint_every = 0;
+  int min_world_size = 1, expect_recoveries = -1, expect_world = -1;
+  int64_t refresh_every_rank_1 = -1;  // another refresh_every on rank 1 (a bad-input test)
+  std::string dir;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--steps") a.steps = std::stoll(v);
+    else if (k == "--refresh-every") a.refresh_every = std::stoll(v);
+    else if (k == "--freeze-at") a.freeze_at = std::stoll(v);
+    else if (k == "--consolidate-every") a.consolidate_every = std::stoll(v);
+    else if (k == "--checkpoint-every") a.checkpoint_every = std::stoll(v);
+    else if (k == "--refresh-every-rank-1") a.refresh_every_rank_1 = std::stoll(v);
+    else if (k == "--dir") a.dir = v;
+    else if (k == "--min-world-size") a.min_world_size = std::stoi(v);
+    else if (k == "--expect-recoveries") a.expect_recoveries = std::stoi(v);
+    else if (k == "--expect-world") a.expect_world = std::stoi(v);
+    else TORCH_CHECK(false, "unknown option ", k);
+  }
+  return a;
+}
+
+torch::nn::Sequential make_model() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(8, 32), torch::nn::Tanh(), torch::nn::Linear(32, 32),
+                               torch::nn::Tanh(), torch::nn::Linear(32, 4));
+}
+
+// Global step t's batch: the same on every rank and at every world size.
+std::pair<at::Tensor, at::Tensor> global_batch(int64_t t) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + t);
+  at::Tensor x = at::randn({kGlobalBatch, 8}, gen);
+  at::Tensor y = at::randn({kGlobalBatch, 4}, gen);
+  return {x, y};
+}
+
+// This rank's contiguous share of the global batch.
+std::pair<int64_t, int64_t> share(int rank, int world) {
+  return {kGlobalBatch * rank / world, kGlobalBatch * (rank + 1) / world};
+}
+
+at::Tensor loss_of(torch::nn::Sequential& model, const at::Tensor& x, const at::Tensor& y) {
+  return (model->forward(x) - y).pow(2).sum() / static_cast<double>(kGlobalBatch);
+}
+
+void set_trainable(torch::nn::Sequential& model, int64_t t, int64_t freeze_at) {
+  const bool first = freeze_at < 0 || t < freeze_at;
+  for (auto& p : model[0]->parameters()) p.requires_grad_(first);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args args = parse(argc, argv);
+    auto group = init_process_group(InitOptions().timeout(std::chrono::seconds(20)));
+    auto model = make_model();
+    const auto adam = torch::optim::AdamOptions(1e-2);
+
+    // Each rank's share of a step differs (checked once, at the start's world size).
+    {
+      auto [lo, hi] = share(group->rank(), group->size());
+      const at::Tensor mine = global_batch(0).first.slice(0, lo, hi);
+      const double checksum = mine.sum().item<double>();
+      auto all = group->allgather_ints({static_cast<int64_t>(std::llround(checksum * 1e6))});
+      std::set<int64_t> distinct;
+      for (const auto& v : all) distinct.insert(v[0]);
+      TORCH_CHECK(static_cast<int>(distinct.size()) == group->size(), "the ranks' data are not all different");
+    }
+
+    Resilient run(
+        group, model.ptr(),
+        [&](std::shared_ptr<ProcessGroup> g) {
+          return std::make_unique<OSS>(model->parameters(), optimizer<torch::optim::Adam>(adam), g);
+        },
+        [&](OSS& opt) {
+          return std::make_unique<ShardedDDP>(
+              model, opt, ShardedDDPOptions().reduce_bucket_bytes(512).grad_scaling(GradScaling::kSum));
+        },
+        ResilienceOptions()
+            .refresh_every(group->rank() == 1 && args.refresh_every_rank_1 >= 0 ? args.refresh_every_rank_1
+                                                                                 : args.refresh_every)
+            .min_world_size(args.min_world_size));
+    if (group->rank() == 0) std::cout << "resilience: " << run.describe() << std::endl;
+
+    for (int64_t t = 0; t < args.steps;) {
+      set_trainable(model, t, args.freeze_at);
+      StepResult r = run.step(t, [&] {
+        auto [x, y] = global_batch(t);
+        auto [lo, hi] = share(run.rank(), run.world_size());
+        run.optimizer().zero_grad();
+        at::Tensor out = run.ddp()->forward(x.slice(0, lo, hi));
+        ((out - y.slice(0, lo, hi)).pow(2).sum() / static_cast<double>(kGlobalBatch)).backward();
+      });
+      if (r.recovery) std::cout << "recovered: " << r.recovery->to_string() << std::endl;
+      t = r.next_step;
+      if (r.recovery) continue;
+      if (args.consolidate_every > 0 && t % args.consolidate_every == 0) {
+        if (auto rec = run.run(t, [&] { run.optimizer().consolidate_state_dict(0); })) {
+          std::cout << "recovered: " << rec->to_string() << std::endl;
+          t = rec->resume_step;
+        }
+      }
+      if (args.checkpoint_every > 0 && t % args.checkpoint_every == 0) {
+        if (auto rec = run.run(t, [&] {
+              TrainingState state;
+              state.step = t;
+              save_checkpoint(args.dir + "/step.ckpt", *model, run.optimizer(), state);
+            })) {
+          std::cout << "recovered: " << rec->to_string() << std::endl;
+          t = rec->resume_step;
+        }
+      }
+    }
+
+    // The reference: one process, plain Adam, the whole global batch of every step.
+    auto reference = make_model();
+    torch::optim::Adam ref_opt(reference->parameters(), adam);
+    for (int64_t t = 0; t < args.steps; ++t) {
+      set_trainable(reference, t, args.freeze_at);
+      ref_opt.zero_grad(true);
+      auto [x, y] = global_batch(t);
+      loss_of(reference, x, y).backward();
+      ref_opt.step();
+    }
+    double worst = 0.0;
+    auto mine = model->parameters(), ref = reference->parameters();
+    for (size_t i = 0; i < mine.size(); ++i) worst = std::max(worst, (mine[i] - ref[i]).abs().max().item<double>());
+    TORCH_CHECK(worst <= 1e-5, "global rank ", run.group().global_rank(), ": parameters differ from the reference by ",
+                worst, " (> 1e-5)");
+    const int recoveries = static_cast<int>(run.recoveries().size());
+    TORCH_CHECK(args.expect_recoveries < 0 || recoveries == args.expect_recoveries, "global rank ",
+                run.group().global_rank(), ": expected ", args.expect_recoveries, " recoveries, got ", recoveries);
+    TORCH_CHECK(args.expect_world < 0 || run.world_size() == args.expect_world, "global rank ",
+                run.group().global_rank(), ": expected to end at world size ", args.expect_world, ", got ",
+                run.world_size());
+    std::cout << "survivor global rank " << run.group().global_rank() << " (rank " << run.rank() << " of "
+              << run.world_size() << "): " << recoveries << " recoveries, parameters within " << worst
+              << " of the reference" << std::endl;
+    return 0;
+  } catch (const c10::Error& e) {
+    std::cerr << "survive_worker: " << e.what_without_backtrace() << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "survive_worker: " << e.what() << std::endl;
+    return 1;
+  }
+}

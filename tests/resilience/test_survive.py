@@ -1,0 +1,164 @@
+"""Training goes on when a rank dies: four real processes under tools/launch (which serves the
+store and, with --keep-going, leaves the survivors to the library), one of them killed with
+SIGKILL in a given phase (SHARDOPT_FAULT_IN_PHASE). The survivors must finish every step, and
+their parameters must equal a one-process torch.optim Adam reference on the same global batches
+within 1e-5 (survive_worker checks that and exits 0); the recovery line names the dead rank.
+
+Run by ctest; SURVIVE_WORKER names tests/survive_worker, LAUNCH tools/launch. SURVIVE_CASES picks
+the test class (so that ctest can run the classes side by side).
+"""
+import os
+import re
+import subprocess
+import sys
+import unittest
+
+WORKER = os.environ["SURVIVE_WORKER"]
+LAUNCH = os.environ["LAUNCH"]
+
+# Every phase a rank can die in, with the entry into that phase at which it dies (mid-run: a
+# phase entered several times per step is entered more often).
+PHASES = [
+    ("forward (trainability check)", 7),
+    ("backward (gradient reductions)", 40),
+    ("step (parameter sync)", 9),
+    ("consolidating the optimizer state", 2),
+    ("saving a checkpoint", 2),
+    ("optimizer state moving to new owners", 2),
+]
+
+
+def run(world, fault, *args, timeout=150, env=None):
+    e = dict(os.environ)
+    e.pop("SHARDOPT_FAULT_IN_PHASE", None)
+    if fault:
+        e["SHARDOPT_FAULT_IN_PHASE"] = fault
+    e.update(env or {})
+    p = subprocess.run([sys.executable, LAUNCH, "-n", str(world), "--keep-going", WORKER, *map(str, args)],
+                       env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return p.returncode, p.stdout
+
+
+def exits(out):
+    """rank -> 'exited with code N' or 'was killed by signal N', from the launcher's report."""
+    return {int(r): what for r, what in re.findall(r"launch: rank (\d+) (exited with code \d+|was killed by signal \d+)", out)}
+
+
+class Base(unittest.TestCase):
+    def survive(self, world, fault, dead, *args, recoveries=1):
+        with_dir = ["--dir", self.tmp] if "--checkpoint-every" in map(str, args) else []
+        code, out = run(world, fault, "--steps", 24, "--expect-recoveries", recoveries,
+                        "--expect-world", world - len(dead), *args, *with_dir)
+        ends = exits(out)
+        self.assertEqual(len(ends), world, out)
+        for r in range(world):
+            want = "was killed by signal 9" if r in dead else "exited with code 0"
+            self.assertEqual(ends[r], want, f"rank {r}:\n{out}")
+        for r in range(world):
+            if r in dead:
+                continue
+            self.assertRegex(out, rf"\[rank {r}\] survivor global rank {r} \(rank \d of {world - len(dead)}\): "
+                                  rf"{recoveries} recoveries, parameters within")
+        return out
+
+    def setUp(self):
+        import tempfile
+        self.tmp = tempfile.mkdtemp(prefix="survive-")
+
+
+class EachPhaseBuddy5(Base):
+    """World 4 -> 3, buddy copies refreshed every 5 steps: training rolls back to the last refresh."""
+
+    def test_each_phase(self):
+        for phase, nth in PHASES:
+            with self.subTest(phase=phase):
+                dead = 2
+                out = self.survive(4, f"{dead}:{phase}:{nth}", [dead], "--refresh-every", 5, "--freeze-at", 12,
+                                   "--consolidate-every", 4, "--checkpoint-every", 6)
+                m = re.search(r"recovered: rank 2 died \(seen in [^)]*\)+ at step (\d+); rolled back (\d+) steps? to "
+                              r"step (\d+); world size 4 -> 3", out)
+                self.assertIsNotNone(m, out)
+                failed, back, resume = map(int, m.groups())
+                self.assertEqual(failed - back, resume)
+                self.assertEqual(resume % 5, 0, "rolled back to a step that was no refresh")
+                self.assertLess(back, 5)
+
+
+class EachPhaseBuddy1(Base):
+    """World 4 -> 3, copies refreshed before every step: no completed step is run again."""
+
+    def test_each_phase(self):
+        for phase, nth in PHASES:
+            with self.subTest(phase=phase):
+                out = self.survive(4, f"1:{phase}:{nth}", [1], "--refresh-every", 1, "--freeze-at", 12,
+                                   "--consolidate-every", 4, "--checkpoint-every", 6)
+                self.assertRegex(out, r"recovered: rank 1 died .* rolled back 0 steps to step \d+; world size 4 -> 3")
+
+
+class RankZeroAndTwoFailures(Base):
+    def test_rank_0_dies(self):
+        # The store lives in the launcher: rank 0's death is survived like any other.
+        out = self.survive(4, "0:backward (gradient reductions):40", [0], "--refresh-every", 5)
+        self.assertRegex(out, r"recovered: rank 0 died")
+
+    def test_two_failures_one_after_the_other(self):
+        out = self.survive(4, "1:backward (gradient reductions):30;3:step (parameter sync):15", [1, 3],
+                           "--refresh-every", 5, recoveries=2)
+        self.assertRegex(out, r"recovered: rank 1 died .* world size 4 -> 3")
+        self.assertRegex(out, r"recovered: rank 3 died .* world size 3 -> 2")
+
+    def test_a_rank_and_its_buddy_dying_together_is_an_error(self):
+        # Rank 2 keeps rank 1's copy: both copies of rank 1's shard are gone.
+        code, out = run(4, "1:step (parameter sync):9;2:step (parameter sync):9", "--steps", 24, "--refresh-every", 5)
+        self.assertNotEqual(code, 0)
+        for r in (0, 3):
+            self.assertRegex(out, rf"\[rank {r}\] survive_worker: shardopt: recovery after a failure in .* failed: both "
+                                  r"copies of global rank 1's shard are lost")
+
+    def test_fewer_ranks_than_min_world_size_is_an_error(self):
+        code, out = run(4, "3:backward (gradient reductions):30", "--steps", 24, "--min-world-size", 4)
+        self.assertNotEqual(code, 0)
+        for r in (0, 1, 2):
+            self.assertRegex(out, rf"\[rank {r}\] survive_worker: .*3 ranks are left, fewer than min_world_size 4")
+
+
+class FailureDuringRecovery(Base):
+    def test_is_a_clear_error_on_every_survivor_within_the_timeout(self):
+        import time
+        start = time.monotonic()
+        code, out = run(4, "1:backward (gradient reductions):30;3:recovery (rebuilding", "--steps", 24,
+                        "--refresh-every", 5)
+        took = time.monotonic() - start
+        self.assertNotEqual(code, 0)
+        ends = exits(out)
+        self.assertEqual(ends[1], "was killed by signal 9")
+        self.assertEqual(ends[3], "was killed by signal 9")
+        for r in (0, 2):
+            self.assertEqual(ends[r], "exited with code 1")
+            self.assertRegex(out, rf"\[rank {r}\] survive_worker: shardopt: recovery after a failure in backward "
+                                  r"\(gradient reductions\) at step \d+ failed: global rank 3 did not join the new group")
+        self.assertLess(took, 20 + 3 + 30)  # the group timeout (20 s), the roll call, start-up
+
+
+class BadInput(Base):
+    def test_world_size_1(self):
+        code, out = run(1, None, "--steps", 2)
+        self.assertEqual(code, 1)
+        self.assertIn("surviving a dead rank needs at least 2 ranks", out)
+
+    def test_refresh_every_0_on_every_rank(self):
+        code, out = run(2, None, "--steps", 2, "--refresh-every", 0)
+        self.assertEqual(code, 1)
+        for r in (0, 1):
+            self.assertRegex(out, rf"\[rank {r}\] survive_worker: .*refresh_every (must be >= 1, got 0|0 \(must be >= 1\))")
+
+    def test_options_that_differ_between_ranks(self):
+        code, out = run(2, None, "--steps", 2, "--refresh-every", 5, "--refresh-every-rank-1", 3)
+        self.assertEqual(code, 1)
+        for r in (0, 1):
+            self.assertRegex(out, rf"\[rank {r}\] survive_worker: .*ResilienceOptions differ between ranks: rank 0 has "
+                                  r"refresh_every 5 .* rank 1 has refresh_every 3")
+
+
+if __name__ == "__main__":
+    unittest.main()
