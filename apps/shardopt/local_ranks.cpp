@@ -1,9 +1,11 @@
 #include "local_ranks.h"
 
 #include <shardopt/comm/launch_env.h>
+#include <shardopt/comm/process_group.h>
 #include <shardopt/comm/store_server.h>
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <fmt/format.h>
@@ -23,6 +25,7 @@
 #include <thread>
 #include <cstdlib>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -94,8 +97,9 @@ int run_local_ranks(int n, char** argv, bool survive_failures) {
     return 1;
   }
   std::map<pid_t, int> ranks;  // pid -> rank
-  for (int r = 0; r < n; ++r) {
+  auto spawn = [&](int r, bool replacement) -> pid_t {
     std::vector<std::string> env = base;
+    if (replacement) env.push_back("SHARDOPT_REPLACEMENT=1");
     for (const auto& kv : {fmt::format("RANK={}", r), fmt::format("WORLD_SIZE={}", n), fmt::format("LOCAL_RANK={}", r),
                            fmt::format("LOCAL_WORLD_SIZE={}", n), std::string("MASTER_ADDR=127.0.0.1"),
                            fmt::format("MASTER_PORT={}", port), fmt::format("{}=True", kLauncherStoreVariable)}) {
@@ -108,12 +112,19 @@ int run_local_ranks(int n, char** argv, bool survive_failures) {
     const int rc = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, envp.data());
     if (rc != 0) {
       std::fprintf(stderr, "shardopt: cannot start local rank %d: %s\n", r, std::strerror(rc));
+      return 0;
+    }
+    ranks[pid] = r;
+    return pid;
+  };
+  for (int r = 0; r < n; ++r) {
+    if (spawn(r, false) == 0) {
       for (const auto& [p, _] : ranks) ::kill(p, SIGKILL);
       for (const auto& [p, _] : ranks) ::waitpid(p, nullptr, 0);
       return 1;
     }
-    ranks[pid] = r;
   }
+  std::set<int> replaced;  // ranks a replacement was started for (once each)
   // When one rank fails, the others get a grace period to report their own error (bad input is
   // seen by every rank), then are asked to stop (SIGTERM, with SIGCONT for a stopped one: they
   // may wait in a collective for the failed one), and any still there after a second grace
@@ -153,14 +164,24 @@ int run_local_ranks(int n, char** argv, bool survive_failures) {
     ranks.erase(it);
     const int code = exit_code_of(status);
     if (finishing && code != 0) {
-      std::fprintf(stderr, "shardopt: rank %d did not finish within 30 s of the others (the survivors had counted it "
-                   "as gone); stopped it\n", rank);
+      std::fprintf(stderr, "shardopt: rank %d exited with code %d after the others finished\n", rank, code);
       continue;
     }
     if (survive_failures && WIFSIGNALED(status) && result == 0 && !ranks.empty()) {
       std::fprintf(stderr, "shardopt: rank %d was killed by signal %d; the others go on without it (--survive-failures)\n",
                    rank, WTERMSIG(status));
       survived = true;
+      // A replacement, once per rank, when the run is under way (it asks to join; the run admits it
+      // after its next refresh: Note [A replacement joins]).
+      bool running = false;
+      try {
+        // The ranks' keys live under torch.distributed's prefix for the first attempt.
+        running = c10d::PrefixStore("/worker/attempt_0", store).check({ProcessGroup::kResilientRunKey});
+      } catch (const std::exception&) {
+      }
+      if (running && replaced.insert(rank).second && spawn(rank, true) != 0) {
+        std::fprintf(stderr, "shardopt: started a replacement for rank %d\n", rank);
+      }
       continue;
     }
     if (survive_failures && code == 0 && result == 0 && stage == kRunning && !finishing && !ranks.empty()) {

@@ -16,8 +16,9 @@ int free_local_port();
 // are stopped. Returns 0 when every rank exits 0, else
 // the first failing rank's exit code (128 + signal for a signal). With `survive_failures` a rank
 // killed by a signal is left to the others (they go on without it, shardopt/resilience/resilient.h):
-// it is reported, and the run succeeds when the ranks that exit by themselves exit 0; once one rank
-// has finished, the others have 30 s to finish too.
+// it is reported, a replacement is started for it (once per rank, with SHARDOPT_REPLACEMENT=1) which
+// the run admits after its next refresh, and the run succeeds when the ranks that exit by themselves
+// exit 0; once one rank has finished, the others have 30 s to finish too.
 int run_local_ranks(int n, char** argv, bool survive_failures = false);
 
 }  // namespace shardopt::app

@@ -130,6 +130,8 @@ class Trainer {
   // --survive-failures: the loop over steps, and what follows a recovery.
   void run_surviving(int64_t stop);
   void recovered(const Recovery& r);
+  void admitted(const Admission& a);
+  void adopt_group();  // the Resilient run's group, optimizer and ShardedDDP, after it replaced them
   std::unique_ptr<OSS> make_oss(std::shared_ptr<ProcessGroup> group) const;
 
   const TrainOptions& o_;
@@ -196,7 +198,9 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
       InitOptions().backend(cuda ? "nccl" : "gloo").timeout(std::chrono::seconds(o.timeout_s)));
   rank_ = group_->rank();
   world_ = group_->size();
-  if (metrics_on_ && rank_ == 0) metrics_ = std::make_unique<MetricsLog>(metrics_path, resume_);
+  // A process started to replace a rank of a --survive-failures run is a group of one until the
+  // run admits it (shardopt::Resilient, below): it is not rank 0 of the run.
+  if (metrics_on_ && rank_ == 0 && !group_->joining()) metrics_ = std::make_unique<MetricsLog>(metrics_path, resume_);
   if (cuda) {
     // One GPU per rank: its local rank's (the NCCL group made it the current device). cuDNN's
     // deterministic algorithms: a resumed run repeats the uninterrupted one bit for bit.
@@ -245,6 +249,13 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
         ResilienceOptions().refresh_every(o.refresh_every));
     oss_ = &resilient_->optimizer();
     ddp_ = resilient_->ddp();
+    if (group_->joining()) {  // admitted: the run's group, and the step it goes on from (not a checkpoint's)
+      resume_ = false;
+      group_ = resilient_->group_ptr();
+      rank_ = group_->rank();
+      world_ = group_->size();
+      step_ = resilient_->start_step();
+    }
   } else {
     owned_oss_ = make_oss(group_);
     owned_ddp_ = make_ddp(*owned_oss_);
@@ -507,11 +518,12 @@ void Trainer::run_surviving(int64_t stop) {
     if (epoch_ != epoch_set) sampler_->set_epoch(epoch_set = epoch_);
     const StepResult r = resilient_->step_by(step_, [&] { run_step(s); });
     if (r.recovery) recovered(*r.recovery);
+    if (r.admission) admitted(*r.admission);
     step_ = r.next_step;
   }
 }
 
-void Trainer::recovered(const Recovery& r) {
+void Trainer::adopt_group() {
   group_ = resilient_->group_ptr();
   rank_ = group_->rank();
   world_ = group_->size();
@@ -521,6 +533,23 @@ void Trainer::recovered(const Recovery& r) {
     progress_->enable();  // the first survivor prints from now on, rank 0 or not before
     if (metrics_on_ && !metrics_) metrics_ = std::make_unique<MetricsLog>(metrics_file(o_), /*append=*/true);
   }
+}
+
+void Trainer::admitted(const Admission& a) {
+  adopt_group();
+  if (metrics_) {
+    metrics_->write({{"event", "admission"},
+                     {"step", a.step},
+                     {"joined", a.joined},
+                     {"refused", a.refused},
+                     {"world", world_},
+                     {"seconds", a.seconds}});
+  }
+  progress_->print(fmt::format("step {} (epoch {}): {}", a.step, a.step / steps_per_epoch_ + 1, a.to_string()));
+}
+
+void Trainer::recovered(const Recovery& r) {
+  adopt_group();
   if (metrics_) {
     metrics_->write({{"event", "recovery"},
                      {"step", r.resume_step},
@@ -639,7 +668,8 @@ void Trainer::read_restart_env(const TrainOptions& o) {
       ::stat((o.checkpoint_dir + "/last.ckpt").c_str(), &st) == 0) {
     resume_ = true;
   }
-  if (const char* v = env_var("SHARDOPT_FAULT_AT_STEP"); v && restarts_ == 0) {
+  const char* replacement = env_var("SHARDOPT_REPLACEMENT");
+  if (const char* v = env_var("SHARDOPT_FAULT_AT_STEP"); v && restarts_ == 0 && !(replacement && std::string(replacement) == "1")) {
     const std::string text = v;
     const size_t colon = text.find(':');
     SHARDOPT_CHECK(colon != std::string::npos && colon > 0, "SHARDOPT_FAULT_AT_STEP='", text, "' is not RANK:STEP");

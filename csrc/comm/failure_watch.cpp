@@ -167,13 +167,34 @@ std::shared_ptr<ProcessGroup> ProcessGroup::regroup(const c10::intrusive_ptr<c10
                    list, ") within ", timeout_.count(), " ms: another rank failed during recovery? ",
                    cause.substr(0, cause.find('\n')));
   }
-  auto group = std::make_shared<ProcessGroup>(backend, timeout_);
-  group->global_ranks_.clear();
-  for (int r : members) group->global_ranks_.push_back(global_ranks_[r]);
+  return member_group(backend, members, store);
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::form(const c10::intrusive_ptr<c10d::Store>& store,
+                                                 const std::vector<int>& global_members) {
+  SHARDOPT_CHECK(store && make_backend_, "ProcessGroup::form needs a group made by init_process_group");
+  const auto it = std::find(global_members.begin(), global_members.end(), global_rank());
+  SHARDOPT_CHECK(it != global_members.end(), "ProcessGroup::form: global rank ", global_rank(), " is not a member");
+  c10::intrusive_ptr<c10d::Backend> backend;
+  try {
+    backend = make_backend_(store, static_cast<int>(it - global_members.begin()), static_cast<int>(global_members.size()));
+  } catch (const std::exception& e) {
+    const std::string cause = e.what();
+    SHARDOPT_CHECK(false, "global rank ", global_rank(), " could not connect to the other members within ",
+                   timeout_.count(), " ms: ", cause.substr(0, cause.find('\n')));
+  }
+  auto group = std::make_shared<ProcessGroup>(std::move(backend), timeout_);
+  group->global_ranks_ = global_members;
   group->make_backend_ = make_backend_;
   group->check_desync_ = check_desync_;
   group->set_store(store);
   return group;
+}
+
+void ProcessGroup::set_joining(int global_rank, c10::intrusive_ptr<c10d::Store> store) {
+  joining_ = true;
+  global_ranks_ = {global_rank};
+  store_ = std::move(store);
 }
 
 }  // namespace shardopt

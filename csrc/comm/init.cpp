@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -197,7 +198,10 @@ void ignore_sigpipe_by_default() {
 std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store,
                                          const InitOptions& options, const std::string& host) {
   const std::string backend = resolve_backend(options.backend());
-  agree_on_init(*store, options, backend);
+  // A resilient run is going on in this store: this process replaces a rank it lost, and the run
+  // admits it (shardopt::Resilient) rather than the first rendezvous, which is long over.
+  const bool joining = store->check({ProcessGroup::kResilientRunKey});
+  if (!joining) agree_on_init(*store, options, backend);
   check_backend_usable(backend);
   ProcessGroup::BackendFactory factory;
   if (backend == "nccl") {
@@ -211,6 +215,16 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
       return c10::intrusive_ptr<c10d::Backend>(
           c10::make_intrusive<c10d::ProcessGroupGloo>(s, rank, size, gloo_options(timeout, loopback, batch, nice)));
     };
+  }
+  if (joining) {
+    SHARDOPT_CHECK(backend == "gloo", "rank ", options.rank(), " was started to replace a rank of a resilient run, ",
+                   "which is not supported on NCCL yet");
+    // A group of one over a store of its own until the run admits it.
+    auto alone = factory(c10::make_intrusive<c10d::HashStore>(), 0, 1);
+    auto group = std::make_shared<ProcessGroup>(alone, options.timeout());
+    group->set_backend_factory(factory);
+    group->set_joining(options.rank(), store);
+    return group;
   }
   if (backend == "nccl") {
     try {

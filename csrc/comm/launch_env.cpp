@@ -39,6 +39,10 @@ const std::vector<LaunchVariable> kLaunchVariables = {
                                    "then resumes from --checkpoint-dir by itself"},
     {"SHARDOPT_FAULT_AT_STEP", "R:S: `shardopt train`'s rank R kills itself (SIGKILL) before step S, in a run not "
                                "yet restarted (tests of restarts)"},
+    {"SHARDOPT_FAULT_IN_PHASE", "R:TEXT[:N][;...]: the process with RANK R kills itself (SIGKILL) the N-th time it "
+                                "enters a phase whose name contains TEXT (tests of surviving a dead rank)"},
+    {"SHARDOPT_REPLACEMENT", "1: set by `shardopt train -n N --survive-failures` on a process it starts to replace a "
+                             "killed rank; the fault injections above are off in it"},
     {"TORCH_FR_BUFFER_SIZE", "c10d's flight recorder; shardopt sets 0 unless given"},
     {"TORCH_NCCL_NONBLOCKING_TIMEOUT", "c10d: seconds an NCCL communicator may take to form; shardopt sets the "
                                        "group's timeout unless given"},

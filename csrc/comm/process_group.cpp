@@ -133,8 +133,8 @@ thread_local const char* current_phase = "";
 
 // SHARDOPT_FAULT_IN_PHASE=R:TEXT[:N][;R:TEXT[:N]...]: the process whose RANK is R kills itself
 // (SIGKILL) when it enters, for the N-th time (1 by default), a phase whose name contains TEXT, in
-// a process started by no restart (TORCHELASTIC_RESTART_COUNT unset or 0). For tests of rank death
-// in every phase.
+// a process started by no restart (TORCHELASTIC_RESTART_COUNT unset or 0) and not as a replacement
+// (SHARDOPT_REPLACEMENT unset). For tests of rank death in every phase.
 struct PhaseFault {
   std::string text;
   int64_t nth = 1;
@@ -145,7 +145,11 @@ struct PhaseFault {
       const char* spec = std::getenv("SHARDOPT_FAULT_IN_PHASE");
       const char* rank = std::getenv("RANK");
       const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
-      if (!spec || !*spec || !rank || (restarts && std::string(restarts) != "0")) return list;
+      const char* replacement = std::getenv("SHARDOPT_REPLACEMENT");
+      if (!spec || !*spec || !rank || (restarts && std::string(restarts) != "0") ||
+          (replacement && std::string(replacement) == "1")) {
+        return list;
+      }
       std::stringstream specs(spec);
       std::string text;
       while (std::getline(specs, text, ';')) {

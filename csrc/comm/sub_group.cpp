@@ -65,9 +65,15 @@ std::shared_ptr<ProcessGroup> ProcessGroup::split(const std::vector<int>& ranks)
     SHARDOPT_CHECK(false, "ProcessGroup::split: ", describe_rank(rank_), " could not connect to the other members of ",
                    text(mine), " within ", timeout_.count(), " ms: ", e.what());
   }
-  auto group = std::make_shared<ProcessGroup>(backend, timeout_);
+  return member_group(backend, ranks, store);
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::member_group(c10::intrusive_ptr<c10d::Backend> backend,
+                                                         const std::vector<int>& members,
+                                                         const c10::intrusive_ptr<c10d::Store>& store) const {
+  auto group = std::make_shared<ProcessGroup>(std::move(backend), timeout_);
   group->global_ranks_.clear();
-  for (int r : ranks) group->global_ranks_.push_back(global_ranks_[r]);
+  for (int r : members) group->global_ranks_.push_back(global_ranks_[r]);
   group->make_backend_ = make_backend_;
   group->check_desync_ = check_desync_;
   group->set_store(store);

@@ -1,5 +1,6 @@
 #include <shardopt/resilience/resilient.h>
 #include <shardopt/check.h>
+#include <shardopt/version.h>
 
 #include "resilience/survivors.h"
 
@@ -15,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <sstream>
 
 namespace shardopt {
@@ -98,6 +100,19 @@ std::string ranks_text(const std::vector<int>& ranks) {
 
 }  // namespace
 
+std::string Admission::to_string() const {
+  std::ostringstream out;
+  if (!joined.empty()) {
+    out << (joined.size() == 1 ? "global rank " : "global ranks ") << ranks_text(joined) << " joined at step " << step
+        << "; world size " << old_world_size << " -> " << world_size << "; in ";
+    char seconds_text[32];
+    std::snprintf(seconds_text, sizeof(seconds_text), "%.2f s", seconds);
+    out << seconds_text;
+  }
+  for (const auto& why : refused) out << (out.tellp() > 0 ? "; " : "") << "refused a replacement: " << why;
+  return out.str();
+}
+
 std::string Recovery::to_string() const {
   std::ostringstream out;
   out << (lost.size() == 1 ? "rank " : "ranks ") << ranks_text(lost) << (lost.size() == 1 ? " died" : " died")
@@ -136,6 +151,18 @@ Resilient::Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch:
   // A world of 1 is refused here and now (there is nobody to wait for). Other bad options are
   // local too: every rank checks its own, then all agree, so that no rank is left waiting in a
   // collective the others never reach.
+  base_store_ = group_->store();
+  if (group_->joining()) {  // Note [A replacement joins]
+    SHARDOPT_CHECK(options_.refresh_every() >= 1, "ResilienceOptions::refresh_every must be >= 1, got ",
+                   options_.refresh_every());
+    SHARDOPT_CHECK(options_.min_world_size() >= 1, "ResilienceOptions::min_world_size must be >= 1, got ",
+                   options_.min_world_size());
+    const auto world = base_store_->get("shardopt/resilient/world");
+    original_world_ = std::stoi(std::string(world.begin(), world.end()));
+    join();
+    return;
+  }
+  original_world_ = group_->size();
   SHARDOPT_CHECK(group_->size() >= 2, "surviving a dead rank needs at least 2 ranks (the second copy of every shard ",
                  "lives on another rank); this group has 1");
   std::string problem;
@@ -159,9 +186,29 @@ Resilient::Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch:
   }
   group_->watch_failures();
   build();
+  // Every rank is past init_process_group now: a process that finds this key later replaces one.
+  if (group_->rank() == 0) {
+    const std::string world = std::to_string(group_->size());
+    base_store_->set("shardopt/resilient/world", std::vector<uint8_t>(world.begin(), world.end()));
+    base_store_->set(ProcessGroup::kResilientRunKey, std::vector<uint8_t>{1});
+  }
 }
 
-Resilient::~Resilient() = default;
+Resilient::~Resilient() {
+  // Replacements still waiting are told the run has ended rather than left to their timeout.
+  try {
+    if (group_ && !group_->broken() && !group_->joining() && group_->rank() == 0 && base_store_) {
+      const int64_t requests = base_store_->add("shardopt/join/requests", 0);
+      const std::string answer = "refused: the run ended before it could admit it";
+      for (int64_t id = handled_requests_ + 1; id <= requests; ++id) {
+        base_store_->set("shardopt/join/" + std::to_string(id) + "/answer",
+                         std::vector<uint8_t>(answer.begin(), answer.end()));
+      }
+    }
+  } catch (const std::exception&) {
+    // The store is gone: nobody is waiting on it either.
+  }
+}
 
 int Resilient::rank() const { return group_->rank(); }
 int Resilient::world_size() const { return group_->size(); }
@@ -214,6 +261,187 @@ void Resilient::refresh(int64_t step) {
   // may still lack the newer; it goes at the next refresh.
 }
 
+// Note [Installing the state on a new group]
+// Recovery and admission end alike, over the new group: every member says which old ranks'
+// shards it offers (survivors their own, and a lost buddy's; a joiner none); each old rank's shard
+// goes to every member from the first member that offers it; the parameters and buffers go from
+// the first member that offers a shard (they are the same on every survivor; a joiner has only
+// its fresh initialisation); then the optimizer and ShardedDDP are built anew over the new group,
+// the stitched state is loaded at the new world size, and the copies are refreshed.
+void Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const std::vector<char>*>>& offers) {
+  std::vector<int64_t> mine;
+  for (const auto& o : offers) mine.push_back(o.first);
+  const auto all = group_->allgather_ints(mine);
+  int root = -1;
+  int64_t old_world = 0;
+  for (int i = 0; i < group_->size(); ++i) {
+    if (root < 0 && !all[i].empty()) root = i;
+    for (int64_t d : all[i]) old_world = std::max(old_world, d + 1);
+  }
+  SHARDOPT_CHECK(root >= 0, "no member of the new group holds any shard");
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : module_->parameters()) {
+      at::Tensor data = p.detach();
+      group_->broadcast(data, root);
+      p.mutable_grad() = at::Tensor();
+    }
+    for (auto& b : module_->buffers()) group_->broadcast(b, root);
+  }
+  std::vector<c10::IValue> shards(old_world);
+  for (int64_t d = 0; d < old_world; ++d) {
+    int holder = -1;
+    for (int i = 0; i < group_->size() && holder < 0; ++i) {
+      if (std::find(all[i].begin(), all[i].end(), d) != all[i].end()) holder = i;
+    }
+    SHARDOPT_CHECK(holder >= 0, "no member of the new group holds the shard of old rank ", d);
+    std::vector<char> bytes;
+    if (holder == group_->rank()) {
+      for (const auto& o : offers) {
+        if (o.first == d) bytes = *o.second;
+      }
+    }
+    at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+    group_->broadcast(size, holder);
+    at::Tensor payload = holder == group_->rank() ? bytes_tensor(bytes) : at::empty({size.item<int64_t>()}, at::kByte);
+    group_->broadcast(payload, holder);
+    shards[d] = torch::pickle_load(holder == group_->rank() ? bytes : tensor_bytes(payload));
+  }
+  build();
+  optimizer_->load_state_dict(optimizer_->state_dict_from_shards(shards));
+  shards.clear();
+  current_.reset();
+  previous_.reset();
+  refresh(step);
+}
+
+namespace {
+constexpr const char* kJoinRequests = "shardopt/join/requests";
+std::string join_key(int64_t id) { return "shardopt/join/" + std::to_string(id); }
+std::string answer_key(int64_t id) { return "shardopt/join/" + std::to_string(id) + "/answer"; }
+std::vector<std::string> split_text(const std::string& text) {
+  std::vector<std::string> parts;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) parts.push_back(item);
+  return parts;
+}
+std::string announced_version() {
+  const char* v = std::getenv("SHARDOPT_ANNOUNCE_VERSION");
+  return v && *v ? v : version();
+}
+}  // namespace
+
+// Note [A replacement joins]
+// A process started for a rank the run lost (by a launcher, or by hand with the same variables)
+// finds kResilientRunKey in the store: init_process_group gives it a group of one that is joining,
+// and its Resilient asks to be admitted: it adds itself to a counter of requests and writes its
+// global rank, shardopt version and options under its number. The run looks at the counter
+// after each refresh of its copies (one all-reduce of the count every rank read, so that all
+// decide on the same requests), refuses a request whose version or options differ or whose rank
+// is a member (the answer says why, and the joiner fails with it), and admits the others: rank 0
+// writes each an answer with the next generation, the step, the requests handled and the member
+// list; every member makes the new group, and the state is installed (Note [Installing the state
+// on a new group]). The joiner starts its loop at start_step().
+std::optional<Admission> Resilient::admit_waiting(int64_t step) {
+  at::Tensor count = at::tensor({base_store_->add(kJoinRequests, 0)}, at::kLong);
+  group_->allreduce(count, Reduction::kMin);
+  const int64_t requests = count.item<int64_t>();
+  if (requests <= handled_requests_) return std::nullopt;
+  const auto start = Clock::now();
+  Admission a;
+  a.old_world_size = group_->size();
+  a.step = step;
+  std::vector<int> members = group_->global_ranks();
+  std::vector<int64_t> admitted_ids;
+  for (int64_t id = handled_requests_ + 1; id <= requests; ++id) {
+    const auto raw = base_store_->get(join_key(id));
+    const auto f = split_text(std::string(raw.begin(), raw.end()));
+    std::string why;
+    if (f.size() != 4) {
+      why = "request " + std::to_string(id) + " is malformed";
+    } else {
+      const int global = std::stoi(f[0]);
+      if (f[1] != version()) {
+        why = "global rank " + f[0] + " runs shardopt " + f[1] + ", this run " + version();
+      } else if (global < 0 || global >= original_world_) {
+        why = "global rank " + f[0] + " is outside this run's ranks 0.." + std::to_string(original_world_ - 1);
+      } else if (std::find(members.begin(), members.end(), global) != members.end()) {
+        why = "global rank " + f[0] + " is still a member";
+      } else if (std::stoll(f[2]) != options_.refresh_every() || std::stoll(f[3]) != options_.min_world_size()) {
+        why = "global rank " + f[0] + " has refresh_every " + f[2] + " and min_world_size " + f[3] + ", this run " +
+              std::to_string(options_.refresh_every()) + " and " + std::to_string(options_.min_world_size());
+      } else {
+        members.push_back(global);
+        a.joined.push_back(global);
+        admitted_ids.push_back(id);
+      }
+    }
+    if (!why.empty()) {
+      a.refused.push_back(why);
+      if (group_->rank() == 0) {
+        const std::string answer = "refused: " + why;
+        base_store_->set(answer_key(id), std::vector<uint8_t>(answer.begin(), answer.end()));
+      }
+    }
+  }
+  handled_requests_ = requests;
+  if (a.joined.empty()) return a;
+  std::sort(members.begin(), members.end());
+  ++generation_;
+  if (group_->rank() == 0) {
+    std::string answer = std::to_string(generation_) + "," + std::to_string(step) + "," + std::to_string(requests);
+    for (int m : members) answer += "," + std::to_string(m);
+    for (int64_t id : admitted_ids) base_store_->set(answer_key(id), std::vector<uint8_t>(answer.begin(), answer.end()));
+  }
+  CommPhase phase("admitting a replacement");
+  const std::vector<char> own = current_->own;
+  const int my_old = group_->rank();
+  ddp_.reset();
+  optimizer_.reset();
+  std::shared_ptr<ProcessGroup> old = group_;
+  group_ = old->form(generation_store(), members);
+  group_->watch_failures();
+  old->abandon();
+  install(step, {{my_old, &own}});
+  a.world_size = group_->size();
+  a.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return a;
+}
+
+c10::intrusive_ptr<c10d::Store> Resilient::generation_store() const {
+  return c10::make_intrusive<c10d::PrefixStore>("shardopt/generation/" + std::to_string(generation_) + "/", base_store_);
+}
+
+void Resilient::join() {
+  const int global = group_->global_rank();
+  const int64_t id = base_store_->add(kJoinRequests, 1);
+  const std::string request = std::to_string(global) + "," + announced_version() + "," +
+                              std::to_string(options_.refresh_every()) + "," + std::to_string(options_.min_world_size());
+  base_store_->set(join_key(id), std::vector<uint8_t>(request.begin(), request.end()));
+  try {
+    base_store_->wait({answer_key(id)}, group_->timeout());
+  } catch (const std::exception&) {
+    SHARDOPT_CHECK(false, "global rank ", global, " was started to replace a rank of a resilient run, which did not ",
+                   "admit it within ", group_->timeout().count(), " ms (the run admits replacements after a refresh ",
+                   "of its copies; it may have ended)");
+  }
+  const auto raw = base_store_->get(answer_key(id));
+  const std::string answer(raw.begin(), raw.end());
+  SHARDOPT_CHECK(answer.rfind("refused: ", 0) != 0, "global rank ", global, " was started to replace a rank of a ",
+                 "resilient run, which refused it: ", answer.substr(9));
+  const auto f = split_text(answer);
+  generation_ = std::stoi(f[0]);
+  start_step_ = std::stoll(f[1]);
+  handled_requests_ = std::stoll(f[2]);
+  std::vector<int> members;
+  for (size_t i = 3; i < f.size(); ++i) members.push_back(std::stoi(f[i]));
+  std::shared_ptr<ProcessGroup> alone = group_;
+  group_ = alone->form(generation_store(), members);
+  group_->watch_failures();
+  install(start_step_, {});
+}
+
 StepResult Resilient::step(int64_t step, const std::function<void()>& body) { return run_step(step, body, false); }
 
 StepResult Resilient::step_by(int64_t step, const std::function<void()>& whole_step) {
@@ -231,7 +459,10 @@ StepResult Resilient::run_step(int64_t step, const std::function<void()>& body, 
     // After the step, so that refresh_every 1 loses no completed step (a failure between steps,
     // in a checkpoint say, goes back to the step just completed).
     at = result.next_step;
-    if (result.next_step - current_->step >= options_.refresh_every()) refresh(result.next_step);
+    if (result.next_step - current_->step >= options_.refresh_every()) {
+      refresh(result.next_step);
+      result.admission = admit_waiting(result.next_step);
+    }
     return result;
   } catch (const std::exception&) {
     if (!group_->broken()) throw;  // not a failure of the group: the caller's error
@@ -297,8 +528,7 @@ Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) 
   optimizer_.reset();
   old->abandon();
   ++generation_;
-  auto store = c10::make_intrusive<c10d::PrefixStore>("shardopt/generation/" + std::to_string(generation_) + "/",
-                                                      old->store());
+  auto store = generation_store();
   // Each survivor says it is joining, so that a failure to make the new group names who did not.
   store->set("shardopt/joining/" + std::to_string(old->global_rank()), std::vector<uint8_t>{1});
   try {
@@ -363,26 +593,11 @@ Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) 
       buffers[i].set_data(use->buffers[i].to(buffers[i].device(), buffers[i].scalar_type(), false, true));
     }
   }
-
-  // Every old rank's shard to every survivor: from itself, or from its buddy when it is lost.
-  std::vector<c10::IValue> shards(old_world);
-  for (int d = 0; d < old_world; ++d) {
-    const int holder_old = is_lost(d) ? (d + 1) % old_world : d;
-    const int holder = static_cast<int>(std::find(who.alive.begin(), who.alive.end(), holder_old) - who.alive.begin());
-    std::vector<char> bytes;
-    if (holder == group_->rank()) bytes = holder_old == d ? use->own : use->buddy;
-    at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
-    group_->broadcast(size, holder);
-    at::Tensor payload = holder == group_->rank() ? bytes_tensor(bytes) : at::empty({size.item<int64_t>()}, at::kByte);
-    group_->broadcast(payload, holder);
-    shards[d] = torch::pickle_load(holder == group_->rank() ? bytes : tensor_bytes(payload));
-  }
-  build();
-  optimizer_->load_state_dict(optimizer_->state_dict_from_shards(shards));
-  shards.clear();
-  current_.reset();
-  previous_.reset();
-  refresh(chosen);
+  // Each survivor offers its own shard, and its buddy's when the buddy is lost.
+  const int my_old = who.alive[group_->rank()], buddy_old = (my_old + old_world - 1) % old_world;
+  std::vector<std::pair<int64_t, const std::vector<char>*>> offers{{my_old, &use->own}};
+  if (is_lost(buddy_old)) offers.emplace_back(buddy_old, &use->buddy);
+  install(chosen, offers);
 
   Recovery event;
   event.lost = lost_global;

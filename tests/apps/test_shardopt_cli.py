@@ -267,7 +267,8 @@ class CliTest(unittest.TestCase):
 
     def test_survive_failures_goes_on_after_a_rank_dies(self):
         # 4 ranks, rank 2 killed with SIGKILL before step 20 of 54: the other three go on at world
-        # size 3 with the same global batches and reach the accuracy of an uninterrupted run.
+        # size 3 with the same global batches, take its replacement back at step 25, and reach the
+        # accuracy of an uninterrupted run.
         args = ["train", "--epochs", "1", "--train-samples", "6480", "--test-samples", "1000", "--batch-size", "120",
                 "-n", "4", "--survive-failures", "--refresh-every", "5"]
         full = run(args)
@@ -281,6 +282,11 @@ class CliTest(unittest.TestCase):
                                    r"to step 20; world size 4 -> 3; recovered in \d+\.\d s")
         self.assertIn("shardopt: rank 2 was killed by signal 9; the others go on without it", p.stderr)
         self.assertIn("shardopt: the run survived the loss of a rank", p.stderr)
+        # The tool starts a replacement for rank 2, which the run admits after its next refresh
+        # (step 25): the run ends at 4 ranks again.
+        self.assertIn("shardopt: started a replacement for rank 2", p.stderr)
+        self.assertRegex(p.stdout, r"step 25 \(epoch 1\): global rank 2 joined at step 25; world size 3 -> 4")
+        self.assertRegex(p.stdout, r"memory per rank: optimizer state [^/]+/[^/]+/[^/]+/[^/]+ of")
         self.assertRegex(p.stdout, r"done: 54 steps")
         acc = float(re.search(r"test accuracy (\d+\.\d+)%", p.stdout).group(1))
         self.assertGreater(acc_full, 60.0)

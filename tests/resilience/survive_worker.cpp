@@ -6,7 +6,7 @@
 //
 //   survive_worker --steps T [--refresh-every N] [--freeze-at S] [--consolidate-every C]
 //                  [--checkpoint-every C --dir D] [--min-world-size M] [--expect-recoveries K]
-//                  [--expect-world W] [--refresh-every-rank-1 N]
+//                  [--expect-world W] [--refresh-every-rank-1 N] [--await-joiner-at S]
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/oss.h>
@@ -37,6 +37,7 @@ struct Args {
   int64_t steps = 30, refresh_every = 1, freeze_at = -1, consolidate_every = 0, checkpoint_every = 0;
   int min_world_size = 1, expect_recoveries = -1, expect_world = -1;
   int64_t refresh_every_rank_1 = -1;  // another refresh_every on rank 1 (a bad-input test)
+  int64_t await_joiner_at = -1;       // before this step, wait until a replacement has asked to join
   std::string dir;
 };
 
@@ -50,6 +51,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--consolidate-every") a.consolidate_every = std::stoll(v);
     else if (k == "--checkpoint-every") a.checkpoint_every = std::stoll(v);
     else if (k == "--refresh-every-rank-1") a.refresh_every_rank_1 = std::stoll(v);
+    else if (k == "--await-joiner-at") a.await_joiner_at = std::stoll(v);
     else if (k == "--dir") a.dir = v;
     else if (k == "--min-world-size") a.min_world_size = std::stoi(v);
     else if (k == "--expect-recoveries") a.expect_recoveries = std::stoi(v);
@@ -120,9 +122,19 @@ int main(int argc, char** argv) {
             .refresh_every(group->rank() == 1 && args.refresh_every_rank_1 >= 0 ? args.refresh_every_rank_1
                                                                                  : args.refresh_every)
             .min_world_size(args.min_world_size));
-    if (group->rank() == 0) std::cout << "resilience: " << run.describe() << std::endl;
+    if (run.rank() == 0 && run.start_step() == 0) std::cout << "resilience: " << run.describe() << std::endl;
 
-    for (int64_t t = 0; t < args.steps;) {
+    if (run.start_step() > 0) {
+      std::cout << "joined: global rank " << run.group().global_rank() << " at step " << run.start_step()
+                << ", world size " << run.world_size() << std::endl;
+    }
+    bool awaited = false;
+    for (int64_t t = run.start_step(); t < args.steps;) {
+      if (t == args.await_joiner_at && !awaited) {
+        // The rendezvous store (the first group's): a replacement's request is key shardopt/join/1.
+        group->store()->wait({"shardopt/join/1"}, std::chrono::seconds(60));
+        awaited = true;
+      }
       set_trainable(model, t, args.freeze_at);
       StepResult r = run.step(t, [&] {
         auto [x, y] = global_batch(t);
@@ -132,6 +144,7 @@ int main(int argc, char** argv) {
         ((out - y.slice(0, lo, hi)).pow(2).sum() / static_cast<double>(kGlobalBatch)).backward();
       });
       if (r.recovery) std::cout << "recovered: " << r.recovery->to_string() << std::endl;
+      if (r.admission) std::cout << "admission: " << r.admission->to_string() << std::endl;
       t = r.next_step;
       if (r.recovery) continue;
       if (args.consolidate_every > 0 && t % args.consolidate_every == 0) {

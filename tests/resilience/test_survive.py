@@ -140,6 +140,56 @@ class FailureDuringRecovery(Base):
         self.assertLess(took, 20 + 3 + 30)  # the group timeout (20 s), the roll call, start-up
 
 
+class Replacement(Base):
+    """World 4 -> 3 -> 4: rank 2 dies, a process started by hand with rank 2's variables asks to
+    join, and the run admits it after its next refresh (the survivors wait at step 10 until the
+    request is in the store, so that the replacement comes in mid-run, not after the end)."""
+
+    def run_with_replacement(self, replacement_env):
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        e = dict(os.environ, SHARDOPT_FAULT_IN_PHASE="2:backward (gradient reductions):30")
+        args = ["--steps", "30", "--refresh-every", "5"]
+        p = subprocess.Popen([sys.executable, LAUNCH, "--port", str(port), "-n", "4", "--keep-going", WORKER, *args,
+                              "--await-joiner-at", "10"], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            if "recovered:" in line:
+                break
+        r = dict(os.environ, RANK="2", WORLD_SIZE="4", LOCAL_RANK="2", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", **replacement_env)
+        r.pop("SHARDOPT_FAULT_IN_PHASE", None)
+        joiner = subprocess.run([WORKER, *args], env=r, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                timeout=120)
+        rest, _ = p.communicate(timeout=120)
+        return p.returncode, "".join(lines) + rest, joiner.returncode, joiner.stdout
+
+    def test_a_replacement_joins_and_the_run_ends_equal_to_the_reference(self):
+        code, out, jcode, jout = self.run_with_replacement({})
+        self.assertEqual(jcode, 0, jout + out)
+        self.assertRegex(jout, r"joined: global rank 2 at step \d+, world size 4")
+        self.assertRegex(jout, r"survivor global rank 2 \(rank 2 of 4\): 0 recoveries, parameters within")
+        ends = exits(out)
+        for r in (0, 1, 3):
+            self.assertEqual(ends[r], "exited with code 0", out)
+            self.assertRegex(out, rf"\[rank {r}\] admission: global rank 2 joined at step \d+; world size 3 -> 4")
+            self.assertRegex(out, rf"\[rank {r}\] survivor global rank {r} \(rank {r} of 4\): 1 recoveries")
+        self.assertEqual(ends[2], "was killed by signal 9")
+
+    def test_a_replacement_of_another_version_is_refused(self):
+        code, out, jcode, jout = self.run_with_replacement({"SHARDOPT_ANNOUNCE_VERSION": "0.3.9"})
+        self.assertEqual(jcode, 1, jout)
+        self.assertRegex(jout, r"survive_worker: shardopt: global rank 2 was started to replace a rank of a resilient "
+                               r"run, which refused it: global rank 2 runs shardopt 0\.3\.9, this run \d+\.\d+\.\d+")
+        for r in (0, 1, 3):
+            self.assertRegex(out, rf"\[rank {r}\] admission: refused a replacement: global rank 2 runs shardopt 0\.3\.9")
+            self.assertRegex(out, rf"\[rank {r}\] survivor global rank {r} \(rank \d of 3\)")
+
+
 class BadInput(Base):
     def test_world_size_1(self):
         code, out = run(1, None, "--steps", 2)

@@ -216,6 +216,18 @@ class ProcessGroup {
   // rank among them) make a new group of the same kind over `store`, in which rank i is
   // members[i]; it keeps this group's timeout, desync check and global ranks.
   std::shared_ptr<ProcessGroup> regroup(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& members);
+  // Not collective over this group: the processes with the listed global ranks (ascending; this
+  // one among them) make a new group of this group's kind over `store`, rank i being the i-th.
+  // Used when a replacement joins a resilient run.
+  std::shared_ptr<ProcessGroup> form(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& global_members);
+  // A process started for a rank of a resilient run that is already going on (its store holds
+  // kResilientRunKey when init_process_group looks): init_process_group gives it a group of one
+  // that is "joining", whose global rank is the one it was started as; shardopt::Resilient then
+  // asks the run to admit it instead of starting a run of its own.
+  bool joining() const { return joining_; }
+  static constexpr const char* kResilientRunKey = "shardopt/resilient/running";
+  // (init_process_group's) makes this group the joining placeholder for `global_rank`.
+  void set_joining(int global_rank, c10::intrusive_ptr<c10d::Store> store);
 
  private:
   PendingWork track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work);
@@ -234,6 +246,9 @@ class ProcessGroup {
   std::string label(std::string what) const;
   // The desync check before a collective (when on): every rank's (sequence, kind, bytes, root).
   void check_in(CommStats::Kind kind, int64_t bytes, int root);
+  // A group over `backend` whose rank i is this group's rank members[i] (split, regroup).
+  std::shared_ptr<ProcessGroup> member_group(c10::intrusive_ptr<c10d::Backend> backend, const std::vector<int>& members,
+                                             const c10::intrusive_ptr<c10d::Store>& store) const;
   // reduce_async and reduce_mean_async (numel 0: no division).
   PendingWork reduce_to(at::Tensor& tensor, int root, Reduction op, int64_t numel, double divisor);
 
@@ -254,6 +269,7 @@ class ProcessGroup {
   BackendFactory make_backend_;
   int splits_ = 0;
   std::shared_ptr<detail::GroupFailure> failure_;
+  bool joining_ = false;
 };
 
 // This rank's index among the ranks of its machine, from the launcher's environment:

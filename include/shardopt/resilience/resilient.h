@@ -78,9 +78,22 @@ struct Recovery {
   std::string to_string() const;
 };
 
+// Replacements the run took in (or refused) after a refresh of its copies.
+struct Admission {
+  std::vector<int> joined;           // global ranks admitted
+  std::vector<std::string> refused;  // why each refused replacement was turned away
+  int old_world_size = 0;
+  int world_size = 0;
+  int64_t step = 0;                  // the step the run goes on from, with them
+  double seconds = 0.0;
+  // "global rank 2 joined at step 15; world size 3 -> 4; in 0.04 s"
+  std::string to_string() const;
+};
+
 struct StepResult {
-  int64_t next_step = 0;             // the step to run next
-  std::optional<Recovery> recovery;  // set when this step ended in a recovery instead
+  int64_t next_step = 0;               // the step to run next
+  std::optional<Recovery> recovery;    // set when this step ended in a recovery instead
+  std::optional<Admission> admission;  // set when replacements asked to join after this step
 };
 
 class Resilient {
@@ -90,7 +103,10 @@ class Resilient {
 
   // Collective. `module` holds the parameters the optimizer steps (their values are what a
   // recovery puts back, with its buffers); make_ddp may be empty (an OSS alone, the loop reduces
-  // gradients itself). A world of 1 is refused: there is no other rank to keep a copy.
+  // gradients itself). A world of 1 is refused: there is no other rank to keep a copy. On a
+  // joining group (a process started to replace a lost rank: ProcessGroup::joining()) it waits to
+  // be admitted at the run's next refresh, receives the parameters and the state, and the loop
+  // starts at start_step().
   Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn::Module> module, MakeOptimizer make_optimizer,
             MakeDDP make_ddp, ResilienceOptions options = {});
   ~Resilient();
@@ -109,6 +125,8 @@ class Resilient {
   // (the loop then goes on at its resume_step).
   std::optional<Recovery> run(int64_t step, const std::function<void()>& work);
 
+  // The step the loop starts at: 0, or for a replacement the step the run admitted it at.
+  int64_t start_step() const { return start_step_; }
   OSS& optimizer() { return *optimizer_; }
   ShardedDDP* ddp() { return ddp_.get(); }
   ProcessGroup& group() { return *group_; }
@@ -130,6 +148,10 @@ class Resilient {
  private:
   void refresh(int64_t step);
   StepResult run_step(int64_t step, const std::function<void()>& body, bool steps_itself);
+  void install(int64_t step, const std::vector<std::pair<int64_t, const std::vector<char>*>>& offers);
+  std::optional<Admission> admit_waiting(int64_t step);
+  void join();
+  c10::intrusive_ptr<c10d::Store> generation_store() const;
   Recovery recover(int64_t failed_step, const std::string& phase);
   Recovery recover_from(int64_t failed_step, const std::string& phase);
   void build();
@@ -144,6 +166,10 @@ class Resilient {
   std::vector<std::function<void(const Recovery&)>> callbacks_;
   std::vector<Recovery> recoveries_;
   int generation_ = 0;
+  c10::intrusive_ptr<c10d::Store> base_store_;  // the rendezvous store; each generation's group lives under a prefix
+  int original_world_ = 0;
+  int64_t handled_requests_ = 0;  // join requests looked at so far
+  int64_t start_step_ = 0;
   // Note [Buddy copies]: the copies of the last refresh and of the one before it.
   struct Copy;
   std::unique_ptr<Copy> current_, previous_;
