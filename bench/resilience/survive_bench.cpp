@@ -8,6 +8,9 @@
 // the run without copies, the time of one refresh, the host bytes of the copies and the resident
 // memory of the rank.
 //
+// The same with replica blocks as the second copy (2 blocks of 2: no copy is sent):
+//   tools/launch -n 4 build/bench/survive_bench --refresh-every 0,1 --shard-group-size 2 --steps 100 --rounds 2
+//
 // How long a recovery takes (world 4 or 8; the kill time is read from a file the dying rank
 // writes just before SIGKILL, on the same monotonic clock):
 //   tools/launch --keep-going -n 4 build/bench/survive_bench --refresh-every 10 --steps 30 \
@@ -66,6 +69,9 @@ int main(int argc, char** argv) {
   std::vector<int> refresh_every{0, 1, 10, 100};
   int steps = 100, warmup = 2, rounds = 2, tokens = 16, kill_rank = -1, kill_at = -1;
   std::string kill_stamp = "/tmp/shardopt-survive-kill";
+  int shard_group_size = 0;
+  app.add_option("--shard-group-size", shard_group_size, "OSSOptions::shard_group_size (0: flat, buddy copies; B: "
+                 "replica blocks of B ranks, which are the second copy)");
   app.add_option("--refresh-every", refresh_every, "configurations (0: without copies)")->delimiter(',');
   app.add_option("--steps", steps, "timed steps per configuration and round")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
@@ -92,12 +98,15 @@ int main(int argc, char** argv) {
           run = std::make_unique<shardopt::Resilient>(
               group, model,
               [&](std::shared_ptr<shardopt::ProcessGroup> g) {
-                return std::make_unique<shardopt::OSS>(model->parameters(), factory, g);
+                const bool blocks = shard_group_size > 0 && g->size() > shard_group_size && g->size() % shard_group_size == 0;
+                return std::make_unique<shardopt::OSS>(model->parameters(), factory, g,
+                                                       shardopt::OSSOptions().shard_group_size(blocks ? shard_group_size : 0));
               },
               [&](shardopt::OSS& opt) { return std::make_unique<shardopt::ShardedDDP>(model, opt); },
               shardopt::ResilienceOptions().refresh_every(n));
         } else {
-          oss = std::make_unique<shardopt::OSS>(model->parameters(), factory, group);
+          oss = std::make_unique<shardopt::OSS>(model->parameters(), factory, group,
+                                                shardopt::OSSOptions().shard_group_size(shard_group_size));
           ddp = std::make_unique<shardopt::ShardedDDP>(model, *oss);
         }
         auto body = [&] {
@@ -171,6 +180,7 @@ int main(int argc, char** argv) {
       std::vector<double> all = m.steps;
       all.insert(all.end(), m.refreshes.begin(), m.refreshes.end());
       nlohmann::json j{{"world", group->size()},
+                       {"shard_group_size", shard_group_size},
                        {"refresh_every", n},
                        {"mean_step_ms", mean(all)},
                        {"median_step_ms", median(all)},

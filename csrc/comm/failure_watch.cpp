@@ -30,6 +30,10 @@ namespace shardopt {
 //   between them; any other work (a Gloo send or receive, whose wait cannot time out without
 //   failing the whole context; an NCCL work) is aborted, which wakes its waiter; a collective
 //   started on a broken group fails at once.
+// A sub-group (ProcessGroup::split: hierarchical sharding's blocks and replica groups) shares its
+// parent's watch, so a failure seen in a block breaks the whole group; and a broken group's
+// backend is kept for the life of the process rather than destroyed with the group (destroying
+// it waits for threads that may be blocked on the dead peer until the timeout).
 // So every rank of the group leaves whatever phase it is in within about a second of the first
 // failure, and recovery (shardopt/resilience/resilient.h) takes it from there. The roll call
 // that names dead ranks in an error is skipped: recovery makes its own, on every survivor alike.
@@ -120,17 +124,15 @@ std::string ProcessGroup::failure_cause() const { return failure_->cause(); }
 
 void ProcessGroup::mark_broken(const std::string& why) { failure_->mark(why, ""); }
 
-namespace {
-// Backends of abandoned groups: their threads may be blocked on a dead peer until the timeout,
-// and destroying a backend waits for its threads. Kept until the process exits (never
-// destroyed, so exit does not wait either).
+namespace detail {
+// Kept until the process exits (never destroyed, so exit does not wait either).
 void keep_for_good(c10::intrusive_ptr<c10d::Backend> backend) {
   static std::mutex mu;
   static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Backend>>();
   std::lock_guard<std::mutex> lock(mu);
   kept->push_back(std::move(backend));
 }
-}  // namespace
+}  // namespace detail
 
 void ProcessGroup::abandon() {
   failure_->broken = true;
@@ -143,7 +145,7 @@ void ProcessGroup::abandon() {
     heartbeat_->thread.join();
     heartbeat_.reset();
   }
-  if (backend_) keep_for_good(std::move(backend_));
+  if (backend_) detail::keep_for_good(std::move(backend_));
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::regroup(const c10::intrusive_ptr<c10d::Store>& store,

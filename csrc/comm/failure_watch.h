@@ -4,6 +4,7 @@
 
 #include <shardopt/comm/process_group.h>
 
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -21,6 +22,10 @@ inline constexpr const char* kBrokenKey = "shardopt/broken";
 // only watches a flag); a Gloo send's or receive's may not (a timed-out wait fails the whole
 // context), nor an unknown kind's.
 bool waits_in_slices(const c10d::Work& work);
+
+// Keeps a backend for the life of the process (never destroyed): a broken group's threads may be
+// blocked on a dead peer until the timeout, and destroying the backend waits for them.
+void keep_for_good(c10::intrusive_ptr<c10d::Backend> backend);
 
 struct GroupFailure {
   std::atomic<bool> watching{false};

@@ -61,7 +61,10 @@ void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) {
       try {
         store->add(key, 1);
         // Note [Failure watch]: another rank saw this group fail.
-        if (failure->watching && !failure->broken && store->check({detail::kBrokenKey})) failure->told();
+        // (A sub-group shares its parent's watch, whose key is in the parent's store.)
+        if (failure->watching && !failure->broken && (failure->store ? failure->store : store)->check({detail::kBrokenKey})) {
+          failure->told();
+        }
       } catch (const std::exception&) {
         return;  // the store is gone: the job is ending
       }
@@ -79,6 +82,8 @@ ProcessGroup::~ProcessGroup() {
     heartbeat_->stop_cv.notify_all();
     heartbeat_->thread.join();
   }
+  // A broken group's backend may have threads blocked on a dead peer: kept, not destroyed.
+  if (backend_ && failure_ && failure_->broken) detail::keep_for_good(std::move(backend_));
 }
 
 std::string ProcessGroup::roll_call() {

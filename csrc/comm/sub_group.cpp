@@ -65,13 +65,16 @@ std::shared_ptr<ProcessGroup> ProcessGroup::split(const std::vector<int>& ranks)
     SHARDOPT_CHECK(false, "ProcessGroup::split: ", describe_rank(rank_), " could not connect to the other members of ",
                    text(mine), " within ", timeout_.count(), " ms: ", e.what());
   }
-  return member_group(backend, ranks, store);
+  // A sub-group fails with its parent: one watch (Note [Failure watch]).
+  return member_group(backend, ranks, store, failure_);
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::member_group(c10::intrusive_ptr<c10d::Backend> backend,
                                                          const std::vector<int>& members,
-                                                         const c10::intrusive_ptr<c10d::Store>& store) const {
+                                                         const c10::intrusive_ptr<c10d::Store>& store,
+                                                         std::shared_ptr<detail::GroupFailure> failure) const {
   auto group = std::make_shared<ProcessGroup>(std::move(backend), timeout_);
+  if (failure) group->failure_ = std::move(failure);
   group->global_ranks_.clear();
   for (int r : members) group->global_ranks_.push_back(global_ranks_[r]);
   group->make_backend_ = make_backend_;

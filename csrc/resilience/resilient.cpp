@@ -24,13 +24,22 @@ namespace shardopt {
 // Note [Buddy copies]
 // At a refresh (before the first step, then after every refresh_every-th step), each rank
 // - copies every parameter and buffer (they are the same on every rank) into host memory,
-// - serializes its shard (OSS::state_shard(): its optimizer state, and fp32 masters under mixed
-//   precision) and keeps it,
-// - sends it to rank r+1 and receives rank r-1's (the buddy copy).
+// - copies its shard (OSS::state_shard(): its optimizer state, and fp32 masters under mixed
+//   precision) into host memory,
+// - serializes it, sends it to rank r+1 and receives rank r-1's (the buddy copy).
 // The previous refresh's copies are kept as well until the next one: a rank may die in the middle
 // of a refresh, when some survivors hold the new copies and others do not. Recovery then picks
 // the newest refresh whose copies every survivor and every lost rank's buddy hold. So a rank
 // holds at most two generations of (parameters, its shard, its buddy's shard) in host memory.
+//
+// Note [Replica blocks]
+// With hierarchical sharding (OSSOptions::shard_group_size B, world k*B) every shard already lives
+// in each of the k blocks: rank r holds shard r % B, like every rank r + j*B. There is no buddy
+// copy to send: a refresh copies the parameters and this rank's own shard into host memory, and a
+// recovery takes each shard from any survivor that holds it. Only when every holder of one shard
+// is gone is recovery impossible. With refresh_every 1 (the default) a failure loses no completed
+// step. The new group is made by the user's function: at a world size B does not divide, it may
+// build a flat optimizer, and from then on the run keeps buddy copies.
 //
 // Recovery: the survivors agree on who is gone (Note [Who is gone]), make a new group over the
 // store (under a prefix of this generation), put the parameters and buffers back as at the
@@ -90,6 +99,50 @@ std::vector<char> pass_along(ProcessGroup& group, const std::vector<char>& mine,
   return tensor_bytes(in);
 }
 
+// `value` with every tensor in it copied to host memory (a snapshot of live state, without the
+// cost of serialising it; it is serialised only to be sent).
+c10::IValue to_host(const c10::IValue& value) {
+  if (value.isTensor()) return value.toTensor().detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  if (value.isGenericDict()) {
+    const auto dict = value.toGenericDict();
+    c10::impl::GenericDict out(dict.keyType(), dict.valueType());
+    for (const auto& entry : dict) out.insert(entry.key(), to_host(entry.value()));
+    return out;
+  }
+  if (value.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : value.toTensorList()) out.push_back(t.detach().to(at::kCPU, false, true));
+    return out;
+  }
+  if (value.isList()) {
+    const auto list = value.toList();
+    c10::impl::GenericList out(list.elementType());
+    for (const auto& item : list) out.push_back(to_host(item));
+    return out;
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> items;
+    for (const auto& item : value.toTupleRef().elements()) items.push_back(to_host(item));
+    return c10::ivalue::Tuple::create(std::move(items));
+  }
+  return value;  // numbers, strings, None
+}
+
+int64_t host_bytes(const c10::IValue& value) {
+  if (value.isTensor()) return static_cast<int64_t>(value.toTensor().nbytes());
+  int64_t n = 0;
+  if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict()) n += host_bytes(entry.value());
+  } else if (value.isTensorList()) {
+    for (const at::Tensor& t : value.toTensorList()) n += static_cast<int64_t>(t.nbytes());
+  } else if (value.isList()) {
+    for (const auto& item : value.toList()) n += host_bytes(item);
+  } else if (value.isTuple()) {
+    for (const auto& item : value.toTupleRef().elements()) n += host_bytes(item);
+  }
+  return n;
+}
+
 std::string ranks_text(const std::vector<int>& ranks) {
   std::string text;
   for (size_t i = 0; i < ranks.size(); ++i) {
@@ -128,10 +181,11 @@ std::string Recovery::to_string() const {
 struct Resilient::Copy {
   int64_t step = -1;
   std::vector<at::Tensor> params, buffers;
-  std::vector<char> own, buddy;
+  c10::IValue own;           // this rank's shard (OSS::state_shard()), its tensors copied to host memory
+  std::vector<char> buddy;   // the buddy's, serialized as it came
   bool has_buddy = false;
   int64_t bytes() const {
-    int64_t n = static_cast<int64_t>(own.size() + buddy.size());
+    int64_t n = static_cast<int64_t>(buddy.size()) + host_bytes(own);
     for (const auto& t : params) n += t.nbytes();
     for (const auto& t : buffers) n += t.nbytes();
     return n;
@@ -148,9 +202,6 @@ Resilient::Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch:
   SHARDOPT_CHECK(group_, "Resilient needs a process group, got null");
   SHARDOPT_CHECK(module_, "Resilient needs the module whose parameters the optimizer steps, got null");
   SHARDOPT_CHECK(make_optimizer_, "Resilient needs a function that makes the optimizer, got an empty one");
-  // A world of 1 is refused here and now (there is nobody to wait for). Other bad options are
-  // local too: every rank checks its own, then all agree, so that no rank is left waiting in a
-  // collective the others never reach.
   base_store_ = group_->store();
   if (group_->joining()) {  // Note [A replacement joins]
     SHARDOPT_CHECK(options_.refresh_every() >= 1, "ResilienceOptions::refresh_every must be >= 1, got ",
@@ -163,6 +214,9 @@ Resilient::Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch:
     return;
   }
   original_world_ = group_->size();
+  // A world of 1 is refused here and now (there is nobody to wait for). Other bad options are
+  // local too: every rank checks its own, then all agree, so that no rank is left waiting in a
+  // collective the others never reach.
   SHARDOPT_CHECK(group_->size() >= 2, "surviving a dead rank needs at least 2 ranks (the second copy of every shard ",
                  "lives on another rank); this group has 1");
   std::string problem;
@@ -222,6 +276,7 @@ void Resilient::build() {
     ddp_ = make_ddp_(*optimizer_);
     SHARDOPT_CHECK(ddp_, "Resilient: the function that makes ShardedDDP returned null");
   }
+  replicated_ = optimizer_->replica_group() != nullptr;
 }
 
 int64_t Resilient::refreshed_at() const { return current_ ? current_->step : -1; }
@@ -232,8 +287,13 @@ int64_t Resilient::copy_bytes() const {
 
 std::string Resilient::describe() const {
   std::ostringstream out;
-  out << "buddy copies of every shard (rank r keeps rank r-1's, in host memory), refreshed every "
-      << options_.refresh_every() << (options_.refresh_every() == 1 ? " step" : " steps") << "; runs on while at least "
+  if (replicated_) {
+    out << "replica blocks (every shard lives in each of the " << group_->size() / optimizer_->process_group().size()
+        << " blocks of " << optimizer_->process_group().size() << " ranks), this rank's own copy refreshed every ";
+  } else {
+    out << "buddy copies of every shard (rank r keeps rank r-1's, in host memory), refreshed every ";
+  }
+  out << options_.refresh_every() << (options_.refresh_every() == 1 ? " step" : " steps") << "; runs on while at least "
       << options_.min_world_size() << (options_.min_world_size() == 1 ? " rank is" : " ranks are") << " left";
   return out.str();
 }
@@ -248,15 +308,15 @@ void Resilient::refresh(int64_t step) {
     copy->params = host_copies(module_->parameters());
     copy->buffers = host_copies(module_->buffers());
   }
-  copy->own = torch::pickle_save(optimizer_->state_shard());
+  copy->own = to_host(optimizer_->state_shard());
   // From here the new copy is this rank's own; the previous one stays until its buddy part came.
   const int w = group_->size(), r = group_->rank();
   auto fresh = std::move(copy);
   previous_ = std::move(current_);
   current_ = std::move(fresh);
-  current_->buddy = pass_along(*group_, current_->own, (r + 1) % w, (r + w - 1) % w);
+  // Under replica blocks every shard is already held in every block (Note [Replica blocks]).
+  if (!replicated_) current_->buddy = pass_along(*group_, torch::pickle_save(current_->own), (r + 1) % w, (r + w - 1) % w);
   current_->has_buddy = true;
-  buddy_ = (r + w - 1) % w;
   // Both generations are complete on this rank: the older one is needed only while another rank
   // may still lack the newer; it goes at the next refresh.
 }
@@ -395,8 +455,8 @@ std::optional<Admission> Resilient::admit_waiting(int64_t step) {
     for (int64_t id : admitted_ids) base_store_->set(answer_key(id), std::vector<uint8_t>(answer.begin(), answer.end()));
   }
   CommPhase phase("admitting a replacement");
-  const std::vector<char> own = current_->own;
-  const int my_old = group_->rank();
+  const std::vector<char> own = torch::pickle_save(current_->own);
+  const int my_old = replicated_ ? optimizer_->process_group().rank() : group_->rank();
   ddp_.reset();
   optimizer_.reset();
   std::shared_ptr<ProcessGroup> old = group_;
@@ -515,11 +575,26 @@ Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) 
                  new_world == 1 ? " rank is" : " ranks are", " left, fewer than min_world_size ",
                  options_.min_world_size(), "; restart from the last checkpoint");
   auto is_lost = [&](int r) { return std::find(who.lost.begin(), who.lost.end(), r) != who.lost.end(); };
-  for (int d : who.lost) {
-    const int holder = (d + 1) % old_world;
-    SHARDOPT_CHECK(!is_lost(holder), "both copies of global rank ", old->global_ranks()[d],
-                   "'s shard are lost: it died, and so did global rank ", old->global_ranks()[holder],
-                   ", which kept its copy; restart from the last checkpoint");
+  // Note [Replica blocks]: block b is ranks [b*B, (b+1)*B), and rank r holds shard r % B.
+  const int block = replicated_ ? optimizer_->process_group().size() : 0;
+  if (replicated_) {
+    for (int i = 0; i < block; ++i) {
+      bool held = false;
+      std::vector<int> holders;
+      for (int r = i; r < old_world; r += block) {
+        held = held || !is_lost(r);
+        holders.push_back(old->global_ranks()[r]);
+      }
+      SHARDOPT_CHECK(held, "every copy of shard ", i, " is lost: global ranks ", ranks_text(holders),
+                     ", which held it in each block, died; restart from the last checkpoint");
+    }
+  } else {
+    for (int d : who.lost) {
+      const int holder = (d + 1) % old_world;
+      SHARDOPT_CHECK(!is_lost(holder), "both copies of global rank ", old->global_ranks()[d],
+                     "'s shard are lost: it died, and so did global rank ", old->global_ranks()[holder],
+                     ", which kept its copy; restart from the last checkpoint");
+    }
   }
 
   // The broken group's objects go; its backend is kept, not destroyed (it may be blocked on the dead).
@@ -593,10 +668,11 @@ Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) 
       buffers[i].set_data(use->buffers[i].to(buffers[i].device(), buffers[i].scalar_type(), false, true));
     }
   }
-  // Each survivor offers its own shard, and its buddy's when the buddy is lost.
+  // Each survivor offers its own shard, and (buddy copies) its buddy's when the buddy is lost.
   const int my_old = who.alive[group_->rank()], buddy_old = (my_old + old_world - 1) % old_world;
-  std::vector<std::pair<int64_t, const std::vector<char>*>> offers{{my_old, &use->own}};
-  if (is_lost(buddy_old)) offers.emplace_back(buddy_old, &use->buddy);
+  const std::vector<char> own = torch::pickle_save(use->own);
+  std::vector<std::pair<int64_t, const std::vector<char>*>> offers{{replicated_ ? my_old % block : my_old, &own}};
+  if (!replicated_ && is_lost(buddy_old)) offers.emplace_back(buddy_old, &use->buddy);
   install(chosen, offers);
 
   Recovery event;

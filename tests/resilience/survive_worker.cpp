@@ -7,6 +7,7 @@
 //   survive_worker --steps T [--refresh-every N] [--freeze-at S] [--consolidate-every C]
 //                  [--checkpoint-every C --dir D] [--min-world-size M] [--expect-recoveries K]
 //                  [--expect-world W] [--refresh-every-rank-1 N] [--await-joiner-at S]
+//                  [--shard-group-size B]
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/oss.h>
@@ -38,6 +39,7 @@ struct Args {
   int min_world_size = 1, expect_recoveries = -1, expect_world = -1;
   int64_t refresh_every_rank_1 = -1;  // another refresh_every on rank 1 (a bad-input test)
   int64_t await_joiner_at = -1;       // before this step, wait until a replacement has asked to join
+  int shard_group_size = 0;           // > 0: replica blocks of this size while the world size is a multiple
   std::string dir;
 };
 
@@ -52,6 +54,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--checkpoint-every") a.checkpoint_every = std::stoll(v);
     else if (k == "--refresh-every-rank-1") a.refresh_every_rank_1 = std::stoll(v);
     else if (k == "--await-joiner-at") a.await_joiner_at = std::stoll(v);
+    else if (k == "--shard-group-size") a.shard_group_size = std::stoi(v);
     else if (k == "--dir") a.dir = v;
     else if (k == "--min-world-size") a.min_world_size = std::stoi(v);
     else if (k == "--expect-recoveries") a.expect_recoveries = std::stoi(v);
@@ -112,7 +115,10 @@ int main(int argc, char** argv) {
     Resilient run(
         group, model.ptr(),
         [&](std::shared_ptr<ProcessGroup> g) {
-          return std::make_unique<OSS>(model->parameters(), optimizer<torch::optim::Adam>(adam), g);
+          const int b = args.shard_group_size;
+          const bool blocks = b > 0 && g->size() > b && g->size() % b == 0;
+          return std::make_unique<OSS>(model->parameters(), optimizer<torch::optim::Adam>(adam), g,
+                                       OSSOptions().shard_group_size(blocks ? b : 0));
         },
         [&](OSS& opt) {
           return std::make_unique<ShardedDDP>(

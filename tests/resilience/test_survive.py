@@ -122,6 +122,28 @@ class RankZeroAndTwoFailures(Base):
             self.assertRegex(out, rf"\[rank {r}\] survive_worker: .*3 ranks are left, fewer than min_world_size 4")
 
 
+class ReplicaBlocks(Base):
+    """Hierarchical sharding, 2 blocks of 2 (world 4 -> 3): the dead rank's shard comes from its
+    replica in the other block, and no completed step is run again."""
+
+    def test_each_phase(self):
+        for phase, nth in PHASES:
+            with self.subTest(phase=phase):
+                out = self.survive(4, f"2:{phase}:{nth}", [2], "--shard-group-size", 2, "--freeze-at", 12,
+                                   "--consolidate-every", 4, "--checkpoint-every", 6)
+                self.assertIn("resilience: replica blocks (every shard lives in each of the 2 blocks of 2 ranks)", out)
+                self.assertRegex(out, r"recovered: rank 2 died .* rolled back 0 steps to step \d+; world size 4 -> 3")
+
+    def test_every_copy_of_a_shard_lost_is_an_error(self):
+        # Ranks 0 and 2 hold shard 0, one in each block.
+        code, out = run(4, "0:step (parameter sync):9;2:step (parameter sync):9", "--steps", 24,
+                        "--shard-group-size", 2)
+        self.assertNotEqual(code, 0)
+        for r in (1, 3):
+            self.assertRegex(out, rf"\[rank {r}\] survive_worker: shardopt: recovery after a failure in .* failed: every "
+                                  r"copy of shard 0 is lost: global ranks 0 and 2")
+
+
 class FailureDuringRecovery(Base):
     def test_is_a_clear_error_on_every_survivor_within_the_timeout(self):
         import time

@@ -246,9 +246,11 @@ class ProcessGroup {
   std::string label(std::string what) const;
   // The desync check before a collective (when on): every rank's (sequence, kind, bytes, root).
   void check_in(CommStats::Kind kind, int64_t bytes, int root);
-  // A group over `backend` whose rank i is this group's rank members[i] (split, regroup).
+  // A group over `backend` whose rank i is this group's rank members[i] (split, regroup); with
+  // `failure`, it shares that failure watch (a sub-group, its parent's).
   std::shared_ptr<ProcessGroup> member_group(c10::intrusive_ptr<c10d::Backend> backend, const std::vector<int>& members,
-                                             const c10::intrusive_ptr<c10d::Store>& store) const;
+                                             const c10::intrusive_ptr<c10d::Store>& store,
+                                             std::shared_ptr<detail::GroupFailure> failure = nullptr) const;
   // reduce_async and reduce_mean_async (numel 0: no division).
   PendingWork reduce_to(at::Tensor& tensor, int root, Reduction op, int64_t numel, double divisor);
 

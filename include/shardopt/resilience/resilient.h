@@ -170,10 +170,10 @@ class Resilient {
   int original_world_ = 0;
   int64_t handled_requests_ = 0;  // join requests looked at so far
   int64_t start_step_ = 0;
+  bool replicated_ = false;  // the optimizer has replica blocks: Note [Replica blocks]
   // Note [Buddy copies]: the copies of the last refresh and of the one before it.
   struct Copy;
   std::unique_ptr<Copy> current_, previous_;
-  int buddy_ = -1;  // the rank of the group whose shard this rank keeps a copy of
 };
 
 }  // namespace shardopt
