@@ -135,6 +135,7 @@ thread_local const char* current_phase = "";
 // (SIGKILL) when it enters, for the N-th time (1 by default), a phase whose name contains TEXT, in
 // a process started by no restart (TORCHELASTIC_RESTART_COUNT unset or 0) and not as a replacement
 // (SHARDOPT_REPLACEMENT unset). For tests of rank death in every phase.
+namespace {
 struct PhaseFault {
   std::string text;
   int64_t nth = 1;
@@ -173,6 +174,7 @@ struct PhaseFault {
     return *faults;
   }
 };
+}  // namespace
 
 CommPhase::CommPhase(const char* phase) : previous_(current_phase) {
   current_phase = phase;
