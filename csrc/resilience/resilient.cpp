@@ -2,6 +2,7 @@
 #include <shardopt/check.h>
 #include <shardopt/version.h>
 
+#include "resilience/copies.h"
 #include "resilience/survivors.h"
 
 #include <c10/util/Exception.h>
@@ -51,120 +52,15 @@ namespace shardopt {
 // once, briefly, while the new optimizer loads it.
 
 namespace {
-
 using Clock = std::chrono::steady_clock;
-
-std::vector<at::Tensor> host_copies(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> out;
-  out.reserve(tensors.size());
-  for (const auto& t : tensors) out.push_back(t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
-  return out;
-}
-
-at::Tensor bytes_tensor(const std::vector<char>& bytes) {
-  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-  return t;
-}
-
-std::vector<char> tensor_bytes(const at::Tensor& t) {
-  const char* p = static_cast<const char*>(t.data_ptr());
-  return std::vector<char>(p, p + t.numel());
-}
-
-// Sends `mine` to rank `to` and returns what rank `from` sent (a length, then the bytes, each an
-// owned tensor: a transfer aborted by a failure may still be read by the transport). Even ranks
-// send first and odd ranks receive first, so no ring of senders waits on itself.
-std::vector<char> pass_along(ProcessGroup& group, const std::vector<char>& mine, int to, int from) {
-  at::Tensor out_size = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
-  at::Tensor out = bytes_tensor(mine);
-  at::Tensor in_size = at::empty({1}, at::kLong);
-  auto send = [&] {
-    group.send(out_size, to, 7);
-    if (out.numel() > 0) group.send(out, to, 7);
-  };
-  at::Tensor in;
-  auto recv = [&] {
-    group.recv(in_size, from, 7);
-    in = at::empty({in_size.item<int64_t>()}, at::kByte);
-    if (in.numel() > 0) group.recv(in, from, 7);
-  };
-  if (group.rank() % 2 == 0) {
-    send();
-    recv();
-  } else {
-    recv();
-    send();
-  }
-  return tensor_bytes(in);
-}
-
-// `value` with every tensor in it copied to host memory (a snapshot of live state, without the
-// cost of serialising it; it is serialised only to be sent).
-c10::IValue to_host(const c10::IValue& value) {
-  if (value.isTensor()) return value.toTensor().detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
-  if (value.isGenericDict()) {
-    const auto dict = value.toGenericDict();
-    c10::impl::GenericDict out(dict.keyType(), dict.valueType());
-    for (const auto& entry : dict) out.insert(entry.key(), to_host(entry.value()));
-    return out;
-  }
-  if (value.isTensorList()) {
-    c10::List<at::Tensor> out;
-    for (const at::Tensor& t : value.toTensorList()) out.push_back(t.detach().to(at::kCPU, false, true));
-    return out;
-  }
-  if (value.isList()) {
-    const auto list = value.toList();
-    c10::impl::GenericList out(list.elementType());
-    for (const auto& item : list) out.push_back(to_host(item));
-    return out;
-  }
-  if (value.isTuple()) {
-    std::vector<c10::IValue> items;
-    for (const auto& item : value.toTupleRef().elements()) items.push_back(to_host(item));
-    return c10::ivalue::Tuple::create(std::move(items));
-  }
-  return value;  // numbers, strings, None
-}
-
-int64_t host_bytes(const c10::IValue& value) {
-  if (value.isTensor()) return static_cast<int64_t>(value.toTensor().nbytes());
-  int64_t n = 0;
-  if (value.isGenericDict()) {
-    for (const auto& entry : value.toGenericDict()) n += host_bytes(entry.value());
-  } else if (value.isTensorList()) {
-    for (const at::Tensor& t : value.toTensorList()) n += static_cast<int64_t>(t.nbytes());
-  } else if (value.isList()) {
-    for (const auto& item : value.toList()) n += host_bytes(item);
-  } else if (value.isTuple()) {
-    for (const auto& item : value.toTupleRef().elements()) n += host_bytes(item);
-  }
-  return n;
-}
-
-std::string ranks_text(const std::vector<int>& ranks) {
-  std::string text;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    text += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
-  }
-  return text;
-}
-
 }  // namespace
+using detail::bytes_tensor;
+using detail::host_copies;
+using detail::pass_along;
+using detail::ranks_text;
+using detail::tensor_bytes;
+using detail::to_host;
 
-std::string Admission::to_string() const {
-  std::ostringstream out;
-  if (!joined.empty()) {
-    out << (joined.size() == 1 ? "global rank " : "global ranks ") << ranks_text(joined) << " joined at step " << step
-        << "; world size " << old_world_size << " -> " << world_size << "; in ";
-    char seconds_text[32];
-    std::snprintf(seconds_text, sizeof(seconds_text), "%.2f s", seconds);
-    out << seconds_text;
-  }
-  for (const auto& why : refused) out << (out.tellp() > 0 ? "; " : "") << "refused a replacement: " << why;
-  return out.str();
-}
 
 std::string Recovery::to_string() const {
   std::ostringstream out;
@@ -177,20 +73,6 @@ std::string Recovery::to_string() const {
   out << seconds_text;
   return out.str();
 }
-
-struct Resilient::Copy {
-  int64_t step = -1;
-  std::vector<at::Tensor> params, buffers;
-  c10::IValue own;           // this rank's shard (OSS::state_shard()), its tensors copied to host memory
-  std::vector<char> buddy;   // the buddy's, serialized as it came
-  bool has_buddy = false;
-  int64_t bytes() const {
-    int64_t n = static_cast<int64_t>(buddy.size()) + host_bytes(own);
-    for (const auto& t : params) n += t.nbytes();
-    for (const auto& t : buffers) n += t.nbytes();
-    return n;
-  }
-};
 
 Resilient::Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn::Module> module,
                      MakeOptimizer make_optimizer, MakeDDP make_ddp, ResilienceOptions options)
@@ -375,131 +257,8 @@ void Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const
   refresh(step);
 }
 
-namespace {
-constexpr const char* kJoinRequests = "shardopt/join/requests";
-std::string join_key(int64_t id) { return "shardopt/join/" + std::to_string(id); }
-std::string answer_key(int64_t id) { return "shardopt/join/" + std::to_string(id) + "/answer"; }
-std::vector<std::string> split_text(const std::string& text) {
-  std::vector<std::string> parts;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) parts.push_back(item);
-  return parts;
-}
-std::string announced_version() {
-  const char* v = std::getenv("SHARDOPT_ANNOUNCE_VERSION");
-  return v && *v ? v : version();
-}
-}  // namespace
-
-// Note [A replacement joins]
-// A process started for a rank the run lost (by a launcher, or by hand with the same variables)
-// finds kResilientRunKey in the store: init_process_group gives it a group of one that is joining,
-// and its Resilient asks to be admitted: it adds itself to a counter of requests and writes its
-// global rank, shardopt version and options under its number. The run looks at the counter
-// after each refresh of its copies (one all-reduce of the count every rank read, so that all
-// decide on the same requests), refuses a request whose version or options differ or whose rank
-// is a member (the answer says why, and the joiner fails with it), and admits the others: rank 0
-// writes each an answer with the next generation, the step, the requests handled and the member
-// list; every member makes the new group, and the state is installed (Note [Installing the state
-// on a new group]). The joiner starts its loop at start_step().
-std::optional<Admission> Resilient::admit_waiting(int64_t step) {
-  at::Tensor count = at::tensor({base_store_->add(kJoinRequests, 0)}, at::kLong);
-  group_->allreduce(count, Reduction::kMin);
-  const int64_t requests = count.item<int64_t>();
-  if (requests <= handled_requests_) return std::nullopt;
-  const auto start = Clock::now();
-  Admission a;
-  a.old_world_size = group_->size();
-  a.step = step;
-  std::vector<int> members = group_->global_ranks();
-  std::vector<int64_t> admitted_ids;
-  for (int64_t id = handled_requests_ + 1; id <= requests; ++id) {
-    const auto raw = base_store_->get(join_key(id));
-    const auto f = split_text(std::string(raw.begin(), raw.end()));
-    std::string why;
-    if (f.size() != 4) {
-      why = "request " + std::to_string(id) + " is malformed";
-    } else {
-      const int global = std::stoi(f[0]);
-      if (f[1] != version()) {
-        why = "global rank " + f[0] + " runs shardopt " + f[1] + ", this run " + version();
-      } else if (global < 0 || global >= original_world_) {
-        why = "global rank " + f[0] + " is outside this run's ranks 0.." + std::to_string(original_world_ - 1);
-      } else if (std::find(members.begin(), members.end(), global) != members.end()) {
-        why = "global rank " + f[0] + " is still a member";
-      } else if (std::stoll(f[2]) != options_.refresh_every() || std::stoll(f[3]) != options_.min_world_size()) {
-        why = "global rank " + f[0] + " has refresh_every " + f[2] + " and min_world_size " + f[3] + ", this run " +
-              std::to_string(options_.refresh_every()) + " and " + std::to_string(options_.min_world_size());
-      } else {
-        members.push_back(global);
-        a.joined.push_back(global);
-        admitted_ids.push_back(id);
-      }
-    }
-    if (!why.empty()) {
-      a.refused.push_back(why);
-      if (group_->rank() == 0) {
-        const std::string answer = "refused: " + why;
-        base_store_->set(answer_key(id), std::vector<uint8_t>(answer.begin(), answer.end()));
-      }
-    }
-  }
-  handled_requests_ = requests;
-  if (a.joined.empty()) return a;
-  std::sort(members.begin(), members.end());
-  ++generation_;
-  if (group_->rank() == 0) {
-    std::string answer = std::to_string(generation_) + "," + std::to_string(step) + "," + std::to_string(requests);
-    for (int m : members) answer += "," + std::to_string(m);
-    for (int64_t id : admitted_ids) base_store_->set(answer_key(id), std::vector<uint8_t>(answer.begin(), answer.end()));
-  }
-  CommPhase phase("admitting a replacement");
-  const std::vector<char> own = torch::pickle_save(current_->own);
-  const int my_old = replicated_ ? optimizer_->process_group().rank() : group_->rank();
-  ddp_.reset();
-  optimizer_.reset();
-  std::shared_ptr<ProcessGroup> old = group_;
-  group_ = old->form(generation_store(), members);
-  group_->watch_failures();
-  old->abandon();
-  install(step, {{my_old, &own}});
-  a.world_size = group_->size();
-  a.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  return a;
-}
-
 c10::intrusive_ptr<c10d::Store> Resilient::generation_store() const {
   return c10::make_intrusive<c10d::PrefixStore>("shardopt/generation/" + std::to_string(generation_) + "/", base_store_);
-}
-
-void Resilient::join() {
-  const int global = group_->global_rank();
-  const int64_t id = base_store_->add(kJoinRequests, 1);
-  const std::string request = std::to_string(global) + "," + announced_version() + "," +
-                              std::to_string(options_.refresh_every()) + "," + std::to_string(options_.min_world_size());
-  base_store_->set(join_key(id), std::vector<uint8_t>(request.begin(), request.end()));
-  try {
-    base_store_->wait({answer_key(id)}, group_->timeout());
-  } catch (const std::exception&) {
-    SHARDOPT_CHECK(false, "global rank ", global, " was started to replace a rank of a resilient run, which did not ",
-                   "admit it within ", group_->timeout().count(), " ms (the run admits replacements after a refresh ",
-                   "of its copies; it may have ended)");
-  }
-  const auto raw = base_store_->get(answer_key(id));
-  const std::string answer(raw.begin(), raw.end());
-  SHARDOPT_CHECK(answer.rfind("refused: ", 0) != 0, "global rank ", global, " was started to replace a rank of a ",
-                 "resilient run, which refused it: ", answer.substr(9));
-  const auto f = split_text(answer);
-  generation_ = std::stoi(f[0]);
-  start_step_ = std::stoll(f[1]);
-  handled_requests_ = std::stoll(f[2]);
-  std::vector<int> members;
-  for (size_t i = 3; i < f.size(); ++i) members.push_back(std::stoi(f[i]));
-  std::shared_ptr<ProcessGroup> alone = group_;
-  group_ = alone->form(generation_store(), members);
-  group_->watch_failures();
-  install(start_step_, {});
 }
 
 StepResult Resilient::step(int64_t step, const std::function<void()>& body) { return run_step(step, body, false); }
