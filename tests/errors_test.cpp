@@ -228,9 +228,10 @@ TEST(Errors, NcclWithoutACudaDeviceIsANamedError) {
 
 TEST(Errors, RankThatNeverShowsUpTimesOut) {
   const auto start = std::chrono::steady_clock::now();
+  const testing::ReservedPort port;
   expect_init_error(InitOptions()
                         .backend("gloo")
-                        .init_method("tcp://127.0.0.1:" + std::to_string(testing::free_port()))
+                        .init_method(port.tcp())
                         .rank(0)
                         .world_size(2)
                         .timeout(std::chrono::milliseconds(1500)),

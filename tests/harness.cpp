@@ -42,17 +42,21 @@ void run_ranks(int world_size, const std::function<void(std::shared_ptr<ProcessG
   }
 }
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(fd >= 0, "free_port: socket() failed");
+ReservedPort::ReservedPort() {
+  fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  TORCH_CHECK(fd_ >= 0, "ReservedPort: socket() failed");
+  const int one = 1;
+  ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  TORCH_CHECK(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0,
+              "ReservedPort: cannot bind a port on 127.0.0.1");
+  port_ = ntohs(addr.sin_port);
 }
+
+ReservedPort::~ReservedPort() { ::close(fd_); }
 
 }  // namespace shardopt::testing

@@ -20,7 +20,21 @@ std::vector<std::string> run_ranks_collect_errors(
     int world_size, const std::function<void(std::shared_ptr<ProcessGroup>)>& fn,
     std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
-// A TCP port on 127.0.0.1 that was free a moment ago (for tcp:// rendezvous in tests).
-int free_port();
+// A TCP port on 127.0.0.1 kept for a tcp:// rendezvous in a test: a socket bound to it (not
+// listening, SO_REUSEADDR) stays open while this object lives, so no other process gets the port,
+// and rank 0's store, which binds it with SO_REUSEADDR, still can.
+class ReservedPort {
+ public:
+  ReservedPort();
+  ~ReservedPort();
+  ReservedPort(const ReservedPort&) = delete;
+  ReservedPort& operator=(const ReservedPort&) = delete;
+  int port() const { return port_; }
+  std::string tcp() const { return "tcp://127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
 
 }  // namespace shardopt::testing

@@ -33,28 +33,26 @@ extern char** environ;
 
 namespace shardopt::app {
 
-int free_local_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  int port = 0;
-  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  if (fd >= 0) ::close(fd);
-  return port;
-}
-
 namespace {
 
 int exit_code_of(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
 
-// How long the ranks that are still running get after SIGTERM before SIGKILL.
+// After the first failure: how long the other ranks get to exit by themselves, the most a rank
+// that is reporting the failure gets (Note [The others' grace]), and how long a rank gets after
+// SIGTERM before SIGKILL.
+constexpr std::chrono::seconds kStopGrace(5);
+constexpr std::chrono::seconds kReportCap(30);
 constexpr std::chrono::seconds kKillGrace(10);
+
+// Whether `rank` said in the store that it saw a failure: it is in its roll call, naming who is
+// gone (its keys live under torch.distributed's prefix for the first attempt).
+bool reporting(const c10::intrusive_ptr<c10d::Store>& store, int rank) {
+  try {
+    return c10d::PrefixStore("/worker/attempt_0", store).check({"shardopt/failed/" + std::to_string(rank)});
+  } catch (const std::exception&) {
+    return false;
+  }
+}
 
 }  // namespace
 
@@ -71,12 +69,17 @@ bool under_a_launcher() {
 // client. With rank 0 serving it, rank 0's death took the store along and the others could only
 // say that the store was gone; now they name rank 0 like any other rank, and the store outlives
 // every rank, which a run that goes on without a dead rank needs.
+//
+// Note [The others' grace]
+// When one rank fails, the others usually fail right after it and each reports its own error,
+// naming the rank that is gone (Note [Roll call]). They get 5 s to exit by themselves; a rank
+// still running then is stopped (SIGTERM, with SIGCONT for a stopped one: it may wait in a
+// collective for the failed one), unless it is reporting the failure (its failure key is in the
+// store), which gets until 30 s after the failure: the grace follows what the ranks do, not a
+// guess of how long a loaded machine takes to print. Any rank still there 10 s after SIGTERM, a
+// hung or deaf one, is killed: the launcher never waits on a rank forever. tools/launch does the
+// same.
 int run_local_ranks(int n, char** argv, bool survive_failures) {
-  const int port = free_local_port();
-  if (port == 0) {
-    std::fprintf(stderr, "shardopt: cannot find a free TCP port on 127.0.0.1 for the local ranks\n");
-    return 1;
-  }
   std::vector<std::string> base;
   for (char** e = environ; *e; ++e) {
     const std::string kv = *e;
@@ -89,7 +92,10 @@ int run_local_ranks(int n, char** argv, bool survive_failures) {
   }
   // This process serves the rendezvous store (Note [The launcher's store]), so that any rank,
   // rank 0 included, can die and be named by the others.
+  // (Port 0: the store's own socket binds a free port, which no other process can take before
+  // the ranks connect.)
   c10::intrusive_ptr<c10d::Store> store;
+  int port = 0;
   try {
     store = serve_store("127.0.0.1", port);
   } catch (const c10::Error& e) {
@@ -125,31 +131,31 @@ int run_local_ranks(int n, char** argv, bool survive_failures) {
     }
   }
   std::set<int> replaced;  // ranks a replacement was started for (once each)
-  // When one rank fails, the others get a grace period to report their own error (bad input is
-  // seen by every rank), then are asked to stop (SIGTERM, with SIGCONT for a stopped one: they
-  // may wait in a collective for the failed one), and any still there after a second grace
-  // period, a hung or stopped rank among them, is killed (SIGKILL): the launcher never waits on a
-  // rank forever.
   int result = 0;
   bool survived = false, finishing = false;  // --survive-failures: a rank died and the others went on; one finished
-  std::chrono::steady_clock::time_point stop_at{}, kill_at{};
-  enum { kRunning, kTerminated, kKilled } stage = kRunning;
+  std::chrono::steady_clock::time_point failed_at{}, finish_by{};
+  std::map<pid_t, std::chrono::steady_clock::time_point> terminated;  // pid -> when it was sent SIGTERM
+  std::set<pid_t> killed;
   while (!ranks.empty()) {
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, result == 0 && !finishing ? 0 : WNOHANG);
     if (pid == 0) {
+      // Note [The others' grace]
       const auto now = std::chrono::steady_clock::now();
-      if (stage == kRunning && now >= stop_at) {
-        for (const auto& [p, _] : ranks) ::kill(p, SIGTERM), ::kill(p, SIGCONT);
-        stage = kTerminated;
-        kill_at = now + kKillGrace;
-      } else if (stage == kTerminated && now >= kill_at) {
-        for (const auto& [p, rank] : ranks) {
-          std::fprintf(stderr, "shardopt: rank %d did not stop within %lld s of SIGTERM; killed it\n", rank,
-                       static_cast<long long>(kKillGrace.count()));
-          ::kill(p, SIGKILL);
+      for (const auto& [p, rank] : ranks) {
+        if (killed.count(p)) continue;
+        if (auto t = terminated.find(p); t != terminated.end()) {
+          if (now >= t->second + kKillGrace) {
+            std::fprintf(stderr, "shardopt: rank %d did not stop within %lld s of SIGTERM; killed it\n", rank,
+                         static_cast<long long>(kKillGrace.count()));
+            ::kill(p, SIGKILL);
+            killed.insert(p);
+          }
+        } else if (finishing ? now >= finish_by
+                             : now >= failed_at + kStopGrace && (now >= failed_at + kReportCap || !reporting(store, rank))) {
+          ::kill(p, SIGTERM), ::kill(p, SIGCONT);
+          terminated[p] = now;
         }
-        stage = kKilled;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
@@ -184,15 +190,14 @@ int run_local_ranks(int n, char** argv, bool survive_failures) {
       }
       continue;
     }
-    if (survive_failures && code == 0 && result == 0 && stage == kRunning && !finishing && !ranks.empty()) {
+    if (survive_failures && code == 0 && result == 0 && !finishing && !ranks.empty()) {
       // Done: the others should be done too, unless one is stuck (the survivors counted it as gone).
       finishing = true;
-      result = 0;
-      stop_at = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      finish_by = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     }
     if (code != 0 && result == 0) {
       result = code;
-      stop_at = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      failed_at = std::chrono::steady_clock::now();
       if (!ranks.empty()) std::fprintf(stderr, "shardopt: rank %d exited with code %d\n", rank, code);
     }
   }

@@ -18,6 +18,7 @@
 #include <torch/csrc/api/include/torch/optim/adam.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -160,6 +161,8 @@ class Trainer {
   int64_t restarts_ = 0;                // TORCHELASTIC_RESTART_COUNT
   int fault_rank_ = -1;                 // SHARDOPT_FAULT_AT_STEP: this rank kills itself before step
   int64_t fault_step_ = -1;             // fault_step_ of a run not yet restarted
+  int64_t await_joiner_at_ = -1;        // SHARDOPT_AWAIT_JOINER_AT_STEP: wait for a replacement's request before this refresh
+  c10::intrusive_ptr<c10d::Store> rendezvous_;  // the first group's store (where replacements ask to join)
   bool metrics_on_ = false;             // every rank: the metrics file is written (by rank 0)
   std::unique_ptr<MetricsLog> metrics_;  // rank 0
   int64_t memory_every_ = 1;            // steps between memory records
@@ -198,6 +201,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
       InitOptions().backend(cuda ? "nccl" : "gloo").timeout(std::chrono::seconds(o.timeout_s)));
   rank_ = group_->rank();
   world_ = group_->size();
+  rendezvous_ = group_->store();
   // A process started to replace a rank of a --survive-failures run is a group of one until the
   // run admits it (shardopt::Resilient, below): it is not rank 0 of the run.
   if (metrics_on_ && rank_ == 0 && !group_->joining()) metrics_ = std::make_unique<MetricsLog>(metrics_path, resume_);
@@ -516,6 +520,11 @@ void Trainer::run_surviving(int64_t stop) {
     epoch_ = step_ / steps_per_epoch_;
     const int64_t s = step_ % steps_per_epoch_;
     if (epoch_ != epoch_set) sampler_->set_epoch(epoch_set = epoch_);
+    if (step_ + 1 == await_joiner_at_) {
+      // The refresh after this step admits the requests that are in: wait (bounded) for the first.
+      rendezvous_->wait({"shardopt/join/1"}, std::chrono::seconds(o_.timeout_s));
+      await_joiner_at_ = -1;
+    }
     const StepResult r = resilient_->step_by(step_, [&] { run_step(s); });
     if (r.recovery) recovered(*r.recovery);
     if (r.admission) admitted(*r.admission);
@@ -675,6 +684,10 @@ void Trainer::read_restart_env(const TrainOptions& o) {
     SHARDOPT_CHECK(colon != std::string::npos && colon > 0, "SHARDOPT_FAULT_AT_STEP='", text, "' is not RANK:STEP");
     fault_rank_ = std::atoi(text.substr(0, colon).c_str());
     fault_step_ = std::atoll(text.substr(colon + 1).c_str());
+  }
+  if (const char* v = env_var("SHARDOPT_AWAIT_JOINER_AT_STEP"); v && !(replacement && std::string(replacement) == "1")) {
+    await_joiner_at_ = std::atoll(v);
+    SHARDOPT_CHECK(await_joiner_at_ > 0, "SHARDOPT_AWAIT_JOINER_AT_STEP='", v, "' is not a positive step");
   }
 }
 

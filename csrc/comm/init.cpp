@@ -269,9 +269,11 @@ void check_rank(const InitOptions& options) {
                  options.transport_thread_nice());
 }
 
-// A socket listening on loopback host:port for a store's server (which otherwise listens on every
-// interface); -1 for a host that is not loopback. Errors name the address.
-int loopback_listen_fd(const std::string& host, int port, const std::string& who) {
+// A socket bound to loopback host:port for a store's server (which otherwise listens on every
+// interface); -1 for a host that is not loopback. Port 0 binds any free port, and `port` becomes
+// it: the port comes from the bound socket, so no other process can take it in between. Errors
+// name the address.
+int loopback_listen_fd(const std::string& host, int& port, const std::string& who) {
   if (!is_loopback(host) || host == "::1") return -1;
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   SHARDOPT_CHECK(fd >= 0, "cannot create the store's socket: ", std::strerror(errno));
@@ -286,13 +288,17 @@ int loopback_listen_fd(const std::string& host, int port, const std::string& who
     ::close(fd);
     SHARDOPT_CHECK(false, who, " cannot listen on ", host, ":", port, " for the rendezvous store: ", std::strerror(err));
   }
+  socklen_t len = sizeof(addr);
+  if (port == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) port = ntohs(addr.sin_port);
   return fd;
 }
 
 c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, const InitOptions& options) {
-  SHARDOPT_CHECK(port > 0 && port < 65536, "port ", port, " is outside (0, 65536)");
+  // Port 0: a world of one whose rank serves the store on any free loopback port.
+  const bool any_port = port == 0 && options.world_size() == 1 && is_loopback(host) && host != "::1" &&
+                        !store_served_by_launcher();
+  SHARDOPT_CHECK((port > 0 || any_port) && port < 65536, "port ", port, " is outside (0, 65536)");
   c10d::TCPStoreOptions opts;
-  opts.port = static_cast<uint16_t>(port);
   // Under torchrun, or shardopt's own launcher, the launcher already serves the store at
   // MASTER_ADDR:MASTER_PORT (and says so): every rank connects to it as a client, as
   // torch.distributed does.
@@ -303,6 +309,7 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
   // A loopback rendezvous listens on loopback only: rank 0 binds the socket itself and hands it
   // to the store.
   if (opts.isServer) opts.masterListenFd = loopback_listen_fd(host, port, "rank 0");
+  opts.port = static_cast<uint16_t>(port);
   try {
     auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
     if (!store_served_by_launcher()) return store;
@@ -374,14 +381,16 @@ bool store_served_by_launcher() {
   return v && std::string(v) == "True";
 }
 
-c10::intrusive_ptr<c10d::Store> serve_store(const std::string& host, int port, std::chrono::milliseconds timeout) {
-  SHARDOPT_CHECK(port > 0 && port < 65536, "port ", port, " is outside (0, 65536)");
+c10::intrusive_ptr<c10d::Store> serve_store(const std::string& host, int& port, std::chrono::milliseconds timeout) {
+  SHARDOPT_CHECK(port >= 0 && port < 65536, "port ", port, " is outside [0, 65536)");
+  SHARDOPT_CHECK(port > 0 || (is_loopback(host) && host != "::1"), "port 0 (any free port) needs a loopback IPv4 host, got ",
+                 host);
   c10d::TCPStoreOptions opts;
-  opts.port = static_cast<uint16_t>(port);
   opts.isServer = true;
   opts.waitWorkers = false;
   opts.timeout = timeout;
   opts.masterListenFd = loopback_listen_fd(host, port, "the launcher");
+  opts.port = static_cast<uint16_t>(port);
   try {
     return c10::make_intrusive<c10d::TCPStore>(host, opts);
   } catch (const std::exception& e) {

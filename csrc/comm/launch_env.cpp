@@ -39,6 +39,9 @@ const std::vector<LaunchVariable> kLaunchVariables = {
                                    "then resumes from --checkpoint-dir by itself"},
     {"SHARDOPT_FAULT_AT_STEP", "R:S: `shardopt train`'s rank R kills itself (SIGKILL) before step S, in a run not "
                                "yet restarted (tests of restarts)"},
+    {"SHARDOPT_AWAIT_JOINER_AT_STEP", "S: `shardopt train --survive-failures` waits (within --timeout) before its "
+                                      "refresh at step S until a replacement has asked to join, so that it is "
+                                      "admitted there (tests of a replacement joining)"},
     {"SHARDOPT_FAULT_IN_PHASE", "R:TEXT[:N][;...]: the process with RANK R kills itself (SIGKILL) the N-th time it "
                                 "enters a phase whose name contains TEXT (tests of surviving a dead rank)"},
     {"SHARDOPT_REPLACEMENT", "1: set by `shardopt train -n N --survive-failures` on a process it starts to replace a "
@@ -157,7 +160,9 @@ LaunchEnv read_launch_env(bool need_master) {
     const auto job = env_int("SLURM_JOB_ID");
     e.master_port = 29500 + (job ? *job % 1000 : 0);
   }
-  SHARDOPT_CHECK(e.master_port > 0 && e.master_port < 65536, "MASTER_PORT ", e.master_port, " is outside (0, 65536)");
+  // Port 0 (any free port, bound by the one rank itself) only where no other rank must find it.
+  SHARDOPT_CHECK((e.master_port > 0 || (e.master_port == 0 && e.world_size == 1)) && e.master_port < 65536,
+                 "MASTER_PORT ", e.master_port, " is outside (0, 65536)");
   return e;
 }
 

@@ -10,9 +10,14 @@
 
 #include "comm/failure_watch.h"
 #include "comm/heartbeat.h"
+#include "comm/watch.h"
+
+#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
+#include <fstream>
+#include <sstream>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -24,11 +29,17 @@ namespace shardopt {
 // A collective fails quickly when a peer's process is gone (its connections close) and after
 // the timeout when a peer is stuck; a survivor whose own collective involves only live peers may
 // notice only later. Each rank's group keeps a heartbeat in the rendezvous store (a counter it
-// bumps once a second from a thread of its own, whatever the rank is doing), and a rank whose
-// collective failed watches every counter for 3 s: the ranks whose counter did not move are
-// named. Under a plain env:// rendezvous the store is served by rank 0's process, so when it
-// cannot be reached at all, rank 0 is the one gone; under a launcher that serves it (torchrun,
-// `shardopt train -n N`: shardopt/comm/store_server.h) any rank can die and be named.
+// bumps once a second from a thread of its own, whatever the rank is doing) and records which
+// process it is (boot id, pid namespace, pid and start time). A rank whose collective failed
+// watches every other rank until it knows each one: alive when its counter moves (within a
+// second), gone at once when its process is on this machine and has exited (or is a zombie, or
+// its pid now belongs to another process), and gone when its counter stood still for
+// kHeartbeatTimeout (3 s: a stopped process, or one on another machine). The watch ends as soon
+// as every rank is known, so a peer that was killed on this machine is named within about a
+// second, and a hung one within 3 s. Under a plain env:// rendezvous the store is served by rank
+// 0's process, so when it cannot be reached at all, rank 0 is the one gone; under a launcher that
+// serves it (torchrun, `shardopt train -n N`: shardopt/comm/store_server.h) any rank can die and
+// be named.
 
 namespace {
 std::string heartbeat_key(int rank) { return "shardopt/heartbeat/" + std::to_string(rank); }
@@ -48,11 +59,124 @@ std::vector<int64_t> heartbeat_counts(c10d::Store& store, int size) {
   }
   return counts;
 }
+
+std::string first_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// The state (field 3) and start time (field 22) of /proc/<pid>/stat; false when there is no such
+// process.
+bool process_stat(const std::string& pid, char* state, std::string* start_time) {
+  const std::string text = first_line("/proc/" + pid + "/stat");
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos || close + 2 >= text.size()) return false;
+  std::istringstream fields(text.substr(close + 2));
+  std::string field;
+  for (int index = 3; fields >> field; ++index) {
+    if (index == 3) *state = field[0];
+    if (index == 22) {
+      *start_time = field;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::vector<std::string> split_bar(const std::string& text) {
+  std::vector<std::string> parts;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, '|')) parts.push_back(item);
+  return parts;
+}
+
+// Whether the process `recorded` (this_process() of a rank) is known to have exited: it is on
+// this machine and its pid is gone, a zombie, or another process's.
+bool known_to_have_exited(const std::string& recorded, const std::string& machine) {
+  const auto parts = split_bar(recorded);
+  if (parts.size() != 3 || machine.empty() || parts[0] != machine) return false;
+  char state = 0;
+  std::string start;
+  if (!process_stat(parts[1], &state, &start)) return true;
+  return state == 'Z' || state == 'X' || start != parts[2];
+}
+
+// Every rank's recorded process ("" where a rank recorded none).
+std::vector<std::string> recorded_processes(c10d::Store& store, int size) {
+  std::vector<std::string> keys, out(size);
+  for (int r = 0; r < size; ++r) keys.push_back(detail::process_key(r));
+  if (store.hasExtendedApi() && store.check(keys)) {
+    const auto values = store.multiGet(keys);
+    for (int r = 0; r < size; ++r) out[r].assign(values[r].begin(), values[r].end());
+    return out;
+  }
+  for (int r = 0; r < size; ++r) {
+    if (store.check({keys[r]})) {
+      const auto v = store.get(keys[r]);
+      out[r].assign(v.begin(), v.end());
+    }
+  }
+  return out;
+}
 }  // namespace
+
+
+namespace detail {
+
+std::string process_key(int rank) { return "shardopt/process/" + std::to_string(rank); }
+
+std::string this_process() {
+  const std::string boot = first_line("/proc/sys/kernel/random/boot_id");
+  char ns[128] = {0};
+  const ssize_t n = ::readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+  const std::string pid = std::to_string(::getpid());
+  char state = 0;
+  std::string start;
+  if (boot.empty() || n <= 0 || !process_stat(pid, &state, &start)) return "";
+  return boot + "/" + std::string(ns, static_cast<size_t>(n)) + "|" + pid + "|" + start;
+}
+
+RankWatch watch_ranks(c10d::Store& store, int size, int self, const std::string& flag_prefix,
+                      bool flag_counts_as_known) {
+  RankWatch w{std::vector<bool>(size), std::vector<bool>(size), std::vector<bool>(size)};
+  const std::string me = this_process();
+  const std::string machine = me.substr(0, me.find('|'));
+  const std::vector<std::string> processes = recorded_processes(store, size);
+  const std::vector<int64_t> before = heartbeat_counts(store, size);
+  const auto start = std::chrono::steady_clock::now();
+  // Every rank of a broken group may watch at once: a slower poll where there are many.
+  const auto poll = std::chrono::milliseconds(size <= 64 ? 100 : 500);
+  auto flag = [&](int r) { return store.check({flag_prefix + std::to_string(r)}); };
+  for (;;) {
+    const std::vector<int64_t> now = heartbeat_counts(store, size);
+    bool all_known = true;
+    for (int r = 0; r < size; ++r) {
+      if (r == self) continue;
+      w.beat[r] = w.beat[r] || now[r] != before[r];
+      if (!w.exited[r]) w.exited[r] = known_to_have_exited(processes[r], machine);
+      if (flag_counts_as_known && !w.flagged[r] && !w.beat[r] && !w.exited[r]) w.flagged[r] = flag(r);
+      all_known = all_known && (w.beat[r] || w.exited[r] || w.flagged[r]);
+    }
+    if (all_known || std::chrono::steady_clock::now() - start >= kHeartbeatTimeout) break;
+    std::this_thread::sleep_for(poll);
+  }
+  for (int r = 0; r < size; ++r) {
+    if (r != self && !w.flagged[r] && !w.beat[r]) w.flagged[r] = flag(r);
+  }
+  return w;
+}
+
+}  // namespace detail
 
 void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) {
   store_ = std::move(store);
   if (!store_ || size_ == 1 || heartbeat_) return;
+  // Which process this rank is, for a roll call on the same machine (Note [Roll call]).
+  const std::string me = detail::this_process();
+  store_->set(detail::process_key(rank_), std::vector<uint8_t>(me.begin(), me.end()));
   heartbeat_ = std::make_unique<Heartbeat>();
   heartbeat_->thread = std::thread([store = store_, key = heartbeat_key(rank_), hb = heartbeat_.get(),
                                     failure = failure_] {
@@ -95,17 +219,20 @@ std::string ProcessGroup::roll_call() {
   };
   try {
     // A rank that saw a failure says so first: it may exit before the others look.
-    store_->set("shardopt/failed/" + std::to_string(rank_), std::vector<uint8_t>{1});
-    const std::vector<int64_t> before = heartbeat_counts(*store_, size_);
-    std::this_thread::sleep_for(std::chrono::seconds(3));
-    const std::vector<int64_t> after = heartbeat_counts(*store_, size_);
-    std::vector<int> gone, failed_too;
+    const std::string failed = "shardopt/failed/";
+    store_->set(failed + std::to_string(rank_), std::vector<uint8_t>{1});
+    const detail::RankWatch w = detail::watch_ranks(*store_, size_, rank_, failed, /*flag_counts_as_known=*/false);
+    std::vector<int> exited, silent, failed_too;
     for (int r = 0; r < size_; ++r) {
-      if (r == rank_ || after[r] != before[r]) continue;
-      (store_->check({"shardopt/failed/" + std::to_string(r)}) ? failed_too : gone).push_back(r);
+      if (r == rank_ || w.beat[r]) continue;
+      (w.flagged[r] ? failed_too : w.exited[r] ? exited : silent).push_back(r);
     }
     std::string text;
-    if (!gone.empty()) text = list(gone) + " stopped answering (no heartbeat for 3 s: exited, killed or hung)";
+    if (!exited.empty()) text = list(exited) + " stopped answering (its process on this machine exited)";
+    if (!silent.empty()) {
+      text += (text.empty() ? "" : "; ") + list(silent) + " stopped answering (no heartbeat for " +
+              std::to_string(detail::kHeartbeatTimeout.count()) + " s: exited, killed or hung)";
+    }
     if (!failed_too.empty()) {
       text += (text.empty() ? "" : "; ") + list(failed_too) + " saw a failure too and stopped";
     }

@@ -1,13 +1,13 @@
 #include "resilience/survivors.h"
 
+#include "comm/watch.h"
+
 #include <shardopt/check.h>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <chrono>
 #include <sstream>
 #include <string>
-#include <thread>
 
 namespace shardopt::detail {
 
@@ -16,8 +16,11 @@ namespace shardopt::detail {
 // A survivor of a broken group:
 // 1. sets "shardopt/recovering/<rank>": from now on it counts as alive even after its heartbeat
 //    stops (it abandons the broken group, and with it the heartbeat, once recovery moves on);
-// 2. reads every counter, waits 3 s, reads them again: a rank is alive when its counter moved or
-//    it is recovering. A rank that has not noticed the failure yet still beats, so it counts;
+// 2. watches every other rank until it knows each one (detail::watch_ranks): a rank is alive when
+//    its counter moved or it is recovering, gone when its process on this machine exited or its
+//    counter stood still for kHeartbeatTimeout (3 s). A rank that has not noticed the failure
+//    yet still beats, so it counts. The watch ends as soon as every rank is known: a rank killed
+//    on this machine costs no wait at all;
 // 3. proposes its list with a compare-and-set on one key: the first proposal wins, and every
 //    survivor reads the same list from that key. No rank decides alone, none waits on a leader
 //    that may be dead, and every survivor goes on with the same list. A rank left out of it (its
@@ -40,12 +43,6 @@ std::vector<int> decode(const std::string& text) {
   return ranks;
 }
 
-std::vector<int64_t> counts(c10d::Store& store, int size) {
-  std::vector<int64_t> c(size);
-  for (int r = 0; r < size; ++r) c[r] = store.add("shardopt/heartbeat/" + std::to_string(r), 0);
-  return c;
-}
-
 }  // namespace
 
 Survivors agree_on_survivors(ProcessGroup& group) {
@@ -54,14 +51,11 @@ Survivors agree_on_survivors(ProcessGroup& group) {
   const int size = group.size(), rank = group.rank();
   std::vector<int> alive;
   try {
-    store->set("shardopt/recovering/" + std::to_string(rank), std::vector<uint8_t>{1});
-    const auto before = counts(*store, size);
-    std::this_thread::sleep_for(std::chrono::seconds(3));
-    const auto after = counts(*store, size);
+    const std::string recovering = "shardopt/recovering/";
+    store->set(recovering + std::to_string(rank), std::vector<uint8_t>{1});
+    const RankWatch w = watch_ranks(*store, size, rank, recovering, /*flag_counts_as_known=*/true);
     for (int r = 0; r < size; ++r) {
-      if (r == rank || after[r] != before[r] || store->check({"shardopt/recovering/" + std::to_string(r)})) {
-        alive.push_back(r);
-      }
+      if (r == rank || ((w.beat[r] || w.flagged[r]) && !w.exited[r])) alive.push_back(r);
     }
     const std::string mine = encode(alive);
     const auto decided = store->compareSet("shardopt/recovery/survivors", std::vector<uint8_t>{},

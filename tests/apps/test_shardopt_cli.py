@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,17 @@ class CliTest(unittest.TestCase):
 
     def path(self, name):
         return os.path.join(self.dir, name)
+
+    def torchrun(self):
+        """torchrun's command line with a port kept for this test (a socket bound with SO_REUSEADDR,
+        not listening, open until the test ends: no other process gets it, and the agent's store
+        still binds it), instead of the default 29500 that two tests could share."""
+        reserved = socket.socket()
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reserved.bind(("127.0.0.1", 0))
+        self.addCleanup(reserved.close)
+        return [sys.executable, "-m", "torch.distributed.run", "--master-addr", "127.0.0.1", "--master-port",
+                str(reserved.getsockname()[1])]
 
     def test_train_freeze_checkpoint_resume_bit_exact(self):
         full = run(["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE, "--checkpoint-dir", self.path("full")])
@@ -271,11 +283,13 @@ class CliTest(unittest.TestCase):
         # accuracy of an uninterrupted run.
         args = ["train", "--epochs", "1", "--train-samples", "6480", "--test-samples", "1000", "--batch-size", "120",
                 "-n", "4", "--survive-failures", "--refresh-every", "5"]
-        full = run(args)
+        full = run([*args, "--checkpoint-dir", self.path("full")])
         acc_full = float(re.search(r"test accuracy (\d+\.\d+)%", full.stdout).group(1))
-        env = dict(os.environ, SHARDOPT_FAULT_AT_STEP="2:20")
-        p = subprocess.run([EXE, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           timeout=600)
+        # (The run waits before its refresh at step 25 until the replacement has asked to join, so
+        # that it is admitted there however long it takes to start.)
+        env = dict(os.environ, SHARDOPT_FAULT_AT_STEP="2:20", SHARDOPT_AWAIT_JOINER_AT_STEP="25")
+        p = subprocess.run([EXE, *args, "--checkpoint-dir", self.path("survived")], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=600)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("surviving failures: buddy copies of every shard", p.stdout)
         self.assertRegex(p.stdout, r"step 20 \(epoch 1\): rank 2 died \(seen in [^)]+\)+ at step 20; rolled back 0 steps "
@@ -291,6 +305,13 @@ class CliTest(unittest.TestCase):
         acc = float(re.search(r"test accuracy (\d+\.\d+)%", p.stdout).group(1))
         self.assertGreater(acc_full, 60.0)
         self.assertLess(abs(acc - acc_full), 1.0, p.stdout)
+        # The parameters, not only the accuracy: the same global batches at world 4, 3 and 4 again
+        # end where the uninterrupted run ends, up to the order of float sums (which moves
+        # parameters by about 1e-5 over 54 steps); a lost or doubled step moves them by far more.
+        a = read_checkpoint.load(self.path("full/last.ckpt"))
+        b = read_checkpoint.load(self.path("survived/last.ckpt"))
+        self.assertEqual(a["step"], b["step"])
+        self.assertLessEqual(max_abs_diff(a["model"], b["model"]), 1e-3, p.stdout)
 
     def test_survive_failures_bad_input_is_one_line(self):
         p = run(["train", "--epochs", "1", "--train-samples", "640", "--survive-failures"], check=False)
@@ -307,7 +328,7 @@ class CliTest(unittest.TestCase):
         self.assertIn("--survive-failures does not support --mixed-precision fp16", p.stderr)
 
     def test_torchrun_starts_the_ranks(self):
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2",
+        p = subprocess.run([*self.torchrun(), "--no-python", "--nproc-per-node", "2",
                             EXE, "train", "--epochs", "1", "--train-samples", "1200", "--test-samples", "200"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
@@ -321,7 +342,7 @@ class CliTest(unittest.TestCase):
         args = ["train", *TINY, "--checkpoint-every", "10"]
         run([*args, "-n", "2", "--checkpoint-dir", self.path("full")])
         env = dict(os.environ, SHARDOPT_FAULT_AT_STEP="1:15")
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2",
+        p = subprocess.run([*self.torchrun(), "--no-python", "--nproc-per-node", "2",
                             "--max-restarts", "1", EXE, *args, "--checkpoint-dir", self.path("restarted")],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)

@@ -22,6 +22,18 @@ def run(args, check=True, timeout=600):
     return p
 
 
+def zero_formula(mode, world, numel):
+    """The ZeRO paper's bytes per rank for Adam, computed here independently of the plan: parameters
+    and gradients in the parameters' precision (ZeRO-2 shards the gradients); exp_avg and exp_avg_sq
+    (8 bytes an element), with an fp32 master beside them under bf16 (12), sharded by ZeRO-1 and 2."""
+    low = 2 if mode.endswith("-bf16") else 4
+    zero2 = mode.startswith("zero2")
+    state = (12 if low == 2 else 8) * numel
+    return {"params": low * numel,
+            "grads": low * numel / world if zero2 else low * numel,
+            "state": state if mode == "ddp" else state / world}
+
+
 # A model whose shapes make the layout do work: matrices and vectors of odd sizes (alignment, split
 # pieces, buckets), an embedding, and enough tensors that whole parameters do not balance. Freezing
 # half of it freezes the leading layers up to the embedding (a third of the elements).
@@ -80,30 +92,86 @@ class PlanTest(unittest.TestCase):
         self.compare(["--preset", "cnn"], "zero2,zero2-bf16", "adam")
 
     def test_plan_equals_the_zero_formula_where_the_layout_adds_nothing(self):
-        # One rank: no padding, no imbalance; ZeRO-2's only addition is its bucket slab's counts.
-        run(["plan", "--preset", "gpt2-small", "--world-sizes", "1,2", "--modes", "zero1,zero2", "-o", self.path("p")])
+        # One rank: no padding, no imbalance, on a real model.
+        run(["plan", "--preset", "gpt2-small", "--world-sizes", "1", "--modes", "zero1,zero2", "-o", self.path("p")])
         with open(self.path("p/plan.json")) as f:
             report = json.load(f)
         n = report["numel"]
         self.assertEqual(n, 124439808)
         for c in report["configs"]:
-            r, f = c["max_rank"], c["formula"]
-            if c["world_size"] == 1:
-                self.assertEqual(r["params"], f["params"], c)
-                self.assertEqual(r["grads"], f["grads"], c)
-                self.assertEqual(r["state"] + r["masters"], f["state"], c)
-                # What the formula leaves out: DDP's all-reduce bucket beside ZeRO-1, ZeRO-2's counts
-                if c["mode"] == "zero1":
-                    self.assertEqual(r["buckets"], r["grads"], c)
-                else:
-                    self.assertLess(r["buckets"], 1e-4 * r["grads"], c)
-                self.assertTrue(c["against_formula"].endswith(" buckets"), c)
-                self.assertNotIn(",", c["against_formula"], c)
-            self.assertIn("bytes_sent_per_step", r)
-            self.assertIn("bytes_received_per_step", r)
+            r, f = c["max_rank"], zero_formula(c["mode"], 1, n)
+            self.assertEqual(c["formula"], f, c)
+            self.assertEqual(r["params"], f["params"], c)
+            self.assertEqual(r["grads"], f["grads"], c)
+            self.assertEqual(r["state"] + r["masters"], f["state"], c)
+            # What the formula leaves out: DDP's all-reduce bucket beside ZeRO-1, ZeRO-2's counts
+            if c["mode"] == "zero1":
+                self.assertEqual(r["buckets"], r["grads"], c)
+            else:
+                self.assertLess(r["buckets"], 1e-4 * r["grads"], c)
+            self.assertTrue(c["against_formula"].endswith(" buckets"), c)
+            self.assertNotIn(",", c["against_formula"], c)
+            # One rank moves nothing.
+            self.assertEqual(r["bytes_sent_per_step"], 0, c)
+            self.assertEqual(r["bytes_received_per_step"], 0, c)
         self.assertTrue(os.path.getsize(self.path("p/plan.png")) > 10000)
         with open(self.path("p/plan.png"), "rb") as f:
             self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+        # Several ranks, where the layout adds nothing either: 8 equal matrices, so at 2, 4 and 8 ranks
+        # the whole-parameter partition is perfect (OSS does not split), every shard is exactly 1/W
+        # of the model with no padding, and every rank must hold exactly the paper's bytes and move
+        # exactly its traffic. The numbers come from the formula computed here (zero_formula above),
+        # not from the plan's own "formula" field, and every rank is checked, not only the busiest.
+        shape = [96, 64]
+        layers = 8
+        spec = self.path("equal.json")
+        with open(spec, "w") as f:
+            json.dump({"layers": [{"name": f"h{i}.w", "shape": shape} for i in range(layers)]}, f)
+        worlds = (2, 4, 8)
+        modes = ("ddp", "zero1", "zero2", "zero1-bf16", "zero2-bf16")
+        run(["plan", "--spec", spec, "--world-sizes", ",".join(map(str, worlds)), "--modes", ",".join(modes),
+             "--optimizer", "adam", "-o", self.path("q")])
+        n = layers * shape[0] * shape[1]
+        with open(self.path("q/plan.json")) as f:
+            report = json.load(f)
+        self.assertEqual(report["numel"], n)
+        configs = {(c["mode"], c["world_size"]): c for c in report["configs"]}
+        with open(self.path("q/plan.csv")) as f:
+            rows = list(csv.DictReader(f))
+        self.assertEqual(len(rows), len(modes) * sum(worlds))
+        for row in rows:
+            mode, w = row["mode"], int(row["world"])
+            what = f"{mode} world {w} rank {row['rank']}"
+            c = configs[(mode, w)]
+            f = zero_formula(mode, w, n)
+            self.assertEqual(c["formula"], f, c)
+            if mode != "ddp":
+                self.assertFalse(c["split"], c)  # whole parameters: the layout adds no split pieces
+                self.assertEqual(c["layout_imbalance"], 0, c)
+            self.assertEqual(float(row["params"]), f["params"], what)
+            self.assertEqual(float(row["grads"]), f["grads"], what)
+            self.assertEqual(float(row["state"]) + float(row["masters"]), f["state"], what)
+            low = 2 if mode.endswith("-bf16") else 4
+            self.assertEqual(float(row["masters"]), 4 * n / w if low == 2 else 0, what)
+            # Beside the formula: DDP's and ZeRO-1's all-reduce bucket holds every gradient; ZeRO-2
+            # keeps one bucket per owner (its share is far below --bucket-mb), whose slab adds one
+            # count per piece (one per whole matrix it owns), rounded up to 16 elements.
+            if mode.startswith("zero2"):
+                self.assertEqual(c["buckets"], w, c)
+                share = n // w
+                slab = -(-(share + layers // w) // 16) * 16
+                self.assertEqual(float(row["buckets"]), low * (slab - share), what)
+            else:
+                self.assertEqual(float(row["buckets"]), low * n, what)
+            # Traffic per step, the paper's: ZeRO-2 reduces every gradient to its owner and
+            # broadcasts the parameters back, (W-1)/W of the model's bytes each, both ways; DDP
+            # all-reduces them, 2(W-1)/W; ZeRO-1 all-reduces and then broadcasts, 3(W-1)/W.
+            times = {"ddp": 2, "zero1": 3, "zero2": 2}[mode.split("-")[0]]
+            expected = times * (w - 1) * low * n / w
+            for key in ("sent", "received"):
+                self.assertEqual(float(row[f"{key}_within_block"]), expected, f"{what} {key}")
+                self.assertEqual(float(row[f"{key}_across_blocks"]), 0, f"{what} {key}")
 
     def test_a_70b_shape_plans_at_4096_ranks(self):
         run(["plan", "--preset", "llama-70b", "--world-sizes", "4096", "--modes", "zero1,zero2,zero2-bf16", "-o",

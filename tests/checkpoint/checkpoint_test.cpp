@@ -9,12 +9,15 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
 
+#include <chrono>
 #include <cstdio>
+#include <dirent.h>
 #include <ftw.h>
 #include <fstream>
 #include <mutex>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -269,10 +272,42 @@ TEST(Checkpoint, BadFilesAreErrorsNamingTheFileOnEveryRank) {
   remove_tree(dir);
 }
 
-// A process killed with SIGKILL while it writes a checkpoint leaves the previous one intact.
+// The entry of `dir` other than `keep`, or "": the temporary file a save in progress writes
+// (checkpoint.h: every file is written to a temporary file in the same folder, then renamed over
+// the target).
+std::string other_entry(const std::string& dir, const std::string& keep) {
+  std::string found;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name != "." && name != ".." && name != keep) found = name;
+    }
+    ::closedir(d);
+  }
+  return found;
+}
+
+// A spawned process, killed and reaped however the test ends.
+struct Child {
+  pid_t pid = 0;
+  bool reaped = false;
+  ~Child() {
+    if (pid > 0 && !reaped) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  }
+};
+
+// A process killed with SIGKILL in the middle of a save leaves the previous checkpoint intact.
+// The kill is made to land inside a save, not left to timing: the test watches the folder until
+// the writer's temporary file appears (a save has begun writing its file), stops the writer with
+// SIGSTOP, and if the temporary file is still there once it is stopped (the save has not been
+// renamed into place), kills it there: a stopped process runs no further instruction. Else the
+// save finished meanwhile; the writer goes on and the next save is tried.
 TEST(Checkpoint, AKillDuringASaveLeavesThePreviousCheckpointIntact) {
   const auto dir = temp_dir("kill");
-  const std::string path = dir + "/run.ckpt";
+  const std::string name = "run.ckpt", path = dir + "/" + name;
   int out[2];
   ASSERT_EQ(::pipe(out), 0);
   posix_spawn_file_actions_t actions;
@@ -281,26 +316,68 @@ TEST(Checkpoint, AKillDuringASaveLeavesThePreviousCheckpointIntact) {
   posix_spawn_file_actions_addclose(&actions, out[0]);
   std::string worker = SHARDOPT_MP_WORKER, mode = "checkpoint_writer";
   char* argv[] = {worker.data(), mode.data(), const_cast<char*>(path.c_str()), nullptr};
-  pid_t pid = 0;
-  ASSERT_EQ(posix_spawn(&pid, worker.c_str(), &actions, nullptr, argv, environ), 0);
+  Child writer;
+  ASSERT_EQ(posix_spawn(&writer.pid, worker.c_str(), &actions, nullptr, argv, environ), 0);
   posix_spawn_file_actions_destroy(&actions);
   ::close(out[1]);
-  // The writer prints one line per completed save; kill it as soon as the second is complete,
-  // while it writes the third.
+  const pid_t pid = writer.pid;
+  // The writer prints one line per completed save, after its rename. Two saves first: the file
+  // the kill must leave intact has itself replaced an earlier one.
   FILE* lines = ::fdopen(out[0], "r");
   char line[64];
   int completed = 0;
   while (completed < 2 && std::fgets(line, sizeof(line), lines)) ++completed;
-  ::kill(pid, SIGKILL);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  std::fclose(lines);
   ASSERT_EQ(completed, 2) << "the writer did not complete two saves";
+  std::string caught;  // the temporary file the writer was killed writing, with its size then
+  int status = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (caught.empty() && std::chrono::steady_clock::now() < deadline) {
+    if (other_entry(dir, name).empty()) {
+      const pid_t ended = ::waitpid(pid, &status, WNOHANG);
+      writer.reaped = ended == pid;
+      ASSERT_EQ(ended, 0) << "the writer exited by itself";
+      ::usleep(100);
+      continue;
+    }
+    ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+    ASSERT_EQ(::waitpid(pid, &status, WUNTRACED), pid);
+    writer.reaped = !WIFSTOPPED(status);
+    ASSERT_TRUE(WIFSTOPPED(status)) << "the writer ended instead of stopping";
+    const std::string tmp = other_entry(dir, name);
+    if (tmp.empty()) {
+      ASSERT_EQ(::kill(pid, SIGCONT), 0);  // that save was renamed into place meanwhile
+      continue;
+    }
+    struct stat st {};
+    ::stat((dir + "/" + tmp).c_str(), &st);
+    caught = "'" + tmp + "', " + std::to_string(st.st_size) + " bytes written";
+    ASSERT_EQ(::kill(pid, SIGKILL), 0);  // inside the save: its file created, not renamed yet
+  }
+  ASSERT_FALSE(caught.empty()) << "the writer was not caught inside a save within 60 s";
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  writer.reaped = true;
   ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
-  const auto d = read_checkpoint_file(path).toGenericDict();  // whole, checksum and all
-  EXPECT_GE(d.at("count").toInt(), 2);
-  EXPECT_EQ(d.at("blob").toTensor().sum().item<double>(), static_cast<double>(d.at("blob").toTensor().numel()) * d.at("count").toInt());
+  // Its remaining lines: every save it completed, the last of them the one the file must hold.
+  while (std::fgets(line, sizeof(line), lines)) ++completed;
+  std::fclose(lines);
+  // The save it was killed in left its temporary file, unfinished and never renamed.
+  EXPECT_FALSE(other_entry(dir, name).empty()) << "killed writing " << caught;
+  std::string error;
+  int64_t count = -1;
+  bool blob_whole = false;
+  try {
+    const auto d = read_checkpoint_file(path).toGenericDict();  // whole, checksum and all
+    count = d.at("count").toInt();
+    blob_whole = d.at("blob").toTensor().eq(static_cast<double>(count)).all().item<bool>();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
   remove_tree(dir);
+  ASSERT_TRUE(error.empty()) << "the previous checkpoint must survive a kill inside the next save (killed writing "
+                             << caught << "): " << error;
+  EXPECT_EQ(count, completed) << "the file holds the last completed save, not the killed one (killed writing "
+                              << caught << ")";
+  EXPECT_TRUE(blob_whole) << "every element of the blob holds the count of its save";
 }
 
 }  // namespace

@@ -159,7 +159,8 @@ void two_ranks_through(const std::string& init_method) {
 }
 
 TEST(Comm, InitThroughTcpAndFile) {
-  two_ranks_through("tcp://127.0.0.1:" + std::to_string(testing::free_port()));
+  const testing::ReservedPort port;
+  two_ranks_through(port.tcp());
 
   std::string path = ::testing::TempDir() + "shardopt_filestore_" + std::to_string(::getpid());
   std::remove(path.c_str());

@@ -22,14 +22,23 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "SLURM_NODELIST", "SLURM_JOB_ID", "SHARDOPT_ANNOUNCE_VERSION")
 
 
+RESERVED = []  # sockets that keep this test's ports until it exits
+
+
 def free_port(low=None, high=None):
+    """A port on 127.0.0.1 (in [low, high) when given) kept for this test process: a socket bound
+    to it with SO_REUSEADDR, not listening, stays open, so no other process gets it, and rank 0's
+    store (which binds it with SO_REUSEADDR too) still can."""
     for port in range(low, high) if low else [0]:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            continue
+        RESERVED.append(s)
+        return s.getsockname()[1]
     raise RuntimeError("no free port")
 
 
@@ -184,7 +193,10 @@ class RankDeath(unittest.TestCase):
             out, elapsed = self.run_phase(phase)
             self.assertIn("rank 1 stopped answering", out, phase)
             self.assertIn(named, out, phase)
-            self.assertRegex(out, r"(allreduce|reduce|broadcast|recv|send|allgather) #?\d*", phase)
+            # The failed operation as the group names it: "<collective> #<n> (<phase>) ... on rank 0
+            # failed or timed out", not any mention of a collective.
+            self.assertRegex(out, r"\b(allreduce|reduce|broadcast|recv|send|allgather|reduce_scatter) #\d+ \("
+                                  r"[^\n]* on rank 0 failed or timed out", phase)
             # The group timeout is 20 s; the death is seen when the connections close.
             self.assertLess(elapsed, 20 + 10, f"{phase}: {elapsed:.1f} s")
 

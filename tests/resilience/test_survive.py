@@ -169,9 +169,13 @@ class Replacement(Base):
 
     def run_with_replacement(self, replacement_env):
         import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # Kept (bound, SO_REUSEADDR, not listening) until the run ends: no other process gets the
+        # port, and the launcher's store still binds it.
+        reserved = socket.socket()
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reserved.bind(("127.0.0.1", 0))
+        self.addCleanup(reserved.close)
+        port = reserved.getsockname()[1]
         e = dict(os.environ, SHARDOPT_FAULT_IN_PHASE="2:backward (gradient reductions):30")
         args = ["--steps", "30", "--refresh-every", "5"]
         p = subprocess.Popen([sys.executable, LAUNCH, "--port", str(port), "-n", "4", "--keep-going", WORKER, *args,

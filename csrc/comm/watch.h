@@ -1,0 +1,38 @@
+// Watching a group's ranks for signs of life (Note [Roll call] in liveness.cpp): the roll call
+// and the survivors' agreement share it. Internal.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace shardopt::detail {
+
+// How long a rank's heartbeat counter (bumped once a second) may stand still before the rank
+// counts as gone: exited, killed or hung. A rank whose process is on this machine and has exited
+// counts as gone at once.
+inline constexpr std::chrono::seconds kHeartbeatTimeout(3);
+
+// The store key under which rank r of a group records which process it is.
+std::string process_key(int rank);
+// This process as process_key records it: "<machine>|<pid>|<start time>", where <machine> is the
+// boot id and pid namespace (processes on one machine and in one pid namespace see each other's
+// pids); "" where /proc cannot tell.
+std::string this_process();
+
+struct RankWatch {
+  std::vector<bool> beat;     // its heartbeat counter moved during the watch
+  std::vector<bool> exited;   // its process is on this machine and has exited
+  std::vector<bool> flagged;  // `flag_prefix + rank` is set in the store
+};
+
+// Watches ranks [0, size) other than `self` until each one is known: its counter moved, its
+// process exited, or (when `flag_counts_as_known`) its flag is set; a rank still unknown after
+// kHeartbeatTimeout has stopped answering. Returns as soon as every rank is known: no fixed
+// sleep. Store errors propagate.
+RankWatch watch_ranks(c10d::Store& store, int size, int self, const std::string& flag_prefix,
+                      bool flag_counts_as_known);
+
+}  // namespace shardopt::detail
