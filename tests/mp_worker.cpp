@@ -4,11 +4,17 @@
 //   mp_worker ddp_parity     OSS + ShardedDDP vs the all-reduce reference, with freezing
 //   mp_worker fail_rank R    rank R exits with code 3; the others wait in a collective
 //   mp_worker checkpoint_writer PATH   writes checkpoints to PATH without end (no group)
+//   mp_worker async_saves PATH       saves to PATH with save_checkpoint_async without end, a 32 MB
+//                            buffer in the module; prints "saved K" once save K is on disk
+//   mp_worker sharded_saves PATH N     N steps of the tiny net, a sharded checkpoint to PATH after
+//                            each (TrainingState step k); rank 0 writes the parameters it
+//                            saved to PATH.params-k
 //   mp_worker hello          one all-reduce; prints rank, world size, local rank
 //   mp_worker die_in PHASE R rank R kills itself with SIGKILL in PHASE at step 2
 //   mp_worker soak STEPS DIR  a long run: memory, threads, descriptors and parity (tools/soak.sh)
 //   mp_worker wire_bytes     bytes each rank writes to the network per step: OSS + ShardedDDP
 //                            against an all-reduce of the gradients (DDP's exchange)
+#include <shardopt/checkpoint/async_save.h>
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/ddp/sharded_ddp.h>
@@ -68,6 +74,48 @@ struct Net : torch::nn::Module {
   at::Tensor forward(at::Tensor x) { return shardopt::testing::output(params, x); }
   std::vector<at::Tensor> params;
 };
+
+// Background saves without end, each of a module with a 32 MB buffer holding the save's number
+// (for the test that stops a process with SIGTERM while a save is written).
+void async_saves(std::shared_ptr<ProcessGroup> group, const std::string& path) {
+  auto net = std::make_shared<Net>();
+  at::Tensor blob = net->register_buffer("blob", at::zeros({8 << 20}));
+  OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), group);
+  PendingCheckpoint pending;
+  for (int64_t k = 1;; ++k) {
+    blob.fill_(static_cast<float>(k));
+    TrainingState state;
+    state.step = k;
+    pending = save_checkpoint_async(path, *net, oss, state);  // (finishes save k - 1 first)
+    if (k > 1) std::cout << "saved " << k - 1 << std::endl;
+  }
+}
+
+// Steps of the tiny net with a sharded checkpoint after each (for the test that kills a rank
+// between a save's parts and its main file).
+void sharded_saves(std::shared_ptr<ProcessGroup> group, const std::string& path, int saves) {
+  auto net = std::make_shared<Net>();
+  OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), group);
+  ShardedDDP ddp(net, oss);
+  for (int k = 1; k <= saves; ++k) {
+    auto data = shardopt::testing::rank_data(k, group->rank(), 4);
+    oss.zero_grad(true);
+    shardopt::testing::loss_of(ddp.forward(data.x), data, 4 * group->size()).backward();
+    oss.step();
+    oss.finish_param_sync();
+    if (group->rank() == 0) {
+      c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+      c10::List<at::Tensor> params;
+      for (const auto& p : net->params) params.push_back(p.detach().clone());
+      d.insert("params", params);
+      write_checkpoint_file(path + ".params-" + std::to_string(k), d);
+    }
+    TrainingState state;
+    state.step = k;
+    save_checkpoint(path, *net, oss, state, CheckpointOptions().optimizer_state(OptimizerStateLayout::kSharded));
+    std::cout << "saved " << k << std::endl;
+  }
+}
 
 void ddp_parity(std::shared_ptr<ProcessGroup> group) {
   ProcessGroup& g = *group;
@@ -339,6 +387,14 @@ int main(int argc, char** argv) {
     }
     if (std::strcmp(argv[1], "ddp_parity") == 0) {
       ddp_parity(group);
+      return 0;
+    }
+    if (std::strcmp(argv[1], "async_saves") == 0 && argc > 2) {
+      async_saves(group, argv[2]);
+      return 0;
+    }
+    if (std::strcmp(argv[1], "sharded_saves") == 0 && argc > 3) {
+      sharded_saves(group, argv[2], std::atoi(argv[3]));
       return 0;
     }
     if (std::strcmp(argv[1], "fail_rank") == 0 && argc > 2) {

@@ -93,6 +93,9 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
       ->needs(dir)
       ->capture_default_str();
   train.add_flag("--sharded-checkpoint", o.sharded_checkpoint, "each rank writes its own optimizer state")->needs(dir);
+  train.add_flag("--sync-checkpoint", o.sync_checkpoint, "save checkpoints before going on (by default they are written "
+                 "in the background while training goes on; always synchronous with --survive-failures)")
+      ->needs(dir);
   train.add_flag("--resume", o.resume, "continue from DIR/last.ckpt");
   train.add_option("--stop-after-steps", o.stop_after_steps, "stop after this many steps of the run (0: run to the end), as an "
                    "interruption would: nothing is saved at the stop beyond the usual checkpoints")

@@ -150,6 +150,7 @@ class Trainer {
   std::unique_ptr<OSS> owned_oss_;
   std::unique_ptr<ShardedDDP> owned_ddp_;
   std::unique_ptr<Resilient> resilient_;
+  PendingCheckpoint pending_save_;      // the checkpoint being written in the background
   std::unique_ptr<ShardedGradScaler> scaler_;  // fp16
   int64_t skipped_steps_ = 0;                  // fp16 steps skipped for inf/nan gradients
   std::unique_ptr<BalancedSampler> sampler_;
@@ -180,8 +181,6 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   lr_at(o, 0, 1);  // rejects an unknown schedule before any work
   schedule_ = FreezeSchedule::parse(o.freeze, o.unfreeze);
   SHARDOPT_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
-  SHARDOPT_CHECK(!o.survive_failures || o.mixed_precision != "fp16", "--survive-failures does not support "
-                 "--mixed-precision fp16 yet: the loss scale is not part of the copies a recovery goes back to");
   SHARDOPT_CHECK(o.refresh_every >= 1, "--refresh-every must be >= 1, got ", o.refresh_every);
   read_restart_env(o);
   if (!o.checkpoint_dir.empty()) {  // a folder it can write to, before any training
@@ -250,7 +249,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   if (o.survive_failures) {
     resilient_ = std::make_unique<Resilient>(
         group_, model_.ptr(), [this](std::shared_ptr<ProcessGroup> g) { return make_oss(std::move(g)); }, make_ddp,
-        ResilienceOptions().refresh_every(o.refresh_every));
+        ResilienceOptions().refresh_every(o.refresh_every).grad_scaler(scaler_.get()));
     oss_ = &resilient_->optimizer();
     ddp_ = resilient_->ddp();
     if (group_->joining()) {  // admitted: the run's group, and the step it goes on from (not a checkpoint's)
@@ -432,7 +431,10 @@ void Trainer::report_change(int64_t step, const std::vector<const FreezeEvent*>&
 // Step `s` of the current epoch, with what comes with it: the schedule (and its report), the
 // progress line, checkpoints, and at the epoch's end the test accuracy.
 void Trainer::run_step(int64_t s) {
-  if (group_->global_rank() == fault_rank_ && step_ == fault_step_) std::raise(SIGKILL);
+  if (group_->global_rank() == fault_rank_ && step_ == fault_step_) {
+    pending_save_ = PendingCheckpoint();  // (joins this rank's writer: the kill comes after its last save is on disk)
+    std::raise(SIGKILL);
+  }
   const auto events = schedule_.events_at(step_, steps_per_epoch_);
   const Before before{last_grad_bytes_, oss_->local_state_bytes(), ddp_->rebuild_count(), oss_->partition_version(),
                       oss_->state_moves(), ddp_->num_buckets()};
@@ -503,6 +505,7 @@ int Trainer::run() {
     ++epoch_;
     first_epoch_step_ = 0;
   }
+  pending_save_.wait();  // the last checkpoint is on disk before the run ends (an error on every rank)
   progress_->finish();
   summary();
   return 0;
@@ -594,7 +597,6 @@ std::pair<int64_t, int64_t> Trainer::evaluate() {
 }
 
 void Trainer::save(int64_t next_epoch_step) {
-  ::mkdir(o_.checkpoint_dir.c_str(), 0755);  // every rank: the folder may be per node
   TrainingState state;
   state.step = step_;
   state.epoch = epoch_;
@@ -607,9 +609,16 @@ void Trainer::save(int64_t next_epoch_step) {
     state.scalars["loss_scale"] = scaler_->get_scale();
     state.scalars["loss_scale_growth_tracker"] = static_cast<double>(scaler_->growth_tracker());
   }
-  save_checkpoint(o_.checkpoint_dir + "/last.ckpt", *model_, *oss_, state,
-                  CheckpointOptions().optimizer_state(o_.sharded_checkpoint ? OptimizerStateLayout::kSharded
-                                                                           : OptimizerStateLayout::kConsolidated));
+  const auto options = CheckpointOptions().optimizer_state(o_.sharded_checkpoint ? OptimizerStateLayout::kSharded
+                                                                               : OptimizerStateLayout::kConsolidated);
+  // In the background by default (the previous save, if still in flight, is finished first).
+  // Under --survive-failures synchronously: a recovery rebuilds the optimizer, and a write in
+  // flight would wait on the dead rank.
+  if (o_.sync_checkpoint || resilient_) {
+    save_checkpoint(o_.checkpoint_dir + "/last.ckpt", *model_, *oss_, state, options);
+  } else {
+    pending_save_ = save_checkpoint_async(o_.checkpoint_dir + "/last.ckpt", *model_, *oss_, state, options);
+  }
 }
 
 int64_t Trainer::model_numel() const {

@@ -24,6 +24,7 @@ struct TrainOptions {
   std::string checkpoint_dir;        // empty: no checkpoints
   int64_t checkpoint_every = 0;      // steps between checkpoints besides each epoch's end; 0: epochs only
   bool sharded_checkpoint = false;   // each rank writes its optimizer state (else consolidated on rank 0)
+  bool sync_checkpoint = false;      // save synchronously (else in the background: save_checkpoint_async)
   bool resume = false;
   int64_t stop_after_steps = 0;      // > 0: stop after this many steps of the run (the schedule still spans all epochs)
   int64_t train_samples = 0;         // > 0: only the first samples of each split

@@ -20,6 +20,13 @@
 //                           the whole step over GPT-2 small's 148 parameters (124M elements): OSS
 //                           (world 1, NCCL) against torch::optim::AdamW::step and against
 //                           at::_fused_adamw_ over the same list
+//   OssStep/{OssMixed,AtenMixed}/gpt2
+//                           the same with bf16 parameters and gradients and fp32 masters: OSS
+//                           under MixedPrecision(bf16) against ATen's composition (gradients
+//                           upcast, at::_fused_adamw_ on the masters, the masters cast into the
+//                           parameters, each a multi-tensor call)
+// Every OssStep benchmark also reports `launches`: the kernels one step launches, counted by the
+// Kineto profiler around one step after the warm-up (memory copies and sets not counted).
 //   TrainStep/{ShardedDdp,TorchOptim}/mlp
 //                           a whole training step of a 33.6M-parameter MLP: OSS + ShardedDDP
 //                           (world 1, NCCL) against the module with torch::optim::AdamW
@@ -42,7 +49,10 @@
 #include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
 #include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <kineto/ActivityType.h>
 
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
@@ -51,6 +61,7 @@
 #include <cstring>
 #include <cstdio>
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -237,24 +248,72 @@ std::vector<at::Tensor> gpt2_parameters() {
   return params;
 }
 
-enum class Stepper { kOss, kTorchOptim, kAtenFused };
+enum class Stepper { kOss, kTorchOptim, kAtenFused, kOssMixed, kAtenMixed };
+
+// The kernels `fn` launches on the device, counted by the Kineto profiler (memory copies and sets
+// are other activities, not counted).
+int64_t kernel_launches(const std::function<void()>& fn) {
+  namespace prof = torch::profiler::impl;
+  const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
+  const std::set<prof::ActivityType> activities{prof::ActivityType::CPU, prof::ActivityType::CUDA};
+  torch::autograd::profiler::prepareProfiler(config, activities);
+  torch::autograd::profiler::enableProfiler(config, activities);
+  fn();
+  AT_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto result = torch::autograd::profiler::disableProfiler();
+  int64_t kernels = 0;
+  for (const auto& e : result->events()) {
+    kernels += e.activityType() == static_cast<uint8_t>(libkineto::ActivityType::CONCURRENT_KERNEL);
+  }
+  return kernels;
+}
 
 void oss_step_bench(benchmark::State& state, Stepper stepper) {
   try {
-    const std::vector<at::Tensor> params = gpt2_parameters();
+    const bool mixed = stepper == Stepper::kOssMixed || stepper == Stepper::kAtenMixed;
+    std::vector<at::Tensor> params = gpt2_parameters();
+    if (mixed) {  // bf16 parameters and gradients
+      for (auto& p : params) {
+        const at::Tensor g = p.grad().to(at::kBFloat16);
+        p = p.detach().to(at::kBFloat16).requires_grad_();
+        p.mutable_grad() = g;
+      }
+    }
     int64_t n = 0;
     for (const auto& p : params) n += p.numel();
+    std::vector<at::Tensor> masters, wide_grads;
     const torch::optim::AdamWOptions options = torch::optim::AdamWOptions(kLr).weight_decay(kWeightDecay);
     std::function<void(int64_t)> step;
     std::shared_ptr<shardopt::ProcessGroup> group;
     std::unique_ptr<shardopt::OSS> oss;
     std::unique_ptr<torch::optim::AdamW> plain;
     std::vector<at::Tensor> grads, ms, vs, steps;
-    if (stepper == Stepper::kOss) {
+    if (stepper == Stepper::kOss || stepper == Stepper::kOssMixed) {
       group = shardopt::init_process_group(c10::make_intrusive<c10d::HashStore>(),
                                            shardopt::InitOptions().backend("nccl").rank(0).world_size(1));
-      oss = std::make_unique<shardopt::OSS>(params, shardopt::optimizer<torch::optim::AdamW>(options), group);
+      shardopt::OSSOptions oss_options;
+      if (mixed) oss_options.mixed_precision(shardopt::MixedPrecision().param_dtype(at::kBFloat16));
+      oss = std::make_unique<shardopt::OSS>(params, shardopt::optimizer<torch::optim::AdamW>(options), group,
+                                            oss_options);
       step = [&](int64_t) { oss->step(); };
+    } else if (stepper == Stepper::kAtenMixed) {
+      for (const auto& p : params) {
+        masters.push_back(p.detach().to(at::kFloat));
+        wide_grads.push_back(at::empty_like(masters.back()));
+        grads.push_back(p.grad());
+        ms.push_back(at::zeros_like(masters.back()));
+        vs.push_back(at::zeros_like(masters.back()));
+        steps.push_back(at::zeros({}, masters.back().options()));
+      }
+      std::vector<at::Tensor> bf16_params;
+      for (const auto& p : params) bf16_params.push_back(p.detach());
+      step = [&, bf16_params](int64_t) {
+        at::NoGradGuard no_grad;
+        at::_foreach_copy_(wide_grads, grads);
+        at::_fused_adamw_(masters, wide_grads, ms, vs, {}, steps, kLr, kBeta1, kBeta2, kWeightDecay, kEps, false,
+                          false);
+        at::_foreach_copy_(bf16_params, masters);
+      };
     } else if (stepper == Stepper::kTorchOptim) {
       plain = std::make_unique<torch::optim::AdamW>(params, options);
       step = [&](int64_t) { plain->step(); };
@@ -270,6 +329,9 @@ void oss_step_bench(benchmark::State& state, Stepper stepper) {
         at::_fused_adamw_(params, grads, ms, vs, {}, steps, kLr, kBeta1, kBeta2, kWeightDecay, kEps, false, false);
       };
     }
+    step(0);  // warm-up: the first step makes the state (and OSS its slabs)
+    state.counters["launches"] = static_cast<double>(kernel_launches([&] { step(0); }));
+    // (mixed: the bytes of an fp32 AdamW element, as the other OssStep runs, so GB/s compares)
     run(state, kAdamBytes * n, 1, step);
   } catch (const std::exception& e) {
     state.SkipWithError(e.what());
@@ -357,7 +419,8 @@ void register_all(size_t free_bytes) {
   }
   for (const auto& [name, stepper] : std::vector<std::pair<std::string, Stepper>>{
            {"OssStep/Oss/gpt2", Stepper::kOss}, {"OssStep/TorchOptim/gpt2", Stepper::kTorchOptim},
-           {"OssStep/AtenFused/gpt2", Stepper::kAtenFused}}) {
+           {"OssStep/AtenFused/gpt2", Stepper::kAtenFused}, {"OssStep/OssMixed/gpt2", Stepper::kOssMixed},
+           {"OssStep/AtenMixed/gpt2", Stepper::kAtenMixed}}) {
     const Stepper s = stepper;
     benchmark::RegisterBenchmark(name.c_str(), [s](benchmark::State& state) { oss_step_bench(state, s); })
         ->UseManualTime()

@@ -3,7 +3,10 @@
 // one owner, AdamW on the embeddings, norms and biases, split into equal ranges. One rank of a
 // run under tools/launch; prints one JSON line per rank.
 //
-//   tools/launch -n 2 build/bench/muon_step_bench
+//   tools/launch -n 2 build/bench/muon_step_bench [--device cuda]
+//
+// With --device cuda every rank's tensors live on the one GPU (ranks over Gloo, staged), and each
+// timed region ends with a device synchronisation.
 //
 // Each rank times its own optimizers' step over the tensors OSS gave it (Muon's own step and the
 // fused AdamW step, the two OSS runs), one rank at a time while the others wait at a barrier, on
@@ -20,12 +23,14 @@
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/api/include/torch/cuda.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <string>
 
 namespace {
 
@@ -36,17 +41,28 @@ using shardopt::bench::median;
 int main(int argc, char** argv) {
   CLI::App app{"Muon + AdamW step per rank under OSS (one rank; run under tools/launch)"};
   int steps = 7, warmup = 2;
+  std::string device = "cpu";
   app.add_option("--steps", steps)->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
+  app.add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);
+    const bool cuda = device == "cuda";
+    if (cuda && !torch::cuda::is_available()) {
+      std::cerr << "muon_step_bench: --device cuda: no CUDA device is visible" << std::endl;
+      return 1;
+    }
+    const at::Device where = cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+    auto sync = [cuda] {
+      if (cuda) torch::cuda::synchronize();
+    };
     auto group = shardopt::init_process_group(shardopt::InitOptions().backend("gloo").timeout(std::chrono::minutes(5)));
     auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
     std::vector<at::Tensor> matrices, others;
     size_t k = 0;
     for (const auto& layer : shardopt::models::gpt2_shapes(512, 10000, 512, 6)) {
-      at::Tensor p = (at::randn(layer.shape, gen) * 0.02).requires_grad_();
+      at::Tensor p = (at::randn(layer.shape, gen) * 0.02).to(where).requires_grad_();
       (p.dim() == 2 && k++ >= 2 ? matrices : others).push_back(p);  // the embeddings take AdamW
     }
     shardopt::OSS oss({{matrices, shardopt::optimizer<shardopt::Muon>(
@@ -59,7 +75,7 @@ int main(int argc, char** argv) {
     double cost = 0;
     for (auto* opt : {&muon, &adamw}) {
       for (auto& t : opt->param_groups().at(0).params()) {
-        t.mutable_grad() = at::randn(t.sizes(), gen) * 1e-3;
+        t.mutable_grad() = (at::randn(t.sizes(), gen) * 1e-3).to(where);
         (opt == &muon ? muon_numel : adamw_numel) += t.numel();
         if (opt == &muon) cost += shardopt::muon_cost(t.sizes());
       }
@@ -71,10 +87,13 @@ int main(int argc, char** argv) {
       group->barrier();
       if (r != group->rank()) continue;
       for (int s = 0; s < warmup + steps; ++s) {
+        sync();
         auto t0 = std::chrono::steady_clock::now();
         muon.step();
+        sync();
         auto t1 = std::chrono::steady_clock::now();
         shardopt::fused_step(adamw);
+        sync();
         auto t2 = std::chrono::steady_clock::now();
         if (s < warmup) continue;
         muon_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
@@ -85,6 +104,7 @@ int main(int argc, char** argv) {
     std::vector<double> total;
     for (size_t s = 0; s < muon_ms.size(); ++s) total.push_back(muon_ms[s] + adamw_ms[s]);
     const nlohmann::json row = {{"rank", group->rank()},
+                                {"device", device},
                                 {"world", group->size()},
                                 {"median_step_ms", median(total)},
                                 {"muon_ms", median(muon_ms)},

@@ -15,6 +15,8 @@
 // writes just before SIGKILL, on the same monotonic clock):
 //   tools/launch --keep-going -n 4 build/bench/survive_bench --refresh-every 10 --steps 30 \
 //       --kill-rank 2 --kill-at-step 17 --kill-stamp /tmp/kill
+// With --stop the rank stops itself (SIGSTOP) instead: a hung rank, found by its silent heartbeat
+// (its last beat came at most a second before the stamp).
 // Every survivor prints the time from the kill to the end of its first step after the recovery,
 // the recovery's own time, and the steps rolled back.
 #include "gpt2_like.h"
@@ -80,6 +82,9 @@ int main(int argc, char** argv) {
   app.add_option("--kill-rank", kill_rank, "this rank kills itself (SIGKILL) before step --kill-at-step");
   app.add_option("--kill-at-step", kill_at);
   app.add_option("--kill-stamp", kill_stamp, "file the dying rank writes its kill time to");
+  bool stop = false;
+  app.add_flag("--stop", stop, "the rank stops itself (SIGSTOP: a hung rank) instead of dying; the launcher ends it "
+               "after the others finish");
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);
@@ -123,7 +128,7 @@ int main(int argc, char** argv) {
         for (int64_t t = 0; t < total;) {
           if (killing && group->global_rank() == kill_rank && t == kill_at) {
             std::ofstream(kill_stamp) << Clock::now().time_since_epoch().count() << "\n";
-            std::raise(SIGKILL);
+            std::raise(stop ? SIGSTOP : SIGKILL);
           }
           const int64_t refreshed_before = run ? run->refreshed_at() : -1;
           const auto t0 = Clock::now();

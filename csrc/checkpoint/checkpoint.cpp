@@ -2,6 +2,8 @@
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/check.h>
 
+#include "checkpoint/snapshot.h"
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/api/include/torch/serialize.h>
@@ -9,6 +11,8 @@
 #include <zlib.h>
 
 #include <cerrno>
+#include <chrono>
+#include <cstdio>
 #include <dirent.h>
 #include <cstring>
 #include <fcntl.h>
@@ -19,6 +23,9 @@
 namespace shardopt {
 
 namespace {
+using detail::agree_on_failure;
+using detail::remove_parts_except;
+using detail::strip_prefix;
 
 using Dict = c10::impl::GenericDict;
 using List = c10::impl::GenericList;
@@ -66,6 +73,12 @@ uint32_t crc_of(const char* data, size_t n) {
   return static_cast<uint32_t>(crc);
 }
 
+std::string fmt_hex(int64_t v) {
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(v));
+  return text;
+}
+
 std::string folder_of(const std::string& path) {
   const auto slash = path.find_last_of('/');
   return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
@@ -81,21 +94,39 @@ void write_all(int fd, const char* data, size_t n, const std::string& path) {
   }
 }
 
-std::string shard_path(const std::string& path, int64_t rank, int64_t world) {
+// Note [Parts carry their save's id]
+// A sharded save writes each rank's part under a name that carries the save's id
+// ("<path>.optim-<rank>-of-<world>.<id>"), then the main file last, as the commit: it names the
+// id. Only once the main file is in place are the parts of earlier saves removed. So a kill at
+// any moment leaves a loadable checkpoint: before the commit, the previous main file and the
+// previous parts are untouched (the new parts have other names); after it, the new ones are
+// complete. Ids are the save's time in milliseconds and 20 random bits: two saves to one path
+// never share one.
+std::string id_text(int64_t id) { return fmt_hex(id); }
+
+std::string shard_path(const std::string& path, int64_t rank, int64_t world, int64_t id) {
+  return path + ".optim-" + std::to_string(rank) + "-of-" + std::to_string(world) + "." + id_text(id);
+}
+
+// The name parts had before they carried the id (checkpoints of shardopt 0.4 and earlier).
+std::string legacy_shard_path(const std::string& path, int64_t rank, int64_t world) {
   return path + ".optim-" + std::to_string(rank) + "-of-" + std::to_string(world);
 }
 
-// Removes the shard files an earlier save to `path` left with another number of shards (a run
-// resumed at another world size, or switched to one consolidated file; 0: keep none): the main
-// file no longer names them. Other files beside it stay. Errors are ignored: a stale file is
-// never read.
-void remove_stale_shards(const std::string& path, int64_t shards) {
+// Removes the part files beside `path` whose save is not `keep_id` (all of them for -1): parts of
+// earlier saves, whatever their number, and parts without an id. Other files beside it stay.
+// Errors are ignored: a part the main file does not name is never read.
+}  // namespace
+
+namespace detail {
+void remove_parts_except(const std::string& path, int64_t keep_id) {
   const size_t slash = path.rfind('/');
   const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash);
   const std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".optim-";
   const auto digits = [](const std::string& t) {
     return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos;
   };
+  const std::string keep = keep_id < 0 ? "" : id_text(keep_id);
   DIR* d = ::opendir(dir.c_str());
   if (!d) return;
   while (const dirent* entry = ::readdir(d)) {
@@ -103,15 +134,49 @@ void remove_stale_shards(const std::string& path, int64_t shards) {
     if (name.rfind(prefix, 0) != 0) continue;
     const size_t of = name.find("-of-", prefix.size());
     if (of == std::string::npos) continue;
-    const std::string rank = name.substr(prefix.size(), of - prefix.size()), world = name.substr(of + 4);
-    if (!digits(rank) || !digits(world) || (shards > 0 && world == std::to_string(shards))) continue;
+    const size_t dot = name.find('.', of);
+    const std::string rank = name.substr(prefix.size(), of - prefix.size());
+    const std::string world = name.substr(of + 4, dot == std::string::npos ? std::string::npos : dot - of - 4);
+    const std::string id = dot == std::string::npos ? "" : name.substr(dot + 1);
+    if (!digits(rank) || !digits(world) || (!id.empty() && id.find_first_not_of("0123456789abcdef") != std::string::npos)) {
+      continue;
+    }
+    if (!keep.empty() && id == keep) continue;
     ::unlink((dir + "/" + name).c_str());
   }
   ::closedir(d);
 }
+}  // namespace detail
+
+namespace {
+
+// The id of a new save (Note [Parts carry their save's id]).
+int64_t new_checkpoint_id() {
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::system_clock::now().time_since_epoch())
+                      .count();
+  return (static_cast<int64_t>(ms) << 20) | static_cast<int64_t>(std::random_device()() & 0xfffff);
+}
+
+// Makes `folder` and its parents where missing, as DCP does; errors name the folder.
+void make_folders(const std::string& folder) {
+  if (folder.empty() || folder == "." || folder == "/") return;
+  struct stat st {};
+  if (::stat(folder.c_str(), &st) == 0) {
+    SHARDOPT_CHECK(S_ISDIR(st.st_mode), "'", folder, "' is not a folder");
+    return;
+  }
+  make_folders(folder_of(folder));
+  if (::mkdir(folder.c_str(), 0755) != 0 && errno != EEXIST) {
+    SHARDOPT_CHECK(false, "cannot create the folder '", folder, "': ", std::strerror(errno));
+  }
+}
 
 // Every rank learns whether any rank failed; the failing rank's own message is thrown there, the
 // others name it.
+}  // namespace
+
+namespace detail {
 void agree_on_failure(ProcessGroup& group, const std::string& error, const std::string& what, const std::string& path) {
   at::Tensor failed = at::full({1}, error.empty() ? int64_t{0} : int64_t{group.rank() + 1}, at::kLong);
   group.allreduce(failed, Reduction::kMax);
@@ -120,12 +185,21 @@ void agree_on_failure(ProcessGroup& group, const std::string& error, const std::
   SHARDOPT_CHECK(error.empty(), error);
   SHARDOPT_CHECK(false, what, " checkpoint '", path, "' failed on rank ", who - 1, " (see that rank's error)");
 }
+}  // namespace detail
 
+namespace {
+
+}  // namespace
+
+namespace detail {
 std::string strip_prefix(const std::string& message) {
   std::string m = message.substr(0, message.find('\n'));
   const std::string prefix = "shardopt: ";
   return m.rfind(prefix, 0) == 0 ? m.substr(prefix.size()) : m;
 }
+}  // namespace detail
+
+namespace {
 
 at::Tensor rng_state() {
   auto gen = at::detail::getDefaultCPUGenerator();
@@ -208,6 +282,7 @@ void write_checkpoint_file(const std::string& path, const torch::IValue& payload
   // behind a header in memory.
   const std::vector<char> body = torch::pickle_save(payload);
   const std::vector<char> header = checkpoint_header(body);
+  make_folders(folder_of(path));
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   SHARDOPT_CHECK(fd >= 0, "checkpoint '", path, "': cannot create '", tmp, "': ", std::strerror(errno));
@@ -333,23 +408,66 @@ std::vector<char> checkpoint_bytes(const torch::IValue& payload) {
   return out;
 }
 
-void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer, const TrainingState& state,
-                     CheckpointOptions options) {
+namespace detail {
+
+namespace {
+
+// `value` with every tensor in it a copy of its own: in pinned host memory for a CUDA tensor,
+// cloned otherwise.
+c10::IValue own_copy(const c10::IValue& value) {
+  if (value.isTensor()) {
+    const at::Tensor t = value.toTensor().detach();
+    if (!t.is_cuda()) return t.clone();
+    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(t);
+    return host;
+  }
+  if (value.isGenericDict()) {
+    const auto dict = value.toGenericDict();
+    c10::impl::GenericDict out(dict.keyType(), dict.valueType());
+    for (const auto& entry : dict) out.insert(entry.key(), own_copy(entry.value()));
+    return out;
+  }
+  if (value.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : value.toTensorList()) out.push_back(own_copy(t).toTensor());
+    return out;
+  }
+  if (value.isList()) {
+    const auto list = value.toList();
+    c10::impl::GenericList out(list.elementType());
+    for (const auto& item : list) out.push_back(own_copy(item));
+    return out;
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> items;
+    for (const auto& item : value.toTupleRef().elements()) items.push_back(own_copy(item));
+    return c10::ivalue::Tuple::create(std::move(items));
+  }
+  return value;  // numbers, strings, None
+}
+
+}  // namespace
+
+CheckpointSnapshot take_snapshot(const std::string& path, torch::nn::Module& module, OSS& optimizer,
+                                 const TrainingState& state, const CheckpointOptions& options, bool own_copies) {
   ProcessGroup& group = optimizer.global_group();
   optimizer.finish_param_sync();  // the module's parameters are read below
-  CommPhase phase("saving a checkpoint");
   const int rank = group.rank(), world = group.size();
   // The optimizer's shards are those of its shard group (with hierarchical sharding, block 0's
   // ranks, which are global ranks 0 .. block size - 1, hold one full copy between them).
   const int shard_world = optimizer.process_group().size();
-  const bool sharded = options.optimizer_state() == OptimizerStateLayout::kSharded;
-  // One id ties the shard files to their main file.
-  at::Tensor id = at::full({1}, rank == 0 ? static_cast<int64_t>(std::random_device()() >> 1) : int64_t{0}, at::kLong);
+  CheckpointSnapshot snap;
+  snap.path = path;
+  snap.sharded = options.optimizer_state() == OptimizerStateLayout::kSharded;
+  // One id ties the shard files to their main file (Note [Parts carry their save's id]).
+  at::Tensor id = at::full({1}, rank == 0 ? new_checkpoint_id() : int64_t{0}, at::kLong);
   group.broadcast(id, 0);
+  snap.id = id.item<int64_t>();
 
-  // Collectives first (every rank takes part alike); local work is caught and agreed on below.
+  // Collectives (every rank takes part alike).
   torch::IValue optimizer_value;
-  if (sharded) {
+  if (snap.sharded) {
     optimizer_value = optimizer.state_shard();
   } else {
     optimizer.consolidate_state_dict(0);
@@ -357,34 +475,66 @@ void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& op
   }
   const std::vector<torch::IValue> rng_states = gather_rng_states(group);
 
+  if (snap.sharded && rank < shard_world) {
+    snap.part_path = shard_path(path, rank, shard_world, snap.id);
+    Dict d = string_dict();
+    d.insert("checkpoint_id", snap.id);
+    d.insert("optimizer_shard", optimizer_value);
+    snap.part = d;
+  }
+  if (rank == 0) {
+    snap.writes_main = true;
+    snap.main = main_file_value(module, world, shard_world, snap.id, snap.sharded, optimizer_value, rng_states, state);
+  }
+  if (own_copies) {
+    // (The model's tensors in the main file are copies already: module_value clones them.)
+    snap.part = own_copy(snap.part);
+    if (snap.writes_main && !snap.sharded) {
+      Dict main = snap.main.toGenericDict();
+      main.insert_or_assign("optimizer", own_copy(main.at("optimizer")));
+    }
+  }
+  return snap;
+}
+
+}  // namespace detail
+
+void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer, const TrainingState& state,
+                     CheckpointOptions options) {
+  detail::settle_pending_save(optimizer);
+  ProcessGroup& group = optimizer.global_group();
+  CommPhase phase("saving a checkpoint");
+  const detail::CheckpointSnapshot snap = detail::take_snapshot(path, module, optimizer, state, options, false);
   std::string error;
   try {
-    if (sharded) {
-      Dict d = string_dict();
-      d.insert("checkpoint_id", id.item<int64_t>());
-      d.insert("optimizer_shard", optimizer_value);
-      if (rank < shard_world) write_checkpoint_file(shard_path(path, rank, shard_world), d);
-    }
+    if (!snap.part_path.empty()) write_checkpoint_file(snap.part_path, snap.part);
   } catch (const std::exception& e) {
     error = strip_prefix(e.what());
   }
-  // The main file last: it names the shards, which exist by then on every rank that wrote one.
-  at::Tensor shards_ok = at::full({1}, error.empty() ? int64_t{0} : int64_t{1}, at::kLong);
-  group.allreduce(shards_ok, Reduction::kMax);
-  if (rank == 0 && error.empty() && shards_ok.item<int64_t>() == 0) {
+  // The main file last, as the commit: it names the parts, which exist by then on every rank that
+  // wrote one.
+  CommPhase committing("saving a checkpoint (committing its main file)");
+  at::Tensor parts_ok = at::full({1}, error.empty() ? int64_t{0} : int64_t{1}, at::kLong);
+  group.allreduce(parts_ok, Reduction::kMax);
+  if (snap.writes_main && error.empty() && parts_ok.item<int64_t>() == 0) {
     try {
-      Dict d = main_file_value(module, world, shard_world, id.item<int64_t>(), sharded, optimizer_value, rng_states, state);
-      write_checkpoint_file(path, d);
+      write_checkpoint_file(path, snap.main);
     } catch (const std::exception& e) {
       error = strip_prefix(e.what());
     }
   }
-  agree_on_failure(group, error, "saving", path);
-  // Saved: the main file names its shards, and earlier ones of another count are of no use.
-  remove_stale_shards(path, sharded ? shard_world : 0);
+  try {
+    agree_on_failure(group, error, "saving", path);
+  } catch (...) {
+    if (!snap.part_path.empty()) ::unlink(snap.part_path.c_str());  // no main file names it
+    throw;
+  }
+  // Committed: the main file names this save's parts; every earlier part is of no use.
+  remove_parts_except(path, snap.sharded ? snap.id : -1);
 }
 
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer) {
+  detail::settle_pending_save(optimizer);  // a save in flight finishes first: its files are whole
   ProcessGroup& group = optimizer.global_group();
   optimizer.finish_param_sync();  // nothing in flight may land on the loaded parameters
   CommPhase phase("loading a checkpoint");
@@ -403,8 +553,14 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module
       check_keys(path, d, {"optimizer_shards"});
       const int64_t shards_saved = d.at("optimizer_shards").toInt();
       std::vector<torch::IValue> shards;
+      const int64_t saved_id = d.at("checkpoint_id").toInt();
       for (int64_t r = 0; r < shards_saved; ++r) {
-        const std::string file = shard_path(path, r, shards_saved);
+        std::string file = shard_path(path, r, shards_saved, saved_id);
+        if (::access(file.c_str(), F_OK) != 0 && ::access(legacy_shard_path(path, r, shards_saved).c_str(), F_OK) == 0) {
+          file = legacy_shard_path(path, r, shards_saved);
+        }
+        SHARDOPT_CHECK(::access(file.c_str(), F_OK) == 0, "checkpoint '", path, "': its optimizer part ", r, " of ",
+                       shards_saved, ", '", file, "', is missing");
         const Dict s = read_checkpoint_file(file).toGenericDict();
         SHARDOPT_CHECK(s.at("checkpoint_id").toInt() == d.at("checkpoint_id").toInt(), "checkpoint '", file,
                        "' belongs to another save than '", path, "'");

@@ -30,6 +30,9 @@ void keep_for_good(c10::intrusive_ptr<c10d::Backend> backend);
 struct GroupFailure {
   std::atomic<bool> watching{false};
   std::atomic<bool> broken{false};
+  // Waits on the group in progress: while there is one, the heartbeat thread watches the other
+  // ranks' heartbeats (Note [A silent rank breaks the group] in liveness.cpp).
+  std::atomic<int> waits{0};
   c10::intrusive_ptr<c10d::Store> store;
 
   // Marks the group broken; the first time on this rank, records `phase` and tells the other ranks

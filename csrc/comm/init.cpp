@@ -109,11 +109,14 @@ void check_backend_usable(const std::string& backend) {
 // that chose another backend or world size would otherwise leave the others waiting.
 void agree_on_init(c10d::Store& store, const InitOptions& options, const std::string& backend) {
   // SHARDOPT_ANNOUNCE_VERSION replaces the announced shardopt version (to test the refusal).
+  // SHARDOPT_ANNOUNCE_TORCH_VERSION the LibTorch version.
   const char* announced = env_var("SHARDOPT_ANNOUNCE_VERSION");
+  const char* announced_torch = env_var("SHARDOPT_ANNOUNCE_TORCH_VERSION");
   Agreement("init_process_group")
       .field("world_size", options.world_size())
       .field("shardopt version", version_number(announced && *announced ? announced : version()), version_text)
-      .field("LibTorch version", version_number(torch_version()), version_text)
+      .field("LibTorch version", version_number(announced_torch && *announced_torch ? announced_torch : torch_version()),
+             version_text)
       .field("backend", backend == "nccl" ? 1 : 0,
              [](const std::vector<int64_t>& v) { return std::string(v[0] ? "nccl" : "gloo"); })
       .field("timeout (ms)", static_cast<int64_t>(options.timeout().count()))

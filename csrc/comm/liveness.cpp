@@ -127,6 +127,7 @@ std::vector<std::string> recorded_processes(c10d::Store& store, int size) {
 namespace detail {
 
 std::string process_key(int rank) { return "shardopt/process/" + std::to_string(rank); }
+std::string silent_key(int rank) { return "shardopt/silent/" + std::to_string(rank); }
 
 std::string this_process() {
   const std::string boot = first_line("/proc/sys/kernel/random/boot_id");
@@ -146,6 +147,8 @@ RankWatch watch_ranks(c10d::Store& store, int size, int self, const std::string&
   const std::string machine = me.substr(0, me.find('|'));
   const std::vector<std::string> processes = recorded_processes(store, size);
   const std::vector<int64_t> before = heartbeat_counts(store, size);
+  std::vector<bool> silent_flags(size);
+  for (int r = 0; r < size; ++r) silent_flags[r] = r != self && store.check({silent_key(r)});
   const auto start = std::chrono::steady_clock::now();
   // Every rank of a broken group may watch at once: a slower poll where there are many.
   const auto poll = std::chrono::milliseconds(size <= 64 ? 100 : 500);
@@ -157,6 +160,11 @@ RankWatch watch_ranks(c10d::Store& store, int size, int self, const std::string&
       if (r == self) continue;
       w.beat[r] = w.beat[r] || now[r] != before[r];
       if (!w.exited[r]) w.exited[r] = known_to_have_exited(processes[r], machine);
+      // A rank found silent while others waited on it (Note [A silent rank breaks the group]) and
+      // still silent after one more heartbeat period: gone, without waiting out the timeout again.
+      if (!w.exited[r] && !w.beat[r] && silent_flags[r] && std::chrono::steady_clock::now() - start >= kSilentGrace) {
+        w.exited[r] = true;
+      }
       if (flag_counts_as_known && !w.flagged[r] && !w.beat[r] && !w.exited[r]) w.flagged[r] = flag(r);
       all_known = all_known && (w.beat[r] || w.exited[r] || w.flagged[r]);
     }
@@ -179,7 +187,16 @@ void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) {
   store_->set(detail::process_key(rank_), std::vector<uint8_t>(me.begin(), me.end()));
   heartbeat_ = std::make_unique<Heartbeat>();
   heartbeat_->thread = std::thread([store = store_, key = heartbeat_key(rank_), hb = heartbeat_.get(),
-                                    failure = failure_] {
+                                    failure = failure_, size = size_, rank = rank_] {
+    // Note [A silent rank breaks the group]
+    // Under the failure watch, a rank that is stopped or hung (SIGSTOP, a deadlock) fails no
+    // collective: its peers would wait for it until the timeout. While this rank waits on the
+    // group, its heartbeat thread also reads every rank's counter once a second; a rank whose
+    // counter stood still for kHeartbeatTimeout (3 s) is marked silent in the store and the group
+    // is marked broken, so every rank leaves its wait and recovery starts; the survivors' watch
+    // then counts the silent rank as gone without waiting for it again (Note [Roll call]).
+    std::vector<int64_t> seen;
+    std::vector<std::chrono::steady_clock::time_point> moved_at;
     std::unique_lock<std::mutex> lock(hb->mu);
     while (!hb->stop) {
       try {
@@ -188,6 +205,31 @@ void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) {
         // (A sub-group shares its parent's watch, whose key is in the parent's store.)
         if (failure->watching && !failure->broken && (failure->store ? failure->store : store)->check({detail::kBrokenKey})) {
           failure->told();
+        }
+        if (failure->watching && !failure->broken && failure->waits > 0) {
+          const auto now = std::chrono::steady_clock::now();
+          const std::vector<int64_t> counts = heartbeat_counts(*store, size);
+          if (seen.size() != counts.size()) {
+            seen = counts;
+            moved_at.assign(counts.size(), now);
+          }
+          std::vector<int> silent;
+          for (int r = 0; r < size; ++r) {
+            if (counts[r] != seen[r]) seen[r] = counts[r], moved_at[r] = now;
+            if (r != rank && now - moved_at[r] >= detail::kHeartbeatTimeout) silent.push_back(r);
+          }
+          if (!silent.empty()) {
+            std::string names;
+            for (int r : silent) {
+              store->set(detail::silent_key(r), std::vector<uint8_t>{1});
+              names += (names.empty() ? "rank " : ", rank ") + std::to_string(r);
+            }
+            failure->mark("waiting on the group", names + " sent no heartbeat for " +
+                                                      std::to_string(detail::kHeartbeatTimeout.count()) +
+                                                      " s (stopped or hung)");
+          }
+        } else {
+          seen.clear();
         }
       } catch (const std::exception&) {
         return;  // the store is gone: the job is ending

@@ -69,6 +69,11 @@ void PendingWork::wait_one(const c10::intrusive_ptr<c10d::Work>& work) {
   }
   // Note [Failure watch]
   TORCH_CHECK(!failure_->broken, "the group is broken: a rank saw a failure");
+  struct Waiting {
+    std::atomic<int>& waits;
+    explicit Waiting(std::atomic<int>& w) : waits(w) { ++waits; }
+    ~Waiting() { --waits; }
+  } waiting(failure_->waits);
   if (!detail::waits_in_slices(*work)) {
     failure_->waiting(work);
     bool completed = false;

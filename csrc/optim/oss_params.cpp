@@ -63,7 +63,7 @@ std::vector<at::Tensor> OSS::grads(bool owned_only) const {
   return out;
 }
 
-double OSS::clip_grad_norm(double max_norm, double norm_type) {
+double OSS::clip_grad_norm(double max_norm, double norm_type, bool error_if_nonfinite) {
   SHARDOPT_CHECK(max_norm >= 0, "clip_grad_norm max_norm must be >= 0, got ", max_norm);
   SHARDOPT_CHECK(norm_type > 0, "clip_grad_norm norm_type must be > 0 (or inf), got ", norm_type);
   const bool inf = std::isinf(norm_type);
@@ -91,6 +91,10 @@ double OSS::clip_grad_norm(double max_norm, double norm_type) {
   }
   group_->allreduce(t, inf ? Reduction::kMax : Reduction::kSum);
   const double total = inf ? t.item<double>() : std::pow(t.item<double>(), 1.0 / norm_type);
+  // (Every rank holds the same total after the all-reduce: every rank refuses alike.)
+  SHARDOPT_CHECK(!error_if_nonfinite || std::isfinite(total), "clip_grad_norm: the total norm of order ", norm_type,
+                 " of the gradients is non-finite (", total, "), so it cannot be clipped; leave error_if_nonfinite "
+                 "false to clip anyway (the gradients then become NaN)");
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1.0) {
     at::NoGradGuard no_grad;

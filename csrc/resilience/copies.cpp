@@ -4,6 +4,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <cstring>
+#include <functional>
 
 namespace shardopt::detail {
 
@@ -25,22 +26,102 @@ std::vector<char> tensor_bytes(const at::Tensor& t) {
   return std::vector<char>(p, p + t.numel());
 }
 
-// Sends `mine` to rank `to` and returns what rank `from` sent (a length, then the bytes, each an
-// owned tensor: a transfer aborted by a failure may still be read by the transport). Even ranks
-// send first and odd ranks receive first, so no ring of senders waits on itself.
-std::vector<char> pass_along(ProcessGroup& group, const std::vector<char>& mine, int to, int from) {
-  at::Tensor out_size = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
-  at::Tensor out = bytes_tensor(mine);
-  at::Tensor in_size = at::empty({1}, at::kLong);
+namespace {
+
+// `value` with every tensor replaced by f(tensor), in traversal order; containers keep their types.
+c10::IValue map_tensors(const c10::IValue& value, const std::function<at::Tensor(const at::Tensor&)>& f) {
+  if (value.isTensor()) return f(value.toTensor());
+  if (value.isGenericDict()) {
+    const auto dict = value.toGenericDict();
+    c10::impl::GenericDict out(dict.keyType(), dict.valueType());
+    for (const auto& entry : dict) out.insert(entry.key(), map_tensors(entry.value(), f));
+    return out;
+  }
+  if (value.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : value.toTensorList()) out.push_back(f(t));
+    return out;
+  }
+  if (value.isList()) {
+    const auto list = value.toList();
+    c10::impl::GenericList out(list.elementType());
+    for (const auto& item : list) out.push_back(map_tensors(item, f));
+    return out;
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> items;
+    for (const auto& item : value.toTupleRef().elements()) items.push_back(map_tensors(item, f));
+    return c10::ivalue::Tuple::create(std::move(items));
+  }
+  return value;  // numbers, strings, None
+}
+
+constexpr int64_t kAlign = 64;
+
+}  // namespace
+
+FlatCopy flatten(const c10::IValue& value) {
+  std::vector<at::Tensor> tensors;
+  c10::List<int64_t> offsets;
+  c10::List<c10::List<int64_t>> sizes;
+  int64_t total = 0;
+  const c10::IValue shape = map_tensors(value, [&](const at::Tensor& t) {
+    tensors.push_back(t.detach());
+    offsets.push_back(total);
+    sizes.push_back(c10::List<int64_t>(t.sizes().vec()));
+    total += (static_cast<int64_t>(t.nbytes()) + kAlign - 1) / kAlign * kAlign;
+    return at::empty({0}, t.options().device(at::kCPU).requires_grad(false));
+  });
+  FlatCopy copy;
+  copy.bytes = at::empty({total}, at::kByte);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() == 0) continue;
+    copy.bytes.narrow(0, offsets[i], static_cast<int64_t>(t.nbytes())).view(t.scalar_type()).view(t.sizes()).copy_(t);
+  }
+  copy.structure = torch::pickle_save(c10::ivalue::Tuple::create({shape, offsets, sizes}));
+  return copy;
+}
+
+c10::IValue unflatten(const FlatCopy& copy) {
+  const auto parts = torch::pickle_load(copy.structure).toTupleRef().elements();
+  const auto offsets = parts[1].toIntList();
+  const auto sizes = parts[2].toList();
+  size_t i = 0;
+  return map_tensors(parts[0], [&](const at::Tensor& empty) {
+    const std::vector<int64_t> shape = sizes.get(i).toIntVector();
+    const int64_t offset = offsets.get(i++);
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    if (numel == 0) return at::empty(shape, empty.options());
+    return copy.bytes.narrow(0, offset, numel * static_cast<int64_t>(empty.element_size()))
+        .view(empty.scalar_type())
+        .view(shape);
+  });
+}
+
+// Sends `mine` to rank `to` and returns what rank `from` sent: the structure's length, the data's
+// length, the structure, the data (each an owned tensor: a transfer aborted by a failure may still
+// be read by the transport). Even ranks send first and odd ranks receive first, so no ring of
+// senders waits on itself.
+FlatCopy pass_along(ProcessGroup& group, const FlatCopy& mine, int to, int from) {
+  at::Tensor out_sizes = at::tensor({static_cast<int64_t>(mine.structure.size()), mine.bytes.numel()}, at::kLong);
+  at::Tensor out_structure = bytes_tensor(mine.structure);
+  at::Tensor out_bytes = mine.bytes;
+  at::Tensor in_sizes = at::empty({2}, at::kLong);
+  FlatCopy in;
+  at::Tensor in_structure;
   auto send = [&] {
-    group.send(out_size, to, 7);
-    if (out.numel() > 0) group.send(out, to, 7);
+    group.send(out_sizes, to, 7);
+    if (out_structure.numel() > 0) group.send(out_structure, to, 7);
+    if (out_bytes.numel() > 0) group.send(out_bytes, to, 7);
   };
-  at::Tensor in;
   auto recv = [&] {
-    group.recv(in_size, from, 7);
-    in = at::empty({in_size.item<int64_t>()}, at::kByte);
-    if (in.numel() > 0) group.recv(in, from, 7);
+    group.recv(in_sizes, from, 7);
+    in_structure = at::empty({in_sizes[0].item<int64_t>()}, at::kByte);
+    in.bytes = at::empty({in_sizes[1].item<int64_t>()}, at::kByte);
+    if (in_structure.numel() > 0) group.recv(in_structure, from, 7);
+    if (in.bytes.numel() > 0) group.recv(in.bytes, from, 7);
   };
   if (group.rank() % 2 == 0) {
     send();
@@ -49,51 +130,23 @@ std::vector<char> pass_along(ProcessGroup& group, const std::vector<char>& mine,
     recv();
     send();
   }
-  return tensor_bytes(in);
+  in.structure = tensor_bytes(in_structure);
+  return in;
 }
 
-// `value` with every tensor in it copied to host memory (a snapshot of live state, without the
-// cost of serialising it; it is serialised only to be sent).
-c10::IValue to_host(const c10::IValue& value) {
-  if (value.isTensor()) return value.toTensor().detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
-  if (value.isGenericDict()) {
-    const auto dict = value.toGenericDict();
-    c10::impl::GenericDict out(dict.keyType(), dict.valueType());
-    for (const auto& entry : dict) out.insert(entry.key(), to_host(entry.value()));
-    return out;
+void broadcast_copy(ProcessGroup& group, FlatCopy& copy, int root) {
+  const bool mine = group.rank() == root;
+  at::Tensor sizes = mine ? at::tensor({static_cast<int64_t>(copy.structure.size()), copy.bytes.numel()}, at::kLong)
+                          : at::empty({2}, at::kLong);
+  group.broadcast(sizes, root);
+  at::Tensor structure = mine ? bytes_tensor(copy.structure) : at::empty({sizes[0].item<int64_t>()}, at::kByte);
+  group.broadcast(structure, root);
+  at::Tensor bytes = mine ? copy.bytes : at::empty({sizes[1].item<int64_t>()}, at::kByte);
+  if (bytes.numel() > 0) group.broadcast(bytes, root);
+  if (!mine) {
+    copy.structure = tensor_bytes(structure);
+    copy.bytes = bytes;
   }
-  if (value.isTensorList()) {
-    c10::List<at::Tensor> out;
-    for (const at::Tensor& t : value.toTensorList()) out.push_back(t.detach().to(at::kCPU, false, true));
-    return out;
-  }
-  if (value.isList()) {
-    const auto list = value.toList();
-    c10::impl::GenericList out(list.elementType());
-    for (const auto& item : list) out.push_back(to_host(item));
-    return out;
-  }
-  if (value.isTuple()) {
-    std::vector<c10::IValue> items;
-    for (const auto& item : value.toTupleRef().elements()) items.push_back(to_host(item));
-    return c10::ivalue::Tuple::create(std::move(items));
-  }
-  return value;  // numbers, strings, None
-}
-
-int64_t host_bytes(const c10::IValue& value) {
-  if (value.isTensor()) return static_cast<int64_t>(value.toTensor().nbytes());
-  int64_t n = 0;
-  if (value.isGenericDict()) {
-    for (const auto& entry : value.toGenericDict()) n += host_bytes(entry.value());
-  } else if (value.isTensorList()) {
-    for (const at::Tensor& t : value.toTensorList()) n += static_cast<int64_t>(t.nbytes());
-  } else if (value.isList()) {
-    for (const auto& item : value.toList()) n += host_bytes(item);
-  } else if (value.isTuple()) {
-    for (const auto& item : value.toTupleRef().elements()) n += host_bytes(item);
-  }
-  return n;
 }
 
 std::string ranks_text(const std::vector<int>& ranks) {

@@ -20,11 +20,25 @@ std::vector<at::Tensor> host_copies(const std::vector<at::Tensor>& tensors);
 // Bytes as an owned byte tensor, and back.
 at::Tensor bytes_tensor(const std::vector<char>& bytes);
 std::vector<char> tensor_bytes(const at::Tensor& t);
+
+// Note [Flat copies]
+// A shard's copy is one host byte tensor holding every tensor of the shard, each at a multiple of
+// 64 bytes, and its structure: the shard with each tensor replaced by an empty one of its dtype
+// (so every container keeps its type), pickled, with each tensor's offset and sizes. Making it
+// copies each tensor once; sending it sends the byte tensor as it is (no pickling of the data,
+// no copy into or out of a byte vector); the shard is rebuilt, as views of the bytes, only when a
+// recovery needs it.
+struct FlatCopy {
+  std::vector<char> structure;
+  at::Tensor bytes;  // kByte, on the host
+  int64_t nbytes() const { return static_cast<int64_t>(structure.size()) + (bytes.defined() ? bytes.numel() : 0); }
+};
+FlatCopy flatten(const c10::IValue& value);
+c10::IValue unflatten(const FlatCopy& copy);
 // Sends `mine` to rank `to` and returns what rank `from` sent (even ranks send first).
-std::vector<char> pass_along(ProcessGroup& group, const std::vector<char>& mine, int to, int from);
-// `value` with every tensor in it copied to host memory, and the bytes of those tensors.
-c10::IValue to_host(const c10::IValue& value);
-int64_t host_bytes(const c10::IValue& value);
+FlatCopy pass_along(ProcessGroup& group, const FlatCopy& mine, int to, int from);
+// Sends `copy` from `root` to every rank of `group` (the others' `copy` is replaced).
+void broadcast_copy(ProcessGroup& group, FlatCopy& copy, int root);
 // "1", "1 and 3", "0, 1 and 3".
 std::string ranks_text(const std::vector<int>& ranks);
 
@@ -34,11 +48,13 @@ std::string ranks_text(const std::vector<int>& ranks);
 struct Resilient::Copy {
   int64_t step = -1;
   std::vector<at::Tensor> params, buffers;
-  c10::IValue own;           // this rank's shard (OSS::state_shard()), its tensors copied to host memory
-  std::vector<char> buddy;   // the buddy's, serialized as it came
+  detail::FlatCopy own;      // this rank's shard (OSS::state_shard()), in host memory (Note [Flat copies])
+  detail::FlatCopy buddy;    // the buddy's, as it came
   bool has_buddy = false;
+  double loss_scale = 0;            // ResilienceOptions::grad_scaler's, at the refresh
+  int64_t growth_tracker = 0;
   int64_t bytes() const {
-    int64_t n = static_cast<int64_t>(buddy.size()) + detail::host_bytes(own);
+    int64_t n = own.nbytes() + buddy.nbytes();
     for (const auto& t : params) n += t.nbytes();
     for (const auto& t : buffers) n += t.nbytes();
     return n;

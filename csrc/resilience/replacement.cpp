@@ -7,7 +7,6 @@
 #include "resilience/copies.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <algorithm>
 #include <chrono>
@@ -48,6 +47,10 @@ std::string announced_version() {
   const char* v = std::getenv("SHARDOPT_ANNOUNCE_VERSION");
   return v && *v ? v : version();
 }
+std::string announced_torch_version() {
+  const char* v = std::getenv("SHARDOPT_ANNOUNCE_TORCH_VERSION");
+  return v && *v ? v : torch_version();
+}
 }  // namespace
 
 // Note [A replacement joins]
@@ -76,12 +79,14 @@ std::optional<Admission> Resilient::admit_waiting(int64_t step) {
     const auto raw = base_store_->get(join_key(id));
     const auto f = split_text(std::string(raw.begin(), raw.end()));
     std::string why;
-    if (f.size() != 4) {
+    if (f.size() != 5) {
       why = "request " + std::to_string(id) + " is malformed";
     } else {
       const int global = std::stoi(f[0]);
       if (f[1] != version()) {
         why = "global rank " + f[0] + " runs shardopt " + f[1] + ", this run " + version();
+      } else if (f[4] != torch_version()) {
+        why = "global rank " + f[0] + " runs LibTorch " + f[4] + ", this run " + torch_version();
       } else if (global < 0 || global >= original_world_) {
         why = "global rank " + f[0] + " is outside this run's ranks 0.." + std::to_string(original_world_ - 1);
       } else if (std::find(members.begin(), members.end(), global) != members.end()) {
@@ -113,7 +118,7 @@ std::optional<Admission> Resilient::admit_waiting(int64_t step) {
     for (int64_t id : admitted_ids) base_store_->set(answer_key(id), std::vector<uint8_t>(answer.begin(), answer.end()));
   }
   CommPhase phase("admitting a replacement");
-  const std::vector<char> own = torch::pickle_save(current_->own);
+  const detail::FlatCopy own = current_->own;  // (install() refreshes the copies)
   const int my_old = replicated_ ? optimizer_->process_group().rank() : group_->rank();
   ddp_.reset();
   optimizer_.reset();
@@ -131,7 +136,8 @@ void Resilient::join() {
   const int global = group_->global_rank();
   const int64_t id = base_store_->add(kJoinRequests, 1);
   const std::string request = std::to_string(global) + "," + announced_version() + "," +
-                              std::to_string(options_.refresh_every()) + "," + std::to_string(options_.min_world_size());
+                              std::to_string(options_.refresh_every()) + "," + std::to_string(options_.min_world_size()) +
+                              "," + announced_torch_version();
   base_store_->set(join_key(id), std::vector<uint8_t>(request.begin(), request.end()));
   try {
     base_store_->wait({answer_key(id)}, group_->timeout());

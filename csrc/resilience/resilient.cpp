@@ -1,4 +1,5 @@
 #include <shardopt/resilience/resilient.h>
+#include <shardopt/optim/grad_scaler.h>
 #include <shardopt/check.h>
 #include <shardopt/version.h>
 
@@ -11,7 +12,6 @@
 #include <torch/csrc/api/include/torch/nn/module.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <algorithm>
 #include <chrono>
@@ -54,12 +54,10 @@ namespace shardopt {
 namespace {
 using Clock = std::chrono::steady_clock;
 }  // namespace
-using detail::bytes_tensor;
 using detail::host_copies;
 using detail::pass_along;
 using detail::ranks_text;
-using detail::tensor_bytes;
-using detail::to_host;
+using detail::FlatCopy;
 
 
 std::string Recovery::to_string() const {
@@ -190,14 +188,18 @@ void Resilient::refresh(int64_t step) {
     copy->params = host_copies(module_->parameters());
     copy->buffers = host_copies(module_->buffers());
   }
-  copy->own = to_host(optimizer_->state_shard());
+  copy->own = detail::flatten(optimizer_->state_shard());
+  if (auto* scaler = options_.grad_scaler()) {
+    copy->loss_scale = scaler->get_scale();
+    copy->growth_tracker = scaler->growth_tracker();
+  }
   // From here the new copy is this rank's own; the previous one stays until its buddy part came.
   const int w = group_->size(), r = group_->rank();
   auto fresh = std::move(copy);
   previous_ = std::move(current_);
   current_ = std::move(fresh);
   // Under replica blocks every shard is already held in every block (Note [Replica blocks]).
-  if (!replicated_) current_->buddy = pass_along(*group_, torch::pickle_save(current_->own), (r + 1) % w, (r + w - 1) % w);
+  if (!replicated_) current_->buddy = pass_along(*group_, current_->own, (r + 1) % w, (r + w - 1) % w);
   current_->has_buddy = true;
   // Both generations are complete on this rank: the older one is needed only while another rank
   // may still lack the newer; it goes at the next refresh.
@@ -210,7 +212,7 @@ void Resilient::refresh(int64_t step) {
 // the first member that offers a shard (they are the same on every survivor; a joiner has only
 // its fresh initialisation); then the optimizer and ShardedDDP are built anew over the new group,
 // the stitched state is loaded at the new world size, and the copies are refreshed.
-void Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const std::vector<char>*>>& offers) {
+void Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const FlatCopy*>>& offers) {
   std::vector<int64_t> mine;
   for (const auto& o : offers) mine.push_back(o.first);
   const auto all = group_->allgather_ints(mine);
@@ -223,12 +225,31 @@ void Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const
   SHARDOPT_CHECK(root >= 0, "no member of the new group holds any shard");
   {
     at::NoGradGuard no_grad;
-    for (auto& p : module_->parameters()) {
+    // The root's dtypes first: under mixed precision the members' parameters are in param_dtype
+    // (their optimizer made them so), a joiner's are still as its model was built.
+    auto params = module_->parameters();
+    auto buffers = module_->buffers();
+    std::vector<int64_t> codes;
+    for (const auto& p : params) codes.push_back(static_cast<int64_t>(p.scalar_type()));
+    for (const auto& b : buffers) codes.push_back(static_cast<int64_t>(b.scalar_type()));
+    at::Tensor dtypes = at::tensor(codes, at::kLong);
+    group_->broadcast(dtypes, root);
+    for (size_t i = 0; i < params.size() + buffers.size(); ++i) {
+      at::Tensor& t = i < params.size() ? params[i] : buffers[i - params.size()];
+      const auto dtype = static_cast<at::ScalarType>(dtypes[static_cast<int64_t>(i)].item<int64_t>());
+      if (t.scalar_type() != dtype) t.set_data(t.detach().to(dtype));
+    }
+    for (auto& p : params) {
       at::Tensor data = p.detach();
       group_->broadcast(data, root);
       p.mutable_grad() = at::Tensor();
     }
-    for (auto& b : module_->buffers()) group_->broadcast(b, root);
+    for (auto& b : buffers) group_->broadcast(b, root);
+  }
+  if (auto* scaler = options_.grad_scaler()) {  // the loss scale, as the root holds it
+    at::Tensor v = at::tensor({scaler->get_scale(), static_cast<double>(scaler->growth_tracker())}, at::kDouble);
+    group_->broadcast(v, root);
+    scaler->load(v[0].item<double>(), static_cast<int64_t>(v[1].item<double>()));
   }
   std::vector<c10::IValue> shards(old_world);
   for (int64_t d = 0; d < old_world; ++d) {
@@ -237,17 +258,14 @@ void Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const
       if (std::find(all[i].begin(), all[i].end(), d) != all[i].end()) holder = i;
     }
     SHARDOPT_CHECK(holder >= 0, "no member of the new group holds the shard of old rank ", d);
-    std::vector<char> bytes;
+    FlatCopy copy;
     if (holder == group_->rank()) {
       for (const auto& o : offers) {
-        if (o.first == d) bytes = *o.second;
+        if (o.first == d) copy = *o.second;
       }
     }
-    at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
-    group_->broadcast(size, holder);
-    at::Tensor payload = holder == group_->rank() ? bytes_tensor(bytes) : at::empty({size.item<int64_t>()}, at::kByte);
-    group_->broadcast(payload, holder);
-    shards[d] = torch::pickle_load(holder == group_->rank() ? bytes : tensor_bytes(payload));
+    detail::broadcast_copy(*group_, copy, holder);
+    shards[d] = detail::unflatten(copy);
   }
   build();
   optimizer_->load_state_dict(optimizer_->state_dict_from_shards(shards));
@@ -427,10 +445,10 @@ Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) 
       buffers[i].set_data(use->buffers[i].to(buffers[i].device(), buffers[i].scalar_type(), false, true));
     }
   }
+  if (auto* scaler = options_.grad_scaler()) scaler->load(use->loss_scale, use->growth_tracker);
   // Each survivor offers its own shard, and (buddy copies) its buddy's when the buddy is lost.
   const int my_old = who.alive[group_->rank()], buddy_old = (my_old + old_world - 1) % old_world;
-  const std::vector<char> own = torch::pickle_save(use->own);
-  std::vector<std::pair<int64_t, const std::vector<char>*>> offers{{replicated_ ? my_old % block : my_old, &own}};
+  std::vector<std::pair<int64_t, const FlatCopy*>> offers{{replicated_ ? my_old % block : my_old, &use->own}};
   if (!replicated_ && is_lost(buddy_old)) offers.emplace_back(buddy_old, &use->buddy);
   install(chosen, offers);
 

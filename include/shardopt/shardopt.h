@@ -4,7 +4,8 @@
 //           scaler, Muon
 //   ddp/    ShardedDDP (sharded gradients)
 //   data/   BalancedSampler and its torch::data adapter
-//   checkpoint/  save_checkpoint / load_checkpoint
+//   checkpoint/  save_checkpoint / load_checkpoint, save_checkpoint_async
+//   resilience/  Resilient: training that goes on when a rank dies
 #pragma once
 
 #include <shardopt/comm/process_group.h>
@@ -14,6 +15,7 @@
 #include <shardopt/data/sampler.h>
 #include <shardopt/data/data_sampler.h>
 #include <shardopt/checkpoint/checkpoint.h>
+#include <shardopt/checkpoint/async_save.h>
 #include <shardopt/optim/grad_scaler.h>
 #include <shardopt/optim/muon.h>
 #include <shardopt/resilience/resilient.h>

@@ -3,6 +3,7 @@
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/ddp/sharded_ddp.h>
 
+#include "checkpoint/checkpoint_support.h"
 #include "harness.h"
 #include "model.h"
 
@@ -17,6 +18,7 @@
 #include <mutex>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -28,51 +30,13 @@ namespace {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
-using Params = std::vector<at::Tensor>;
-
-constexpr int kGlobalBatch = 12;  // divisible by every world size used here
-
-struct Net : torch::nn::Module {
-  Net() {
-    auto p = testing::make_params();
-    const char* names[] = {"w1", "b1", "w2", "b2", "s"};
-    for (size_t i = 0; i < p.size(); ++i) params.push_back(register_parameter(names[i], p[i]));
-    register_buffer("seen", at::zeros({1}));
-  }
-  at::Tensor forward(at::Tensor x) { return testing::output(params, x); }
-  Params params;
-};
-
-OptimizerFactory adam() { return optimizer<optim::Adam>(optim::AdamOptions(2e-2).weight_decay(0.01)); }
-
-// (POSIX calls, not std::filesystem: libtorch.so carries its own copy of those symbols.)
-std::string temp_dir(const std::string& name) {
-  std::string pattern = "/tmp/shardopt-ckpt-" + name + "-XXXXXX";
-  const char* made = ::mkdtemp(pattern.data());
-  TORCH_CHECK(made, "mkdtemp failed for ", pattern);
-  return made;
-}
-
-void remove_tree(const std::string& dir) {
-  ::nftw(dir.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-         FTW_DEPTH | FTW_PHYS);
-}
-
-// Steps [from, to) of a run whose global batch is split over the group; w2 and b2 frozen for
-// steps 2 and 3 (so a save at step 3 carries a freeze).
-void train(Net& net, OSS& oss, ShardedDDP& ddp, ProcessGroup& g, int from, int to) {
-  const int per_rank = kGlobalBatch / g.size();
-  for (int s = from; s < to; ++s) {
-    for (int i : {2, 3}) net.params[i].requires_grad_(s < 2 || s > 3);
-    ddp.zero_grad(true);
-    auto data = testing::rank_data(s, g.rank(), per_rank);
-    if (s == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, g));
-    testing::loss_of(ddp.forward(data.x), data, per_rank).backward();
-    oss.step();
-    at::NoGradGuard no_grad;
-    net.named_buffers()["seen"].add_(1);
-  }
-}
+using testing::Net;
+using testing::Params;
+using testing::adam;
+using testing::kGlobalBatch;
+using testing::remove_tree;
+using testing::temp_dir;
+using testing::train;
 
 // 6 steps at world w1 uninterrupted; and 3 steps at w1, saved, loaded at w2 into fresh objects,
 // 3 more steps. Returns both final parameter sets (rank 0's).
@@ -165,6 +129,16 @@ TEST(Checkpoint, ASaveRemovesTheShardFilesOfEarlierWorldSizes) {
   const std::string path = dir + "/last.ckpt";
   std::ofstream(path + ".optim-notes") << "mine";
   const auto exists = [](const std::string& p) { return ::access(p.c_str(), F_OK) == 0; };
+  // The parts of rank r of w in the folder (their names end in their save's id).
+  const auto parts = [&](int r, int w) {
+    const std::string prefix = "last.ckpt.optim-" + std::to_string(r) + "-of-" + std::to_string(w) + ".";
+    int n = 0;
+    if (DIR* d = ::opendir(dir.c_str())) {
+      while (const dirent* e = ::readdir(d)) n += std::string(e->d_name).rfind(prefix, 0) == 0;
+      ::closedir(d);
+    }
+    return n;
+  };
   const auto save_at = [&](int world, OptimizerStateLayout layout) {
     run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
       auto net = std::make_shared<Net>();
@@ -175,12 +149,14 @@ TEST(Checkpoint, ASaveRemovesTheShardFilesOfEarlierWorldSizes) {
     });
   };
   save_at(3, OptimizerStateLayout::kSharded);
-  for (int r = 0; r < 3; ++r) EXPECT_TRUE(exists(path + ".optim-" + std::to_string(r) + "-of-3"));
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(parts(r, 3), 1) << r;
+  save_at(3, OptimizerStateLayout::kSharded);  // a second save at the same size: its own parts only
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(parts(r, 3), 1) << r;
   save_at(2, OptimizerStateLayout::kSharded);
-  for (int r = 0; r < 3; ++r) EXPECT_FALSE(exists(path + ".optim-" + std::to_string(r) + "-of-3")) << r;
-  for (int r = 0; r < 2; ++r) EXPECT_TRUE(exists(path + ".optim-" + std::to_string(r) + "-of-2")) << r;
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(parts(r, 3), 0) << r;
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(parts(r, 2), 1) << r;
   save_at(1, OptimizerStateLayout::kConsolidated);
-  for (int r = 0; r < 2; ++r) EXPECT_FALSE(exists(path + ".optim-" + std::to_string(r) + "-of-2")) << r;
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(parts(r, 2), 0) << r;
   EXPECT_TRUE(exists(path + ".optim-notes"));
   run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
     auto net = std::make_shared<Net>();
@@ -378,6 +354,183 @@ TEST(Checkpoint, AKillDuringASaveLeavesThePreviousCheckpointIntact) {
   EXPECT_EQ(count, completed) << "the file holds the last completed save, not the killed one (killed writing "
                               << caught << ")";
   EXPECT_TRUE(blob_whole) << "every element of the blob holds the count of its save";
+}
+
+// The files of `dir` whose names start with `prefix`.
+std::vector<std::string> files_starting(const std::string& dir, const std::string& prefix) {
+  std::vector<std::string> found;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) found.push_back(dir + "/" + e->d_name);
+    }
+    ::closedir(d);
+  }
+  return found;
+}
+
+// A sharded checkpoint's part missing or corrupted, and a checkpoint whose names match the module
+// but whose shapes do not: an error on every rank naming the file (and the part, or the shape).
+TEST(Checkpoint, BadPartsAndShapesAreErrorsNamingTheFileOnEveryRank) {
+  const auto dir = temp_dir("bad-parts");
+  const std::string path = dir + "/last.ckpt";
+  auto save = [&] {
+    run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      OSS oss(net->parameters(), adam(), g);
+      ShardedDDP ddp(net, oss);
+      train(*net, oss, ddp, *g, 0, 1);
+      save_checkpoint(path, *net, oss, {}, CheckpointOptions().optimizer_state(OptimizerStateLayout::kSharded));
+    });
+  };
+  auto load_errors = [&] {
+    return testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      OSS oss(net->parameters(), adam(), g);
+      load_checkpoint(path, *net, oss);
+    });
+  };
+  save();
+  auto part1 = files_starting(dir, "last.ckpt.optim-1-of-2.");
+  ASSERT_EQ(part1.size(), 1u);
+  ASSERT_EQ(::unlink(part1[0].c_str()), 0);
+  auto errors = load_errors();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("checkpoint '" + path + "': its optimizer part 1 of 2, '" + part1[0] + "', is missing"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+  save();
+  auto part0 = files_starting(dir, "last.ckpt.optim-0-of-2.");
+  ASSERT_EQ(part0.size(), 1u);
+  std::vector<char> bytes = slurp(part0[0]);
+  bytes[bytes.size() / 2] ^= 0x10;
+  spit(part0[0], bytes);
+  errors = load_errors();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("checkpoint '" + part0[0] + "' is corrupted (CRC-32 mismatch)"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+  // The same names, another shape: w1 is [8, 5] in the file, [8, 6] in this module.
+  save();
+  errors = testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    {
+      at::NoGradGuard no_grad;
+      net->params[0].set_(at::zeros({8, 6}));
+    }
+    OSS oss(net->parameters(), adam(), g);
+    load_checkpoint(path, *net, oss);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("checkpoint '" + path + "': 'w1' has shape [8, 5] but the module's has shape [8, 6]"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+  remove_tree(dir);
+}
+
+// A full disk while saving (a file-size limit, RLIMIT_FSIZE, the process's own: each test runs in
+// a process of its own): an error on every rank naming the file, and the previous checkpoint
+// intact.
+TEST(Checkpoint, AFullDiskDuringASaveIsAnErrorOnEveryRankAndKeepsThePrevious) {
+  const auto dir = temp_dir("full");
+  const std::string path = dir + "/last.ckpt";
+  ::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead of killing the process
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+  std::vector<std::string> errors;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt == 1) {
+      rlimit small = before;
+      small.rlim_cur = 1 << 20;  // 1 MB; the second save's file is 4 MB
+      ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+    }
+    errors = testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      net->register_buffer("blob", at::full({1 << 20}, static_cast<float>(attempt)));
+      OSS oss(net->parameters(), adam(), g);
+      TrainingState state;
+      state.step = attempt;
+      save_checkpoint(path, *net, oss, state);
+    });
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &before), 0);
+  EXPECT_NE(errors[0].find("checkpoint '" + path + "': write failed: File too large"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("saving checkpoint '" + path + "' failed on rank 0"), std::string::npos) << errors[1];
+  const auto d = read_checkpoint_file(path).toGenericDict();
+  EXPECT_EQ(d.at("step").toInt(), 0) << "the previous checkpoint, whole";
+  EXPECT_TRUE(files_starting(dir, "last.ckpt.tmp.").empty()) << "the failed write's temporary file is removed";
+  remove_tree(dir);
+}
+
+// The mp_worker's net (tests/mp_worker.cpp): the tiny net's parameters named p0 .. p4.
+struct WorkerNet : torch::nn::Module {
+  WorkerNet() {
+    auto p = testing::make_params();
+    for (size_t i = 0; i < p.size(); ++i) params.push_back(register_parameter("p" + std::to_string(i), p[i]));
+  }
+  Params params;
+};
+
+// Rank 0 of a sharded save is killed after every part is on disk and before the main file is
+// written (SHARDOPT_FAULT_IN_PHASE, at the save's commit): the previous checkpoint, whose parts
+// carry another id, still loads whole, at the world size it was saved at and at another.
+TEST(Checkpoint, AKillBetweenASavesPartsAndItsMainFileLeavesThePreviousCheckpoint) {
+  const auto dir = temp_dir("commit");
+  const std::string path = dir + "/run.ckpt";
+  const testing::ReservedPort port;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e; ++e) {
+      const std::string kv = *e, key = kv.substr(0, kv.find('='));
+      if (key == "RANK" || key == "WORLD_SIZE" || key == "MASTER_ADDR" || key == "MASTER_PORT" ||
+          key == "TORCHELASTIC_USE_AGENT_STORE" || key == "SHARDOPT_FAULT_IN_PHASE") {
+        continue;
+      }
+      env.push_back(kv);
+    }
+    for (const std::string& kv : {"RANK=" + std::to_string(r), std::string("WORLD_SIZE=2"), std::string("MASTER_ADDR=127.0.0.1"),
+                                  "MASTER_PORT=" + std::to_string(port.port()), std::string("SHARDOPT_TEST_TIMEOUT_S=20"),
+                                  std::string("SHARDOPT_FAULT_IN_PHASE=0:committing its main file:2")}) {
+      env.push_back(kv);
+    }
+    std::vector<char*> envp;
+    for (auto& kv : env) envp.push_back(kv.data());
+    envp.push_back(nullptr);
+    std::string worker = SHARDOPT_MP_WORKER, mode = "sharded_saves", file = path, saves = "3";
+    char* argv[] = {worker.data(), mode.data(), file.data(), saves.data(), nullptr};
+    pid_t pid = 0;
+    ASSERT_EQ(posix_spawn(&pid, worker.c_str(), nullptr, nullptr, argv, envp.data()), 0);
+    pids.push_back(pid);
+  }
+  std::vector<int> status(2);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(::waitpid(pids[r], &status[r], 0), pids[r]);
+  ASSERT_TRUE(WIFSIGNALED(status[0]) && WTERMSIG(status[0]) == SIGKILL) << "rank 0 was to be killed at the commit";
+  EXPECT_FALSE(WIFEXITED(status[1]) && WEXITSTATUS(status[1]) == 0) << "rank 1's save cannot have succeeded";
+  // The kill landed between the parts and the main file: rank 0's part of the second save is on
+  // disk beside its part of the first, and no third save began.
+  int rank0_parts = 0;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) rank0_parts += std::string(e->d_name).rfind("run.ckpt.optim-0-of-2.", 0) == 0;
+    ::closedir(d);
+  }
+  EXPECT_EQ(rank0_parts, 2) << "the second save's part and the first's";
+  EXPECT_EQ(::access((path + ".params-2").c_str(), F_OK), 0) << "the second step ran before its save";
+  const auto saved = read_checkpoint_file(path + ".params-1").toGenericDict().at("params").toTensorList();
+  for (int world : {2, 1}) {
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<WorkerNet>();
+      OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
+      const TrainingState state = load_checkpoint(path, *net, oss);
+      EXPECT_EQ(state.step, 1) << "world " << world << ": the first save, whole";
+      for (size_t i = 0; i < net->params.size(); ++i) {
+        EXPECT_TRUE(net->params[i].equal(saved.get(i))) << "world " << world << ", parameter " << i;
+      }
+      EXPECT_GT(oss.local_state_bytes(), 0) << "world " << world << ": the optimizer state loaded";
+    });
+  }
+  remove_tree(dir);
 }
 
 }  // namespace

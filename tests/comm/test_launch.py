@@ -19,7 +19,8 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST",
-               "SLURM_NODELIST", "SLURM_JOB_ID", "SHARDOPT_ANNOUNCE_VERSION")
+               "SLURM_NODELIST", "SLURM_JOB_ID", "SHARDOPT_ANNOUNCE_VERSION",
+               "SHARDOPT_ANNOUNCE_TORCH_VERSION")
 
 
 RESERVED = []  # sockets that keep this test's ports until it exits
@@ -113,20 +114,27 @@ class LaunchEnvironments(unittest.TestCase):
             self.assertEqual(len(lines), 1, out)
             self.assertIn(needle, lines[0])
 
-    def test_a_rank_of_another_version_is_refused_naming_both(self):
+    def refused_at_join(self, variable, value, field):
+        """Rank 1 announces `value` through `variable`: both ranks fail naming `field` and it."""
         port = str(free_port())
         envs = []
         for r in range(2):
             e = base_env()
             e.update({"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
             if r == 1:
-                e["SHARDOPT_ANNOUNCE_VERSION"] = "0.3.9"
+                e[variable] = value
             envs.append(e)
         for r, (code, out) in enumerate(finish(start(envs, "hello"))):
             self.assertNotEqual(code, 0, out)
-            self.assertIn("shardopt version", out)
-            self.assertIn("0.3.9", out)
+            self.assertIn(field, out)
+            self.assertIn(value, out)
             self.assertNotIn("sum of ranks", out)
+
+    def test_a_rank_of_another_libtorch_version_is_refused_naming_both(self):
+        self.refused_at_join("SHARDOPT_ANNOUNCE_TORCH_VERSION", "2.10.0", "LibTorch version")
+
+    def test_a_rank_of_another_version_is_refused_naming_both(self):
+        self.refused_at_join("SHARDOPT_ANNOUNCE_VERSION", "0.3.9", "shardopt version")
 
 
 def listening_addresses(port):

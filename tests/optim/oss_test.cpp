@@ -383,6 +383,42 @@ TEST(OSS, ClipRightAfterUnfreezeCountsTheUnfrozenParameter) {
   p.run();
 }
 
+// A NaN in one rank's gradient makes the global norm non-finite: with error_if_nonfinite every
+// rank refuses, naming the norm, as torch::nn::utils::clip_grad_norm_ refuses the full gradient,
+// and no gradient is scaled; without it, both clip to NaN alike.
+TEST(OSS, ClipGradNormErrorIfNonfiniteRefusesOnEveryRank) {
+  const auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    Params q;
+    for (int i = 0; i < 4; ++i) q.push_back(at::zeros({50 + i}).requires_grad_());
+    OSS oss(q, optimizer<optim::SGD>(optim::SGDOptions(0.1)), g);
+    for (size_t i = 0; i < q.size(); ++i) q[i].mutable_grad() = at::full_like(q[i], 3.0);
+    if (g->rank() == 1) {
+      for (auto& t : q) t.mutable_grad()[0] = std::nan("");  // every tensor: whichever rank owns it sees one
+    }
+    Params full;  // the reference: the full gradient on one process, with the NaN
+    for (const auto& t : q) full.push_back(at::zeros_like(t).requires_grad_());
+    for (size_t i = 0; i < q.size(); ++i) {
+      full[i].mutable_grad() = at::full_like(q[i], 3.0);
+      full[i].mutable_grad()[0] = std::nan("");
+    }
+    EXPECT_THROW(torch::nn::utils::clip_grad_norm_(full, 1.0, 2.0, /*error_if_nonfinite=*/true), c10::Error);
+    try {
+      oss.clip_grad_norm(1.0, 2.0, /*error_if_nonfinite=*/true);
+    } catch (const c10::Error&) {
+      for (const auto& t : q) {  // no gradient scaled (the finite elements still hold 3)
+        const int64_t n = t.numel() - 1;
+        EXPECT_TRUE(t.grad().narrow(0, 1, n).equal(at::full({n}, 3.0))) << "rank " << g->rank();
+      }
+      throw;
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("clip_grad_norm: the total norm of order 2 of the gradients is non-finite (nan)"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+}
+
 TEST(OSS, StateBytesAreSharded) {
   run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
     Params q;

@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <csignal>
 #include <iostream>
 #include <set>
 #include <string>
@@ -39,6 +40,8 @@ struct Args {
   int min_world_size = 1, expect_recoveries = -1, expect_world = -1;
   int64_t refresh_every_rank_1 = -1;  // another refresh_every on rank 1 (a bad-input test)
   int64_t await_joiner_at = -1;       // before this step, wait until a replacement has asked to join
+  int stop_rank = -1;                 // this global rank stops itself (SIGSTOP: hung) before --stop-at-step
+  int64_t stop_at = -1;
   int shard_group_size = 0;           // > 0: replica blocks of this size while the world size is a multiple
   std::string dir;
 };
@@ -54,6 +57,8 @@ Args parse(int argc, char** argv) {
     else if (k == "--checkpoint-every") a.checkpoint_every = std::stoll(v);
     else if (k == "--refresh-every-rank-1") a.refresh_every_rank_1 = std::stoll(v);
     else if (k == "--await-joiner-at") a.await_joiner_at = std::stoll(v);
+    else if (k == "--stop-rank") a.stop_rank = std::stoi(v);
+    else if (k == "--stop-at-step") a.stop_at = std::stoll(v);
     else if (k == "--shard-group-size") a.shard_group_size = std::stoi(v);
     else if (k == "--dir") a.dir = v;
     else if (k == "--min-world-size") a.min_world_size = std::stoi(v);
@@ -141,6 +146,10 @@ int main(int argc, char** argv) {
         group->store()->wait({"shardopt/join/1"}, std::chrono::seconds(60));
         awaited = true;
       }
+      if (group->global_rank() == args.stop_rank && t == args.stop_at) {  // hung from here on
+        std::cout << "stopping at " << std::chrono::steady_clock::now().time_since_epoch().count() << std::endl;
+        std::raise(SIGSTOP);
+      }
       set_trainable(model, t, args.freeze_at);
       StepResult r = run.step(t, [&] {
         auto [x, y] = global_batch(t);
@@ -149,7 +158,10 @@ int main(int argc, char** argv) {
         at::Tensor out = run.ddp()->forward(x.slice(0, lo, hi));
         ((out - y.slice(0, lo, hi)).pow(2).sum() / static_cast<double>(kGlobalBatch)).backward();
       });
-      if (r.recovery) std::cout << "recovered: " << r.recovery->to_string() << std::endl;
+      if (r.recovery) {
+        std::cout << "recovered: " << r.recovery->to_string() << std::endl;
+        std::cout << "recovered at " << std::chrono::steady_clock::now().time_since_epoch().count() << std::endl;
+      }
       if (r.admission) std::cout << "admission: " << r.admission->to_string() << std::endl;
       t = r.next_step;
       if (r.recovery) continue;

@@ -216,6 +216,45 @@ class Replacement(Base):
             self.assertRegex(out, rf"\[rank {r}\] survivor global rank {r} \(rank \d of 3\)")
 
 
+    def test_a_replacement_of_another_libtorch_version_is_refused(self):
+        code, out, jcode, jout = self.run_with_replacement({"SHARDOPT_ANNOUNCE_TORCH_VERSION": "2.10.0"})
+        self.assertEqual(jcode, 1, jout)
+        self.assertRegex(jout, r"survive_worker: shardopt: global rank 2 was started to replace a rank of a resilient "
+                               r"run, which refused it: global rank 2 runs LibTorch 2\.10\.0, this run \d+\.\d+")
+        for r in (0, 1, 3):
+            self.assertRegex(out, rf"\[rank {r}\] admission: refused a replacement: global rank 2 runs LibTorch 2\.10\.0")
+
+
+class HungRank(Base):
+    """A rank stopped with SIGSTOP (alive, silent: a hung rank) is a dead rank to the survivors:
+    its heartbeat stops, they break the group after the heartbeat timeout (3 s), not the
+    collective timeout (20 s), go on without it at world 3, and the launcher ends it once they
+    finish (--finish-grace)."""
+
+    def test_a_stopped_rank_is_survived(self):
+        e = dict(os.environ)
+        e.pop("SHARDOPT_FAULT_IN_PHASE", None)
+        p = subprocess.run([sys.executable, LAUNCH, "-n", "4", "--keep-going", "--finish-grace", "5", WORKER,
+                            "--steps", "24", "--refresh-every", "5", "--stop-rank", "2", "--stop-at-step", "10",
+                            "--expect-recoveries", "1", "--expect-world", "3"],
+                           env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=150)
+        out = p.stdout
+        ends = exits(out)
+        for r in (0, 1, 3):
+            self.assertEqual(ends.get(r), "exited with code 0", f"rank {r}:\n{out}")
+            self.assertRegex(out, rf"\[rank {r}\] survivor global rank {r} \(rank \d of 3\): 1 recoveries, "
+                                  r"parameters within")
+        self.assertEqual(ends.get(2), "was killed by signal 15", out)
+        self.assertRegex(out, r"launch: rank 2 did not finish within 5 s of rank \d; stopped it")
+        self.assertRegex(out, r"recovered: rank 2 died \(seen in [^\n]*\) at step \d+; rolled back")
+        # From the stop to each survivor's recovery: the heartbeat timeout and a recovery, far
+        # less than the 20 s a collective would wait for the stopped rank.
+        stopped = int(re.search(r"\[rank 2\] stopping at (\d+)", out).group(1))
+        for r in (0, 1, 3):
+            recovered = int(re.search(rf"\[rank {r}\] recovered at (\d+)", out).group(1))
+            self.assertLess((recovered - stopped) / 1e9, 12, out)
+
+
 class BadInput(Base):
     def test_world_size_1(self):
         code, out = run(1, None, "--steps", 2)

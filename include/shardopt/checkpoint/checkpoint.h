@@ -17,8 +17,12 @@
 // (uint32), then the payload, written by torch::pickle_save (a dict; tools/read_checkpoint.py
 // reads it in Python). Every file is written atomically: to a temporary file in the same folder,
 // fsync'ed, renamed over the target, and the folder fsync'ed, so a kill at any moment leaves
-// either the previous file or the new one. A missing, truncated, corrupted or wrong-version file
-// is an error that names the file, on every rank.
+// either the previous file or the new one; missing folders are made first. A sharded save's
+// parts carry the save's id in their names and the main file is written last, as the commit,
+// naming that id; the previous save's parts are removed only after it (Note [Parts carry their
+// save's id] in csrc/checkpoint/checkpoint.cpp): a kill at any moment, between the parts and the
+// main file too, leaves the previous checkpoint loadable. A missing, truncated, corrupted or
+// wrong-version file is an error that names the file, on every rank.
 #pragma once
 
 #include <shardopt/data/sampler.h>
@@ -37,7 +41,7 @@ constexpr uint32_t kCheckpointFormatVersion = 1;
 
 enum class OptimizerStateLayout {
   kConsolidated,  // gathered on rank 0, one shard at a time, into the main file
-  kSharded,       // each rank writes its own part to "<path>.optim-<rank>-of-<world>"
+  kSharded,       // each rank writes its own part to "<path>.optim-<rank>-of-<world>.<id>"
 };
 
 struct CheckpointOptions {

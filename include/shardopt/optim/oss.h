@@ -171,8 +171,10 @@ class OSS : public torch::optim::Optimizer {
 
   // Clips the gradients as if torch::nn::utils::clip_grad_norm_ saw the full gradient of all
   // trainable parameters; returns that global norm. Collective. Each rank counts the ranges it
-  // owns and scales every gradient it holds.
-  double clip_grad_norm(double max_norm, double norm_type = 2.0);
+  // owns and scales every gradient it holds. With `error_if_nonfinite`, a NaN or infinite total
+  // norm is an error on every rank (naming the norm), and no gradient is scaled, as
+  // torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True) does.
+  double clip_grad_norm(double max_norm, double norm_type = 2.0, bool error_if_nonfinite = false);
 
   // Agrees across ranks on the trainable set now (step() also does this). Collective; ranks
   // that disagree all get an error naming the first differing parameter.

@@ -53,12 +53,22 @@ class Module;
 
 namespace shardopt {
 
+namespace detail {
+struct FlatCopy;  // a shard's host copy (csrc/resilience/copies.h)
+}
+class ShardedGradScaler;
+using GradScalerPtr = ShardedGradScaler*;  // (TORCH_ARG spells its type as `const T&`)
+
 struct ResilienceOptions {
   // Buddy copies: the steps between two refreshes of the copies (>= 1). A failure rolls training
   // back to the last refresh: at most refresh_every - 1 completed steps are run again.
   TORCH_ARG(int64_t, refresh_every) = 1;
   // Fewer survivors than this end the run with an error (>= 1).
   TORCH_ARG(int, min_world_size) = 1;
+  // fp16's loss scaler, whose scale and growth tracker then travel in the copies: a recovery puts
+  // them back as they were at the refresh it goes back to, and a replacement receives them. Every
+  // rank passes one, or none, alike (a replacement too).
+  TORCH_ARG(GradScalerPtr, grad_scaler) = nullptr;
 };
 
 // One failure survived, as every survivor reports it.
@@ -148,7 +158,7 @@ class Resilient {
  private:
   void refresh(int64_t step);
   StepResult run_step(int64_t step, const std::function<void()>& body, bool steps_itself);
-  void install(int64_t step, const std::vector<std::pair<int64_t, const std::vector<char>*>>& offers);
+  void install(int64_t step, const std::vector<std::pair<int64_t, const detail::FlatCopy*>>& offers);
   std::optional<Admission> admit_waiting(int64_t step);
   void join();
   c10::intrusive_ptr<c10d::Store> generation_store() const;

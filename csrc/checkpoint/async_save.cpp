@@ -1,0 +1,213 @@
+// save_checkpoint_async: the snapshot, the background writer and its coordination through the
+// store (shardopt/checkpoint/async_save.h).
+#include <shardopt/checkpoint/async_save.h>
+#include <shardopt/check.h>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "checkpoint/snapshot.h"
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unistd.h>
+
+namespace shardopt {
+
+namespace detail {
+
+// One save in flight: its writer thread and, once the thread has finished, this rank's result.
+struct AsyncSave {
+  const OSS* optimizer = nullptr;  // the registry's key
+  ProcessGroup* group = nullptr;   // the group wait() agrees over
+  std::string path;
+  std::thread writer;
+  std::atomic<bool> finished{false};
+  std::string error;     // this rank's failure ("" when none), written before `finished`
+  bool settled = false;  // every rank agreed on the result (wait(), or a later save or load)
+  std::mutex join_mu;
+
+  void join() {
+    std::lock_guard<std::mutex> lock(join_mu);
+    if (writer.joinable()) writer.join();
+  }
+  ~AsyncSave() { join(); }
+};
+
+namespace {
+
+// The save in flight (or finished and not yet agreed on) per optimizer.
+std::mutex registry_mu;
+std::map<const OSS*, std::shared_ptr<AsyncSave>>& registry() {
+  static auto* saves = new std::map<const OSS*, std::shared_ptr<AsyncSave>>();
+  return *saves;
+}
+
+// Collective: joins this rank's writer and agrees on the result, once.
+void settle(const std::shared_ptr<AsyncSave>& save) {
+  save->join();
+  if (save->settled) return;
+  save->settled = true;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    auto it = registry().find(save->optimizer);
+    if (it != registry().end() && it->second == save) registry().erase(it);
+  }
+  CommPhase phase("saving a checkpoint (the background write)");
+  agree_on_failure(*save->group, save->error, "saving", save->path);
+}
+
+std::vector<uint8_t> bytes(const std::string& text) { return {text.begin(), text.end()}; }
+std::string text(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
+
+// Note [The background writer]
+// Each rank's writer writes its part (a sharded save), then sets "<id>/part/<rank>" in the store
+// to "ok" or to its error. Rank 0's writer waits for every rank's key (within the group's
+// timeout), writes the main file when every part is in, and sets "<id>/main" to "ok" or to what
+// went wrong. Every other writer waits for that key. Once the main file is in, each writer removes
+// the previous saves' parts; if it is not, each removes its own new part, which nothing names. No
+// collective of the training group is called: the training loop may be in one meanwhile.
+std::string write_in_background(const CheckpointSnapshot& snap, const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                int world, std::chrono::milliseconds timeout) {
+  std::string error;
+  try {
+    if (!snap.part_path.empty()) write_checkpoint_file(snap.part_path, snap.part);
+  } catch (const std::exception& e) {
+    error = strip_prefix(e.what());
+  }
+  const std::string base = "shardopt/checkpoint/" + std::to_string(snap.id) + "/";
+  bool committed = false;
+  try {
+    store->set(base + "part/" + std::to_string(rank), bytes(error.empty() ? "ok" : error));
+    if (rank == 0) {
+      std::string parts;  // why the main file cannot be written
+      for (int r = 0; r < world && parts.empty(); ++r) {
+        const std::string key = base + "part/" + std::to_string(r);
+        try {
+          store->wait({key}, timeout);
+        } catch (const std::exception&) {
+          parts = "rank " + std::to_string(r) + " did not write its part of the checkpoint within " +
+                  std::to_string(timeout.count()) + " ms";
+          break;
+        }
+        const std::string v = text(store->get(key));
+        if (v != "ok") parts = "rank " + std::to_string(r) + " could not write its part: " + v;
+      }
+      if (parts.empty()) {
+        try {
+          write_checkpoint_file(snap.path, snap.main);
+          committed = true;
+        } catch (const std::exception& e) {
+          parts = strip_prefix(e.what());
+        }
+      }
+      if (error.empty() && !committed) error = parts;
+      store->set(base + "main", bytes(committed ? "ok" : parts));
+    } else {
+      try {
+        store->wait({base + "main"}, timeout);
+        committed = text(store->get(base + "main")) == "ok";
+      } catch (const std::exception&) {
+        if (error.empty()) {
+          error = "checkpoint '" + snap.path + "': rank 0 did not write the main file within " +
+                  std::to_string(timeout.count()) + " ms";
+        }
+      }
+    }
+  } catch (const std::exception& e) {  // the store itself failed
+    if (error.empty()) error = "checkpoint '" + snap.path + "': the rendezvous store failed: " + strip_prefix(e.what());
+  }
+  if (committed) {
+    remove_parts_except(snap.path, snap.sharded ? snap.id : -1);
+  } else if (!snap.part_path.empty()) {
+    ::unlink(snap.part_path.c_str());  // no main file names it
+  }
+  return error;
+}
+
+}  // namespace
+
+void settle_pending_save(OSS& optimizer) {
+  std::shared_ptr<AsyncSave> save;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    auto it = registry().find(&optimizer);
+    if (it != registry().end()) save = it->second;
+  }
+  if (save) settle(save);
+}
+
+}  // namespace detail
+
+PendingCheckpoint::PendingCheckpoint(std::shared_ptr<detail::AsyncSave> save) : save_(std::move(save)) {}
+
+PendingCheckpoint& PendingCheckpoint::operator=(PendingCheckpoint&& other) noexcept {
+  if (this != &other) {
+    release();
+    save_ = std::move(other.save_);
+  }
+  return *this;
+}
+
+PendingCheckpoint::~PendingCheckpoint() { release(); }
+
+// Local: the writer is joined; an unsettled result stays in the registry for the next save or
+// load on the optimizer to report.
+void PendingCheckpoint::release() {
+  if (save_) save_->join();
+  save_.reset();
+}
+
+void PendingCheckpoint::wait() {
+  if (save_) detail::settle(save_);
+}
+
+bool PendingCheckpoint::done() const { return !save_ || save_->finished.load(); }
+
+const std::string& PendingCheckpoint::path() const {
+  static const std::string none;
+  return save_ ? save_->path : none;
+}
+
+PendingCheckpoint save_checkpoint_async(const std::string& path, torch::nn::Module& module, OSS& optimizer,
+                                        const TrainingState& state, CheckpointOptions options) {
+  detail::settle_pending_save(optimizer);  // at most one in flight
+  ProcessGroup& group = optimizer.global_group();
+  SHARDOPT_CHECK(group.store() || group.size() == 1, "save_checkpoint_async('", path,
+                 "'): the writers coordinate through the group's rendezvous store, and this group has none; use "
+                 "save_checkpoint");
+  detail::CheckpointSnapshot snap;
+  {
+    CommPhase phase("saving a checkpoint (snapshot)");
+    snap = detail::take_snapshot(path, module, optimizer, state, options, /*own_copies=*/true);
+  }
+  auto save = std::make_shared<detail::AsyncSave>();
+  save->optimizer = &optimizer;
+  save->group = &group;
+  save->path = path;
+  {
+    std::lock_guard<std::mutex> lock(detail::registry_mu);
+    detail::registry()[&optimizer] = save;
+  }
+  detail::AsyncSave* s = save.get();
+  save->writer = std::thread([s, snap = std::move(snap), store = group.store(), rank = group.rank(),
+                              world = group.size(), timeout = group.timeout()] {
+    if (store) {
+      s->error = detail::write_in_background(snap, store, rank, world, timeout);
+    } else {  // a world of one without a store: nobody to wait for
+      try {
+        if (!snap.part_path.empty()) write_checkpoint_file(snap.part_path, snap.part);
+        write_checkpoint_file(snap.path, snap.main);
+        detail::remove_parts_except(snap.path, snap.sharded ? snap.id : -1);
+      } catch (const std::exception& e) {
+        if (!snap.part_path.empty()) ::unlink(snap.part_path.c_str());
+        s->error = detail::strip_prefix(e.what());
+      }
+    }
+    s->finished.store(true);
+  });
+  return PendingCheckpoint(std::move(save));
+}
+
+}  // namespace shardopt

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs the tests that start ranks as processes (multiprocess.*, cli.*, resilience.*, plan.*)
+# several times in a row under `ctest -j 2`, with CPU-bound processes running beside them, and
+# stops at the first failure: the proof that they do not depend on an idle machine.
+#
+#   tools/stress_tests.sh [BUILD_DIR] [RUNS] [BURNERS]     (defaults: build 5 2)
+#
+# Prints one line per run (its wall time and result) and exits non-zero on a failed run.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${1:-$root/build}"
+runs="${2:-5}"
+burners="${3:-2}"
+[[ -f "$build/CTestTestfile.cmake" ]] || { echo "stress_tests: $build is not a build folder (run tools/run_tests.sh first)" >&2; exit 2; }
+
+pids=()
+stop_burners() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+trap stop_burners EXIT
+for ((i = 0; i < burners; ++i)); do
+  (while :; do :; done) &
+  pids+=($!)
+done
+
+for ((run = 1; run <= runs; ++run)); do
+  log="$build/stress-run-$run.log"
+  start=$(date +%s)
+  if ctest --test-dir "$build" -j 2 --timeout 600 --output-on-failure -R '^(multiprocess|cli|resilience|plan)\.' >"$log" 2>&1; then
+    result="passed"
+  else
+    result="FAILED"
+  fi
+  summary=$(grep -E "tests passed|tests failed" "$log" | tail -1)
+  echo "run $run of $runs with $burners CPU-bound processes beside: $result in $(($(date +%s) - start)) s ($summary); log $log"
+  [[ "$result" == "passed" ]] || exit 1
+done
