@@ -124,6 +124,7 @@ int main(int argc, char** argv) {
         };
         Measured& m = measured[n];
         std::optional<Clock::time_point> recovered_at;
+        int64_t recovery_bytes = 0;
         const int total = warmup + steps;
         for (int64_t t = 0; t < total;) {
           if (killing && group->global_rank() == kill_rank && t == kill_at) {
@@ -138,6 +139,9 @@ int main(int argc, char** argv) {
             next = r.next_step;
             if (r.recovery) {
               recovered_at = Clock::now();
+              // What the recovery moved on the new group (the state shards and the parameters,
+              // broadcast from their holders; the refresh's copies): this rank's bytes.
+              recovery_bytes = run->group().stats().total_bytes();
               std::cout << "global rank " << group->global_rank() << ": " << r.recovery->to_string() << std::endl;
               t = next;
               continue;
@@ -156,6 +160,7 @@ int main(int argc, char** argv) {
                              {"world", run->world_size()},
                              {"kill_to_first_step_s", ms_between(Clock::time_point(Clock::duration(killed)), t1) / 1e3},
                              {"recovery_s", rec.seconds},
+                             {"recovery_bytes", recovery_bytes},
                              {"steps_rolled_back", rec.steps_rolled_back},
                              {"failed_step", rec.failed_step}};
             std::cout << j.dump() << std::endl;

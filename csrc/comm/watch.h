@@ -15,7 +15,7 @@ namespace shardopt::detail {
 // counts as gone at once.
 inline constexpr std::chrono::seconds kHeartbeatTimeout(3);
 // How long a rank already found silent must stay silent in a watch to count as gone.
-inline constexpr std::chrono::milliseconds kSilentGrace(1500);
+inline constexpr std::chrono::milliseconds kSilentGrace(500);
 
 // The store key under which rank r of a group records which process it is.
 std::string process_key(int rank);
