@@ -8,6 +8,8 @@
 #include "checkpoint/snapshot.h"
 
 #include <atomic>
+#include <chrono>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -24,6 +26,7 @@ struct AsyncSave {
   std::string path;
   std::thread writer;
   std::atomic<bool> finished{false};
+  std::atomic<bool> cancelled{false};  // the writer stops waiting on the others (an exception unwinds)
   std::string error;     // this rank's failure ("" when none), written before `finished`
   bool settled = false;  // every rank agreed on the result (wait(), or a later save or load)
   std::mutex join_mu;
@@ -44,8 +47,10 @@ std::map<const OSS*, std::shared_ptr<AsyncSave>>& registry() {
   return *saves;
 }
 
-// Collective: joins this rank's writer and agrees on the result, once.
-void settle(const std::shared_ptr<AsyncSave>& save) {
+// Collective: joins this rank's writer and agrees on the result, once. `group` is the group of
+// the optimizer asking: a save left by an optimizer of another group (one since destroyed, whose
+// address a new one took) is only joined, without a collective on a group that may be gone.
+void settle(const std::shared_ptr<AsyncSave>& save, const ProcessGroup* group) {
   save->join();
   if (save->settled) return;
   save->settled = true;
@@ -54,8 +59,21 @@ void settle(const std::shared_ptr<AsyncSave>& save) {
     auto it = registry().find(save->optimizer);
     if (it != registry().end() && it->second == save) registry().erase(it);
   }
+  if (group != save->group) return;
   CommPhase phase("saving a checkpoint (the background write)");
   agree_on_failure(*save->group, save->error, "saving", save->path);
+}
+
+// Waits until `key` is in the store, polling (a store's wait() holds its client's lock for the
+// whole wait, which would stall this rank's heartbeat); false at the deadline or when cancelled.
+bool poll_for(c10d::Store& store, const std::string& key, std::chrono::milliseconds timeout,
+              const std::atomic<bool>& cancelled) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!store.check({key})) {
+    if (cancelled || std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
 }
 
 std::vector<uint8_t> bytes(const std::string& text) { return {text.begin(), text.end()}; }
@@ -69,7 +87,7 @@ std::string text(const std::vector<uint8_t>& bytes) { return {bytes.begin(), byt
 // the previous saves' parts; if it is not, each removes its own new part, which nothing names. No
 // collective of the training group is called: the training loop may be in one meanwhile.
 std::string write_in_background(const CheckpointSnapshot& snap, const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                int world, std::chrono::milliseconds timeout) {
+                                int world, std::chrono::milliseconds timeout, const std::atomic<bool>& cancelled) {
   std::string error;
   try {
     if (!snap.part_path.empty()) write_checkpoint_file(snap.part_path, snap.part);
@@ -77,16 +95,14 @@ std::string write_in_background(const CheckpointSnapshot& snap, const c10::intru
     error = strip_prefix(e.what());
   }
   const std::string base = "shardopt/checkpoint/" + std::to_string(snap.id) + "/";
-  bool committed = false;
+  bool committed = false, known_uncommitted = false;
   try {
     store->set(base + "part/" + std::to_string(rank), bytes(error.empty() ? "ok" : error));
     if (rank == 0) {
       std::string parts;  // why the main file cannot be written
       for (int r = 0; r < world && parts.empty(); ++r) {
         const std::string key = base + "part/" + std::to_string(r);
-        try {
-          store->wait({key}, timeout);
-        } catch (const std::exception&) {
+        if (!poll_for(*store, key, timeout, cancelled)) {
           parts = "rank " + std::to_string(r) + " did not write its part of the checkpoint within " +
                   std::to_string(timeout.count()) + " ms";
           break;
@@ -103,26 +119,25 @@ std::string write_in_background(const CheckpointSnapshot& snap, const c10::intru
         }
       }
       if (error.empty() && !committed) error = parts;
+      known_uncommitted = !committed;
       store->set(base + "main", bytes(committed ? "ok" : parts));
-    } else {
-      try {
-        store->wait({base + "main"}, timeout);
-        committed = text(store->get(base + "main")) == "ok";
-      } catch (const std::exception&) {
-        if (error.empty()) {
-          error = "checkpoint '" + snap.path + "': rank 0 did not write the main file within " +
-                  std::to_string(timeout.count()) + " ms";
-        }
-      }
+    } else if (poll_for(*store, base + "main", timeout, cancelled)) {
+      committed = text(store->get(base + "main")) == "ok";
+      known_uncommitted = !committed;
+    } else if (error.empty()) {
+      error = "checkpoint '" + snap.path + "': rank 0 did not write the main file within " +
+              std::to_string(timeout.count()) + " ms";
     }
   } catch (const std::exception& e) {  // the store itself failed
     if (error.empty()) error = "checkpoint '" + snap.path + "': the rendezvous store failed: " + strip_prefix(e.what());
   }
   if (committed) {
     remove_parts_except(snap.path, snap.sharded ? snap.id : -1);
-  } else if (!snap.part_path.empty()) {
+  } else if (known_uncommitted && !snap.part_path.empty()) {
     ::unlink(snap.part_path.c_str());  // no main file names it
   }
+  // (Unsure whether rank 0 committed, the part stays: the main file may name it. The next
+  // committed save removes it.)
   return error;
 }
 
@@ -135,7 +150,7 @@ void settle_pending_save(OSS& optimizer) {
     auto it = registry().find(&optimizer);
     if (it != registry().end()) save = it->second;
   }
-  if (save) settle(save);
+  if (save) settle(save, &optimizer.global_group());
 }
 
 }  // namespace detail
@@ -154,13 +169,18 @@ PendingCheckpoint::~PendingCheckpoint() { release(); }
 
 // Local: the writer is joined; an unsettled result stays in the registry for the next save or
 // load on the optimizer to report.
+// (Dropped while an exception unwinds, as when the loop failed: the writer stops waiting on the
+// other ranks, which may be gone, instead of holding the error back for the timeout.)
 void PendingCheckpoint::release() {
-  if (save_) save_->join();
+  if (save_) {
+    if (std::uncaught_exceptions() > 0) save_->cancelled = true;
+    save_->join();
+  }
   save_.reset();
 }
 
 void PendingCheckpoint::wait() {
-  if (save_) detail::settle(save_);
+  if (save_) detail::settle(save_, save_->group);
 }
 
 bool PendingCheckpoint::done() const { return !save_ || save_->finished.load(); }
@@ -194,7 +214,7 @@ PendingCheckpoint save_checkpoint_async(const std::string& path, torch::nn::Modu
   save->writer = std::thread([s, snap = std::move(snap), store = group.store(), rank = group.rank(),
                               world = group.size(), timeout = group.timeout()] {
     if (store) {
-      s->error = detail::write_in_background(snap, store, rank, world, timeout);
+      s->error = detail::write_in_background(snap, store, rank, world, timeout, s->cancelled);
     } else {  // a world of one without a store: nobody to wait for
       try {
         if (!snap.part_path.empty()) write_checkpoint_file(snap.part_path, snap.part);

@@ -526,7 +526,9 @@ void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& op
   try {
     agree_on_failure(group, error, "saving", path);
   } catch (...) {
-    if (!snap.part_path.empty()) ::unlink(snap.part_path.c_str());  // no main file names it
+    // A part failed, so rank 0 wrote no main file: nothing names this rank's part. (Otherwise it
+    // stays: rank 0 may have committed before the agreement failed; the next save removes it.)
+    if (parts_ok.item<int64_t>() != 0 && !snap.part_path.empty()) ::unlink(snap.part_path.c_str());
     throw;
   }
   // Committed: the main file names this save's parts; every earlier part is of no use.

@@ -160,12 +160,14 @@ RankWatch watch_ranks(c10d::Store& store, int size, int self, const std::string&
       if (r == self) continue;
       w.beat[r] = w.beat[r] || now[r] != before[r];
       if (!w.exited[r]) w.exited[r] = known_to_have_exited(processes[r], machine);
-      // A rank found silent while others waited on it (Note [A silent rank breaks the group]) and
-      // still silent after one more heartbeat period: gone, without waiting out the timeout again.
-      if (!w.exited[r] && !w.beat[r] && silent_flags[r] && std::chrono::steady_clock::now() - start >= kSilentGrace) {
+      if (flag_counts_as_known && !w.flagged[r] && !w.beat[r] && !w.exited[r]) w.flagged[r] = flag(r);
+      // A rank found silent while others waited on it (Note [A silent rank breaks the group]),
+      // still silent a heartbeat period later and not recovering: gone, without waiting out the
+      // timeout again.
+      if (!w.exited[r] && !w.beat[r] && !w.flagged[r] && silent_flags[r] &&
+          std::chrono::steady_clock::now() - start >= kSilentGrace) {
         w.exited[r] = true;
       }
-      if (flag_counts_as_known && !w.flagged[r] && !w.beat[r] && !w.exited[r]) w.flagged[r] = flag(r);
       all_known = all_known && (w.beat[r] || w.exited[r] || w.flagged[r]);
     }
     if (all_known || std::chrono::steady_clock::now() - start >= kHeartbeatTimeout) break;

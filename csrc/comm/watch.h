@@ -14,8 +14,9 @@ namespace shardopt::detail {
 // counts as gone: exited, killed or hung. A rank whose process is on this machine and has exited
 // counts as gone at once.
 inline constexpr std::chrono::seconds kHeartbeatTimeout(3);
-// How long a rank already found silent must stay silent in a watch to count as gone.
-inline constexpr std::chrono::milliseconds kSilentGrace(500);
+// How long a rank already found silent must stay silent (and not recovering) in a watch to count
+// as gone: more than one heartbeat period.
+inline constexpr std::chrono::milliseconds kSilentGrace(1200);
 
 // The store key under which rank r of a group records which process it is.
 std::string process_key(int rank);
