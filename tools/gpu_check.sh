@@ -8,7 +8,8 @@
 #   tools/gpu_check.sh [DIR]            on the GPU machine: runs the checks with the binaries of
 #                                        DIR (a pack, or a build folder; default build/gpu-pack,
 #                                        else build) and writes $OUT/gpu_check.txt (or
-#                                        ./gpu_check.txt without $OUT)
+#                                        ./gpu_check.txt without $OUT); GPU_CHECK_ONLY=a,b runs
+#                                        only the checks of those names (as the results name them)
 #
 # A GPU machine without the project's build dependencies (GoogleTest, Google Benchmark, CLI11,
 # Gloo's headers from Debian) cannot build it; there the binaries come from a pack built on a
@@ -39,6 +40,12 @@ if [[ "${1:-}" == "pack" ]]; then
     mkdir -p "$pack/$(dirname "$b")"
     strip --strip-debug -o "$pack/$b" "$build/$b"
   done
+  # The libraries Debian gave the build that a GPU machine's image does not have (Google
+  # Benchmark); LibTorch, CUDA and the C library come from the GPU machine itself.
+  mkdir -p "$pack/lib"
+  for b in "${binaries[@]}"; do
+    ldd "$build/$b" | awk '$3 ~ /^\// {print $3}'
+  done | sort -u | grep -E '/lib(benchmark|gtest|gmock|fmt)[^/]*$' | while read -r lib; do cp -L "$lib" "$pack/lib/"; done
   mkdir -p "$pack/data"
   cp "$data_dir"/*.gz "$pack/data/"
   echo "gpu_check: packed $(du -sh "$pack" | cut -f1) into $pack; carry it (relative to the repository: ${pack#$root/})"
@@ -73,7 +80,7 @@ for base in site.getsitepackages():
 print(":".join(sorted(dirs)))
 EOF
 )
-export LD_LIBRARY_PATH="$torch_lib:$cuda_libs:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="$torch_lib:$cuda_libs:/usr/local/cuda/lib64:$dir/lib:${LD_LIBRARY_PATH:-}"
 [[ -d "$dir/data" ]] && export SHARDOPT_DATA="$dir/data"
 device=$("$python" -c "import torch; print(torch.cuda.get_device_name(0))")
 {
@@ -86,6 +93,10 @@ failures=0
 step() {
   local name="$1" limit="$2"
   shift 2
+  if [[ -n "${GPU_CHECK_ONLY:-}" && ",$GPU_CHECK_ONLY," != *",$name,"* ]]; then
+    printf '%-28s %-24s\n' "$name" "not run (GPU_CHECK_ONLY)" | tee -a "$results"
+    return
+  fi
   local start=$SECONDS
   timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
   local code=$?
@@ -97,16 +108,14 @@ step() {
 }
 
 cd "$root"
-step kernels_tests 120 "$dir/kernels/tests/shardopt_kernels_test" --gtest_brief=1
-step cuda_tests 180 "$dir/tests/shardopt_tests" --gtest_filter='Cuda.*:CudaFusedStep.*' --gtest_brief=1
+step kernels_tests 120 "$dir/kernels/tests/shardopt_kernels_test"
+step cuda_tests 180 "$dir/tests/shardopt_tests" --gtest_filter='Cuda.*:CudaFusedStep.*'
 for run in "2 parity" "3 parity" "2 mixed" "3 resume"; do
   set -- $run
   step "cuda_over_gloo_${2}_$1" 120 "$python" tools/launch -n "$1" "$dir/tests/cuda_gloo_worker" "$2"
 done
-(cd tests/apps && export SHARDOPT_EXE="$dir/apps/shardopt/shardopt" SHARDOPT_TOOLS="$root/tools" &&
-  step cli_cuda 240 "$python" -m unittest test_shardopt_cli.CliTest.test_cuda_trains_freezes_and_resumes_bit_exact)
-# (a subshell's step cannot count into $failures: read its verdict back)
-grep -q "^cli_cuda  *passed" "$results" || failures=$((failures + 1))
+step cli_cuda 240 env -C tests/apps SHARDOPT_EXE="$dir/apps/shardopt/shardopt" SHARDOPT_TOOLS="$root/tools" \
+  "$python" -m unittest test_shardopt_cli.CliTest.test_cuda_trains_freezes_and_resumes_bit_exact
 step oss_step_bench 240 "$dir/bench/cuda_step_bench" \
   --benchmark_filter='OssStep|Copy/100000000|AdamWFp32/.*/100000000' \
   --benchmark_repetitions=3 --benchmark_report_aggregates_only=true --benchmark_min_time=0.2 \
@@ -118,13 +127,13 @@ step muon_cuda_world_2 120 "$python" tools/launch -n 2 "$dir/bench/muon_step_ben
 {
   echo
   echo "GPT-2 small's whole step (medians of 3; launches per step):"
-  grep -E "OssStep/.*_median|Copy/100000000_median|AdamWFp32/.*_median" "$out/oss_step_bench.log" || true
+  grep -E "OssStep/.*_median|Copy/100000000_median|AdamWFp32/.*_median" "$out/oss_step_bench.log" 2>/dev/null || true
   echo
   echo "staging_bench:"
-  cat "$out/staging_bench.log"
+  cat "$out/staging_bench.log" 2>/dev/null
   echo
   echo "Muon + AdamW under OSS on CUDA:"
-  grep -h '"median_step_ms"' "$out/muon_cuda_world_1.log" "$out/muon_cuda_world_2.log" || true
+  grep -h '"median_step_ms"' "$out/muon_cuda_world_1.log" "$out/muon_cuda_world_2.log" 2>/dev/null || true
   echo
   echo "$failures check(s) failed"
 } >>"$results"

@@ -195,6 +195,10 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Ranks share their launcher's stderr: each line leaves in one write(), so ranks' lines never
+  // mix (unbuffered, glibc writes a formatted line in pieces of 128 bytes).
+  static char error_buffer[1 << 14];
+  std::setvbuf(stderr, error_buffer, _IOLBF, sizeof(error_buffer));
   CLI::App app{"shardopt: sharded optimizer state and gradients for LibTorch data-parallel training"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "shardopt " SHARDOPT_VERSION);

@@ -194,7 +194,7 @@ void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) {
     // Under the failure watch, a rank that is stopped or hung (SIGSTOP, a deadlock) fails no
     // collective: its peers would wait for it until the timeout. While this rank waits on the
     // group, its heartbeat thread also reads every rank's counter once a second; a rank whose
-    // counter stood still for kHeartbeatTimeout (3 s) is marked silent in the store and the group
+    // counter stood still for kHungTimeout (10 s) is marked silent in the store and the group
     // is marked broken, so every rank leaves its wait and recovery starts; the survivors' watch
     // then counts the silent rank as gone without waiting for it again (Note [Roll call]).
     std::vector<int64_t> seen;
@@ -218,7 +218,7 @@ void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) {
           std::vector<int> silent;
           for (int r = 0; r < size; ++r) {
             if (counts[r] != seen[r]) seen[r] = counts[r], moved_at[r] = now;
-            if (r != rank && now - moved_at[r] >= detail::kHeartbeatTimeout) silent.push_back(r);
+            if (r != rank && now - moved_at[r] >= detail::kHungTimeout) silent.push_back(r);
           }
           if (!silent.empty()) {
             std::string names;
@@ -227,7 +227,7 @@ void ProcessGroup::set_store(c10::intrusive_ptr<c10d::Store> store) {
               names += (names.empty() ? "rank " : ", rank ") + std::to_string(r);
             }
             failure->mark("waiting on the group", names + " sent no heartbeat for " +
-                                                      std::to_string(detail::kHeartbeatTimeout.count()) +
+                                                      std::to_string(detail::kHungTimeout.count()) +
                                                       " s (stopped or hung)");
           }
         } else {

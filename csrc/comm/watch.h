@@ -14,6 +14,11 @@ namespace shardopt::detail {
 // counts as gone: exited, killed or hung. A rank whose process is on this machine and has exited
 // counts as gone at once.
 inline constexpr std::chrono::seconds kHeartbeatTimeout(3);
+// How long a rank's heartbeat counter may stand still, while this rank waits on a watched group,
+// before the rank is taken for hung and breaks the group (Note [A silent rank breaks the group]).
+// Longer than kHeartbeatTimeout: a live rank's heartbeat thread can go unscheduled for 3 s on an
+// overloaded machine, and a false alarm costs the whole group a recovery.
+inline constexpr std::chrono::seconds kHungTimeout(10);
 // How long a rank already found silent must stay silent (and not recovering) in a watch to count
 // as gone: more than one heartbeat period.
 inline constexpr std::chrono::milliseconds kSilentGrace(1200);
@@ -21,7 +26,7 @@ inline constexpr std::chrono::milliseconds kSilentGrace(1200);
 // The store key under which rank r of a group records which process it is.
 std::string process_key(int rank);
 // The key a rank sets for rank r of its group when r's heartbeat stood still for
-// kHeartbeatTimeout while it waited on the group (Note [A silent rank breaks the group]).
+// kHungTimeout while it waited on the group (Note [A silent rank breaks the group]).
 std::string silent_key(int rank);
 // This process as process_key records it: "<machine>|<pid>|<start time>", where <machine> is the
 // boot id and pid namespace (processes on one machine and in one pid namespace see each other's
@@ -31,7 +36,7 @@ std::string this_process();
 struct RankWatch {
   std::vector<bool> beat;     // its heartbeat counter moved during the watch
   std::vector<bool> exited;   // its process is on this machine and has exited, or (silent_key) a
-                              // rank saw its heartbeat stand still for kHeartbeatTimeout
+                              // rank saw its heartbeat stand still for kHungTimeout
   std::vector<bool> flagged;  // `flag_prefix + rank` is set in the store
 };
 

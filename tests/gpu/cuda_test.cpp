@@ -14,6 +14,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <future>
 #include <limits>
 #include <thread>
@@ -47,33 +49,41 @@ TEST(Cuda, NcclGroupRefusesCpuParametersNamingThem) {
 // A collective that a peer never joins is an error naming the collective and the rank, within
 // the group's timeout, not a hang: rank 1 of an NCCL world of 2 joins the group but never calls
 // the all-reduce rank 0 waits in (both in this process, so one GPU is enough: rank 1 never makes
-// an NCCL communicator).
+// an NCCL communicator). c10d reads TORCH_NCCL_NONBLOCKING_TIMEOUT once per process (Note [NCCL
+// timeouts]), so the scenario runs in a fresh process of its own (gtest's threadsafe death-test
+// style re-executes this binary for this one test), where its 5 s group is the first.
 TEST(Cuda, NcclCollectiveThatAPeerNeverJoinsTimesOutNamingItAndTheRank) {
   SHARDOPT_NEEDS_CUDA();
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  const auto options = [](int rank) {
-    return InitOptions().backend("nccl").rank(rank).world_size(2).timeout(std::chrono::seconds(5));
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto scenario = [] {
+    setenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", "5", /*overwrite=*/1);  // inherited from this process's groups
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    const auto options = [](int rank) {
+      return InitOptions().backend("nccl").rank(rank).world_size(2).timeout(std::chrono::seconds(5));
+    };
+    std::promise<void> done;
+    std::thread peer([&, finished = done.get_future()]() mutable {
+      auto g = init_process_group(store, options(1));
+      finished.wait();
+    });
+    std::string error = "no error";
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      auto g = init_process_group(store, options(0));
+      at::Tensor t = at::ones({4}, at::kCUDA);
+      g->allreduce(t);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+    const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    done.set_value();
+    peer.join();
+    const bool named = error.find("allreduce") != std::string::npos && error.find("rank 0") != std::string::npos;
+    std::fprintf(stderr, "after %.1f s: %s\n", seconds, error.c_str());
+    std::_Exit(named && seconds < 60.0 ? 0 : 1);  // the timeout is 5 s
   };
-  std::promise<void> done;
-  std::thread peer([&, finished = done.get_future()]() mutable {
-    auto g = init_process_group(store, options(1));
-    finished.wait();
-  });
-  std::string error;
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    auto g = init_process_group(store, options(0));
-    at::Tensor t = at::ones({4}, at::kCUDA);
-    g->allreduce(t);
-  } catch (const c10::Error& e) {
-    error = e.what();
-  }
-  const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  done.set_value();
-  peer.join();
-  EXPECT_NE(error.find("allreduce"), std::string::npos) << error;
-  EXPECT_NE(error.find("rank 0"), std::string::npos) << error;
-  EXPECT_LT(seconds, 60.0) << "the timeout is 5 s";
+  // (on failure, gtest prints what the scenario said: the time and the error)
+  EXPECT_EXIT(scenario(), ::testing::ExitedWithCode(0), "after [0-9.]+ s: ");
 }
 
 // A CUDA model under OSS + ShardedDDP steps like torch::optim::Adam on a copy, through a freeze

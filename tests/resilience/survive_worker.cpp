@@ -43,6 +43,7 @@ struct Args {
   int stop_rank = -1;                 // this global rank stops itself (SIGSTOP: hung) before --stop-at-step
   int64_t stop_at = -1;
   int shard_group_size = 0;           // > 0: replica blocks of this size while the world size is a multiple
+  int64_t timeout_s = 20;             // the group's collective timeout
   std::string dir;
 };
 
@@ -61,6 +62,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--stop-at-step") a.stop_at = std::stoll(v);
     else if (k == "--shard-group-size") a.shard_group_size = std::stoi(v);
     else if (k == "--dir") a.dir = v;
+    else if (k == "--timeout") a.timeout_s = std::stoll(v);
     else if (k == "--min-world-size") a.min_world_size = std::stoi(v);
     else if (k == "--expect-recoveries") a.expect_recoveries = std::stoi(v);
     else if (k == "--expect-world") a.expect_world = std::stoi(v);
@@ -102,7 +104,7 @@ void set_trainable(torch::nn::Sequential& model, int64_t t, int64_t freeze_at) {
 int main(int argc, char** argv) {
   try {
     const Args args = parse(argc, argv);
-    auto group = init_process_group(InitOptions().timeout(std::chrono::seconds(20)));
+    auto group = init_process_group(InitOptions().timeout(std::chrono::seconds(args.timeout_s)));
     auto model = make_model();
     const auto adam = torch::optim::AdamOptions(1e-2);
 
