@@ -76,6 +76,10 @@ int main(int argc, char** argv) {
   int steps = 40, warmup = 5;
   app.add_option("--world-sizes", worlds)->delimiter(',');
   app.add_option("--steps", steps)->check(CLI::PositiveNumber);
+  std::string sync = "broadcast";
+  app.add_option("--param-sync", sync, "the parameter sync after the step: broadcast (one per owner, the default) or "
+                                      "allgather (one per flat buffer)")
+      ->check(CLI::IsMember({"broadcast", "allgather"}));
   CLI11_PARSE(app, argc, argv);
   for (int world : worlds) {
     auto store = c10::make_intrusive<c10d::HashStore>();
@@ -93,7 +97,9 @@ int main(int argc, char** argv) {
         auto g = shardopt::init_process_group(
             store, shardopt::InitOptions().backend("gloo").rank(r).world_size(world).timeout(std::chrono::minutes(5)));
         auto net = torch::nn::Sequential(torch::nn::Linear(5, 4), torch::nn::Tanh(), torch::nn::Linear(4, 3));
-        shardopt::OSS oss(net->parameters(), shardopt::optimizer<torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2)), g);
+        shardopt::OSS oss(net->parameters(), shardopt::optimizer<torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2)), g,
+                          shardopt::OSSOptions().sync(sync == "allgather" ? shardopt::ParamSync::kAllgather
+                                                                          : shardopt::ParamSync::kBroadcast));
         shardopt::ShardedDDP ddp(net.ptr(), oss);
         auto gen = at::make_generator<at::CPUGeneratorImpl>(r);
         const at::Tensor x = at::randn({4, 5}, gen), y = at::randn({4, 3}, gen);
@@ -128,6 +134,7 @@ int main(int argc, char** argv) {
     }
     for (auto& t : threads) t.join();
     nlohmann::json line = {{"world", world},
+                           {"param_sync", sync},
                            {"step_ms_median", shardopt::bench::median(step_ms)},
                            {"collectives_per_step", collectives},
                            {"threads_per_rank", static_cast<double>(during.threads - before.threads) / world},

@@ -3,6 +3,7 @@
 
 #include "comm/failure_watch.h"
 #include "comm/heartbeat.h"
+#include "comm/sum_into.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -340,6 +341,7 @@ void ProcessGroup::allreduce(at::Tensor& tensor, Reduction op) {
   allreduce_async(tensor, op).wait();
 }
 
+namespace detail {
 namespace {
 
 // tensor += each of `incoming` in turn; then tensor[0, numel) /= divisor. For dense float and
@@ -358,6 +360,8 @@ void sum_then_divide(T* out, const std::vector<const T*>& in, int64_t begin, int
   for (int64_t i = begin; i < split; ++i) out[i] = (out[i] + src[i]) / divisor;
   for (int64_t i = split; i < end; ++i) out[i] += src[i];
 }
+
+}  // namespace
 
 void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64_t numel, double divisor) {
   const bool fused = tensor.device().is_cpu() && tensor.is_contiguous() &&
@@ -380,7 +384,7 @@ void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64
   });
 }
 
-}  // namespace
+}  // namespace detail
 
 // Note [Reduce to one owner]
 // Gloo's reduce is ring-based and moves more than the buffer: measured per rank with /proc/self/io
@@ -395,6 +399,11 @@ void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64
 // 2(N-1)/N, what a ring all-reduce moves (docs/benchmarks.md, bytes on the wire). Tags come
 // from a per-group sequence, the same on every rank because every rank issues its collectives
 // in the same order; they start above the tags callers of send/recv use.
+int ProcessGroup::next_p2p_tag() {
+  constexpr uint32_t kFirstTag = 1u << 24;
+  return static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
+}
+
 PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction op) {
   return reduce_to(tensor, root, op, 0, 1.0);
 }
@@ -410,8 +419,7 @@ PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, 
   SHARDOPT_CHECK(root >= 0 && root < size_, "reduce root ", root, " is outside [0, ", size_, ")");
   check_in(CommStats::kReduce, nbytes(tensor), root);
   if (size_ >= 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {
-    constexpr uint32_t kFirstTag = 1u << 24;
-    const int tag = static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
+    const int tag = next_p2p_tag();
     at::Tensor host = staged(tensor);  // a CUDA tensor's pinned copy (Note [Staging])
     if (rank_ != root) {
       std::vector<at::Tensor> ts{host};
@@ -431,7 +439,7 @@ PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, 
       }
     }
     work.set_then([tensor, host, incoming, numel, divisor]() mutable {
-      sum_into(host, incoming, numel, divisor);
+      detail::sum_into(host, incoming, numel, divisor);
       if (!host.is_same(tensor)) tensor.copy_(host);
     });
     return work;

@@ -40,11 +40,11 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
   const int world = group.size();
   if (world == 1) return;
   at::NoGradGuard no_grad;
-  auto shard = [&](size_t g, int owner) {
-    const Range r = layout.groups()[g].shard_in_buffer(owner);
-    return buffers[g].narrow(0, r.begin, r.size());
-  };
   if (mode == ParamSync::kBroadcast) {
+    auto shard = [&](size_t g, int owner) {
+      const Range r = layout.groups()[g].shard_in_buffer(owner);
+      return buffers[g].narrow(0, r.begin, r.size());
+    };
     std::vector<PendingWork> pending;
     for (size_t g = 0; g < buffers.size(); ++g) {
       for (int r = 0; r < world; ++r) {
@@ -59,13 +59,18 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
     for (auto& w : pending) w.wait();
     return;
   }
+  std::vector<PendingWork> pending;
   for (size_t g = 0; g < buffers.size(); ++g) {
-    std::vector<at::Tensor> shards;
-    for (int r = 0; r < world; ++r) shards.push_back(shard(g, r));
-    // The input is copied: it must not alias the output it is gathered into.
-    at::Tensor mine = shards[group.rank()].clone();
-    group.allgather(shards, mine);
+    at::Tensor rows = shards_as_rows(layout, buffers, g);
+    if (rows.numel() > 0) pending.push_back(group.allgather_rows_async(rows));
   }
+  for (auto& w : pending) w.wait();
+}
+
+at::Tensor shards_as_rows(const FlatLayout& layout, std::vector<at::Tensor>& buffers, size_t g) {
+  const FlatGroup& group = layout.groups()[g];
+  const Range first = group.shard_in_buffer(0);
+  return buffers[g].narrow(0, first.begin, first.size() * layout.world_size());
 }
 
 ShardStore::ShardStore(std::vector<at::Tensor> params, std::shared_ptr<ProcessGroup> group, LayoutOptions options,
@@ -136,6 +141,19 @@ void ShardStore::start_param_sync() {
   CommPhase phase("step (parameter sync, overlapped)");
   const auto& buckets = layout_.buckets();
   bucket_sync_.clear();
+  group_sync_.clear();
+  if (sync_ == ParamSync::kAllgather) {
+    // One all-gather of the shards' rows per flat buffer (Note [Rows]), all in flight: a
+    // parameter is current once its buffer's has finished.
+    for (size_t g = 0; g < buffers_.size(); ++g) {
+      at::Tensor rows = shards_as_rows(layout_, buffers_, g);
+      group_sync_.emplace_back();
+      if (rows.numel() == 0) continue;  // frozen only
+      group_sync_.back() = group_->allgather_rows_async(rows);
+      ++sync_in_flight_;
+    }
+    return;
+  }
   bucket_sync_.resize(buckets.size());
   for (size_t k = buckets.size(); k-- > 0;) {
     const FlatBucket& b = buckets[k];
@@ -147,7 +165,7 @@ void ShardStore::start_param_sync() {
 }
 
 void ShardStore::sync_after_step() {
-  if (overlap_sync_ && sync_ == ParamSync::kBroadcast && group_->size() > 1) {
+  if (overlap_sync_ && group_->size() > 1) {
     start_param_sync();
   } else {
     sync_params();
@@ -168,6 +186,9 @@ void ShardStore::finish_param_sync() {
     --sync_in_flight_;
     bucket_sync_[k].wait();
   }
+  for (auto& w : group_sync_) {
+    if (w.valid()) w.wait();
+  }
   sync_in_flight_ = 0;
 }
 
@@ -176,6 +197,13 @@ void ShardStore::finish_param_sync(size_t param) {
   SHARDOPT_CHECK(param < params_.size(), "finish_param_sync: parameter ", param, " of ", params_.size());
   CommPhase phase("parameter sync (finishing)");
   for (size_t k : layout_.pieces_of(param)) {
+    if (!group_sync_.empty()) {
+      PendingWork& w = group_sync_[layout_.pieces()[k].group];
+      if (!w.valid()) continue;
+      --sync_in_flight_;
+      w.wait();
+      continue;
+    }
     const int64_t b = layout_.pieces()[k].bucket;
     if (b < 0 || !bucket_sync_[b].valid()) continue;
     --sync_in_flight_;

@@ -24,7 +24,10 @@ std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at:
 // Note [Parameter sync]
 // After the owners stepped, every rank's copy of each buffer is made equal to the owners': one
 // broadcast per owner shard, all in flight at once (kBroadcast), or one all-gather of the equal
-// shards per buffer (kAllgather). Collective.
+// shards per buffer (kAllgather: the shards are the buffer's rows, Note [Rows]). Collective.
 void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::Tensor>& buffers, ParamSync mode);
+
+// The owners' shards of buffer `g`, one equal row per rank (shard padding included).
+at::Tensor shards_as_rows(const FlatLayout& layout, std::vector<at::Tensor>& buffers, size_t g);
 
 }  // namespace shardopt::detail

@@ -200,7 +200,8 @@ class ShardStore {
   int64_t layout_version_ = 0;
   bool trainable_checked_outside_ = false;
   bool overlap_sync_ = false;
-  std::vector<PendingWork> bucket_sync_;  // per layout bucket: its broadcast, while in flight
+  std::vector<PendingWork> bucket_sync_;  // per layout bucket: its broadcast, while in flight (kBroadcast)
+  std::vector<PendingWork> group_sync_;   // per flat buffer: its all-gather, while in flight (kAllgather)
   size_t sync_in_flight_ = 0;             // buckets not finished yet
   std::unordered_map<const void*, Slot> slots_;  // holding tensor (TensorImpl) -> slot
   std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region

@@ -51,6 +51,8 @@ struct DdpParity {
   int64_t bucket_bytes = 0;
   int64_t align = 1;  // elements; every parameter starts at a multiple of it in the flat layout
   PartitionMode partition = PartitionMode::kAuto;
+  ParamSync sync = ParamSync::kBroadcast;
+  bool overlap_sync = false;
   bool accumulate = false;
   bool change_trainability = false;
   bool clip = false;
@@ -76,7 +78,7 @@ struct DdpParity {
       auto ref_opt = factory({optim::OptimizerParamGroup(ref)});
       std::unique_ptr<OSS> oss_a, oss_b;
       std::vector<OSS*> opts;
-      const auto oss_options = OSSOptions().layout(LayoutOptions().align(align)).partition(partition);
+      const auto oss_options = OSSOptions().layout(LayoutOptions().align(align)).partition(partition).sync(sync);
       if (two_optimizers) {
         oss_a = std::make_unique<OSS>(Params{net->params[0], net->params[1]}, factory, g, oss_options);
         oss_b = std::make_unique<OSS>(Params{net->params[2], net->params[3], net->params[4]}, factory, g, oss_options);
@@ -85,7 +87,7 @@ struct DdpParity {
         oss_a = std::make_unique<OSS>(net->parameters(), factory, g, oss_options);
         opts = {oss_a.get()};
       }
-      ShardedDDP ddp(net, opts, ShardedDDPOptions().reduce_bucket_bytes(bucket_bytes));
+      ShardedDDP ddp(net, opts, ShardedDDPOptions().reduce_bucket_bytes(bucket_bytes).overlap_param_sync(overlap_sync));
       if (change_trainability) {
         net->params[0].requires_grad_(false);
         ref[0].requires_grad_(false);
@@ -131,6 +133,7 @@ struct DdpParity {
         if (after_backward) after_backward(step, ddp, *oss_a, *g);
         ref_opt->step();
         for (OSS* o : opts) o->step();
+        if (overlap_sync) ddp.finish_param_sync();
         for (size_t i = 0; i < ref.size(); ++i) {
           ASSERT_LE(testing::rel_diff(net->params[i], ref[i]), 1e-5) << "parameter " << i << " after step " << step << ", " << name();
         }
@@ -210,6 +213,36 @@ TEST(ShardedDDP, ParityMatrix) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// ParamSync::kAllgather: the parameter sync is one all-gather of the shards as rows per flat
+// buffer (Note [Rows]), after the step or beside the next forward, whole or split, through
+// freezes and unfreezes: parity with the reference, every rank bitwise equal, and one collective
+// per step (TinyNet has one flat buffer) at every world size, with no broadcast.
+TEST(ShardedDDP, AllGatherSyncIsOneCollectiveAndMatchesTheReferenceThroughFreezes) {
+  for (int world : {2, 3, 4}) {
+    for (auto partition : {PartitionMode::kWholeParameters, PartitionMode::kSplit}) {
+      for (bool overlap : {false, true}) {
+        DdpParity p;
+        p.world = world;
+        p.partition = partition;
+        p.sync = ParamSync::kAllgather;
+        p.overlap_sync = overlap;
+        p.bucket_bytes = 160;
+        p.change_trainability = true;
+        p.after_backward = [](int, ShardedDDP&, OSS&, ProcessGroup& g) { g.reset_stats(); };
+        p.after_step = [](int step, ShardedDDP&, OSS&, ProcessGroup& g) {
+          // (the check that every rank's parameters are equal is the other all-gather)
+          EXPECT_EQ(g.stats().calls[CommStats::kAllgather], 1 + 1) << "step " << step;
+          EXPECT_EQ(g.stats().calls[CommStats::kBroadcast], 0) << "step " << step;
+        };
+        SCOPED_TRACE(p.name() + (partition == PartitionMode::kSplit ? " split" : " whole") +
+                     (overlap ? " overlapped" : ""));
+        p.run();
+        if (::testing::Test::HasFatalFailure()) return;
       }
     }
   }

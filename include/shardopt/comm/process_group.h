@@ -158,6 +158,15 @@ class ProcessGroup {
   PendingWork reduce_mean_async(at::Tensor& tensor, int root, int64_t numel, double divisor);
   PendingWork allreduce_async(at::Tensor& tensor, Reduction op = Reduction::kSum);
   PendingWork broadcast_async(at::Tensor& tensor, int root);
+  // Rows (Note [Rows]): a 1-D contiguous `flat` whose length is a multiple of size() is cut into
+  // size() equal rows, row r owned by rank r. reduce_scatter_rows_async leaves in this rank's
+  // row the sum over ranks of their copies of that row, divided by `divisor` (rounded as the sum,
+  // in rank order starting with this rank's own row, then div_); the other rows are left
+  // unspecified. allgather_rows_async sets every rank's row r to rank r's row r. Each is one
+  // collective in stats() (kReduceScatter, kAllgather) counting the bytes of `flat`, and each
+  // rank sends (size - 1) / size of `flat`.
+  PendingWork reduce_scatter_rows_async(at::Tensor& flat, double divisor = 1.0);
+  PendingWork allgather_rows_async(at::Tensor& flat);
 
   // Small control messages: every rank's vector of integers (lengths may differ).
   std::vector<std::vector<int64_t>> allgather_ints(const std::vector<int64_t>& values);
@@ -260,7 +269,10 @@ class ProcessGroup {
   int size_ = 1;
   std::chrono::milliseconds timeout_;
   CommStats stats_;
-  uint32_t p2p_sequence_ = 0;  // tags of the point-to-point transfers reduce_async issues
+  // The tag of a collective made of point-to-point transfers (reduce to one owner, rows): from a
+  // per-group sequence, the same on every rank, above the tags callers of send/recv use.
+  int next_p2p_tag();
+  uint32_t p2p_sequence_ = 0;
   c10::intrusive_ptr<c10d::Store> store_;
   bool check_desync_ = false;
   uint64_t sequence_ = 0;

@@ -68,7 +68,7 @@ struct ShardedDDPOptions {
   // OSS optimizers, and every rank must list the same module parameters.
   TORCH_ARG(std::vector<at::Tensor>, ignored_parameters) = {};
   // The parameter sync after OSS::step() runs beside the next forward (Note [Overlapped
-  // parameter sync] in csrc/optim/oss_params.cpp): forward() of a Sequential waits before each child
+  // parameter sync] in csrc/optim/param_buffers.cpp): forward() of a Sequential waits before each child
   // for that child's parameters only; other modules wait in pre_forward(), or, after
   // pre_forward(false), where their forward calls wait_param_sync(params). Parameters read
   // between step() and the next forward need

@@ -85,12 +85,13 @@ struct OptimizerGroup {
 };
 
 // How every rank's copy of the parameters is made current after the owners stepped.
-// Measured on Gloo/CPU (docs/benchmarks.md): per-owner broadcasts, all in flight at once, are
-// about 2.5x faster than one all-gather (which Gloo stages through a temporary), so they are
-// the default.
+// kBroadcast is the default; kAllgather issues one collective per flat buffer whatever the world
+// size (docs/benchmarks.md compares them).
 enum class ParamSync {
-  kBroadcast,  // one broadcast per owner and flat buffer
-  kAllgather,  // one all-gather of equal padded shards per flat buffer
+  kBroadcast,  // one broadcast per owner and flat buffer, of the owner's used elements
+  kAllgather,  // one all-gather per flat buffer of its shards as equal rows (Note [Rows]: direct
+               // transfers on Gloo, NCCL's all-gather on NCCL); a whole-parameter buffer's shards
+               // are padded to the longest, and the padding travels too
 };
 
 // Who owns what (Note [Split parameters]).

@@ -1,0 +1,138 @@
+// Rows: one reduce-scatter and one all-gather over a flat buffer cut into one equal row per
+// rank (ProcessGroup::reduce_scatter_rows_async, allgather_rows_async).
+#include <shardopt/check.h>
+#include <shardopt/comm/process_group.h>
+
+#include "comm/sum_into.h"
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace shardopt {
+
+// Note [Rows]
+// A buffer of size() equal rows, row r owned by rank r, is what a sharded step needs from the
+// wire: each rank's gradients of row r summed on rank r (a reduce-scatter), then each owner's
+// updated row copied to every rank (an all-gather). One collective each, whatever the world
+// size. On NCCL they are NCCL's own, in place (the output row inside the input buffer, as NCCL
+// allows). On Gloo, whose reduce-scatter is an all-reduce and whose all-gather was measured at
+// 4.5x the per-owner path (docs/benchmarks.md), they are direct transfers, as in Note [Reduce to
+// one owner]: at step k = 1 .. size-1, rank r sends row (r + k) % size to its owner and receives
+// its own row from rank (r - k) % size, so each rank sends (size - 1) / size of the buffer, the
+// least any scheme can, and no two ranks send to the same rank at the same step. The owner sums
+// what it received into its row in rank order, its own row first, as the reduce to one owner
+// does: the same bits as that path for the same row. One tag serves every transfer of one
+// collective (each ordered pair of ranks exchanges one message in it).
+namespace {
+
+int64_t nbytes(const at::Tensor& t) {
+  return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+}
+
+void check_rows(const char* what, const at::Tensor& flat, int size) {
+  SHARDOPT_CHECK(flat.dim() == 1 && flat.is_contiguous(), what, ": needs a 1-D contiguous tensor, got sizes ",
+                 flat.sizes(), flat.is_contiguous() ? "" : " (not contiguous)");
+  SHARDOPT_CHECK(flat.numel() % size == 0, what, ": ", flat.numel(), " elements do not cut into ", size,
+                 " equal rows (pad the buffer to a multiple of the group size)");
+}
+
+}  // namespace
+
+PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double divisor) {
+  check_rows("reduce_scatter_rows_async", flat, size_);
+  SHARDOPT_CHECK(divisor > 0, "reduce_scatter_rows_async: divisor must be positive, got ", divisor);
+  constexpr auto kind = CommStats::kReduceScatter;
+  check_in(kind, nbytes(flat), -1);
+  const int64_t row = flat.numel() / size_;
+  at::Tensor mine = flat.narrow(0, rank_ * row, row);
+  if (size_ == 1) {  // the one row is this rank's: nothing to send
+    if (divisor != 1.0) flat.div_(divisor);
+    return PendingWork();
+  }
+  if (backend_name_ == "gloo") {
+    const int tag = next_p2p_tag();
+    at::Tensor host = staged(flat);  // a CUDA tensor's pinned copy (Note [Staging])
+    std::vector<at::Tensor> incoming(static_cast<size_t>(size_));
+    PendingWork work;
+    auto add = [&](c10::intrusive_ptr<c10d::Work> w) {
+      if (!work.valid()) {
+        work = track(kind, nbytes(flat), std::move(w));
+      } else {
+        work.also_wait_for(std::move(w));
+      }
+    };
+    for (int k = 1; k < size_; ++k) {
+      const int dst = (rank_ + k) % size_, src = (rank_ - k + size_) % size_;
+      std::vector<at::Tensor> out{host.narrow(0, dst * row, row)};
+      add(start(kind, [&] { return backend_->send(out, dst, tag); }));
+      std::vector<at::Tensor> in{at::empty({row}, host.options())};
+      incoming[static_cast<size_t>(src)] = in[0];
+      add(start(kind, [&] { return backend_->recv(in, src, tag); }));
+    }
+    const bool was_staged = !host.is_same(flat);
+    work.set_then([mine, host, incoming, rank = rank_, row, divisor, was_staged]() mutable {
+      std::vector<at::Tensor> in_rank_order;
+      for (size_t r = 0; r < incoming.size(); ++r) {
+        if (static_cast<int>(r) != rank) in_rank_order.push_back(incoming[r]);
+      }
+      at::Tensor sum = host.narrow(0, rank * row, row);
+      detail::sum_into(sum, in_rank_order, divisor != 1.0 ? row : 0, divisor);
+      if (was_staged) mine.copy_(sum);
+    });
+    return work;
+  }
+  at::Tensor in = staged(flat);
+  const bool was_staged = !in.is_same(flat);
+  at::Tensor out = in.narrow(0, rank_ * row, row);
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.timeout = timeout_;
+  auto work = track(kind, nbytes(flat), [&] { return backend_->_reduce_scatter_base(out, in, opts); });
+  work.set_then([mine, out, divisor, was_staged]() mutable {
+    if (divisor != 1.0) out.div_(divisor);
+    if (was_staged) mine.copy_(out);
+  });
+  return work;
+}
+
+PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat) {
+  check_rows("allgather_rows_async", flat, size_);
+  constexpr auto kind = CommStats::kAllgather;
+  check_in(kind, nbytes(flat), -1);
+  const int64_t row = flat.numel() / size_;
+  if (size_ == 1) return PendingWork();
+  if (backend_name_ == "gloo") {
+    const int tag = next_p2p_tag();
+    at::Tensor host = staged(flat);
+    PendingWork work;
+    auto add = [&](c10::intrusive_ptr<c10d::Work> w) {
+      if (!work.valid()) {
+        work = track(kind, nbytes(flat), std::move(w));
+      } else {
+        work.also_wait_for(std::move(w));
+      }
+    };
+    for (int k = 1; k < size_; ++k) {
+      const int dst = (rank_ + k) % size_, src = (rank_ - k + size_) % size_;
+      std::vector<at::Tensor> out{host.narrow(0, rank_ * row, row)};
+      add(start(kind, [&] { return backend_->send(out, dst, tag); }));
+      std::vector<at::Tensor> in{host.narrow(0, src * row, row)};
+      add(start(kind, [&] { return backend_->recv(in, src, tag); }));
+    }
+    unstage_after(work, flat, host);
+    return work;
+  }
+  at::Tensor all = staged(flat);
+  at::Tensor mine = all.narrow(0, rank_ * row, row);
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;
+  auto work = track(kind, nbytes(flat), [&] { return backend_->_allgather_base(all, mine, opts); });
+  unstage_after(work, flat, all);
+  return work;
+}
+
+}  // namespace shardopt

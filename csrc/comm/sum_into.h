@@ -1,0 +1,15 @@
+// The sum a rank computes of what others sent it (reduce to one owner, rows). Internal.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace shardopt::detail {
+
+// tensor += each of `incoming` in turn (same shape, contiguous); then tensor[0, numel) /=
+// divisor. Rounded as ATen's add_ in that order then div_.
+void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64_t numel, double divisor);
+
+}  // namespace shardopt::detail

@@ -1,0 +1,121 @@
+// ProcessGroup's rows (Note [Rows]): one reduce-scatter and one all-gather over a flat buffer cut
+// into one equal row per rank, against sums and gathers computed here from every rank's data.
+#include <shardopt/comm/process_group.h>
+
+#include "harness.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace shardopt {
+namespace {
+
+using testing::run_ranks;
+
+// Every rank's copy of `mine` (each rank's data differs: asserted).
+std::vector<at::Tensor> everyones(ProcessGroup& g, const at::Tensor& mine) {
+  std::vector<at::Tensor> all;
+  for (int k = 0; k < g.size(); ++k) all.push_back(at::empty_like(mine));
+  g.allgather(all, mine);
+  for (int k = 1; k < g.size(); ++k) EXPECT_FALSE(all[k].equal(all[0])) << "ranks need different data";
+  return all;
+}
+
+// Rank r's row after the reduce-scatter is the sum of every rank's row r, its own first and then
+// the others in rank order, divided by the divisor: bit for bit (float, double through the
+// one-pass loop; bfloat16 through ATen's operators). The all-gather then gives every rank each
+// owner's row. One collective each in stats(), counting the buffer's bytes.
+TEST(Rows, ReduceScatterSumsEachRowOnItsOwnerAndAllGatherSpreadsThem) {
+  for (int world : {2, 3, 4}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank();
+      for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+        for (double divisor : {1.0, static_cast<double>(world)}) {
+          const int64_t row = 20011;  // odd: the sum's chunks do not divide it
+          at::manual_seed(200 + r);
+          at::Tensor flat = at::randn({row * world}, at::kDouble).to(dtype);
+          const std::vector<at::Tensor> all = everyones(*g, flat);
+          g->reset_stats();
+          g->reduce_scatter_rows_async(flat, divisor).wait();
+          at::Tensor expected = all[r].narrow(0, r * row, row).clone();
+          for (int k = 0; k < world; ++k) {
+            if (k != r) expected.add_(all[k].narrow(0, r * row, row));
+          }
+          if (divisor != 1.0) expected.div_(divisor);
+          at::Tensor mine = flat.narrow(0, r * row, row);
+          EXPECT_TRUE(mine.equal(expected)) << "world " << world << " " << dtype << " divisor " << divisor
+                                            << ": max diff " << (mine - expected).abs().max().item<double>();
+          // Each owner's row, now different on every rank, reaches every rank.
+          mine.copy_(at::randn({row}, at::kDouble).to(dtype));
+          const std::vector<at::Tensor> owned = everyones(*g, mine.clone());
+          g->allgather_rows_async(flat).wait();
+          for (int k = 0; k < world; ++k) {
+            EXPECT_TRUE(flat.narrow(0, k * row, row).equal(owned[k])) << "row " << k << " on rank " << r;
+          }
+          EXPECT_EQ(g->stats().calls[CommStats::kReduceScatter], 1);
+          EXPECT_EQ(g->stats().calls[CommStats::kAllgather], 1 + 1);  // everyones() is the other
+          EXPECT_EQ(g->stats().bytes[CommStats::kReduceScatter], flat.numel() * flat.element_size());
+        }
+      }
+    });
+  }
+}
+
+// Several rows collectives in flight at once (as buckets become ready in backward), waited in
+// another order than they were started: each gets its own transfers.
+TEST(Rows, SeveralInFlightAtOnceKeepTheirData) {
+  run_ranks(3, [](std::shared_ptr<ProcessGroup> g) {
+    const int r = g->rank();
+    std::vector<at::Tensor> flats;
+    for (int b = 0; b < 4; ++b) flats.push_back(at::full({3 * (b + 1)}, 10.0 * b + r + 1));
+    std::vector<PendingWork> works;
+    for (auto& f : flats) works.push_back(g->reduce_scatter_rows_async(f));
+    for (int b = 3; b >= 0; --b) works[b].wait();
+    for (int b = 0; b < 4; ++b) {
+      const int64_t row = b + 1;
+      // (10b + 1) + (10b + 2) + (10b + 3) in every element of this rank's row
+      EXPECT_TRUE(flats[b].narrow(0, r * row, row).equal(at::full({row}, 30.0 * b + 6))) << "bucket " << b;
+    }
+  });
+}
+
+TEST(Rows, AWorldOfOneDividesOnly) {
+  run_ranks(1, [](std::shared_ptr<ProcessGroup> g) {
+    at::Tensor flat = at::full({5}, 6.0);
+    g->reduce_scatter_rows_async(flat, 3.0).wait();
+    EXPECT_TRUE(flat.equal(at::full({5}, 2.0)));
+    g->allgather_rows_async(flat).wait();
+    EXPECT_TRUE(flat.equal(at::full({5}, 2.0)));
+  });
+}
+
+// A buffer that does not cut into equal rows, or is not 1-D contiguous, is an error naming it.
+TEST(Rows, BadBuffersAreErrorsNamingThem) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto message = [&](auto&& call) {
+      try {
+        call();
+      } catch (const c10::Error& e) {
+        return std::string(e.what_without_backtrace());
+      }
+      return std::string("no error");
+    };
+    at::Tensor odd = at::zeros({7});
+    EXPECT_NE(message([&] { g->reduce_scatter_rows_async(odd); }).find("7 elements do not cut into 2 equal rows"),
+              std::string::npos);
+    EXPECT_NE(message([&] { g->allgather_rows_async(odd); }).find("7 elements do not cut into 2 equal rows"),
+              std::string::npos);
+    at::Tensor square = at::zeros({2, 2});
+    EXPECT_NE(message([&] { g->allgather_rows_async(square); }).find("needs a 1-D contiguous tensor, got sizes [2, 2]"),
+              std::string::npos);
+    at::Tensor even = at::zeros({4});
+    EXPECT_NE(message([&] { g->reduce_scatter_rows_async(even, 0.0); }).find("divisor must be positive, got 0"),
+              std::string::npos);
+  });
+}
+
+}  // namespace
+}  // namespace shardopt
