@@ -1,7 +1,7 @@
 // GPT-2's shape as a module, for the benchmarks (ddp_bench, survive_bench).
 #pragma once
 
-#include <shardopt/models/gpt2.h>
+#include "models/gpt2.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -15,7 +15,7 @@
 
 namespace shardopt::bench {
 
-// GPT-2's shape (shardopt/models/gpt2.h) as a module, with the blocks' weights [out, in] as
+// GPT-2's shape (models/gpt2.h) as a module, with the blocks' weights [out, in] as
 // at::linear takes them: the same tensors, in the same order and layout, as GPT2Like in
 // bench/ddp/peers/ddp_peers.py (nn.Linear). The default is the ~24M-parameter shape.
 struct GPT2Like : torch::nn::Module {

@@ -188,6 +188,20 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
       ->check(kPositive)
       ->capture_default_str();
   plan.add_option("--ranks-per-node", o.ranks_per_node, "ranks (GPUs) per node")->check(kPositive)->capture_default_str();
+  plan.add_option("--collective-latency-us", o.collective_latency_us,
+                  "latency of every collective, microseconds (NCCL's ring/Simple base latency)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  plan.add_option("--hop-latency-us", o.hop_latency_us,
+                  "latency of each step of a collective between ranks of one node, microseconds (NCCL's NVLink "
+                  "ring/Simple figure)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  plan.add_option("--network-hop-latency-us", o.network_hop_latency_us,
+                  "latency of each step of a collective between nodes, microseconds (NCCL's network ring/Simple "
+                  "figure)")
+      ->check(kNonNegative)
+      ->capture_default_str();
   plan.add_option("-o,--out", o.out_dir, "folder for plan.json, plan.csv and plan.png")->capture_default_str();
   plan.add_option("--python", o.python, "Python with matplotlib for the chart (default: the build's)");
 }

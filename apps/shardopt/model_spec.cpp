@@ -3,8 +3,8 @@
 #include "cnn.h"
 
 #include <shardopt/check.h>
-#include <shardopt/models/gpt2.h>
-#include <shardopt/models/llama.h>
+#include "models/gpt2.h"
+#include "models/llama.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>

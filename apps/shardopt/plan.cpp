@@ -25,7 +25,9 @@ namespace {
 struct Row {
   PlanConfig config;
   ScenarioPlan plan;
-  double comm_seconds = 0;    // the slowest rank's time to move its bytes at the link bandwidths
+  double comm_seconds = 0;    // the slowest rank's time: its bytes at the link bandwidths, plus latency
+  double latency_seconds = 0; // that rank's latency term
+  int64_t collectives = 0;    // the collectives per step of the rank that takes part in the most
   nlohmann::json formula;     // the ZeRO paper's bytes per rank
   int64_t muon_numel = 0;
 };
@@ -57,18 +59,66 @@ double state_imbalance(const ScenarioPlan& p) {
   return sum > 0 ? most * static_cast<double>(p.ranks.size()) / sum - 1.0 : 0.0;
 }
 
+// Note [Plan latency]
+// Each collective also pays a latency that does not depend on its bytes, in NCCL's own model of
+// its algorithms (src/graph/tuning.cc): a base latency per collective, plus one hop latency per
+// step of the algorithm, the steps that cross nodes at the network's. A chain (a reduce to an
+// owner, a broadcast from one) and a ring reduce-scatter or all-gather over k ranks on n nodes
+// take k - 1 steps, n - 1 of them across nodes; a ring all-reduce twice that; a tree all-reduce
+// 2 ((k/n - 1) + log2 n) steps, log2 n of each half across nodes. NCCL picks the faster
+// algorithm for an all-reduce, so the plan takes the smaller of ring and tree. Ranks are placed
+// in node order, so a block of b ranks spans ceil(b / ranks_per_node) nodes, and the replica
+// group, one rank per block, spans one node per block once blocks fill nodes.
+double chain_latency(const PlanOptions& o, int k, int nodes) {
+  if (k <= 1) return 0.0;
+  return (o.collective_latency_us + (k - nodes) * o.hop_latency_us + (nodes - 1) * o.network_hop_latency_us) * 1e-6;
+}
+
+double allreduce_latency(const PlanOptions& o, int k, int nodes) {
+  if (k <= 1) return 0.0;
+  const double ring = o.collective_latency_us + 2.0 * (k - nodes) * o.hop_latency_us +
+                      2.0 * (nodes - 1) * o.network_hop_latency_us;
+  const double per_node = static_cast<double>(k) / nodes;
+  const double tree = o.collective_latency_us + 2.0 * ((per_node - 1) * o.hop_latency_us +
+                                                       std::log2(static_cast<double>(nodes)) * o.network_hop_latency_us);
+  return std::min(ring, tree) * 1e-6;
+}
+
+int nodes_of(const PlanOptions& o, int ranks) { return (ranks + o.ranks_per_node - 1) / o.ranks_per_node; }
+
 // Seconds to move each rank's bytes: a group that fits in one node moves at the intra-node
-// bandwidth, one that spans nodes at the inter-node bandwidth (its ring crosses the slowest link).
-double comm_seconds(const PlanOptions& o, const PlanConfig& c, const ScenarioPlan& p) {
+// bandwidth, one that spans nodes at the inter-node bandwidth (its ring crosses the slowest link);
+// plus each of its collectives' latency (Note [Plan latency]). Sets the row's latency and
+// collective count from the slowest and the busiest rank.
+void add_comm_time(const PlanOptions& o, Row& row) {
+  const PlanConfig& c = row.config;
+  const ScenarioPlan& p = row.plan;
   const int block = c.mode == "ddp" || c.shard_group_size == 0 ? c.world_size : c.shard_group_size;
   const double block_bw = (block <= o.ranks_per_node ? o.intra_node_gbps : o.inter_node_gbps) * 1e9;
   const double across_bw = (c.world_size <= o.ranks_per_node ? o.intra_node_gbps : o.inter_node_gbps) * 1e9;
+  const int blocks = c.world_size / block;
+  const int block_nodes = nodes_of(o, block);
+  // The replica group: one rank per block; on one node while the whole group is.
+  const int replica_nodes = c.world_size <= o.ranks_per_node ? 1 : std::min(blocks, nodes_of(o, c.world_size));
+  // An all-reduce "across" is over the replica group, or over the whole group when the mode
+  // reduces there (ZeRO-1's and DDP's gradients, with blocks).
+  const bool whole_group = c.mode.rfind("zero2", 0) != 0;
+  const int across_k = whole_group ? c.world_size : blocks;
+  const int across_nodes = whole_group ? nodes_of(o, c.world_size) : replica_nodes;
   double worst = 0;
   for (const auto& r : p.ranks) {
-    worst = std::max(worst, std::max(r.sent_block, r.received_block) / block_bw +
-                                std::max(r.sent_across, r.received_across) / across_bw);
+    const double latency = static_cast<double>(r.chains_block) * chain_latency(o, block, block_nodes) +
+                           static_cast<double>(r.allreduces_block) * allreduce_latency(o, block, block_nodes) +
+                           static_cast<double>(r.allreduces_across) * allreduce_latency(o, across_k, across_nodes);
+    const double seconds = std::max(r.sent_block, r.received_block) / block_bw +
+                           std::max(r.sent_across, r.received_across) / across_bw + latency;
+    if (seconds >= worst) {
+      worst = seconds;
+      row.latency_seconds = latency;
+    }
+    row.collectives = std::max(row.collectives, r.collectives());
   }
-  return worst;
+  row.comm_seconds = worst;
 }
 
 nlohmann::json rank_json(const RankPlan& r) {
@@ -113,21 +163,24 @@ void print_table(const std::vector<Row>& rows, const ModelSpec& spec, const Plan
               o.optimizer == "muon" ? "Muon on the matrices, Adam on the rest" : "Adam", o.intra_node_gbps,
               o.inter_node_gbps, o.ranks_per_node);
   std::printf("memory: the busiest rank's bytes, the least loaded rank's total; traffic: the bytes per step of the "
-              "rank that moves the most, the slowest rank's communication time\n");
-  std::printf("%-10s %5s %5s  %-14s %9s %9s %9s %9s %9s %9s | %9s %6s | %9s %9s %9s | %s\n", "mode", "world", "block",
-              "scenario", "params", "grads", "buckets", "masters", "state", "total", "least", "imbal", "sent",
-              "received", "comm", "against the ZeRO formula");
+              "rank that moves the most, the most collectives per step of a rank, the slowest rank's communication "
+              "time (bytes at the bandwidths, plus %.1f us per collective and %.1f us per step of its algorithm, %.1f "
+              "us across nodes)\n",
+              o.collective_latency_us, o.hop_latency_us, o.network_hop_latency_us);
+  std::printf("%-10s %5s %5s  %-14s %9s %9s %9s %9s %9s %9s | %9s %6s | %9s %9s %6s %9s | %s\n", "mode", "world",
+              "block", "scenario", "params", "grads", "buckets", "masters", "state", "total", "least", "imbal", "sent",
+              "received", "colls", "comm", "against the ZeRO formula");
   for (const auto& row : rows) {
     const RankPlan& b = busiest(row.plan);
     const int block = row.config.mode == "ddp" || row.config.shard_group_size == 0 ? row.config.world_size
                                                                                    : row.config.shard_group_size;
-    std::printf("%-10s %5d %5d  %-14s %9s %9s %9s %9s %9s %9s | %9s %5.1f%% | %9s %9s %7.2fms | %s\n",
+    std::printf("%-10s %5d %5d  %-14s %9s %9s %9s %9s %9s %9s | %9s %5.1f%% | %9s %9s %6lld %7.2fms | %s\n",
                 row.config.mode.c_str(), row.config.world_size, block, row.plan.scenario.c_str(),
                 bytes_text(b.params).c_str(), bytes_text(b.grads).c_str(), bytes_text(b.buckets).c_str(),
                 bytes_text(b.masters).c_str(), bytes_text(b.state).c_str(), bytes_text(b.total()).c_str(),
                 bytes_text(least(row.plan).total()).c_str(), 100.0 * state_imbalance(row.plan),
                 bytes_text(most_traffic(row.plan).sent()).c_str(), bytes_text(most_traffic(row.plan).received()).c_str(),
-                row.comm_seconds * 1e3,
+                static_cast<long long>(row.collectives), row.comm_seconds * 1e3,
                 differences(row).c_str());
   }
 }
@@ -146,6 +199,8 @@ nlohmann::json report_json(const std::vector<Row>& rows, const ModelSpec& spec, 
                        {"layout_imbalance", row.plan.layout_imbalance},
                        {"state_imbalance", state_imbalance(row.plan)},
                        {"comm_seconds_per_step", row.comm_seconds},
+                       {"latency_seconds_per_step", row.latency_seconds},
+                       {"collectives_per_step", row.collectives},
                        {"max_rank", rank_json(busiest(row.plan))},
                        {"min_rank", rank_json(least(row.plan))},
                        {"max_traffic_rank", rank_json(most_traffic(row.plan))},
@@ -155,7 +210,8 @@ nlohmann::json report_json(const std::vector<Row>& rows, const ModelSpec& spec, 
   return {{"model", spec.name},
           {"numel", spec.numel()},
           {"links", {{"intra_node_gbps", o.intra_node_gbps}, {"inter_node_gbps", o.inter_node_gbps},
-                     {"ranks_per_node", o.ranks_per_node}}},
+                     {"ranks_per_node", o.ranks_per_node}, {"collective_latency_us", o.collective_latency_us},
+                     {"hop_latency_us", o.hop_latency_us}, {"network_hop_latency_us", o.network_hop_latency_us}}},
           {"configs", configs}};
 }
 
@@ -182,6 +238,9 @@ int run_plan(const PlanOptions& o) {
   SHARDOPT_CHECK(o.intra_node_gbps > 0, "--intra-node-bandwidth must be positive, got ", o.intra_node_gbps);
   SHARDOPT_CHECK(o.inter_node_gbps > 0, "--inter-node-bandwidth must be positive, got ", o.inter_node_gbps);
   SHARDOPT_CHECK(o.ranks_per_node >= 1, "--ranks-per-node must be positive, got ", o.ranks_per_node);
+  SHARDOPT_CHECK(o.collective_latency_us >= 0, "--collective-latency-us must be >= 0, got ", o.collective_latency_us);
+  SHARDOPT_CHECK(o.hop_latency_us >= 0, "--hop-latency-us must be >= 0, got ", o.hop_latency_us);
+  SHARDOPT_CHECK(o.network_hop_latency_us >= 0, "--network-hop-latency-us must be >= 0, got ", o.network_hop_latency_us);
   SHARDOPT_CHECK(o.bucket_mb >= 0, "--bucket-mb must be >= 0, got ", o.bucket_mb);
   for (int w : o.world_sizes) {
     SHARDOPT_CHECK(w >= 1, "--world-sizes: ", w, " is not a positive world size");
@@ -207,8 +266,8 @@ int run_plan(const PlanOptions& o) {
       c.bucket_bytes = static_cast<int64_t>(o.bucket_mb * (1 << 20));
       c.freeze_fraction = o.freeze_fraction;
       for (auto& plan : plan_config(spec, c)) {
-        Row row{c, std::move(plan), 0.0, {}, 0};
-        row.comm_seconds = comm_seconds(o, c, row.plan);
+        Row row{c, std::move(plan), 0.0, 0.0, 0, {}, 0};
+        add_comm_time(o, row);
         const int sharded = c.shard_group_size > 0 ? c.shard_group_size : world;
         row.formula = zero_formula(mode, sharded, spec.numel(), row.plan.trainable, spec.numel(), muon_numel);
         rows.push_back(std::move(row));

@@ -3,8 +3,9 @@
 //
 // For each world size and mode it reports the busiest and the least loaded rank's bytes of
 // parameters, gradients, buckets, masters and optimizer state, the imbalance, the bytes each rank
-// sends and receives per step within a block and across blocks, and the communication time those
-// bytes take at the given link bandwidths; beside it the ZeRO paper's formula and why the layout
+// sends and receives per step within a block and across blocks, the collectives it takes part
+// in, and the communication time: those bytes at the given link bandwidths plus each
+// collective's latency; beside it the ZeRO paper's formula and why the layout
 // differs from it. Writes plan.json, plan.csv and plan.png.
 #pragma once
 
@@ -26,6 +27,12 @@ struct PlanOptions {
   double intra_node_gbps = 450;   // GB/s each way inside a node (NVLink)
   double inter_node_gbps = 50;    // GB/s each way across nodes (InfiniBand, 400 Gb/s per GPU)
   int ranks_per_node = 8;
+  // The latency terms of a collective (Note [Plan latency] in plan.cpp), microseconds: NCCL's
+  // own model for its ring algorithm with the Simple protocol (src/graph/tuning.cc: baseLat,
+  // and hwLat per step over NVLink and over the network).
+  double collective_latency_us = 8.4;
+  double hop_latency_us = 3.4;          // per step between ranks of one node
+  double network_hop_latency_us = 14.0; // per step between nodes
   std::string out_dir = "plan";
   std::string python;             // interpreter with matplotlib for the chart; empty: the build's
 };

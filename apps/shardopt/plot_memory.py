@@ -47,6 +47,7 @@ def main():
         ax, side = axes[row]
         x, ticks, labels, group_starts = 0.0, [], [], []
         transient = []
+        top = 0.0  # the tallest bar or formula line, MiB
         for world in worlds:
             group_starts.append((x, world))
             for mode in modes:
@@ -61,8 +62,10 @@ def main():
                         ax.bar(x, r[key] / MIB, 0.85, bottom=bottom / MIB, color=color,
                                label=name if (x == 0 and row == 0) else None)
                         bottom += r[key]
+                    top = max(top, bottom / MIB)
                     x += 1
                 formula = sum(ranks[0]["formula"][k] for k in ("params", "grads", "state"))
+                top = max(top, formula / MIB)
                 ax.plot([start - 0.45, x - 0.55], [formula / MIB] * 2, color="black", linewidth=1.6,
                         label="ZeRO formula" if (start == 0 and row == 0) else None)
                 ticks.append((start + x - 1) / 2)
@@ -77,6 +80,9 @@ def main():
         ax.set_xticklabels(labels, fontsize=7)
         for gx, world in group_starts:
             ax.text(gx, -0.16, f"world {world}", transform=ax.get_xaxis_transform(), fontsize=9, ha="left")
+        # Room above the tallest bar: a stacked bar's thin top segment (the buckets) pins
+        # matplotlib's automatic limit to the stack's top, which would cut it off.
+        ax.set_ylim(0, top * 1.08 if top > 0 else 1)
         ax.set_ylabel("MiB per rank (one bar per rank)")
         ax.set_title(f"{report['model']}: model state per rank, {scenario}")
         ax.grid(axis="y", alpha=0.3)

@@ -39,18 +39,28 @@ struct Traffic {
     (across ? ranks[rank].received_across : ranks[rank].received_block) += received;
   }
   void all_reduce(double bytes, int k) {
-    const double each = k > 1 ? 2.0 * (k - 1) / k * bytes : 0.0;
-    for (size_t r = 0; r < ranks.size(); ++r) add(static_cast<int>(r), each, each);
+    if (k <= 1) return;
+    const double each = 2.0 * (k - 1) / k * bytes;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      add(static_cast<int>(r), each, each);
+      ++(across ? ranks[r].allreduces_across : ranks[r].allreduces_block);
+    }
   }
   void reduce(double bytes, int owner) {
     const int k = static_cast<int>(ranks.size());
     if (k == 1) return;
-    for (int r = 0; r < k; ++r) add(r, r == owner ? 0.0 : bytes, r == (owner + 1) % k ? 0.0 : bytes);
+    for (int r = 0; r < k; ++r) {
+      add(r, r == owner ? 0.0 : bytes, r == (owner + 1) % k ? 0.0 : bytes);
+      ++ranks[r].chains_block;
+    }
   }
   void broadcast(double bytes, int owner) {
     const int k = static_cast<int>(ranks.size());
     if (k == 1) return;
-    for (int r = 0; r < k; ++r) add(r, r == (owner + k - 1) % k ? 0.0 : bytes, r == owner ? 0.0 : bytes);
+    for (int r = 0; r < k; ++r) {
+      add(r, r == (owner + k - 1) % k ? 0.0 : bytes, r == owner ? 0.0 : bytes);
+      ++ranks[r].chains_block;
+    }
   }
 };
 
@@ -96,6 +106,7 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
         const double each = 2.0 * (blocks - 1) / blocks * owned[r];
         across.add(static_cast<int>(r), each, each);
       }
+      for (const auto& b : layout.buckets()) ++out.ranks[b.owner].allreduces_across;
     }
   } else {
     // DDP's all-reduce of every trainable gradient over the whole group, through one bucket.

@@ -2,7 +2,7 @@
 // model (24.3M fp32 elements, 97 MB), two ranks as threads of this process over Gloo (loopback),
 // one intra-op thread each: the gradient reduction (all-reduce as DDP, reduce of each half to its
 // owner as ShardedDDP, reduce-scatter) and the parameter sync (broadcast of each half from its
-// owner as OSS, all-gather). Median of 5 runs after one warm-up, rank 0's time. Also the mean at
+// owner as OSS, all-gather; and both as rows). Median of 5 runs after one warm-up, rank 0's time. Also the mean at
 // the owner, sum then div_ against reduce_mean_async, in pairs.
 //
 //   build/bench/collectives_bench --benchmark_counters_tabular=true
@@ -87,6 +87,14 @@ void BM_Allgather(benchmark::State& state) {
     g.allgather(outputs, mine);
   });
 }
+// The same two steps as rows (Note [Rows]): one reduce-scatter and one all-gather of the buffer
+// as one row per rank, direct transfers on Gloo.
+void BM_ReduceScatterRows(benchmark::State& state) {
+  run(state, [](shardopt::ProcessGroup& g, at::Tensor& buf) { g.reduce_scatter_rows_async(buf).wait(); });
+}
+void BM_AllgatherRows(benchmark::State& state) {
+  run(state, [](shardopt::ProcessGroup& g, at::Tensor& buf) { g.allgather_rows_async(buf).wait(); });
+}
 
 // The mean of each half at its owner, as ShardedDDP takes it: the sum then div_ on the owner's
 // half, against reduce_mean_async (the division in the pass that sums). The two take turns on the
@@ -135,6 +143,8 @@ COLLECTIVE(BM_ReduceEachHalfToItsOwner);
 COLLECTIVE(BM_ReduceScatter);
 COLLECTIVE(BM_BroadcastEachHalfFromItsOwner);
 COLLECTIVE(BM_Allgather);
+COLLECTIVE(BM_ReduceScatterRows);
+COLLECTIVE(BM_AllgatherRows);
 COLLECTIVE(BM_PairedMeanAtOwnerSumThenDivVsFused);
 
 }  // namespace

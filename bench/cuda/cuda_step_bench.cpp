@@ -34,7 +34,7 @@
 // Every benchmark reports GB/s: the bytes its update must move (TrainStep: the optimizer's), per
 // second. On a machine without a CUDA device the program prints "no CUDA device" and exits with
 // status 1.
-#include <shardopt/models/gpt2.h>
+#include "models/gpt2.h"
 #include <shardopt/comm/process_group.h>
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/oss.h>

@@ -20,7 +20,7 @@
 #include "gpt2_like.h"
 #include "median.h"
 
-#include <shardopt/models/gpt2.h>
+#include "models/gpt2.h"
 #include <shardopt/shardopt.h>
 
 #include <ATen/ATen.h>

@@ -7,7 +7,7 @@
 //
 //   build/bench/fused_step_bench --benchmark_counters_tabular=true --benchmark_repetitions=5 \
 //       --benchmark_report_aggregates_only=true
-#include <shardopt/models/gpt2.h>
+#include "models/gpt2.h"
 #include <shardopt/optim/fused_step.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/testing/introspection.h>

@@ -15,7 +15,7 @@
 // times torch.optim.Muon + AdamW on the same shapes in Python.
 #include "median.h"
 
-#include <shardopt/models/gpt2.h>
+#include "models/gpt2.h"
 #include <shardopt/optim/fused_step.h>
 #include <shardopt/shardopt.h>
 

@@ -12,7 +12,7 @@ import torch
 
 
 def gpt2_shapes(d=512, vocab=10000, positions=512, blocks=6):
-    """shardopt/models/gpt2.h's gpt2_shapes."""
+    """models/gpt2.h's gpt2_shapes."""
     shapes = [(vocab, d), (positions, d)]
     for _ in range(blocks):
         shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]

@@ -5,7 +5,7 @@
 //   build/oss_bench --benchmark_counters_tabular=true
 #include "median.h"
 
-#include <shardopt/models/gpt2.h>
+#include "models/gpt2.h"
 #include <shardopt/optim/oss.h>
 
 #include "harness.h"

@@ -142,7 +142,7 @@ std::string this_process() {
 
 RankWatch watch_ranks(c10d::Store& store, int size, int self, const std::string& flag_prefix,
                       bool flag_counts_as_known) {
-  RankWatch w{std::vector<bool>(size), std::vector<bool>(size), std::vector<bool>(size)};
+  RankWatch w{std::vector<bool>(size), std::vector<bool>(size), std::vector<bool>(size), std::vector<bool>(size)};
   const std::string me = this_process();
   const std::string machine = me.substr(0, me.find('|'));
   const std::vector<std::string> processes = recorded_processes(store, size);
@@ -167,6 +167,7 @@ RankWatch watch_ranks(c10d::Store& store, int size, int self, const std::string&
       if (!w.exited[r] && !w.beat[r] && !w.flagged[r] && silent_flags[r] &&
           std::chrono::steady_clock::now() - start >= kSilentGrace) {
         w.exited[r] = true;
+        w.hung[r] = true;
       }
       all_known = all_known && (w.beat[r] || w.exited[r] || w.flagged[r]);
     }
@@ -266,13 +267,17 @@ std::string ProcessGroup::roll_call() {
     const std::string failed = "shardopt/failed/";
     store_->set(failed + std::to_string(rank_), std::vector<uint8_t>{1});
     const detail::RankWatch w = detail::watch_ranks(*store_, size_, rank_, failed, /*flag_counts_as_known=*/false);
-    std::vector<int> exited, silent, failed_too;
+    std::vector<int> exited, hung, silent, failed_too;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_ || w.beat[r]) continue;
-      (w.flagged[r] ? failed_too : w.exited[r] ? exited : silent).push_back(r);
+      (w.flagged[r] ? failed_too : w.hung[r] ? hung : w.exited[r] ? exited : silent).push_back(r);
     }
     std::string text;
     if (!exited.empty()) text = list(exited) + " stopped answering (its process on this machine exited)";
+    if (!hung.empty()) {
+      text += (text.empty() ? "" : "; ") + list(hung) + " stopped answering (no heartbeat for " +
+              std::to_string(detail::kHungTimeout.count()) + " s while the others waited on it: stopped or hung)";
+    }
     if (!silent.empty()) {
       text += (text.empty() ? "" : "; ") + list(silent) + " stopped answering (no heartbeat for " +
               std::to_string(detail::kHeartbeatTimeout.count()) + " s: exited, killed or hung)";

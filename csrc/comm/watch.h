@@ -38,6 +38,7 @@ struct RankWatch {
   std::vector<bool> exited;   // its process is on this machine and has exited, or (silent_key) a
                               // rank saw its heartbeat stand still for kHungTimeout
   std::vector<bool> flagged;  // `flag_prefix + rank` is set in the store
+  std::vector<bool> hung;     // of the exited: found silent by a rank (silent_key), not seen to exit
 };
 
 // Watches ranks [0, size) other than `self` until each one is known: its counter moved, its

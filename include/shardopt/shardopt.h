@@ -6,6 +6,11 @@
 //   data/   BalancedSampler and its torch::data adapter
 //   checkpoint/  save_checkpoint / load_checkpoint, save_checkpoint_async
 //   resilience/  Resilient: training that goes on when a rank dies
+//   testing/     what tests and benchmarks read of OSS's and ShardedDDP's insides (not included
+//                here)
+// and, beside them, check.h (errors), version.h and compat.h (LibTorch version differences);
+// oss.h, sharded_ddp.h, sampler.h, comm.h, checkpoint.h and grad_scaler.h include their layer's
+// headers under the older, shorter names.
 #pragma once
 
 #include <shardopt/comm/process_group.h>

@@ -6,6 +6,7 @@ Run by ctest with the project's Python; SHARDOPT_EXE names the executable.
 """
 import csv
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -197,6 +198,54 @@ class PlanTest(unittest.TestCase):
         with open(self.path("p/plan.csv")) as f:
             self.assertEqual(len(list(csv.DictReader(f))), 3 * 4096)
 
+    def test_collectives_and_their_latency_per_step(self):
+        """plan.json's collectives per step of the busiest rank, and the latency each adds to the
+        communication time, computed here from NCCL's ring/Simple figures (8.4 us a collective, 3.4
+        us a step inside a node, 14 us across nodes; 8 ranks a node): DDP's one all-reduce (ring or
+        tree, the faster), ZeRO-2's reduce and broadcast per bucket (chains), and with blocks of 8
+        the replica all-reduce of each bucket a rank owns."""
+        run(["plan", "--preset", "gpt2-small", "--world-sizes", "8,64", "--modes", "ddp,zero2", "-o", self.path("p")])
+        run(["plan", "--preset", "gpt2-small", "--world-sizes", "64", "--modes", "zero2", "--shard-group-size", "8",
+             "-o", self.path("h")])
+        configs = []
+        for folder in ("p", "h"):
+            with open(self.path(f"{folder}/plan.json")) as f:
+                configs += json.load(f)["configs"]
+
+        def chain(k, nodes):
+            return (8.4 + (k - nodes) * 3.4 + (nodes - 1) * 14.0) * 1e-6
+
+        def allreduce(k, nodes):
+            ring = 8.4 + 2 * (k - nodes) * 3.4 + 2 * (nodes - 1) * 14.0
+            tree = 8.4 + 2 * ((k / nodes - 1) * 3.4 + math.log2(nodes) * 14.0)
+            return min(ring, tree) * 1e-6
+
+        seen = set()
+        for c in configs:
+            w, mode, block = c["world_size"], c["mode"], c["shard_group_size"]
+            seen.add((mode, w, block))
+            self.assertGreater(c["comm_seconds_per_step"], c["latency_seconds_per_step"], c)
+            if mode == "ddp":
+                self.assertEqual(c["collectives_per_step"], 1, c)
+                self.assertAlmostEqual(c["latency_seconds_per_step"], allreduce(w, (w + 7) // 8), delta=1e-12)
+            elif block == 0:
+                self.assertEqual(c["collectives_per_step"], 2 * c["buckets"], c)
+                self.assertAlmostEqual(c["latency_seconds_per_step"], 2 * c["buckets"] * chain(w, (w + 7) // 8),
+                                       delta=1e-9)
+            else:
+                # the busiest rank: the block's chains (one node), and an all-reduce over the 8
+                # blocks (8 nodes) for each bucket it owns, at least its share of the buckets
+                owned = c["collectives_per_step"] - 2 * c["buckets"]
+                self.assertGreaterEqual(owned, c["buckets"] / 8, c)
+                self.assertLess(owned, c["buckets"], c)
+                self.assertAlmostEqual(c["latency_seconds_per_step"],
+                                       2 * c["buckets"] * chain(8, 1) + owned * allreduce(8, 8), delta=1e-9)
+        self.assertEqual(seen, {("ddp", 8, 0), ("ddp", 64, 0), ("zero2", 8, 0), ("zero2", 64, 0), ("zero2", 64, 8)})
+        # Latency grows with the world size: the same buckets' chains cross 8 nodes at 64 ranks.
+        by = {(c["mode"], c["world_size"], c["shard_group_size"]): c for c in configs}
+        self.assertGreater(by[("zero2", 64, 0)]["latency_seconds_per_step"],
+                           by[("zero2", 8, 0)]["latency_seconds_per_step"])
+
     def test_bad_input_is_one_line_naming_it(self):
         spec = self.path("bad.json")
         with open(spec, "w") as f:
@@ -208,6 +257,7 @@ class PlanTest(unittest.TestCase):
             (["--intra-node-bandwidth", "0"], "--intra-node-bandwidth: must be positive, got 0"),
             (["--inter-node-bandwidth", "-5"], "--inter-node-bandwidth: must be positive, got -5"),
             (["--world-sizes", "0"], "--world-sizes: must be positive, got 0"),
+            (["--hop-latency-us", "-1"], "--hop-latency-us: must be non-negative, got -1"),
             (["--preset", "gpt2-small", "--freeze-fraction", "0.3"],
              "--freeze-fraction 0.3 freezes no layer: the first, 'wte', is alone more than that fraction"),
         ]

@@ -53,7 +53,7 @@ class Block(nn.Module):
 
 
 # GPT-2's shape at width 512, vocab 10000, context 512, 6 blocks: the tensors of GPT2Like in
-# bench/ddp/ddp_bench.cpp (from shardopt/models/gpt2.h), in the same order and layout (nn.Linear's
+# bench/ddp/ddp_bench.cpp (from models/gpt2.h), in the same order and layout (nn.Linear's
 # weights [out, in]). The one definition of it on the Python side.
 class GPT2Like(nn.Module):
     D, VOCAB, CTX, LAYERS = 512, 10000, 512, 6

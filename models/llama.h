@@ -2,7 +2,7 @@
 // `llama-7b` and `llama-70b` presets. Header only.
 #pragma once
 
-#include <shardopt/models/gpt2.h>
+#include "models/gpt2.h"
 
 #include <cstdint>
 #include <string>
