@@ -83,8 +83,9 @@ std::string text(const std::vector<uint8_t>& bytes) { return {bytes.begin(), byt
 // Each rank's writer writes its part (a sharded save), then sets "<id>/part/<rank>" in the store
 // to "ok" or to its error. Rank 0's writer waits for every rank's key (within the group's
 // timeout), writes the main file when every part is in, and sets "<id>/main" to "ok" or to what
-// went wrong. Every other writer waits for that key. Once the main file is in, each writer removes
-// the previous saves' parts; if it is not, each removes its own new part, which nothing names. No
+// went wrong. Every other writer waits for that key. The keys do not outlive the save: rank 0
+// deletes the part keys once it has set "<id>/main", and the last writer to read "<id>/main"
+// deletes it. Once the main file is in, each writer removes the previous saves' parts; if it is not, each removes its own new part, which nothing names. No
 // collective of the training group is called: the training loop may be in one meanwhile.
 std::string write_in_background(const CheckpointSnapshot& snap, const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                 int world, std::chrono::milliseconds timeout, const std::atomic<bool>& cancelled) {
@@ -121,9 +122,16 @@ std::string write_in_background(const CheckpointSnapshot& snap, const c10::intru
       if (error.empty() && !committed) error = parts;
       known_uncommitted = !committed;
       store->set(base + "main", bytes(committed ? "ok" : parts));
+      // Every part key was read; "main" goes once every other writer has read it.
+      for (int r = 0; r < world; ++r) store->deleteKey(base + "part/" + std::to_string(r));
+      if (world == 1) store->deleteKey(base + "main");
     } else if (poll_for(*store, base + "main", timeout, cancelled)) {
       committed = text(store->get(base + "main")) == "ok";
       known_uncommitted = !committed;
+      if (store->add(base + "read", 1) == world - 1) {
+        store->deleteKey(base + "main");
+        store->deleteKey(base + "read");
+      }
     } else if (error.empty()) {
       error = "checkpoint '" + snap.path + "': rank 0 did not write the main file within " +
               std::to_string(timeout.count()) + " ms";

@@ -107,7 +107,9 @@ Resilient::Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch:
   } else if (!group_->store()) {
     problem = "surviving a dead rank needs the group's rendezvous store (make the group with init_process_group)";
   }
-  const auto all = group_->allgather_ints({problem.empty() ? 0 : 1, options_.refresh_every(), options_.min_world_size()});
+  const int64_t scaler = options_.grad_scaler() ? 1 : 0;
+  const auto all = group_->allgather_ints(
+      {problem.empty() ? 0 : 1, options_.refresh_every(), options_.min_world_size(), scaler});
   for (int r = 0; r < group_->size(); ++r) {
     SHARDOPT_CHECK(all[r][0] == 0, "", r == group_->rank() ? problem : group_->describe_rank(r) + " refused its "
                    "ResilienceOptions: " + (all[r][1] < 1 ? "refresh_every " + std::to_string(all[r][1]) + " (must be >= 1)"
@@ -117,6 +119,11 @@ Resilient::Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch:
     SHARDOPT_CHECK(all[r][1] == all[0][1] && all[r][2] == all[0][2], "ResilienceOptions differ between ranks: rank 0 "
                    "has refresh_every ", all[0][1], " and min_world_size ", all[0][2], ", ", group_->describe_rank(r),
                    " has refresh_every ", all[r][1], " and min_world_size ", all[r][2]);
+    // The loss scale travels in the copies (ResilienceOptions::grad_scaler): every rank passes
+    // one, or none.
+    SHARDOPT_CHECK(all[r][3] == all[0][3], "ResilienceOptions differ between ranks: rank 0 ",
+                   all[0][3] ? "passes" : "does not pass", " a grad_scaler, ", group_->describe_rank(r),
+                   all[r][3] ? " passes one" : " does not");
   }
   group_->watch_failures();
   build();

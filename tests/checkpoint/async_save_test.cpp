@@ -82,7 +82,8 @@ bool same_tree(const torch::IValue& a, const torch::IValue& b) {
 
 // 3 steps, then a synchronous save and an asynchronous one of the same state; 3 more steps run
 // while the asynchronous one is written (they change every parameter and the optimizer state).
-// Both files restore the same parameters and state, bit for bit, in both layouts.
+// Both files restore the same parameters and state, bit for bit, in both layouts, and the
+// writers leave no keys in the store.
 TEST(AsyncSave, HoldsTheStateAtTheCallWhileTrainingGoesOn) {
   for (auto layout : {OptimizerStateLayout::kConsolidated, OptimizerStateLayout::kSharded}) {
     const auto dir = temp_dir("async");
@@ -96,6 +97,8 @@ TEST(AsyncSave, HoldsTheStateAtTheCallWhileTrainingGoesOn) {
       state.step = 3;
       const auto options = CheckpointOptions().optimizer_state(layout);
       save_checkpoint(sync_path, *net, oss, state, options);
+      g->barrier();
+      const int64_t keys_before = g->store()->getNumKeys();
       PendingCheckpoint pending = save_checkpoint_async(async_path, *net, oss, state, options);
       EXPECT_EQ(pending.path(), async_path);
       const Params at_call = testing::clone_params(net->params);
@@ -104,6 +107,8 @@ TEST(AsyncSave, HoldsTheStateAtTheCallWhileTrainingGoesOn) {
       pending.wait();
       EXPECT_TRUE(pending.done());
       pending.wait();  // a second wait returns at once
+      g->barrier();     // every rank's writer has finished
+      EXPECT_EQ(g->store()->getNumKeys(), keys_before) << "the writers' keys in the store outlive the save";
     });
     const Loaded a = load_fresh(sync_path, 2), b = load_fresh(async_path, 2);
     EXPECT_EQ(b.step, 3);

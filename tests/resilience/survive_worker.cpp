@@ -6,10 +6,12 @@
 //
 //   survive_worker --steps T [--refresh-every N] [--freeze-at S] [--consolidate-every C]
 //                  [--checkpoint-every C --dir D] [--min-world-size M] [--expect-recoveries K]
-//                  [--expect-world W] [--refresh-every-rank-1 N] [--await-joiner-at S]
+//                  [--expect-world W] [--refresh-every-rank-1 N] [--await-joiner-at S] [--timeout S]
+//                  [--scaler-on-rank-1 1]
 //                  [--shard-group-size B]
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/grad_scaler.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/resilience/resilient.h>
 
@@ -44,6 +46,7 @@ struct Args {
   int64_t stop_at = -1;
   int shard_group_size = 0;           // > 0: replica blocks of this size while the world size is a multiple
   int64_t timeout_s = 20;             // the group's collective timeout
+  bool scaler_on_rank_1 = false;      // only rank 1 passes a grad_scaler (a bad-input test)
   std::string dir;
 };
 
@@ -63,6 +66,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--shard-group-size") a.shard_group_size = std::stoi(v);
     else if (k == "--dir") a.dir = v;
     else if (k == "--timeout") a.timeout_s = std::stoll(v);
+    else if (k == "--scaler-on-rank-1") a.scaler_on_rank_1 = v == "1";
     else if (k == "--min-world-size") a.min_world_size = std::stoi(v);
     else if (k == "--expect-recoveries") a.expect_recoveries = std::stoi(v);
     else if (k == "--expect-world") a.expect_world = std::stoi(v);
@@ -119,6 +123,7 @@ int main(int argc, char** argv) {
       TORCH_CHECK(static_cast<int>(distinct.size()) == group->size(), "the ranks' data are not all different");
     }
 
+    ShardedGradScaler scaler;  // passed by rank 1 alone under --scaler-on-rank-1
     Resilient run(
         group, model.ptr(),
         [&](std::shared_ptr<ProcessGroup> g) {
@@ -134,7 +139,8 @@ int main(int argc, char** argv) {
         ResilienceOptions()
             .refresh_every(group->rank() == 1 && args.refresh_every_rank_1 >= 0 ? args.refresh_every_rank_1
                                                                                  : args.refresh_every)
-            .min_world_size(args.min_world_size));
+            .min_world_size(args.min_world_size)
+            .grad_scaler(args.scaler_on_rank_1 && group->rank() == 1 ? &scaler : nullptr));
     if (run.rank() == 0 && run.start_step() == 0) std::cout << "resilience: " << run.describe() << std::endl;
 
     if (run.start_step() > 0) {

@@ -275,6 +275,14 @@ class BadInput(Base):
             self.assertRegex(out, rf"\[rank {r}\] survive_worker: .*ResilienceOptions differ between ranks: rank 0 has "
                                   r"refresh_every 5 .* rank 1 has refresh_every 3")
 
+    def test_a_grad_scaler_on_one_rank_only(self):
+        # The loss scale travels in the copies: every rank passes a scaler, or none does.
+        code, out = run(2, None, "--steps", 2, "--scaler-on-rank-1", 1)
+        self.assertEqual(code, 1)
+        for r in (0, 1):
+            self.assertRegex(out, rf"\[rank {r}\] survive_worker: .*ResilienceOptions differ between ranks: rank 0 "
+                                  r"does not pass a grad_scaler, rank 1 passes one")
+
 
 if __name__ == "__main__":
     unittest.main()
