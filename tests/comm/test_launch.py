@@ -280,6 +280,21 @@ class Launcher(unittest.TestCase):
             with self.assertRaises(ProcessLookupError, msg=f"rank {rank} (pid {pid}) still runs"):
                 os.kill(pid, 0)
 
+    def test_a_rank_that_writes_half_a_line_does_not_stall_the_launcher(self):
+        # Rank 1 writes text without a newline and waits; rank 0 fails. The launcher still gives
+        # the others their grace, stops rank 1, and shows its half line as its last.
+        code = ("import os, sys, time\n"
+                "if os.environ['RANK'] == '0': time.sleep(2); sys.exit(3)\n"
+                "sys.stdout.write('half a line'); sys.stdout.flush()\n"
+                "time.sleep(600)\n")
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, self.LAUNCH, "-n", "2", sys.executable, "-c", code], env=base_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=90)
+        self.assertEqual(p.returncode, 1, p.stdout)
+        self.assertIn("launch: rank 0 exited with code 3; stopped the other ranks", p.stdout)
+        self.assertIn("[rank 1] half a line\n", p.stdout)
+        self.assertLess(time.monotonic() - t0, 40, p.stdout)
+
     def test_stopping_the_launcher_stops_every_rank(self):
         for sig in (signal.SIGTERM, signal.SIGHUP):
             code = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
