@@ -161,11 +161,10 @@ RankWatch watch_ranks(c10d::Store& store, int size, int self, const std::string&
       w.beat[r] = w.beat[r] || now[r] != before[r];
       if (!w.exited[r]) w.exited[r] = known_to_have_exited(processes[r], machine);
       if (flag_counts_as_known && !w.flagged[r] && !w.beat[r] && !w.exited[r]) w.flagged[r] = flag(r);
-      // A rank found silent while others waited on it (Note [A silent rank breaks the group]),
-      // still silent a heartbeat period later and not recovering: gone, without waiting out the
-      // timeout again.
-      if (!w.exited[r] && !w.beat[r] && !w.flagged[r] && silent_flags[r] &&
-          std::chrono::steady_clock::now() - start >= kSilentGrace) {
+      // A rank found silent for kHungTimeout while others waited on it (Note [A silent rank
+      // breaks the group]) and not recovering: gone, without waiting out the heartbeat timeout
+      // again.
+      if (!w.exited[r] && !w.beat[r] && !w.flagged[r] && silent_flags[r]) {
         w.exited[r] = true;
         w.hung[r] = true;
       }

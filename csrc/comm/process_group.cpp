@@ -399,6 +399,14 @@ void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64
 // 2(N-1)/N, what a ring all-reduce moves (docs/benchmarks.md, bytes on the wire). Tags come
 // from a per-group sequence, the same on every rank because every rank issues its collectives
 // in the same order; they start above the tags callers of send/recv use.
+PendingWork ProcessGroup::track_all(CommStats::Kind kind, int64_t bytes,
+                                    std::vector<c10::intrusive_ptr<c10d::Work>> works) {
+  TORCH_INTERNAL_ASSERT(!works.empty(), "track_all of no work");
+  PendingWork work = track(kind, bytes, std::move(works.front()));
+  for (size_t i = 1; i < works.size(); ++i) work.also_wait_for(std::move(works[i]));
+  return work;
+}
+
 int ProcessGroup::next_p2p_tag() {
   constexpr uint32_t kFirstTag = 1u << 24;
   return static_cast<int>(kFirstTag + (p2p_sequence_++ % kFirstTag));
@@ -426,18 +434,14 @@ PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, 
       return track(CommStats::kReduce, nbytes(tensor), [&] { return backend_->send(ts, root, tag); });
     }
     std::vector<at::Tensor> incoming;
-    PendingWork work;
+    std::vector<c10::intrusive_ptr<c10d::Work>> recvs;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
       std::vector<at::Tensor> ts{at::empty_like(host)};
       incoming.push_back(ts[0]);
-      auto recv = start(CommStats::kReduce, [&] { return backend_->recv(ts, r, tag); });
-      if (!work.valid()) {
-        work = track(CommStats::kReduce, nbytes(tensor), std::move(recv));
-      } else {
-        work.also_wait_for(std::move(recv));
-      }
+      recvs.push_back(start(CommStats::kReduce, [&] { return backend_->recv(ts, r, tag); }));
     }
+    PendingWork work = track_all(CommStats::kReduce, nbytes(tensor), std::move(recvs));
     work.set_then([tensor, host, incoming, numel, divisor]() mutable {
       detail::sum_into(host, incoming, numel, divisor);
       if (!host.is_same(tensor)) tensor.copy_(host);

@@ -57,22 +57,16 @@ PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double div
     const int tag = next_p2p_tag();
     at::Tensor host = staged(flat);  // a CUDA tensor's pinned copy (Note [Staging])
     std::vector<at::Tensor> incoming(static_cast<size_t>(size_));
-    PendingWork work;
-    auto add = [&](c10::intrusive_ptr<c10d::Work> w) {
-      if (!work.valid()) {
-        work = track(kind, nbytes(flat), std::move(w));
-      } else {
-        work.also_wait_for(std::move(w));
-      }
-    };
+    std::vector<c10::intrusive_ptr<c10d::Work>> transfers;
     for (int k = 1; k < size_; ++k) {
       const int dst = (rank_ + k) % size_, src = (rank_ - k + size_) % size_;
       std::vector<at::Tensor> out{host.narrow(0, dst * row, row)};
-      add(start(kind, [&] { return backend_->send(out, dst, tag); }));
+      transfers.push_back(start(kind, [&] { return backend_->send(out, dst, tag); }));
       std::vector<at::Tensor> in{at::empty({row}, host.options())};
       incoming[static_cast<size_t>(src)] = in[0];
-      add(start(kind, [&] { return backend_->recv(in, src, tag); }));
+      transfers.push_back(start(kind, [&] { return backend_->recv(in, src, tag); }));
     }
+    PendingWork work = track_all(kind, nbytes(flat), std::move(transfers));
     const bool was_staged = !host.is_same(flat);
     work.set_then([mine, host, incoming, rank = rank_, row, divisor, was_staged]() mutable {
       std::vector<at::Tensor> in_rank_order;
@@ -108,21 +102,15 @@ PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat) {
   if (backend_name_ == "gloo") {
     const int tag = next_p2p_tag();
     at::Tensor host = staged(flat);
-    PendingWork work;
-    auto add = [&](c10::intrusive_ptr<c10d::Work> w) {
-      if (!work.valid()) {
-        work = track(kind, nbytes(flat), std::move(w));
-      } else {
-        work.also_wait_for(std::move(w));
-      }
-    };
+    std::vector<c10::intrusive_ptr<c10d::Work>> transfers;
     for (int k = 1; k < size_; ++k) {
       const int dst = (rank_ + k) % size_, src = (rank_ - k + size_) % size_;
       std::vector<at::Tensor> out{host.narrow(0, rank_ * row, row)};
-      add(start(kind, [&] { return backend_->send(out, dst, tag); }));
+      transfers.push_back(start(kind, [&] { return backend_->send(out, dst, tag); }));
       std::vector<at::Tensor> in{host.narrow(0, src * row, row)};
-      add(start(kind, [&] { return backend_->recv(in, src, tag); }));
+      transfers.push_back(start(kind, [&] { return backend_->recv(in, src, tag); }));
     }
+    PendingWork work = track_all(kind, nbytes(flat), std::move(transfers));
     unstage_after(work, flat, host);
     return work;
   }

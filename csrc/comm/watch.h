@@ -19,9 +19,6 @@ inline constexpr std::chrono::seconds kHeartbeatTimeout(3);
 // Longer than kHeartbeatTimeout: a live rank's heartbeat thread can go unscheduled for 3 s on an
 // overloaded machine, and a false alarm costs the whole group a recovery.
 inline constexpr std::chrono::seconds kHungTimeout(10);
-// How long a rank already found silent must stay silent (and not recovering) in a watch to count
-// as gone: more than one heartbeat period.
-inline constexpr std::chrono::milliseconds kSilentGrace(1200);
 
 // The store key under which rank r of a group records which process it is.
 std::string process_key(int rank);

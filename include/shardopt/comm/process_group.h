@@ -269,6 +269,9 @@ class ProcessGroup {
   int size_ = 1;
   std::chrono::milliseconds timeout_;
   CommStats stats_;
+  // One collective made of several transfers (`works`, at least one): counted once in stats(),
+  // waited for as one.
+  PendingWork track_all(CommStats::Kind kind, int64_t bytes, std::vector<c10::intrusive_ptr<c10d::Work>> works);
   // The tag of a collective made of point-to-point transfers (reduce to one owner, rows): from a
   // per-group sequence, the same on every rank, above the tags callers of send/recv use.
   int next_p2p_tag();
