@@ -174,7 +174,8 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
   plan.add_option("--partition", o.partition, "auto, split (equal ranges) or whole (whole parameters per owner)")
       ->check(CLI::IsMember({"auto", "split", "whole"}))
       ->capture_default_str();
-  plan.add_option("--bucket-mb", o.bucket_mb, "ZeRO-2's reduce buckets, MiB (0: one per parameter)")
+  plan.add_option("--bucket-mb", o.bucket_mb, "ZeRO-2's reduce buckets, MiB: at least this, and 1 MiB per rank of the shard group (0: one per "
+                   "parameter, or one per group of split parameters)")
       ->check(kNonNegative)
       ->capture_default_str();
   plan.add_option("--freeze-fraction", o.freeze_fraction, "fraction of the parameters (leading layers) frozen for a "

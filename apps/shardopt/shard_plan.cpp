@@ -3,6 +3,7 @@
 #include "units.h"
 
 #include <shardopt/check.h>
+#include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/muon.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/optim/placement.h>
@@ -26,7 +27,8 @@ PartitionMode partition_mode(const std::string& name) {
 
 // Note [Plan traffic]
 // Per collective of B bytes over k ranks, the bytes each rank sends and receives under NCCL's
-// algorithms: an all-reduce (ring) 2(k-1)/k B both ways on every rank; a reduce to an owner
+// algorithms: an all-reduce (ring) 2(k-1)/k B both ways on every rank; a reduce-scatter or an
+// all-gather of a row bucket (ring) (k-1)/k B both ways on every rank; a reduce to an owner
 // (chain ending at the owner) B sent by every rank but the owner, B received by every rank but
 // the one after it, where the chain starts; a broadcast from an owner (chain starting there) B
 // received by every rank but the owner, B sent by every rank but the last of the chain. Latency
@@ -51,6 +53,16 @@ struct Traffic {
     if (k == 1) return;
     for (int r = 0; r < k; ++r) {
       add(r, r == owner ? 0.0 : bytes, r == (owner + 1) % k ? 0.0 : bytes);
+      ++ranks[r].chains_block;
+    }
+  }
+  // A reduce-scatter or all-gather of a row bucket of `bytes` (all rows), on a ring.
+  void rows(double bytes) {
+    const int k = static_cast<int>(ranks.size());
+    if (k == 1) return;
+    const double each = static_cast<double>(k - 1) / k * bytes;
+    for (int r = 0; r < k; ++r) {
+      add(r, each, each);
       ++ranks[r].chains_block;
     }
   }
@@ -95,6 +107,14 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
       if (piece.bucket >= 0) out.ranks[piece.owner].grads += static_cast<double>(piece.in_param.size()) * low;
     }
     for (const auto& b : layout.buckets()) {
+      if (b.rows()) {  // every rank owns a row (Note [Row buckets])
+        for (size_t r = 0; r < owned.size(); ++r) {
+          out.ranks[r].buckets += static_cast<double>(bucket_memory_numel(b)) * low;
+          owned[r] += static_cast<double>(b.numel()) * low;
+        }
+        block.rows(static_cast<double>(b.numel() * layout.world_size()) * low);
+        continue;
+      }
       out.ranks[b.owner].buckets += static_cast<double>(bucket_memory_numel(b)) * low;
       owned[b.owner] += static_cast<double>(b.numel()) * low;
       block.reduce(static_cast<double>(b.numel()) * low, b.owner);
@@ -106,7 +126,11 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
         const double each = 2.0 * (blocks - 1) / blocks * owned[r];
         across.add(static_cast<int>(r), each, each);
       }
-      for (const auto& b : layout.buckets()) ++out.ranks[b.owner].allreduces_across;
+      for (const auto& b : layout.buckets()) {
+        for (size_t r = 0; r < owned.size(); ++r) {
+          if (b.rows() || static_cast<int>(r) == b.owner) ++out.ranks[r].allreduces_across;
+        }
+      }
     }
   } else {
     // DDP's all-reduce of every trainable gradient over the whole group, through one bucket.
@@ -116,9 +140,16 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
     }
     (blocks > 1 ? across : block).all_reduce(static_cast<double>(trainable_numel) * low, c.world_size);
   }
-  // The parameter sync: each bucket's range of the parameters from its owner.
+  // The parameter sync: each bucket's range of the parameters from its owner (a row bucket: its
+  // rows from theirs).
   if (c.mode != "ddp") {
-    for (const auto& b : layout.buckets()) block.broadcast(static_cast<double>(b.numel()) * low, b.owner);
+    for (const auto& b : layout.buckets()) {
+      if (b.rows()) {
+        block.rows(static_cast<double>(b.numel() * layout.world_size()) * low);
+      } else {
+        block.broadcast(static_cast<double>(b.numel()) * low, b.owner);
+      }
+    }
   }
   out.split = layout.options().split();
   out.buckets = layout.buckets().size();
@@ -226,7 +257,9 @@ std::vector<ScenarioPlan> plan_config(const ModelSpec& spec, const PlanConfig& c
   const Placement placement =
       place_params(shapes, shard_world, partition_mode(c.partition), OSSOptions().split_above_imbalance(), true);
   LayoutOptions options = OSSOptions().layout();
-  options.split(placement.split).bucket_bytes(c.mode.rfind("zero2", 0) == 0 ? c.bucket_bytes : 0);
+  // ZeRO-2: ShardedDDP's buckets, which grow with the world size; ZeRO-1: OSS's own layout.
+  const int64_t bucket_bytes = ShardedDDPOptions().reduce_bucket_bytes(c.bucket_bytes).bucket_bytes_for(shard_world);
+  options.split(placement.split).bucket_bytes(c.mode.rfind("zero2", 0) == 0 ? bucket_bytes : 0);
   const FlatLayout first = FlatLayout::plan(layout_params(shapes, placement.partition, all, none, placement.whole_kind),
                                             shard_world, options);
   fill_ranks(out[0], c, first, placement, placement.partition, shapes, state_per_element, all, all_numel);

@@ -38,7 +38,8 @@ struct RankPlan {
   double params = 0, grads = 0, buckets = 0, masters = 0, state = 0;
   double sent_block = 0, received_block = 0, sent_across = 0, received_across = 0;
   // Collectives per step it takes part in (Note [Plan latency] in plan.cpp): chains (a reduce to
-  // an owner, a broadcast from one) and all-reduces over its block, all-reduces across blocks
+  // an owner, a broadcast from one, or a ring reduce-scatter or all-gather of a row bucket: k - 1
+  // steps each) and all-reduces over its block, all-reduces across blocks
   // (the replica group, or the whole group when it spans blocks).
   int64_t chains_block = 0, allreduces_block = 0, allreduces_across = 0;
   int64_t collectives() const { return chains_block + allreduces_block + allreduces_across; }

@@ -26,7 +26,8 @@ struct ShardedDDP::Entry {
   size_t param = 0;                     // position in its OSS
   at::Tensor whole_param;               // whole parameters on their owner
   size_t bucket = 0;
-  int64_t offset = 0;   // first element of its gradient in the bucket
+  int64_t offset = 0;   // first element of its gradient in the bucket's reduce buffer
+  int64_t out_offset = 0;  // the same in the owner's memory of the bucket (a row bucket: its row)
   int64_t numel = 0;
   int64_t slot_end = 0; // end of its slot: the alignment gap up to the next gradient included
   int64_t flag = 0;     // element that counts the ranks that produced a gradient
@@ -62,19 +63,35 @@ struct ShardedDDP::Hooked {
   const c10::TensorImpl* slot_alias = nullptr;
 };
 
-// One layout bucket, as the executor runs it.
+// One layout bucket, as the executor runs it: reduced to its owner, or a row bucket (owner -1),
+// reduce-scattered to the owners of its rows (Note [Row buckets] in flat_layout.h).
 struct ShardedDDP::Bucket {
   const OSS* optimizer = nullptr;  // whose layout it comes from
   detail::ShardStore* store = nullptr;  // that optimizer's store
   int owner = 0;
   std::vector<size_t> entries;
-  int64_t numel = 0;   // gradient elements (gaps included); one flag per entry follows them
+  // Gradient elements (gaps included) of the reduce buffer, each followed by one flag per entry:
+  // numel then the flags (one owner), or one row per rank of `stride` elements, each `numel`
+  // gradient elements then its row's flags (a row bucket).
+  int64_t numel = 0;
+  int64_t stride = 0;
+  bool rows() const { return owner < 0; }
+  // The entries this rank owns, in the order of their flags in `out`.
+  std::vector<size_t> owned;
+  // A row bucket with a slot no entry writes (a row with nothing in it, a gap at a row's start):
+  // its reduce buffer starts zeroed.
+  bool zero_fill = false;
   at::TensorOptions options;
   size_t index = 0;    // in its optimizer's layout
   // During a backward: the memory it reduces in. An owner's is the store's memory of the bucket
   // (bucket_memory(): the owner's gradients live there between steps) unless something still
-  // refers to that; any other is allocated at its first gradient and released after the reduce.
+  // refers to that; any other (and a row bucket's) is allocated at its first gradient and
+  // released after the reduction.
   at::Tensor buffer;
+  // After the reduction, on a rank that owns entries: the memory its reduced gradients live in,
+  // `numel` of them then their flags. One owner's: `buffer`. A row bucket's: the store's memory
+  // of this rank's row, which the reduced row is copied into.
+  at::Tensor out;
   // This backward accumulates into the store's memory of the bucket, where the owner's zeroed
   // gradients live (Note [Gradients as bucket views]).
   bool in_place = false;

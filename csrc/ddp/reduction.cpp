@@ -199,18 +199,26 @@ void ShardedDDP::on_grad_ready(size_t h) {
 at::Tensor ShardedDDP::bucket_buffer(Bucket& b) {
   if (b.buffer.defined()) return b.buffer;
   // Every gradient slot is written (copied or zeroed), and the flags when the bucket is full.
-  const int64_t elements = b.numel + static_cast<int64_t>(b.entries.size());
-  if (b.owner != group_->rank()) {
-    b.buffer = at::empty({elements}, b.options);
+  if (b.rows()) {
+    const int64_t elements = b.stride * group_->size();
+    b.buffer = b.zero_fill ? at::zeros({elements}, b.options) : at::empty({elements}, b.options);
     return b.buffer;
   }
-  // The owner's gradients live in the store's memory of the bucket; where something still refers
-  // to it (gradients not cleared, a view the user keeps), this backward reduces in new memory,
-  // which the store keeps from then on (Note [Gradient slab]).
-  at::Tensor& kept = b.store->bucket_memory(b.index, b.options);
-  if (!kept.defined() || kept.storage().use_count() != 1) kept = at::empty({elements}, b.options);
-  b.buffer = kept;
+  if (b.owner != group_->rank()) {
+    b.buffer = at::empty({b.stride}, b.options);
+    return b.buffer;
+  }
+  b.buffer = owned_memory(b);
   return b.buffer;
+}
+
+// The owner's gradients live in the store's memory of the bucket (a row bucket: of its row); where
+// something still refers to it (gradients not cleared, a view the user keeps), this backward
+// reduces in new memory, which the store keeps from then on (Note [Gradient slab]).
+at::Tensor ShardedDDP::owned_memory(Bucket& b) {
+  at::Tensor& kept = b.store->bucket_memory(b.index, b.options);
+  if (!kept.defined() || kept.storage().use_count() != 1) kept = at::empty({b.stride}, b.options);
+  return kept;
 }
 
 // A small gradient on the CPU, contiguous and of the bucket's dtype, goes into its slot by
@@ -255,7 +263,8 @@ void ShardedDDP::fill_param(size_t h) {
     filled = true;
     Bucket& b = buckets_[entry.bucket];
     at::Tensor buffer = bucket_buffer(b);
-    const bool owned_whole = has_grad && entry.whole && b.owner == group_->rank();
+    // (A row bucket's reduce buffer is temporary: its owners' gradients end up in their rows.)
+    const bool owned_whole = has_grad && entry.whole && entry.owned && !b.rows();
     if (fill_small_on_host(entry.offset, entry.numel, entry.slot_end, entry.whole ? 0 : entry.in_param.begin, buffer,
                            has_grad ? p.grad() : at::Tensor(), copying_)) {
       if (owned_whole) owned = &entry;
@@ -330,28 +339,54 @@ void ShardedDDP::launch_ready_buckets() {
   CommPhase phase("backward (gradient reductions)");
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_++];
-    // The flags (1 where this rank had a gradient), in one operation when every entry had one.
-    const int64_t n = static_cast<int64_t>(b.entries.size());
-    at::Tensor flags = b.buffer.narrow(0, b.numel, n);
-    int64_t with = 0;
-    for (size_t e : b.entries) with += entries_[e].local_grad ? 1 : 0;
-    if (with == n) {
-      flags.fill_(1);
-    } else {
-      flags.zero_();
-      for (int64_t k = 0; k < n && with > 0; ++k) {
-        if (entries_[b.entries[k]].local_grad) flags.narrow(0, k, 1).fill_(1);
-      }
-    }
+    write_flags(b);
     // A sum over one rank is its own buffer: no collective (and, on a GPU, no wait for one).
     if (group_->size() == 1) continue;
     // The mean in the pass that sums, where nothing is summed after it (hierarchical sharding
     // sums across blocks first).
     const double divisor = grad_divisor();
     b.divided = !replica_ && divisor != 1.0;
-    b.work = b.divided ? group_->reduce_mean_async(b.buffer, b.owner, b.numel, divisor)
-                       : group_->reduce_async(b.buffer, b.owner);
+    if (b.rows()) {  // each row's flags are divided too: a flag is only ever compared with zero
+      b.work = group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0);
+    } else {
+      b.work = b.divided ? group_->reduce_mean_async(b.buffer, b.owner, b.numel, divisor)
+                         : group_->reduce_async(b.buffer, b.owner);
+    }
   }
+}
+
+// The flags (1 where this rank had a gradient), in one operation when every entry had one.
+void ShardedDDP::write_flags(Bucket& b) {
+  const int64_t n = static_cast<int64_t>(b.entries.size());
+  int64_t with = 0;
+  for (size_t e : b.entries) with += entries_[e].local_grad ? 1 : 0;
+  if (!b.rows()) {
+    at::Tensor flags = b.buffer.narrow(0, b.numel, n);
+    if (with == n) {
+      flags.fill_(1);
+      return;
+    }
+    flags.zero_();
+    for (int64_t k = 0; k < n && with > 0; ++k) {
+      if (entries_[b.entries[k]].local_grad) flags.narrow(0, k, 1).fill_(1);
+    }
+    return;
+  }
+  // A row bucket: every row's flag slots at once, from a table made on the host.
+  const int64_t world = group_->size(), per_row = b.stride - b.numel;
+  at::Tensor rows = b.buffer.view({world, b.stride}).narrow(1, b.numel, per_row);
+  if (with == n && !b.zero_fill) {
+    rows.fill_(1);  // (slots past a row's last entry are never read)
+    return;
+  }
+  at::Tensor table = at::zeros({world, per_row}, at::TensorOptions().dtype(b.options.dtype()));
+  for (size_t e : b.entries) {
+    const Entry& entry = entries_[e];
+    if (!entry.local_grad) continue;
+    const int64_t flag = entry.flag;
+    table.select(0, flag / b.stride).narrow(0, flag % b.stride - b.numel, 1).fill_(1);
+  }
+  rows.copy_(table);
 }
 
 double ShardedDDP::grad_divisor() const {
@@ -370,7 +405,16 @@ void ShardedDDP::finish_reduction() {
   // accumulated under no_sync).
   for (size_t h = 0; h < hooked_.size(); ++h) fill_param(h);
   launch_ready_buckets();
-  for (auto& b : buckets_) b.work.wait();
+  for (auto& b : buckets_) {
+    b.work.wait();
+    if (b.owned.empty()) continue;
+    if (b.rows()) {  // this rank's reduced row into the memory its gradients live in
+      b.out = owned_memory(b);
+      b.out.copy_(b.buffer.narrow(0, group_->rank() * b.stride, b.stride));
+    } else {
+      b.out = b.buffer;
+    }
+  }
   // Whether gradients were left uncleared, for the split pieces (Note [Accumulating across
   // reductions]): one small all-reduce, with split parameters only.
   bool ambiguous = false;
@@ -416,6 +460,7 @@ std::string ShardedDDP::reduction_error(bool ambiguous) const {
 void ShardedDDP::reset_executor() {
   for (auto& b : buckets_) {
     b.buffer = at::Tensor();
+    b.out = at::Tensor();
     b.in_place = false;
     b.divided = false;
     b.pending = b.entries.size();
@@ -436,7 +481,6 @@ void ShardedDDP::reset_executor() {
 
 void ShardedDDP::hand_over_reduced() {
   const double divisor = grad_divisor();
-  const int rank = group_->rank();
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> flag_parts;
   // A flag counts the ranks that had a gradient, so one this rank had a gradient for is nonzero
@@ -444,20 +488,19 @@ void ShardedDDP::hand_over_reduced() {
   // a gradient: the usual step), the flags are not read: no host synchronisation on a GPU.
   bool all_local = true;
   for (auto& b : buckets_) {
-    if (b.owner != rank) continue;
-    for (size_t e : b.entries) all_local = all_local && entries_[e].local_grad;
+    for (size_t e : b.owned) all_local = all_local && entries_[e].local_grad;
   }
   for (auto& b : buckets_) {
-    if (b.owner != rank) continue;
+    if (b.owned.empty()) continue;
     // Hierarchical sharding: the block's sum, summed over the blocks (flags included).
     if (replica_) {
       CommPhase phase("backward (gradient all-reduce across blocks)");
-      replica_->allreduce(b.buffer);
+      replica_->allreduce(b.out);
     }
-    at::Tensor grads = b.buffer.narrow(0, 0, b.numel);
+    at::Tensor grads = b.out.narrow(0, 0, b.numel);
     if (divisor != 1.0 && !b.divided) grads.div_(divisor);
     if (!all_local) {
-      flag_parts.push_back(b.buffer.narrow(0, b.numel, static_cast<int64_t>(b.entries.size())).to(at::kDouble));
+      flag_parts.push_back(b.out.narrow(0, b.numel, static_cast<int64_t>(b.owned.size())).to(at::kDouble));
     }
   }
   // Otherwise every owned bucket's flags, read off the device in one copy (one host
@@ -466,9 +509,8 @@ void ShardedDDP::hand_over_reduced() {
   const double* flag = all_local ? nullptr : all_flags.data_ptr<double>();
   int64_t next_flag = 0;
   for (auto& b : buckets_) {
-    if (b.owner != rank) continue;
-    for (size_t k = 0; k < b.entries.size(); ++k, ++next_flag) {
-      Entry& entry = entries_[b.entries[k]];
+    for (size_t k = 0; k < b.owned.size(); ++k, ++next_flag) {
+      Entry& entry = entries_[b.owned[k]];
       if (!all_local && flag[next_flag] == 0) {
         // No rank had a gradient: a whole parameter keeps what it holds, as under DDP.
         if (!entry.whole) entry.set_grad(at::Tensor());
@@ -485,9 +527,9 @@ void ShardedDDP::hand_over_reduced() {
         entry.carried = entry.grad();
       }
       if (entry.carried.defined()) {
-        entry.set_grad(entry.carried.add_(alias_at(b.buffer, entry.offset, entry.sizes())));
+        entry.set_grad(entry.carried.add_(alias_at(b.out, entry.out_offset, entry.sizes())));
       } else if (!at_slot) {
-        entry.set_grad(alias_at(b.buffer, entry.offset, entry.sizes()));
+        entry.set_grad(alias_at(b.out, entry.out_offset, entry.sizes()));
       }
       entry.handed_over.emplace(entry.grad().getIntrusivePtr());
       entry.handed_version = static_cast<int64_t>(entry.grad()._version());

@@ -82,7 +82,9 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   if (options_.auto_refresh_trainable()) {
     for (OSS* opt : optimizers_) detail::store_of(*opt).set_trainable_checked_outside(true);
   }
-  for (OSS* opt : optimizers_) detail::store_of(*opt).set_bucket_bytes(options_.reduce_bucket_bytes());
+  for (OSS* opt : optimizers_) {
+    detail::store_of(*opt).set_bucket_bytes(options_.bucket_bytes_for(opt->process_group().size()));
+  }
   mask_ = std::move(mask);
   lay_out();
   build();
@@ -98,6 +100,8 @@ void ShardedDDP::check_optimizers() {
   SHARDOPT_CHECK(!optimizers_.empty(), "ShardedDDP needs at least one OSS optimizer");
   SHARDOPT_CHECK(options_.reduce_bucket_bytes() >= 0, "reduce_bucket_bytes must be >= 0, got ",
                  options_.reduce_bucket_bytes());
+  SHARDOPT_CHECK(options_.bucket_bytes_per_rank() >= 0, "bucket_bytes_per_rank must be >= 0, got ",
+                 options_.bucket_bytes_per_rank());
   for (size_t k = 0; k < optimizers_.size(); ++k) {
     SHARDOPT_CHECK(optimizers_[k], "ShardedDDP optimizer ", k, " is null");
     SHARDOPT_CHECK(&optimizers_[k]->global_group() == &optimizers_[0]->global_group() &&
@@ -321,15 +325,20 @@ void ShardedDDP::add_bucket(OSS& optimizer, size_t index) {
   const auto& ps = optimizer.all_params();
   const FlatBucket& lb = layout.buckets()[index];
   const FlatGroup& group = layout.groups()[lb.group];
+  const int rank = group_->rank();
   Bucket b;
   b.optimizer = &optimizer;
   b.store = &detail::store_of(optimizer);
   b.index = index;
   b.owner = lb.owner;
   b.numel = lb.numel();
+  // One owner: the gradients then one flag per entry. A row bucket: one such row per rank, each
+  // with room for the most pieces a row holds.
+  b.stride = b.numel + lb.owned_pieces();
   // Mixed precision reduces in reduce_dtype: an fp32 bucket upcasts each gradient as it is copied in.
   const auto& mp = optimizer.options().mixed_precision();
   b.options = at::TensorOptions().dtype(mp.enabled() ? mp.reduce_or_param_dtype() : group.dtype).device(group.device);
+  std::vector<int64_t> in_row(static_cast<size_t>(layout.world_size()), 0);  // pieces placed per row so far
   for (size_t k = 0; k < lb.pieces.size(); ++k) {
     const size_t piece_index = lb.pieces[k];
     const Piece& piece = layout.pieces()[piece_index];
@@ -343,20 +352,33 @@ void ShardedDDP::add_bucket(OSS& optimizer, size_t index) {
     e.whole = piece.in_param.begin == 0 && piece.in_param.size() == param.numel();
     // A whole parameter's reduced gradient is the parameter's own, as under DDP (under mixed
     // precision the tensor OSS steps is its master, which takes the gradient at the step).
-    e.owned = b.owner == group_->rank();
+    e.owned = piece.owner == rank;
     if (e.owned && e.whole) e.whole_param = param;
     if (e.owned && !e.whole) e.store = b.store;
     e.param = piece.param;
     e.shape = {piece.in_param.size()};
     e.bucket = buckets_.size();
-    e.offset = piece.in_bucket.begin;
+    // Where its row begins in the reduce buffer (0 with one owner), and its slot in the row: up
+    // to the next piece of the same row, or the row's end.
+    const int64_t row = b.rows() ? piece.owner * b.stride : 0;
+    const bool last_in_row =
+        k + 1 == lb.pieces.size() || layout.pieces()[lb.pieces[k + 1]].owner != piece.owner;
+    const int64_t next = last_in_row ? b.numel : layout.pieces()[lb.pieces[k + 1]].in_bucket.begin;
+    const int64_t nth = in_row[static_cast<size_t>(piece.owner)]++;
+    if (nth == 0 && piece.in_bucket.begin > 0) b.zero_fill = true;  // a gap at the row's start
+    e.offset = row + piece.in_bucket.begin;
+    e.out_offset = piece.in_bucket.begin;
     e.numel = piece.in_bucket.size();
-    e.slot_end = k + 1 < lb.pieces.size() ? layout.pieces()[lb.pieces[k + 1]].in_bucket.begin : b.numel;
-    e.flag = b.numel + static_cast<int64_t>(k);
-    TORCH_INTERNAL_ASSERT(e.offset >= 0 && e.offset + e.numel <= e.slot_end && e.slot_end <= b.numel,
-                          "gradient slot [", e.offset, ", ", e.slot_end, ") outside its bucket of ", b.numel);
+    e.slot_end = row + next;
+    e.flag = row + b.numel + nth;
+    TORCH_INTERNAL_ASSERT(e.offset >= row && e.offset + e.numel <= e.slot_end && e.slot_end <= row + b.numel,
+                          "gradient slot [", e.offset, ", ", e.slot_end, ") outside its row of ", b.numel);
+    if (e.owned) b.owned.push_back(entries_.size());
     b.entries.push_back(entries_.size());
     entries_.push_back(std::move(e));
+  }
+  if (b.rows()) {
+    for (int64_t n : in_row) b.zero_fill = b.zero_fill || n == 0;  // a row with nothing in it
   }
   b.pending = b.entries.size();
   buckets_.push_back(std::move(b));

@@ -98,29 +98,73 @@ void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std:
     const int64_t longest = *std::max_element(group.used.begin(), group.used.end());
     group.shard_numel = align_up(std::max<int64_t>(1, longest), align);
   }
-  // Split: where each parameter starts in its group's run, then equal shards of the run.
-  std::vector<int64_t> run(groups_.size(), 0), start(params.size(), 0);
+  // Split: the trainable run cut into row buckets at parameter boundaries, each cut into one
+  // equal row per rank (Note [Row buckets]).
+  std::vector<int64_t> run(groups_.size(), 0);  // elements of the row buckets so far, per group
+  std::vector<int64_t> open(groups_.size(), -1);
+  row_buckets_.clear();
+  struct Placed {
+    size_t param;
+    size_t row_bucket;
+    int64_t start;  // in the row bucket's run
+  };
+  std::vector<Placed> placed;
+  std::vector<int64_t> chunk;  // per row bucket: elements of its run
   for (size_t i = params.size(); i-- > 0;) {
     if (!params[i].trainable || !groups_[group_of[i]].split) continue;
-    start[i] = align_up(run[group_of[i]], align);
-    run[group_of[i]] = start[i] + params[i].numel;
+    const size_t g = group_of[i];
+    const int64_t element_size = static_cast<int64_t>(c10::elementSize(params[i].dtype));
+    int64_t& b = open[g];
+    if (b >= 0) {
+      const int64_t end = align_up(chunk[b], align) + params[i].numel;
+      if (options_.bucket_bytes() > 0 && end * element_size > options_.bucket_bytes()) b = -1;
+    }
+    if (b < 0) {
+      b = static_cast<int64_t>(row_buckets_.size());
+      FlatBucket bucket;
+      bucket.group = g;
+      bucket.owner = -1;
+      row_buckets_.push_back(std::move(bucket));
+      chunk.push_back(0);
+    }
+    const int64_t start = align_up(chunk[b], align);
+    chunk[b] = start + params[i].numel;
+    placed.push_back({i, static_cast<size_t>(b), start});
+  }
+  for (size_t b = 0; b < row_buckets_.size(); ++b) {
+    const int64_t per_rank = (chunk[b] + world_size_ - 1) / world_size_;
+    const int64_t row = align_up(std::max<int64_t>(1, per_rank), align);
+    FlatBucket& bucket = row_buckets_[b];
+    bucket.in_shard = {run[bucket.group], run[bucket.group] + row};
+    run[bucket.group] += row;
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
-    if (!groups_[g].split) continue;
-    const int64_t per_rank = (run[g] + world_size_ - 1) / world_size_;
-    groups_[g].shard_numel = align_up(std::max<int64_t>(1, per_rank), align);
+    if (groups_[g].split) groups_[g].shard_numel = std::max<int64_t>(run[g], align);
   }
-  for (size_t i = params.size(); i-- > 0;) {
-    if (!params[i].trainable || !groups_[group_of[i]].split) continue;
-    const int64_t shard = groups_[group_of[i]].shard_numel;
-    for (int64_t at = start[i], end = start[i] + params[i].numel; at < end || (at == end && at == start[i]);) {
-      const int owner = static_cast<int>(std::min<int64_t>(at / shard, world_size_ - 1));
-      const int64_t cut = std::min(end, (owner + 1) * shard);
-      add(i, {at - start[i], cut - start[i]}, owner, {at - owner * shard, cut - owner * shard});
-      groups_[group_of[i]].used[owner] = cut - owner * shard;
+  for (const Placed& at_param : placed) {
+    const size_t i = at_param.param;
+    FlatBucket& bucket = row_buckets_[at_param.row_bucket];
+    const int64_t row = bucket.numel(), base = bucket.in_shard.begin;
+    const int64_t first = at_param.start, end = first + params[i].numel;
+    for (int64_t at = first; at < end || (at == end && at == first);) {
+      const int owner = static_cast<int>(std::min<int64_t>(at / row, world_size_ - 1));
+      const int64_t cut = std::min(end, (owner + 1) * row);
+      add(i, {at - first, cut - first}, owner, {base + at - owner * row, base + cut - owner * row});
+      Piece& piece = pieces_.back();
+      piece.bucket = static_cast<int64_t>(at_param.row_bucket);  // renumbered by cut_buckets()
+      piece.in_bucket = {at - owner * row, cut - owner * row};
+      groups_[piece.group].used[owner] = piece.in_shard.end;
       if (cut == at) break;  // an empty parameter: one empty piece
       at = cut;
     }
+  }
+  // Each row bucket's pieces in row order (row 0's, then row 1's, ...): the order they were placed.
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    if (pieces_[k].bucket >= 0) row_buckets_[pieces_[k].bucket].pieces.push_back(k);
+  }
+  for (auto& bucket : row_buckets_) {
+    std::vector<int64_t> per_row(world_size_, 0);
+    for (size_t k : bucket.pieces) bucket.row_pieces = std::max(bucket.row_pieces, ++per_row[pieces_[k].owner]);
   }
 }
 
@@ -143,14 +187,25 @@ void FlatLayout::place_frozen(const std::vector<LayoutParam>& params, const std:
   }
 }
 
-// One open bucket per (group, owner), walking the trainable parameters in reverse order.
+// One open bucket per (group, owner), walking the trainable parameters in reverse order; a split
+// group's row buckets take their place in that order where their first parameter is.
 void FlatLayout::cut_buckets(const std::vector<LayoutParam>& params) {
   std::vector<std::vector<int64_t>> open(groups_.size(), std::vector<int64_t>(world_size_, -1));
+  std::vector<int64_t> row_bucket_at(row_buckets_.size(), -1);  // its index in buckets_
   for (size_t i = params.size(); i-- > 0;) {
     if (!params[i].trainable) continue;
     const int64_t element_size = static_cast<int64_t>(c10::elementSize(params[i].dtype));
     for (size_t index : pieces_of_[i]) {
       Piece& piece = pieces_[index];
+      if (groups_[piece.group].split) {
+        int64_t& at = row_bucket_at[static_cast<size_t>(piece.bucket)];
+        if (at < 0) {
+          at = static_cast<int64_t>(buckets_.size());
+          buckets_.push_back(std::move(row_buckets_[static_cast<size_t>(piece.bucket)]));
+        }
+        piece.bucket = at;
+        continue;
+      }
       int64_t& b = open[piece.group][piece.owner];
       if (b >= 0) {
         const int64_t bytes = (piece.in_shard.end - buckets_[b].in_shard.begin) * element_size;
@@ -219,7 +274,7 @@ void FlatLayout::check_invariants() const {
                           "piece of parameter ", piece.param, " lies outside its shard");
     TORCH_INTERNAL_ASSERT(piece.bucket >= 0, "trainable piece of parameter ", piece.param, " is in no bucket");
     const auto& bucket = buckets_[piece.bucket];
-    TORCH_INTERNAL_ASSERT(bucket.owner == piece.owner && bucket.group == piece.group &&
+    TORCH_INTERNAL_ASSERT((bucket.owner == piece.owner || (bucket.rows() && group.split)) && bucket.group == piece.group &&
                               piece.in_bucket.begin + bucket.in_shard.begin == piece.in_shard.begin &&
                               piece.in_bucket.end <= bucket.numel(),
                           "piece of parameter ", piece.param, " does not lie in its bucket ", piece.bucket);
@@ -245,6 +300,11 @@ Range FlatLayout::in_buffer(const Piece& piece) const {
   if (piece.owner < 0) {
     const int64_t base = group.shards_in_buffer().end;
     return {base + piece.in_frozen.begin, base + piece.in_frozen.end};
+  }
+  if (group.split) {  // row `owner` of its row bucket (Note [Row buckets])
+    const FlatBucket& bucket = buckets_.at(static_cast<size_t>(piece.bucket));
+    const int64_t base = bucket.rows_in_buffer(world_size_).begin + piece.owner * bucket.numel();
+    return {base + piece.in_bucket.begin, base + piece.in_bucket.end};
   }
   const int64_t base = group.shard_in_buffer(piece.owner).begin;
   return {base + piece.in_shard.begin, base + piece.in_shard.end};
@@ -291,7 +351,7 @@ bool FlatLayout::same_placement(const FlatLayout& other) const {
   for (size_t k = 0; k < pieces_.size(); ++k) {
     const auto &a = pieces_[k], &b = other.pieces_[k];
     if (a.param != b.param || a.in_param != b.in_param || a.group != b.group || a.owner != b.owner ||
-        a.in_shard != b.in_shard || a.in_frozen != b.in_frozen) {
+        a.in_shard != b.in_shard || a.in_frozen != b.in_frozen || in_buffer(a) != other.in_buffer(b)) {
       return false;
     }
   }
@@ -310,7 +370,8 @@ std::string FlatLayout::describe() const {
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const auto& bucket = buckets_[b];
-    out << "bucket " << b << ": group " << bucket.group << ", owner " << bucket.owner << ", shard ["
+    out << "bucket " << b << ": group " << bucket.group << ", "
+        << (bucket.rows() ? std::string("rows") : "owner " + std::to_string(bucket.owner)) << ", shard ["
         << bucket.in_shard.begin << ", " << bucket.in_shard.end << "), " << bucket.pieces.size() << " pieces\n";
   }
   return out.str();

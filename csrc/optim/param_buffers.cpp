@@ -36,17 +36,31 @@ std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at:
   return buffers;
 }
 
+at::Tensor bucket_rows(const FlatLayout& layout, std::vector<at::Tensor>& buffers, size_t bucket) {
+  const FlatBucket& b = layout.buckets().at(bucket);
+  TORCH_INTERNAL_ASSERT(b.rows(), "bucket ", bucket, " is not a row bucket");
+  const Range r = b.rows_in_buffer(layout.world_size());
+  return buffers[b.group].narrow(0, r.begin, r.size());
+}
+
 void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::Tensor>& buffers, ParamSync mode) {
   const int world = group.size();
   if (world == 1) return;
   at::NoGradGuard no_grad;
+  std::vector<PendingWork> pending;
+  // Split groups: one all-gather per row bucket, whatever `mode` (Note [Row buckets]).
+  for (size_t b = 0; b < layout.buckets().size(); ++b) {
+    if (!layout.buckets()[b].rows()) continue;
+    at::Tensor rows = bucket_rows(layout, buffers, b);
+    pending.push_back(group.allgather_rows_async(rows));
+  }
   if (mode == ParamSync::kBroadcast) {
     auto shard = [&](size_t g, int owner) {
       const Range r = layout.groups()[g].shard_in_buffer(owner);
       return buffers[g].narrow(0, r.begin, r.size());
     };
-    std::vector<PendingWork> pending;
     for (size_t g = 0; g < buffers.size(); ++g) {
+      if (layout.groups()[g].split) continue;
       for (int r = 0; r < world; ++r) {
         // Only the elements the owner's pieces occupy: a whole-parameter shard's padding up to
         // the longest shard is never sent.
@@ -59,8 +73,8 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
     for (auto& w : pending) w.wait();
     return;
   }
-  std::vector<PendingWork> pending;
   for (size_t g = 0; g < buffers.size(); ++g) {
+    if (layout.groups()[g].split) continue;
     at::Tensor rows = shards_as_rows(layout, buffers, g);
     if (rows.numel() > 0) pending.push_back(group.allgather_rows_async(rows));
   }
@@ -69,6 +83,7 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
 
 at::Tensor shards_as_rows(const FlatLayout& layout, std::vector<at::Tensor>& buffers, size_t g) {
   const FlatGroup& group = layout.groups()[g];
+  TORCH_INTERNAL_ASSERT(!group.split, "a split group's shards are the rows of its row buckets");
   const Range first = group.shard_in_buffer(0);
   return buffers[g].narrow(0, first.begin, first.size() * layout.world_size());
 }
@@ -122,7 +137,10 @@ void ShardStore::set_bucket_bytes(int64_t bytes) {
   layout_options_.bucket_bytes(bytes);
   if (laid_out_for_.empty()) return;  // not laid out yet: the first layout takes the new cuts
   FlatLayout next = plan_layout(laid_out_for_);
-  TORCH_INTERNAL_ASSERT(next.same_placement(layout_), "new bucket cuts moved parameters in the flat buffers");
+  if (!next.same_placement(layout_)) {  // new row buckets move the data (Note [Row buckets])
+    lay_out(laid_out_for_);
+    return;
+  }
   layout_ = std::move(next);
   ++layout_version_;
   announce_layout();
@@ -142,24 +160,31 @@ void ShardStore::start_param_sync() {
   const auto& buckets = layout_.buckets();
   bucket_sync_.clear();
   group_sync_.clear();
+  bucket_sync_.resize(buckets.size());
   if (sync_ == ParamSync::kAllgather) {
-    // One all-gather of the shards' rows per flat buffer (Note [Rows]), all in flight: a
-    // parameter is current once its buffer's has finished.
+    // One all-gather of the shards' rows per flat buffer of whole parameters (Note [Rows]), all
+    // in flight: a parameter is current once its buffer's has finished.
+    group_sync_.resize(buffers_.size());
     for (size_t g = 0; g < buffers_.size(); ++g) {
+      if (layout_.groups()[g].split) continue;
       at::Tensor rows = shards_as_rows(layout_, buffers_, g);
-      group_sync_.emplace_back();
       if (rows.numel() == 0) continue;  // frozen only
-      group_sync_.back() = group_->allgather_rows_async(rows);
+      group_sync_[g] = group_->allgather_rows_async(rows);
       ++sync_in_flight_;
     }
-    return;
   }
-  bucket_sync_.resize(buckets.size());
   for (size_t k = buckets.size(); k-- > 0;) {
     const FlatBucket& b = buckets[k];
-    const int64_t begin = layout_.groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
-    at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
-    bucket_sync_[k] = group_->broadcast_async(range, b.owner);
+    if (b.rows()) {  // an all-gather of the bucket's rows (Note [Row buckets])
+      at::Tensor rows = bucket_rows(layout_, buffers_, k);
+      bucket_sync_[k] = group_->allgather_rows_async(rows);
+    } else if (sync_ == ParamSync::kAllgather) {
+      continue;
+    } else {
+      const int64_t begin = layout_.groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
+      at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
+      bucket_sync_[k] = group_->broadcast_async(range, b.owner);
+    }
     ++sync_in_flight_;
   }
 }
@@ -197,8 +222,9 @@ void ShardStore::finish_param_sync(size_t param) {
   SHARDOPT_CHECK(param < params_.size(), "finish_param_sync: parameter ", param, " of ", params_.size());
   CommPhase phase("parameter sync (finishing)");
   for (size_t k : layout_.pieces_of(param)) {
-    if (!group_sync_.empty()) {
-      PendingWork& w = group_sync_[layout_.pieces()[k].group];
+    const size_t g = layout_.pieces()[k].group;
+    if (!group_sync_.empty() && !layout_.groups()[g].split) {
+      PendingWork& w = group_sync_[g];
       if (!w.valid()) continue;
       --sync_in_flight_;
       w.wait();

@@ -22,12 +22,16 @@ namespace shardopt::detail {
 std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at::Tensor>& params);
 
 // Note [Parameter sync]
-// After the owners stepped, every rank's copy of each buffer is made equal to the owners': one
-// broadcast per owner shard, all in flight at once (kBroadcast), or one all-gather of the equal
+// After the owners stepped, every rank's copy of each buffer is made equal to the owners', all
+// in flight at once. A split group's: one all-gather per row bucket (Note [Row buckets]). A group
+// of whole parameters: one broadcast per owner shard (kBroadcast), or one all-gather of the equal
 // shards per buffer (kAllgather: the shards are the buffer's rows, Note [Rows]). Collective.
 void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::Tensor>& buffers, ParamSync mode);
 
-// The owners' shards of buffer `g`, one equal row per rank (shard padding included).
+// The owners' shards of buffer `g` of whole parameters, one equal row per rank (shard padding
+// included).
 at::Tensor shards_as_rows(const FlatLayout& layout, std::vector<at::Tensor>& buffers, size_t g);
+// Row bucket `bucket`'s rows in its group's buffer (Note [Row buckets]).
+at::Tensor bucket_rows(const FlatLayout& layout, std::vector<at::Tensor>& buffers, size_t bucket);
 
 }  // namespace shardopt::detail

@@ -173,7 +173,7 @@ std::optional<std::vector<std::pair<int, Range>>> held_ranges(const FlatLayout& 
 
 int64_t bucket_memory_numel(const FlatBucket& bucket) {
   constexpr int64_t kAlign = 16;  // elements
-  const int64_t elements = bucket.numel() + static_cast<int64_t>(bucket.pieces.size());
+  const int64_t elements = bucket.numel() + bucket.owned_pieces();
   return (elements + kAlign - 1) / kAlign * kAlign;
 }
 

@@ -72,7 +72,8 @@ bool ShardStore::zeroed(const at::Tensor& grad) const {
 // them there, and the next backward reuses that memory (or accumulates into it, Note [Gradients
 // as bucket views] in csrc/ddp/reduction.cpp). The store owns it, one slab per layout group: the
 // buckets this rank owns, in layout order, each its gradients (the bucket's range of the shard,
-// gaps included) followed by one count per piece, each starting at a multiple of 16 elements.
+// gaps included; a row bucket's: this rank's row) followed by one count per piece, each starting
+// at a multiple of 16 elements.
 // It is allocated once per layout, when a backward first asks for one of its buckets, not once
 // per bucket and backward. Each bucket is a view of the slab with a storage of its own (its data
 // pointer keeps the slab alive), so that the executor can still tell, per bucket, whether any
@@ -103,7 +104,7 @@ at::Tensor carve(const at::Tensor& slab, int64_t offset, int64_t numel) {
 
 at::Tensor& ShardStore::bucket_memory(size_t bucket, const at::TensorOptions& options) {
   const auto& buckets = layout_.buckets();
-  TORCH_INTERNAL_ASSERT(bucket < buckets.size() && buckets[bucket].owner == group_->rank(), "bucket ", bucket,
+  TORCH_INTERNAL_ASSERT(bucket < buckets.size() && (buckets[bucket].rows() || buckets[bucket].owner == group_->rank()), "bucket ", bucket,
                         " of ", buckets.size(), " is not owned by rank ", group_->rank());
   if (bucket_memory_.size() != buckets.size()) bucket_memory_.assign(buckets.size(), at::Tensor());
   if (grad_slabs_.size() != layout_.groups().size()) grad_slabs_.assign(layout_.groups().size(), at::Tensor());
@@ -117,13 +118,13 @@ void ShardStore::carve_grad_slab(size_t group, const at::TensorOptions& options)
   std::vector<std::pair<size_t, int64_t>> offsets;  // (bucket, first element in the slab)
   int64_t total = 0;
   for (size_t b = 0; b < buckets.size(); ++b) {
-    if (buckets[b].group != group || buckets[b].owner != group_->rank()) continue;
+    if (buckets[b].group != group || (!buckets[b].rows() && buckets[b].owner != group_->rank())) continue;
     offsets.emplace_back(b, total);
     total += bucket_memory_numel(buckets[b]);
   }
   grad_slabs_[group] = at::empty({total}, options);
   for (const auto& [b, offset] : offsets) {
-    bucket_memory_[b] = carve(grad_slabs_[group], offset, buckets[b].numel() + static_cast<int64_t>(buckets[b].pieces.size()));
+    bucket_memory_[b] = carve(grad_slabs_[group], offset, buckets[b].numel() + buckets[b].owned_pieces());
   }
 }
 

@@ -34,7 +34,7 @@ TEST(Hierarchical, MatchesTheReferenceWithHalfTheStatePerRank) {
       Params ref = testing::clone_params(net->params);
       optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
       OSS oss(net->parameters(), adam(), g, OSSOptions().shard_group_size(2).partition(partition));
-      ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(64));
+      ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(64).bucket_bytes_per_rank(0));
       ASSERT_EQ(oss.process_group().size(), 2);
       ASSERT_NE(oss.replica_group(), nullptr);
       EXPECT_EQ(oss.replica_group()->global_ranks(), (std::vector<int>{g->rank() % 2, g->rank() % 2 + 2}));
@@ -62,10 +62,20 @@ TEST(Hierarchical, MatchesTheReferenceWithHalfTheStatePerRank) {
       at::Tensor bytes = at::full({1}, oss.local_state_bytes(), at::kLong), block = bytes.clone();
       oss.process_group().allreduce(block);
       EXPECT_NEAR(static_cast<double>(bytes.item<int64_t>()) / block.item<int64_t>(), 0.5, 0.03);
-      // Gradients move within the block (reduce) and across blocks (all-reduce of owned shards).
-      EXPECT_GT(oss.process_group().stats().bytes[CommStats::kReduce], 0);
-      EXPECT_GT(oss.replica_group()->stats().bytes[CommStats::kAllreduce], 0);
-      EXPECT_EQ(oss.replica_group()->stats().bytes[CommStats::kBroadcast], 0) << "the parameter sync stays in the block";
+      // Gradients move within the block (a reduce to each owner, or a reduce-scatter of each row
+      // bucket) and across blocks (all-reduce of owned shards); the parameters within the block.
+      const auto& block_stats = oss.process_group().stats();
+      const auto& across = oss.replica_group()->stats();
+      if (partition == PartitionMode::kSplit) {
+        EXPECT_GT(block_stats.bytes[CommStats::kReduceScatter], 0);
+        EXPECT_GT(block_stats.bytes[CommStats::kAllgather], 0);
+        EXPECT_EQ(block_stats.bytes[CommStats::kReduce] + block_stats.bytes[CommStats::kBroadcast], 0);
+      } else {
+        EXPECT_GT(block_stats.bytes[CommStats::kReduce], 0);
+      }
+      EXPECT_GT(across.bytes[CommStats::kAllreduce], 0);
+      EXPECT_EQ(across.bytes[CommStats::kBroadcast] + across.bytes[CommStats::kAllgather], 0)
+          << "the parameter sync stays in the block";
     });
   }
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <set>
 
 namespace shardopt {
 namespace {
@@ -154,11 +155,63 @@ TEST(FlatLayout, SplitCutsTheTrainableRunIntoEqualRangesAcrossParameterBoundarie
   EXPECT_EQ(layout.param_in_buffer(0), (Range{14, 30}));
   EXPECT_EQ(layout.param_in_buffer(3), (Range{30, 36}));  // frozen, after the shards
   EXPECT_DOUBLE_EQ(layout.imbalance(), 0.0);
-  // One bucket per owner: each a range of its shard, holding pieces.
-  ASSERT_EQ(layout.buckets().size(), 3u);
-  EXPECT_EQ(layout.buckets()[1].owner, 1);
-  EXPECT_EQ(params_of_bucket(layout, 1), (std::vector<size_t>{1, 0}));
+  // One row bucket (the cap holds the whole run): every rank's row of it is its whole shard, and
+  // its pieces come row by row.
+  ASSERT_EQ(layout.buckets().size(), 1u);
+  const FlatBucket& bucket = layout.buckets()[0];
+  EXPECT_TRUE(bucket.rows());
+  EXPECT_EQ(bucket.in_shard, (Range{0, 10}));
+  EXPECT_EQ(bucket.rows_in_buffer(3), (Range{0, 30}));
+  EXPECT_EQ(params_of_bucket(layout, 0), (std::vector<size_t>{2, 1, 0, 0}));
+  EXPECT_EQ(bucket.row_pieces, 2);  // row 1: parameter 1 and the head of parameter 0
   EXPECT_EQ(head.in_bucket, (Range{4, 10}));
+  EXPECT_EQ(tail.in_bucket, (Range{0, 10}));
+}
+
+// Row buckets (Note [Row buckets]): the run is cut at parameter boundaries into buckets, each cut
+// into one equal row per rank; a bucket's rows lie together in the buffer, and a rank's rows follow
+// each other in its shard.
+TEST(FlatLayout, RowBucketsCutEveryBucketIntoOneRowPerRank) {
+  // Reverse order: 3 (8), 2 (6), 1 (12), 0 (4), 4 bytes each; a cap of 64 bytes = 16 elements.
+  const auto layout = FlatLayout::plan({param(4, 0), param(12, 0), param(6, 0), param(8, 0)}, 2,
+                                       LayoutOptions().split(true).bucket_bytes(64));
+  // Buckets: {3, 2} (14 elements, rows of 7), {1, 0} (16, rows of 8).
+  ASSERT_EQ(layout.buckets().size(), 2u);
+  const FlatBucket &first = layout.buckets()[0], &second = layout.buckets()[1];
+  EXPECT_EQ(first.in_shard, (Range{0, 7}));
+  EXPECT_EQ(second.in_shard, (Range{7, 15}));
+  EXPECT_EQ(layout.groups()[0].shard_numel, 15);
+  EXPECT_EQ(first.rows_in_buffer(2), (Range{0, 14}));
+  EXPECT_EQ(second.rows_in_buffer(2), (Range{14, 30}));
+  EXPECT_EQ(params_of_bucket(layout, 0), (std::vector<size_t>{3, 3, 2}));
+  EXPECT_EQ(params_of_bucket(layout, 1), (std::vector<size_t>{1, 1, 0}));
+  // Parameter 3 (8 elements) opens the first bucket: 7 in rank 0's row, 1 in rank 1's; parameter 2
+  // follows it in rank 1's row.
+  ASSERT_EQ(layout.pieces_of(3).size(), 2u);
+  const Piece& p3a = layout.pieces()[layout.pieces_of(3)[0]];
+  const Piece& p3b = layout.pieces()[layout.pieces_of(3)[1]];
+  EXPECT_EQ(p3a.owner, 0);
+  EXPECT_EQ(p3a.in_shard, (Range{0, 7}));
+  EXPECT_EQ(p3b.owner, 1);
+  EXPECT_EQ(p3b.in_shard, (Range{0, 1}));
+  EXPECT_EQ(layout.param_in_buffer(3), (Range{0, 8}));  // still one view: row 0 ends where row 1 begins
+  EXPECT_EQ(layout.param_in_buffer(2), (Range{8, 14}));
+  EXPECT_EQ(first.row_pieces, 2);
+  // Parameter 1 (12 elements) opens the second bucket: 8 in rank 0's row, 4 in rank 1's.
+  const Piece& p1a = layout.pieces()[layout.pieces_of(1)[0]];
+  const Piece& p1b = layout.pieces()[layout.pieces_of(1)[1]];
+  EXPECT_EQ(p1a.in_shard, (Range{7, 15}));
+  EXPECT_EQ(p1b.in_shard, (Range{7, 11}));
+  EXPECT_EQ(layout.param_in_buffer(1), (Range{14, 26}));
+  EXPECT_EQ(layout.in_buffer(p1b), (Range{22, 26}));
+  EXPECT_EQ(layout.groups()[0].used, (std::vector<int64_t>{15, 15}));
+  // Each rank owns 15 of the 30 elements: exactly half, bucket by bucket.
+  EXPECT_DOUBLE_EQ(layout.imbalance(), 0.0);
+  // A parameter larger than the cap is a bucket of its own.
+  const auto big = FlatLayout::plan({param(40, 0), param(4, 0)}, 4, LayoutOptions().split(true).bucket_bytes(64));
+  ASSERT_EQ(big.buckets().size(), 2u);
+  EXPECT_EQ(params_of_bucket(big, 1), (std::vector<size_t>{0, 0, 0, 0}));
+  EXPECT_EQ(big.buckets()[1].numel(), 10);
 }
 
 // Parameters marked whole (a whole-tensor optimizer's) form a group of their own in a split
@@ -291,19 +344,43 @@ TEST(FlatLayout, InvariantsHoldForManyConfigurations) {
         ASSERT_LE(g.shard_numel, run + align);
       }
     }
-    std::vector<std::vector<int64_t>> last_end(layout.groups().size(), std::vector<int64_t>(world, 0));
+    std::vector<std::vector<int64_t>> last_end(layout.groups().size(), std::vector<int64_t>(world + 1, 0));
     for (size_t b = 0; b < layout.buckets().size(); ++b) {
       const auto& bucket = layout.buckets()[b];
-      ASSERT_GE(bucket.in_shard.begin, last_end[bucket.group][bucket.owner]);
-      last_end[bucket.group][bucket.owner] = bucket.in_shard.end;
-      const int64_t bytes = bucket.numel() * static_cast<int64_t>(c10::elementSize(layout.groups()[bucket.group].dtype));
-      if (bucket.pieces.size() > 1) ASSERT_LE(bytes, cap);
+      ASSERT_EQ(bucket.rows(), layout.groups()[bucket.group].split);
+      const size_t slot = bucket.rows() ? static_cast<size_t>(world) : static_cast<size_t>(bucket.owner);
+      ASSERT_GE(bucket.in_shard.begin, last_end[bucket.group][slot]);
+      last_end[bucket.group][slot] = bucket.in_shard.end;
+      const int64_t element = static_cast<int64_t>(c10::elementSize(layout.groups()[bucket.group].dtype));
+      std::set<size_t> in_bucket;
+      int64_t elements = 0;
+      std::vector<int64_t> per_rank(world, 0);
       for (size_t k : bucket.pieces) {
         const Piece& p = layout.pieces()[k];
+        in_bucket.insert(p.param);
+        elements += p.in_param.size();
+        per_rank[p.owner] += p.in_param.size();
         ASSERT_EQ(p.bucket, static_cast<int64_t>(b));
         ASSERT_EQ(p.in_bucket.begin + bucket.in_shard.begin, p.in_shard.begin);
         ASSERT_LE(p.in_bucket.end, bucket.numel());
       }
+      if (bucket.rows()) {
+        // Several parameters only within the cap; every rank's row within `align` of its share.
+        if (in_bucket.size() > 1 && cap > 0) ASSERT_LE(elements * element, cap);
+        for (int r = 0; r < world; ++r) ASSERT_LE(per_rank[r], bucket.numel());
+        ASSERT_LE(bucket.numel(), (elements + in_bucket.size() * align + world - 1) / world + align);
+      } else if (bucket.pieces.size() > 1) {
+        ASSERT_LE(bucket.numel() * element, cap);
+      }
+    }
+    // Every trainable element has its own place in its group's buffer, inside the shards.
+    std::vector<std::vector<int>> taken(layout.groups().size());
+    for (size_t g = 0; g < layout.groups().size(); ++g) taken[g].assign(layout.groups()[g].buffer_numel(), 0);
+    for (const auto& p : layout.pieces()) {
+      const Range at = layout.in_buffer(p);
+      ASSERT_EQ(at.size(), p.in_param.size());
+      if (p.owner >= 0) ASSERT_LE(at.end, layout.groups()[p.group].shards_in_buffer().end);
+      for (int64_t e = at.begin; e < at.end; ++e) ASSERT_EQ(taken[p.group][e]++, 0);
     }
   }
 }

@@ -354,7 +354,9 @@ TEST(ShardStore, AdjacentParametersStepAsOneSegmentWithTheSameBits) {
         optim::AdamW ref_opt(ref, optim::AdamWOptions(1e-2).weight_decay(0.1));
         OSS oss(net->parameters(), optimizer<optim::AdamW>(optim::AdamWOptions(1e-2).weight_decay(0.1)), g,
                 OSSOptions().partition(mode));
-        ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().reduce_bucket_bytes(per_param ? 0 : 1 << 20));
+        // (1 byte: every parameter passes it, so each is a bucket of its own, a row bucket included)
+        ShardedDDP ddp(net.ptr(), oss,
+                       ShardedDDPOptions().reduce_bucket_bytes(per_param ? 1 : 1 << 20).bucket_bytes_per_rank(0));
         for (int step = 0; step < 4; ++step) {
           const auto data = testing::rank_data(step, g->rank(), 3);
           if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g)) << where;

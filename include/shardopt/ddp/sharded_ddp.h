@@ -1,13 +1,15 @@
 // ShardedDDP: gradient sharding (ZeRO stage 2) on top of OSS.
 //
 // During backward, a hook after each parameter's gradient accumulation copies the gradient into
-// its bucket (buckets hold up to reduce_bucket_bytes; 0 = one per parameter). The buckets are
-// those of each OSS's FlatLayout (shardopt/optim/flat_layout.h), the map that also places the
-// parameters: a bucket is a range of its owner's shard. A full bucket is reduced to its owner at
-// once, in an order identical on every rank (Note [Bucket order]), overlapping the rest of
-// backward. The end of backward flushes the
-// remaining buckets and waits. Afterwards a rank holds gradients only for the parameters it
-// owns; OSS::step() then updates the owned shard and makes every copy current.
+// its bucket (bucket_bytes_for(): at least reduce_bucket_bytes, growing with the world size). The
+// buckets are those of each OSS's FlatLayout (shardopt/optim/flat_layout.h), the map that also
+// places the parameters. A split optimizer's buckets are row buckets (Note [Row buckets]): one row
+// per rank, and a full bucket is reduce-scattered, each rank receiving the sum of its row. A
+// bucket of whole parameters is a range of its owner's shard, reduced to that owner. Either starts
+// at once, in an order identical on every rank (Note [Bucket order]), overlapping the rest of
+// backward. The end of backward flushes the remaining buckets and waits. Afterwards a rank holds
+// gradients only for what it owns; OSS::step() then updates the owned shard and makes every copy
+// current (one all-gather per row bucket).
 //
 //   auto group = shardopt::init_process_group();
 //   shardopt::OSS opt(model->parameters(), shardopt::optimizer<torch::optim::Adam>(...), group);
@@ -42,6 +44,7 @@
 #include <torch/csrc/api/include/torch/nn/modules/container/any.h>
 #include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <type_traits>
@@ -57,7 +60,17 @@ enum class GradScaling {
 };
 
 struct ShardedDDPOptions {
+  // Buckets hold up to bucket_bytes_for(world size) bytes of gradients: the larger of
+  // reduce_bucket_bytes and bucket_bytes_per_rank times the size of the group the buckets are
+  // sharded over (the block, under hierarchical sharding), so that the collectives per step stay
+  // few as the world grows (Megatron-Core's rule is max(40M, 1M x data-parallel size) elements).
+  // reduce_bucket_bytes 0: one bucket per parameter (whole parameters) or per group (row buckets).
+  int64_t bucket_bytes_for(int world_size) const {
+    if (reduce_bucket_bytes_ == 0) return 0;
+    return std::max(reduce_bucket_bytes_, bucket_bytes_per_rank_ * world_size);
+  }
   TORCH_ARG(int64_t, reduce_bucket_bytes) = 8 << 20;
+  TORCH_ARG(int64_t, bucket_bytes_per_rank) = 1 << 20;
   TORCH_ARG(bool, auto_refresh_trainable) = true;
   TORCH_ARG(bool, broadcast_buffers) = true;
   TORCH_ARG(bool, sync_models_at_startup) = true;
@@ -251,6 +264,8 @@ class ShardedDDP {
   void fill_param(size_t hooked);
   void release_local_grad(Hooked& hooked, const Entry* owned);
   at::Tensor bucket_buffer(Bucket& bucket);  // allocated (or reused) at its first gradient
+  at::Tensor owned_memory(Bucket& bucket);   // where the owner's reduced gradients live
+  void write_flags(Bucket& bucket);          // this rank's flags, before the reduction
   // Sets aside an owner's gradient that the last reduction handed over (a hook of hooked_[h]).
   void before_accumulation(size_t hooked);
   // At the first gradient of a backward: which owned buckets it accumulates into in place.

@@ -11,28 +11,49 @@
 // Two ways to cut the trainable run into shards:
 //   whole parameters (default)  each parameter lies in the shard of its owner (LayoutParam::
 //                               owner, from the Partition); shards are padded to the longest.
-//   split (LayoutOptions::split) the run is cut into world_size ranges of equal size that
-//                               ignore parameter boundaries (DeepSpeed's flat partitions,
-//                               Megatron-Core's bucket ranges): a parameter may be cut into
-//                               pieces with different owners, and each rank owns 1/world_size
-//                               of the trainable elements. Only for element-wise optimizers;
-//                               parameters marked `whole` (a whole-tensor optimizer's) form
-//                               groups of their own, laid out as whole parameters per owner.
+//                               A bucket is a range of one owner's shard: one reduce to that
+//                               owner and one broadcast from it per bucket.
+//   split (LayoutOptions::split) row buckets (Note [Row buckets]): the run is cut at parameter
+//                               boundaries into buckets, and each bucket into world_size rows of
+//                               equal size that ignore parameter boundaries (Megatron-Core's
+//                               bucket ranges, DeepSpeed's flat partitions): a parameter may be
+//                               cut into pieces with different owners, and each rank owns
+//                               1/world_size of every bucket. One reduce-scatter and one
+//                               all-gather per bucket, whatever the world size. Only for
+//                               element-wise optimizers; parameters marked `whole` (a
+//                               whole-tensor optimizer's) form groups of their own, laid out as
+//                               whole parameters per owner.
+//
+// Note [Row buckets]
+// A row bucket b of a split group has rows of R_b elements (R_b = the bucket's elements / world
+// size, rounded up to `align`), one per rank. In the flat buffer its rows lie together, row 0 to
+// row world_size - 1, so the bucket is one contiguous range: the buffer of a reduce-scatter and
+// an all-gather (Note [Rows] in csrc/comm/rows.cpp). In a rank's shard its rows follow each other
+// in bucket order, so everything a rank owns (its state, its masters) is one contiguous range:
+//   in_shard  = R_0 + ... + R_(b-1) + in_bucket      (FlatBucket::in_shard is that range)
+//   in_buffer = world_size * (R_0 + ... + R_(b-1)) + owner * R_b + in_bucket
+// A parameter's pieces are adjacent in the buffer (row r ends where row r + 1 begins), so it stays
+// one view. Every rank's share of each bucket is within `align` elements of 1/world_size, so the
+// balance holds for any trainable set without moving owners. A bucket closes before its elements
+// would pass `bucket_bytes` (0: one bucket for the whole run); a parameter larger than that is a
+// bucket of its own.
 //
 // Frames. Every offset says what it is relative to, in its name:
 //   in_param   elements of the parameter (its flattened view)
 //   in_shard   the owner's shard of the group
-//   in_bucket  the bucket
+//   in_bucket  the bucket: its range of the owner's shard, or the owner's row of a row bucket
 //   in_frozen  the group's frozen region (frozen parameters, owner -1)
-//   in_buffer  the group's whole flat buffer: owner * shard_numel + in_shard, or
+//   in_buffer  the group's whole flat buffer: owner * shard_numel + in_shard (whole
+//              parameters), the row's place (above, row buckets), or
 //              world_size * shard_numel + in_frozen
 //
 // Order (Note [Bucket order]). The trainable run holds the trainable parameters in reverse
 // parameter order (roughly the order backward produces their gradients); whole-parameter shards
 // keep that order within each owner. Buckets are made walking the pieces of the trainable run in
-// that order, one open bucket per (group, owner); a bucket closes before it would pass
-// `bucket_bytes`. Their order in buckets() is the order every rank launches them in. Each
-// parameter starts at a multiple of `align` elements; the gaps belong to the bucket they fall in.
+// that order, one open bucket per (group, owner), or per group for row buckets; a bucket closes
+// before it would pass `bucket_bytes`. Their order in buckets() is the order every rank launches
+// them in. Each parameter starts at a multiple of `align` elements; the gaps belong to the bucket
+// they fall in.
 //
 // Pieces. A parameter is placed as pieces, each a contiguous range of its elements with one
 // owner; a parameter's pieces are adjacent in the buffer, so the parameter stays one view.
@@ -83,7 +104,8 @@ struct LayoutParam {
 };
 
 struct LayoutOptions {
-  // A bucket closes before it would pass this many bytes; 0 = one bucket per parameter.
+  // A bucket closes before it would pass this many bytes; 0 = one bucket per parameter (whole
+  // parameters) or per group (split: one row bucket for the whole run).
   TORCH_ARG(int64_t, bucket_bytes) = 0;
   // Every parameter starts at a multiple of this many elements of its shard.
   TORCH_ARG(int64_t, align) = 1;
@@ -117,21 +139,32 @@ struct FlatGroup {
   c10::ScalarType dtype = c10::kFloat;
   bool split = false;             // cut into equal ranges; else whole parameters per owner
   int world_size = 1;
-  int64_t shard_numel = 1;        // every owner's shard: >= 1, a multiple of `align`
+  int64_t shard_numel = 1;        // every owner's shard: >= 1, a multiple of `align` (split: the
+                                  // sum of its row buckets' rows)
   std::vector<int64_t> used;      // per owner: elements its pieces occupy (gaps included)
   int64_t frozen_numel = 0;       // the frozen region, after the shards
+  // Whole parameters only: a split group's shard is one row of each row bucket.
   Range shard_in_buffer(int owner) const { return {owner * shard_numel, (owner + 1) * shard_numel}; }
   Range shards_in_buffer() const { return {0, world_size * shard_numel}; }
   int64_t buffer_numel() const { return world_size * shard_numel + frozen_numel; }
 };
 
-// The gradients one collective moves to their owner.
+// The gradients one collective moves to their owners: a range of one owner's shard (whole
+// parameters), or a row bucket (owner -1: every rank owns one row, Note [Row buckets]).
 struct FlatBucket {
   size_t group = 0;
   int owner = 0;
-  Range in_shard;                 // the bucket's elements in its owner's shard
-  std::vector<size_t> pieces;     // indices into FlatLayout::pieces(), in bucket order
-  int64_t numel() const { return in_shard.size(); }
+  Range in_shard;                 // the bucket's elements in its owner's shard (a row bucket: in
+                                  // every rank's shard, its row)
+  std::vector<size_t> pieces;     // indices into FlatLayout::pieces(), in bucket order (a row
+                                  // bucket: row 0's, then row 1's, ...)
+  int64_t row_pieces = 0;         // a row bucket: the most pieces any one row holds
+  bool rows() const { return owner < 0; }
+  // Pieces an owner of the bucket holds at most: the bucket's, or one row's.
+  int64_t owned_pieces() const { return rows() ? row_pieces : static_cast<int64_t>(pieces.size()); }
+  int64_t numel() const { return in_shard.size(); }  // a row bucket: one row
+  // A row bucket's rows in its group's flat buffer, row 0 first.
+  Range rows_in_buffer(int world_size) const { return {world_size * in_shard.begin, world_size * in_shard.end}; }
 };
 
 class FlatLayout {
@@ -178,6 +211,7 @@ class FlatLayout {
   LayoutOptions options_;
   std::vector<FlatGroup> groups_;
   std::vector<FlatBucket> buckets_;
+  std::vector<FlatBucket> row_buckets_;  // during plan(): split groups' buckets, until cut_buckets()
   std::vector<Piece> pieces_;
   std::vector<std::vector<size_t>> pieces_of_;
   std::vector<std::vector<Keeping>> kept_;  // per parameter

@@ -83,8 +83,8 @@ std::optional<std::vector<std::pair<int, Range>>> held_ranges(const FlatLayout& 
                                                               int64_t numel);
 
 // Elements of the memory an owner keeps between backward passes for one of its gradient buckets
-// under ShardedDDP (Note [Gradient slab]): the bucket's gradients and one count per piece, rounded
-// up to 16 elements.
+// under ShardedDDP (Note [Gradient slab]): the bucket's gradients (a row bucket's: one row) and
+// one count per piece, rounded up to 16 elements.
 int64_t bucket_memory_numel(const FlatBucket& bucket);
 
 }  // namespace shardopt
