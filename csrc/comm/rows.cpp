@@ -42,15 +42,23 @@ void check_rows(const char* what, const at::Tensor& flat, int size) {
 
 }  // namespace
 
-PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double divisor) {
+PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double divisor, at::Tensor out) {
   check_rows("reduce_scatter_rows_async", flat, size_);
   SHARDOPT_CHECK(divisor > 0, "reduce_scatter_rows_async: divisor must be positive, got ", divisor);
+  const int64_t row = flat.numel() / size_;
+  if (out.defined()) {
+    SHARDOPT_CHECK(out.dim() == 1 && out.is_contiguous() && out.numel() == row && out.dtype() == flat.dtype() &&
+                       out.device() == flat.device(),
+                   "reduce_scatter_rows_async: the output must be one contiguous row of ", row, " elements of ",
+                   flat.dtype(), " on ", flat.device(), ", got sizes ", out.sizes(), " of ", out.dtype(), " on ",
+                   out.device());
+  }
   constexpr auto kind = CommStats::kReduceScatter;
   check_in(kind, nbytes(flat), -1);
-  const int64_t row = flat.numel() / size_;
-  at::Tensor mine = flat.narrow(0, rank_ * row, row);
+  at::Tensor mine = out.defined() ? out : flat.narrow(0, rank_ * row, row);
   if (size_ == 1) {  // the one row is this rank's: nothing to send
-    if (divisor != 1.0) flat.div_(divisor);
+    if (out.defined()) mine.copy_(flat);
+    if (divisor != 1.0) mine.div_(divisor);
     return PendingWork();
   }
   if (backend_name_ == "gloo") {
@@ -73,22 +81,27 @@ PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double div
       for (size_t r = 0; r < incoming.size(); ++r) {
         if (static_cast<int>(r) != rank) in_rank_order.push_back(incoming[r]);
       }
-      at::Tensor sum = host.narrow(0, rank * row, row);
-      detail::sum_into(sum, in_rank_order, divisor != 1.0 ? row : 0, divisor);
-      if (was_staged) mine.copy_(sum);
+      const at::Tensor own = host.narrow(0, rank * row, row);
+      if (was_staged) {  // summed on the host, then copied to the device
+        at::Tensor sum = own;
+        detail::sum_into(sum, in_rank_order, divisor != 1.0 ? row : 0, divisor);
+        mine.copy_(sum);
+      } else {
+        detail::sum_to(mine, own, in_rank_order, divisor != 1.0 ? row : 0, divisor);
+      }
     });
     return work;
   }
   at::Tensor in = staged(flat);
   const bool was_staged = !in.is_same(flat);
-  at::Tensor out = in.narrow(0, rank_ * row, row);
+  at::Tensor result = was_staged || !out.defined() ? in.narrow(0, rank_ * row, row) : out;
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
-  auto work = track(kind, nbytes(flat), [&] { return backend_->_reduce_scatter_base(out, in, opts); });
-  work.set_then([mine, out, divisor, was_staged]() mutable {
-    if (divisor != 1.0) out.div_(divisor);
-    if (was_staged) mine.copy_(out);
+  auto work = track(kind, nbytes(flat), [&] { return backend_->_reduce_scatter_base(result, in, opts); });
+  work.set_then([mine, result, divisor]() mutable {
+    if (divisor != 1.0) result.div_(divisor);
+    if (!mine.is_same(result)) mine.copy_(result);
   });
   return work;
 }

@@ -11,5 +11,8 @@ namespace shardopt::detail {
 // tensor += each of `incoming` in turn (same shape, contiguous); then tensor[0, numel) /=
 // divisor. Rounded as ATen's add_ in that order then div_.
 void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64_t numel, double divisor);
+// The same with the result in `out`: out = first + each of `incoming` in turn, rounded alike.
+void sum_to(at::Tensor& out, const at::Tensor& first, const std::vector<at::Tensor>& incoming, int64_t numel,
+            double divisor);
 
 }  // namespace shardopt::detail

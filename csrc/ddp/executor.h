@@ -90,7 +90,7 @@ struct ShardedDDP::Bucket {
   at::Tensor buffer;
   // After the reduction, on a rank that owns entries: the memory its reduced gradients live in,
   // `numel` of them then their flags. One owner's: `buffer`. A row bucket's: the store's memory
-  // of this rank's row, which the reduced row is copied into.
+  // of this rank's row, which the reduce-scatter writes its sum into.
   at::Tensor out;
   // This backward accumulates into the store's memory of the bucket, where the owner's zeroed
   // gradients live (Note [Gradients as bucket views]).

@@ -340,14 +340,20 @@ void ShardedDDP::launch_ready_buckets() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_++];
     write_flags(b);
+    // A row bucket's reduction writes this rank's row straight into the memory its gradients
+    // live in.
+    if (b.rows() && !b.owned.empty()) b.out = owned_memory(b);
     // A sum over one rank is its own buffer: no collective (and, on a GPU, no wait for one).
-    if (group_->size() == 1) continue;
+    if (group_->size() == 1) {
+      if (b.out.defined()) b.out.copy_(b.buffer);
+      continue;
+    }
     // The mean in the pass that sums, where nothing is summed after it (hierarchical sharding
     // sums across blocks first).
     const double divisor = grad_divisor();
     b.divided = !replica_ && divisor != 1.0;
     if (b.rows()) {  // each row's flags are divided too: a flag is only ever compared with zero
-      b.work = group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0);
+      b.work = group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0, b.out);
     } else {
       b.work = b.divided ? group_->reduce_mean_async(b.buffer, b.owner, b.numel, divisor)
                          : group_->reduce_async(b.buffer, b.owner);
@@ -407,13 +413,7 @@ void ShardedDDP::finish_reduction() {
   launch_ready_buckets();
   for (auto& b : buckets_) {
     b.work.wait();
-    if (b.owned.empty()) continue;
-    if (b.rows()) {  // this rank's reduced row into the memory its gradients live in
-      b.out = owned_memory(b);
-      b.out.copy_(b.buffer.narrow(0, group_->rank() * b.stride, b.stride));
-    } else {
-      b.out = b.buffer;
-    }
+    if (!b.rows() && !b.owned.empty()) b.out = b.buffer;
   }
   // Whether gradients were left uncleared, for the split pieces (Note [Accumulating across
   // reductions]): one small all-reduce, with split parameters only.

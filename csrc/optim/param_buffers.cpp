@@ -147,9 +147,9 @@ void ShardStore::set_bucket_bytes(int64_t bytes) {
 }
 
 // Note [Overlapped parameter sync]
-// After the step, each gradient bucket's range of the parameter buffer is broadcast from its
-// owner: the same ranges the owner just stepped (frozen parameters do not change, shard padding
-// is not sent). The buckets go out in reverse order: the trainable run holds the parameters in
+// After the step, each gradient bucket's range of the parameter buffer goes out from its owners:
+// a row bucket's rows in one all-gather, a whole-parameter bucket broadcast from its owner. They
+// are the ranges the owners just stepped (frozen parameters do not change). The buckets go out in reverse order: the trainable run holds the parameters in
 // reverse order (Note [Bucket order]), so the last buckets hold the first layers, which the next
 // forward needs first. ShardedDDP waits, before each child of a Sequential (or where the user
 // calls wait_param_sync), only for the buckets of that child's parameters, so the rest of the

@@ -36,21 +36,23 @@ std::vector<int64_t> Placement::partition_weights() const {
 // Note [Split parameters]
 // With an element-wise optimizer (each element's update reads only that element's gradient and
 // state: Adam, AdamW, SGD, RMSprop, Adagrad, or one registered as element-wise) the trainable run
-// of each flat group is cut into world_size equal ranges (FlatLayout's split mode), so every
-// rank owns 1/world_size of the state however large one tensor is. A rank steps, for each range
+// of each flat group is cut into row buckets, each into world_size equal rows (FlatLayout's split
+// mode, Note [Row buckets]), so every rank owns 1/world_size of every bucket, and of the state,
+// however large one tensor is. A rank steps, for each range
 // it owns, a tensor that views those elements of the parameter (the parameter itself when it
 // owns all of it); its state lives in the store's slabs at the range's place in the shard. The
 // ranges follow the trainable set: a layout for a new set gives new holdings at once
 // (OSS::assign_holdings; the buckets reduce to the new owners), and the state follows at the
 // next step(), or at the next collective that needs it (OSS::settle_state), when every rank is
 // known to hold the same set; only ranges that change rank move. A frozen parameter's state is
-// kept, cut across the ranks (Note [Kept state]). kAuto splits when whole parameters are out of
-// balance by more than split_above_imbalance (3%), or when a whole-tensor optimizer (Muon)
-// shares the OSS (Note [Ownership by kind]): measured on the GPT-2-shaped model at two ranks,
-// where whole parameters balance within 0.4%, a split step spent 125-139 ms in backward against
-// 98-111 ms (docs/benchmarks.md). The owners' ranges are contiguous in backward order, so for
-// the first half of backward every reduction goes to one rank and for the second half to the
-// other, while whole parameters interleave the owners.
+// kept, cut across the ranks (Note [Kept state]). kAuto splits element-wise optimizers'
+// parameters unless whole parameters balance within split_above_imbalance (default 0: always),
+// and always when a whole-tensor optimizer (Muon) shares the OSS (Note [Ownership by kind]).
+// Before row buckets, one contiguous range per owner made a split step slower (on the
+// GPT-2-shaped model at two ranks 125-139 ms in backward against 98-111 ms with whole
+// parameters: for the first half of backward every reduction went to one rank) and kAuto split
+// only above 3%. A row bucket is reduce-scattered to every rank at once, and the same model
+// steps in 152 and 171 ms split against 150 and 176 ms whole, interleaved (docs/benchmarks.md).
 
 // Note [Ownership by kind]
 // Each parameter's optimizer says how its state may be cut (shardopt/optim/state_layout.h): an
@@ -107,7 +109,7 @@ Placement place_params(const std::vector<ParamShape>& params, int world_size, Pa
   switch (mode) {
     case PartitionMode::kAuto:
       p.whole_imbalance = whole.imbalance(p.weights, trainable);
-      p.split = all_known && any_element_wise && (any_whole_kind || p.whole_imbalance > split_above_imbalance);
+      p.split = all_known && any_element_wise && (any_whole_kind || p.whole_imbalance >= split_above_imbalance);
       break;
     case PartitionMode::kWholeParameters: p.split = false; break;
     case PartitionMode::kSplit:

@@ -120,7 +120,7 @@ class PlanTest(unittest.TestCase):
             self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
         # Several ranks, where the layout adds nothing either: 8 equal matrices, so at 2, 4 and 8 ranks
-        # the whole-parameter partition is perfect (OSS does not split), every shard is exactly 1/W
+        # the rows of the one row bucket end where matrices end, every shard is exactly 1/W
         # of the model with no padding, and every rank must hold exactly the paper's bytes and move
         # exactly its traffic. The numbers come from the formula computed here (zero_formula above),
         # not from the plan's own "formula" field, and every rank is checked, not only the busiest.
@@ -148,7 +148,7 @@ class PlanTest(unittest.TestCase):
             f = zero_formula(mode, w, n)
             self.assertEqual(c["formula"], f, c)
             if mode != "ddp":
-                self.assertFalse(c["split"], c)  # whole parameters: the layout adds no split pieces
+                self.assertTrue(c["split"], c)  # row buckets (Adam), whose rows hold whole matrices here
                 self.assertEqual(c["layout_imbalance"], 0, c)
             self.assertEqual(float(row["params"]), f["params"], what)
             self.assertEqual(float(row["grads"]), f["grads"], what)
@@ -156,18 +156,18 @@ class PlanTest(unittest.TestCase):
             low = 2 if mode.endswith("-bf16") else 4
             self.assertEqual(float(row["masters"]), 4 * n / w if low == 2 else 0, what)
             # Beside the formula: DDP's and ZeRO-1's all-reduce bucket holds every gradient; ZeRO-2
-            # keeps one bucket per owner (its share is far below --bucket-mb), whose slab adds one
-            # count per piece (one per whole matrix it owns), rounded up to 16 elements.
+            # keeps one row bucket (the model is far below --bucket-mb), whose slab adds one count per
+            # piece in the rank's row (one per whole matrix it owns), rounded up to 16 elements.
             if mode.startswith("zero2"):
-                self.assertEqual(c["buckets"], w, c)
+                self.assertEqual(c["buckets"], 1, c)
                 share = n // w
                 slab = -(-(share + layers // w) // 16) * 16
                 self.assertEqual(float(row["buckets"]), low * (slab - share), what)
             else:
                 self.assertEqual(float(row["buckets"]), low * n, what)
-            # Traffic per step, the paper's: ZeRO-2 reduces every gradient to its owner and
-            # broadcasts the parameters back, (W-1)/W of the model's bytes each, both ways; DDP
-            # all-reduces them, 2(W-1)/W; ZeRO-1 all-reduces and then broadcasts, 3(W-1)/W.
+            # Traffic per step, the paper's: ZeRO-2 reduce-scatters every gradient to its owner and
+            # all-gathers the parameters back, (W-1)/W of the model's bytes each, both ways; DDP
+            # all-reduces them, 2(W-1)/W; ZeRO-1 all-reduces and then all-gathers, 3(W-1)/W.
             times = {"ddp": 2, "zero1": 3, "zero2": 2}[mode.split("-")[0]]
             expected = times * (w - 1) * low * n / w
             for key in ("sent", "received"):

@@ -380,28 +380,37 @@ struct Wide : torch::nn::Module {
 };
 
 TEST(ShardedDDP, GradientMemoryAndCommunicationVolume) {
-  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
-    at::manual_seed(0);
-    auto net = std::make_shared<Wide>();
-    OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
-    const int64_t cap = 8000;  // two parameters per bucket
-    ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(cap));
-    const int64_t total = 8 * 1000 * 4;
-    g->reset_stats();
-    at::Tensor x = at::randn({1000}) + g->rank();
-    ddp.forward(x).backward();
-    const int64_t mine = ddp.local_grad_bytes();
-    EXPECT_GT(mine, 0);
-    EXPECT_LE(mine, total / 2 * (1 + oss.partition().imbalance()) + cap) << "gradient bytes on rank " << g->rank();
-    // One step moves each gradient once (reduce to its owner) and each parameter once (broadcast
-    // from its owner): the 2 x parameter bytes of plain data parallel, plus one flag per parameter.
-    const auto reduced = g->stats().bytes[CommStats::kReduce];
-    EXPECT_EQ(reduced, total + 8 * 4);
-    oss.step();
-    const auto broadcast = g->stats().bytes[CommStats::kBroadcast];
-    EXPECT_EQ(broadcast, total) << "balanced shards need no padding here";
-    EXPECT_LE(reduced + broadcast, 2 * total + 8 * 4);
-  });
+  for (PartitionMode mode : {PartitionMode::kAuto, PartitionMode::kWholeParameters}) {
+    run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+      at::manual_seed(0);
+      auto net = std::make_shared<Wide>();
+      OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g, OSSOptions().partition(mode));
+      const int64_t cap = 8000;  // two parameters per bucket
+      ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(cap).bucket_bytes_per_rank(0));
+      ASSERT_EQ(oss.split(), mode == PartitionMode::kAuto);
+      ASSERT_EQ(ddp.num_buckets(), 4u);  // two parameters each
+      const int64_t total = 8 * 1000 * 4;
+      g->reset_stats();
+      at::Tensor x = at::randn({1000}) + g->rank();
+      ddp.forward(x).backward();
+      const int64_t mine = ddp.local_grad_bytes();
+      EXPECT_GT(mine, 0);
+      EXPECT_LE(mine, total / 2 * (1 + oss.partition().imbalance()) + cap) << "gradient bytes on rank " << g->rank();
+      // One step moves each gradient once (reduced to its owner, or reduce-scattered to the
+      // owners of its row bucket) and each parameter once (broadcast from its owner, or
+      // all-gathered from the rows' owners): the 2 x parameter bytes of plain data parallel,
+      // plus one flag per parameter (row buckets: one per parameter piece in each row).
+      const auto& stats = g->stats();
+      const auto reduced = stats.bytes[mode == PartitionMode::kAuto ? CommStats::kReduceScatter : CommStats::kReduce];
+      EXPECT_EQ(reduced, total + 8 * 4);
+      oss.step();
+      const auto synced = stats.bytes[mode == PartitionMode::kAuto ? CommStats::kAllgather : CommStats::kBroadcast];
+      EXPECT_EQ(synced, total) << "balanced shards need no padding here";
+      EXPECT_LE(reduced + synced, 2 * total + 8 * 4);
+      EXPECT_EQ(stats.calls[CommStats::kReduce] + stats.calls[CommStats::kBroadcast] == 0,
+                mode == PartitionMode::kAuto);
+    });
+  }
 }
 
 TEST(ShardedDDP, RanksWithDifferentTrainableSetsFailOnEveryRank) {

@@ -269,18 +269,24 @@ TEST(Split, OptimizersThatAreNotElementWiseKeepWholeParametersOrAreRefused) {
   });
 }
 
-// kAuto splits only where whole parameters cannot balance: equal tensors stay whole (and each
-// rank still holds its share), a dominant tensor is split.
-TEST(Split, AutoSplitsOnlyWhenWholeParametersAreOutOfBalance) {
+// kAuto splits element-wise optimizers' parameters into row buckets. With a threshold it keeps
+// whole parameters where they balance within it: equal tensors stay whole (and each rank still
+// holds its share), a dominant tensor is split.
+TEST(Split, AutoSplitsUnlessWholeParametersBalanceWithinTheThreshold) {
   run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
     Params equal;
     for (int i = 0; i < 8; ++i) equal.push_back(at::zeros({50}).requires_grad_());
-    OSS balanced(equal, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    // By default element-wise optimizers always split (row buckets); a threshold keeps whole
+    // parameters that balance within it.
+    OSS by_default(testing::clone_params(equal), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    EXPECT_TRUE(by_default.split());
+    OSS balanced(equal, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g, OSSOptions().split_above_imbalance(0.03));
     EXPECT_FALSE(balanced.split());
-    EXPECT_NE(balanced.describe().find("whole parameters balance within 0%"), std::string::npos) << balanced.describe();
+    EXPECT_NE(balanced.describe().find("whole parameters balance within 0%, under the 3%"), std::string::npos)
+        << balanced.describe();
     EXPECT_DOUBLE_EQ(balanced.imbalance(), 0.0);
     Params dominant = testing::make_dominant_params();
-    OSS lopsided(dominant, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    OSS lopsided(dominant, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g, OSSOptions().split_above_imbalance(0.03));
     EXPECT_TRUE(lopsided.split());
     Params again = testing::make_dominant_params();
     OSS never(again, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g, OSSOptions().split_above_imbalance(100.0));

@@ -164,8 +164,9 @@ class ProcessGroup {
   // in rank order starting with this rank's own row, then div_); the other rows are left
   // unspecified. allgather_rows_async sets every rank's row r to rank r's row r. Each is one
   // collective in stats() (kReduceScatter, kAllgather) counting the bytes of `flat`, and each
-  // rank sends (size - 1) / size of `flat`.
-  PendingWork reduce_scatter_rows_async(at::Tensor& flat, double divisor = 1.0);
+  // rank sends (size - 1) / size of `flat`. With `out` (one row, of flat's dtype and device) the
+  // sum goes there instead, and this rank's row of `flat` is left unspecified too.
+  PendingWork reduce_scatter_rows_async(at::Tensor& flat, double divisor = 1.0, at::Tensor out = {});
   PendingWork allgather_rows_async(at::Tensor& flat);
 
   // Small control messages: every rank's vector of integers (lengths may differ).

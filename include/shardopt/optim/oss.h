@@ -9,9 +9,10 @@
 //   loss.backward();  allreduce the gradients (or use ShardedDDP);  opt.step();
 //
 // Parameters become views into flat buffers laid out by a FlatLayout (flat_layout.h): one buffer
-// per (device, dtype), cut into equal shards, one per owner, so that making every copy current
-// after the step is one collective per owner shard (Note [Parameter sync]). The same layout
-// gives ShardedDDP its gradient buckets. The parameter tensors keep their identity (set_data),
+// per (device, dtype), whose buckets are cut into one equal row per rank (element-wise
+// optimizers, Note [Row buckets]) or whose shards hold whole parameters per owner, so that making
+// every copy current after the step is one all-gather per row bucket, or one broadcast per owner
+// shard (Note [Parameter sync]). The same layout gives ShardedDDP its gradient buckets. The parameter tensors keep their identity (set_data),
 // so the user's module and hooks stay valid; moving the module to another device after
 // construction is not supported. A change of the trainable set or of the owners lays the buffers
 // out again.
@@ -96,11 +97,11 @@ enum class ParamSync {
 
 // Who owns what (Note [Split parameters]).
 enum class PartitionMode {
-  kAuto,             // kSplit for element-wise optimizers (Adam, AdamW, SGD, RMSprop, Adagrad, or
-                     // registered as such) when whole parameters would leave some rank more than
-                     // split_above_imbalance above its share, or when a whole-tensor optimizer
-                     // (Muon) steps other parameters of the same OSS; else kWholeParameters
-                     // (also for an optimizer shardopt does not know)
+  kAuto,             // kSplit (row buckets) for element-wise optimizers (Adam, AdamW, SGD, RMSprop,
+                     // Adagrad, or registered as such), unless whole parameters would leave no
+                     // rank split_above_imbalance or more above its share (never, by default) and
+                     // no whole-tensor optimizer (Muon) steps other parameters of the same OSS;
+                     // else kWholeParameters (also for an optimizer shardopt does not know)
   kWholeParameters,  // each parameter's state on one rank (fairscale OSS, ZeroRedundancyOptimizer)
   kSplit,            // equal ranges of the element-wise optimizers' trainable elements, cut across
                      // parameter boundaries; a whole-tensor optimizer's parameters stay whole
@@ -109,9 +110,10 @@ enum class PartitionMode {
 struct OSSOptions {
   TORCH_ARG(ParamSync, sync) = ParamSync::kBroadcast;
   TORCH_ARG(PartitionMode, partition) = PartitionMode::kAuto;
-  // kAuto splits when the best whole-parameter partition of the trainable bytes leaves the
-  // busiest rank more than this above 1/world (Note [Split parameters]).
-  TORCH_ARG(double, split_above_imbalance) = 0.03;
+  // kAuto keeps whole parameters only when the best whole-parameter partition of the trainable
+  // bytes leaves the busiest rank less than this above 1/world (Note [Split parameters]); 0, the
+  // default: element-wise optimizers always get row buckets.
+  TORCH_ARG(double, split_above_imbalance) = 0.0;
   // Check at every step() that all ranks agree on the trainable set (one 16-byte all-reduce).
   // Under a ShardedDDP with auto_refresh_trainable, its forward() checks instead, and the step
   // does not check again.
