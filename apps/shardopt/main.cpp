@@ -174,7 +174,7 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
   plan.add_option("--partition", o.partition, "auto, split (equal ranges) or whole (whole parameters per owner)")
       ->check(CLI::IsMember({"auto", "split", "whole"}))
       ->capture_default_str();
-  plan.add_option("--bucket-mb", o.bucket_mb, "ZeRO-2's reduce buckets, MiB: at least this, and 1 MiB per rank of the shard group (0: one per "
+  plan.add_option("--bucket-mb", o.bucket_mb, "ZeRO-2's reduce buckets, MiB: at least this, and 1 MiB per rank (0: one per "
                    "parameter, or one per group of split parameters)")
       ->check(kNonNegative)
       ->capture_default_str();

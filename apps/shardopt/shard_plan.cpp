@@ -258,7 +258,7 @@ std::vector<ScenarioPlan> plan_config(const ModelSpec& spec, const PlanConfig& c
       place_params(shapes, shard_world, partition_mode(c.partition), OSSOptions().split_above_imbalance(), true);
   LayoutOptions options = OSSOptions().layout();
   // ZeRO-2: ShardedDDP's buckets, which grow with the world size; ZeRO-1: OSS's own layout.
-  const int64_t bucket_bytes = ShardedDDPOptions().reduce_bucket_bytes(c.bucket_bytes).bucket_bytes_for(shard_world);
+  const int64_t bucket_bytes = ShardedDDPOptions().reduce_bucket_bytes(c.bucket_bytes).bucket_bytes_for(c.world_size);
   options.split(placement.split).bucket_bytes(c.mode.rfind("zero2", 0) == 0 ? bucket_bytes : 0);
   const FlatLayout first = FlatLayout::plan(layout_params(shapes, placement.partition, all, none, placement.whole_kind),
                                             shard_world, options);

@@ -83,7 +83,7 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
     for (OSS* opt : optimizers_) detail::store_of(*opt).set_trainable_checked_outside(true);
   }
   for (OSS* opt : optimizers_) {
-    detail::store_of(*opt).set_bucket_bytes(options_.bucket_bytes_for(opt->process_group().size()));
+    detail::store_of(*opt).set_bucket_bytes(options_.bucket_bytes_for(opt->global_group().size()));
   }
   mask_ = std::move(mask);
   lay_out();

@@ -38,7 +38,9 @@ TEST(Hierarchical, MatchesTheReferenceWithHalfTheStatePerRank) {
       ASSERT_EQ(oss.process_group().size(), 2);
       ASSERT_NE(oss.replica_group(), nullptr);
       EXPECT_EQ(oss.replica_group()->global_ranks(), (std::vector<int>{g->rank() % 2, g->rank() % 2 + 2}));
+      CommStats block_before, across_before;
       for (int step = 0; step < 6; ++step) {
+        if (step == 5) block_before = oss.process_group().stats(), across_before = oss.replica_group()->stats();
         const bool frozen = step == 2 || step == 3;
         for (Params* q : {&ref, &net->params}) (*q)[2].requires_grad_(!frozen), (*q)[3].requires_grad_(!frozen);
         auto data = testing::rank_data(step, g->rank(), 3);
@@ -70,6 +72,16 @@ TEST(Hierarchical, MatchesTheReferenceWithHalfTheStatePerRank) {
         EXPECT_GT(block_stats.bytes[CommStats::kReduceScatter], 0);
         EXPECT_GT(block_stats.bytes[CommStats::kAllgather], 0);
         EXPECT_EQ(block_stats.bytes[CommStats::kReduce] + block_stats.bytes[CommStats::kBroadcast], 0);
+        // The last step, per row bucket: a reduce-scatter and an all-gather in the block, an
+        // all-reduce of this rank's row across the blocks.
+        const auto buckets = static_cast<int64_t>(ddp.num_buckets());
+        ASSERT_GT(buckets, 2);
+        auto calls = [](const CommStats& after, const CommStats& before, CommStats::Kind kind) {
+          return after.calls[kind] - before.calls[kind];
+        };
+        EXPECT_EQ(calls(block_stats, block_before, CommStats::kReduceScatter), buckets);
+        EXPECT_EQ(calls(block_stats, block_before, CommStats::kAllgather), buckets);
+        EXPECT_EQ(calls(across, across_before, CommStats::kAllreduce), buckets);
       } else {
         EXPECT_GT(block_stats.bytes[CommStats::kReduce], 0);
       }

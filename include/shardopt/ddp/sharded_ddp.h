@@ -61,9 +61,9 @@ enum class GradScaling {
 
 struct ShardedDDPOptions {
   // Buckets hold up to bucket_bytes_for(world size) bytes of gradients: the larger of
-  // reduce_bucket_bytes and bucket_bytes_per_rank times the size of the group the buckets are
-  // sharded over (the block, under hierarchical sharding), so that the collectives per step stay
-  // few as the world grows (Megatron-Core's rule is max(40M, 1M x data-parallel size) elements).
+  // reduce_bucket_bytes and bucket_bytes_per_rank times the data-parallel world size (the whole
+  // group, also under hierarchical sharding), so that the collectives per step stay few as the
+  // world grows (Megatron-Core's rule is max(40M, 1M x data-parallel size) elements).
   // reduce_bucket_bytes 0: one bucket per parameter (whole parameters) or per group (row buckets).
   int64_t bucket_bytes_for(int world_size) const {
     if (reduce_bucket_bytes_ == 0) return 0;
