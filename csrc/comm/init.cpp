@@ -36,6 +36,18 @@
 
 namespace shardopt {
 
+// The set-up of a group init_process_group makes (private to ProcessGroup: user code gets
+// groups only from init_process_group and split).
+struct detail::GroupSetup {
+  static void store(ProcessGroup& group, c10::intrusive_ptr<c10d::Store> store) { group.set_store(std::move(store)); }
+  static void backend_factory(ProcessGroup& group, ProcessGroup::BackendFactory factory) {
+    group.set_backend_factory(std::move(factory));
+  }
+  static void joining(ProcessGroup& group, int global_rank, c10::intrusive_ptr<c10d::Store> store) {
+    group.set_joining(global_rank, std::move(store));
+  }
+};
+
 namespace {
 
 int parse_int(const std::string& text, const std::string& what) {
@@ -126,7 +138,7 @@ void agree_on_init(c10d::Store& store, const InitOptions& options, const std::st
 
 std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, const c10::intrusive_ptr<c10d::Store>& store,
                                            const InitOptions& options) {
-  group->set_store(store);
+  detail::GroupSetup::store(*group, store);
   const char* env = env_var("SHARDOPT_CHECK_DESYNC");
   group->set_check_desync(options.check_desync() || (env && std::string(env) == "1"));
   return group;
@@ -225,15 +237,15 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
     // A group of one over a store of its own until the run admits it.
     auto alone = factory(c10::make_intrusive<c10d::HashStore>(), 0, 1);
     auto group = std::make_shared<ProcessGroup>(alone, options.timeout());
-    group->set_backend_factory(factory);
-    group->set_joining(options.rank(), store);
+    detail::GroupSetup::backend_factory(*group, factory);
+    detail::GroupSetup::joining(*group, options.rank(), store);
     return group;
   }
   if (backend == "nccl") {
     try {
       auto pg = factory(store, options.rank(), options.world_size());
       auto group = std::make_shared<ProcessGroup>(pg, options.timeout());
-      group->set_backend_factory(factory);
+      detail::GroupSetup::backend_factory(*group, factory);
       return finish_group(group, store, options);
     } catch (const std::exception& e) {
       SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),
@@ -252,7 +264,7 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
     barrier.timeout = options.timeout();
     if (options.world_size() > 1) pg->barrier(barrier)->wait(options.timeout());
     auto group = std::make_shared<ProcessGroup>(pg, options.timeout());
-    group->set_backend_factory(factory);
+    detail::GroupSetup::backend_factory(*group, factory);
     return finish_group(group, store, options);
   } catch (const std::exception& e) {
     SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),

@@ -33,6 +33,7 @@ namespace shardopt {
 
 namespace detail {
 struct GroupFailure;  // a group's failure watch (Note [Failure watch] in csrc/comm/failure_watch.cpp)
+struct GroupSetup;    // init_process_group's access to a new group's set-up (csrc/comm/init.cpp)
 }  // namespace detail
 
 struct InitOptions {
@@ -174,9 +175,7 @@ class ProcessGroup {
 
   // (Agreement, in agree.h, checks that all ranks hold the same values.)
 
-  // The rendezvous store, for naming dead ranks (a roll call when a collective fails) and for
-  // the desync check. init_process_group sets them.
-  void set_store(c10::intrusive_ptr<c10d::Store> store);
+  // The desync check (init_process_group sets it from InitOptions::check_desync).
   void set_check_desync(bool on) { check_desync_ = on; }
   bool check_desync() const { return check_desync_; }
   // Collectives started on this group so far (the sequence number the desync check compares).
@@ -197,7 +196,6 @@ class ProcessGroup {
   std::string describe_sub() const;  // "of global ranks [3, 1] (this is global rank 1)"
   // How this group makes a backend of its kind (init_process_group and split set it).
   using BackendFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const c10::intrusive_ptr<c10d::Store>&, int, int)>;
-  void set_backend_factory(BackendFactory factory) { make_backend_ = std::move(factory); }
 
   // When a collective failed: watches every rank's heartbeat in the store for a few seconds and
   // returns which ranks' stopped ("" when all beat, or without a store).
@@ -236,10 +234,16 @@ class ProcessGroup {
   // asks the run to admit it instead of starting a run of its own.
   bool joining() const { return joining_; }
   static constexpr const char* kResilientRunKey = "shardopt/resilient/running";
-  // (init_process_group's) makes this group the joining placeholder for `global_rank`.
-  void set_joining(int global_rank, c10::intrusive_ptr<c10d::Store> store);
 
  private:
+  // Set-up, by init_process_group (through detail::GroupSetup) and by the groups this one makes.
+  friend struct detail::GroupSetup;
+  // The rendezvous store, for naming dead ranks (a roll call when a collective fails) and for
+  // the desync check.
+  void set_store(c10::intrusive_ptr<c10d::Store> store);
+  void set_backend_factory(BackendFactory factory) { make_backend_ = std::move(factory); }
+  // Makes this group the joining placeholder for `global_rank`.
+  void set_joining(int global_rank, c10::intrusive_ptr<c10d::Store> store);
   PendingWork track(CommStats::Kind kind, int64_t bytes, c10::intrusive_ptr<c10d::Work> work);
   PendingWork track(CommStats::Kind kind, int64_t bytes, const std::function<c10::intrusive_ptr<c10d::Work>()>& call);
   // Runs `call` (the backend's call that starts a collective); a failure becomes an error naming
