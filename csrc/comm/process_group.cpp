@@ -348,21 +348,29 @@ namespace {
 // double in one pass over memory, chunk by chunk, with the rounding of add_ then div_ (each sum
 // rounded, then a true division by the divisor in the tensor's type); other types take those
 // two operators.
-// out = first + in[0] + in[1] + ... (first may be out), then out[0, numel) /= divisor.
+// out = first + in[0] + in[1] + ... (first may be out), then out[0, numel) /= divisor. The
+// additions into `out` itself are written as such: the loops the compiler vectorises best.
 template <typename T>
 void sum_then_divide(T* out, const T* first, const std::vector<const T*>& in, int64_t begin, int64_t end,
                      int64_t numel, T divisor) {
   const size_t last = in.size() - 1;
-  const T* acc = first;  // what the next addition adds to: `first`, then `out`
-  for (size_t k = 0; k < last; ++k) {
+  size_t k = 0;
+  if (first != out) {  // the first addition writes `out` from `first`
+    const T* src = in[0];
+    const int64_t split = last == 0 ? std::clamp(numel, begin, end) : begin;
+    for (int64_t i = begin; i < split; ++i) out[i] = (first[i] + src[i]) / divisor;
+    for (int64_t i = split; i < end; ++i) out[i] = first[i] + src[i];
+    if (last == 0) return;
+    k = 1;
+  }
+  for (; k < last; ++k) {
     const T* src = in[k];
-    for (int64_t i = begin; i < end; ++i) out[i] = acc[i] + src[i];
-    acc = out;
+    for (int64_t i = begin; i < end; ++i) out[i] += src[i];
   }
   const T* src = in[last];
   const int64_t split = std::clamp(numel, begin, end);
-  for (int64_t i = begin; i < split; ++i) out[i] = (acc[i] + src[i]) / divisor;
-  for (int64_t i = split; i < end; ++i) out[i] = acc[i] + src[i];
+  for (int64_t i = begin; i < split; ++i) out[i] = (out[i] + src[i]) / divisor;
+  for (int64_t i = split; i < end; ++i) out[i] += src[i];
 }
 
 }  // namespace

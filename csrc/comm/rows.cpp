@@ -43,6 +43,15 @@ void check_rows(const char* what, const at::Tensor& flat, int size) {
 }  // namespace
 
 PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double divisor, at::Tensor out) {
+  return reduce_scatter_rows(flat, divisor, std::move(out), false);
+}
+
+PendingWork ProcessGroup::reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor) {
+  SHARDOPT_CHECK(out.defined(), "reduce_scatter_rows_into_async: needs an output row");
+  return reduce_scatter_rows(flat, divisor, out, true);
+}
+
+PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, at::Tensor out, bool own_in_out) {
   check_rows("reduce_scatter_rows_async", flat, size_);
   SHARDOPT_CHECK(divisor > 0, "reduce_scatter_rows_async: divisor must be positive, got ", divisor);
   const int64_t row = flat.numel() / size_;
@@ -57,31 +66,40 @@ PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double div
   check_in(kind, nbytes(flat), -1);
   at::Tensor mine = out.defined() ? out : flat.narrow(0, rank_ * row, row);
   if (size_ == 1) {  // the one row is this rank's: nothing to send
-    if (out.defined()) mine.copy_(flat);
+    if (out.defined() && !own_in_out) mine.copy_(flat);
     if (divisor != 1.0) mine.div_(divisor);
     return PendingWork();
   }
+  // NCCL's reduce-scatter reads this rank's contribution from its row of the input.
+  if (own_in_out && backend_name_ != "gloo") flat.narrow(0, rank_ * row, row).copy_(out);
   if (backend_name_ == "gloo") {
     const int tag = next_p2p_tag();
     at::Tensor host = staged(flat);  // a CUDA tensor's pinned copy (Note [Staging])
+    const bool was_staged = !host.is_same(flat);
     std::vector<at::Tensor> incoming(static_cast<size_t>(size_));
     std::vector<c10::intrusive_ptr<c10d::Work>> transfers;
     for (int k = 1; k < size_; ++k) {
       const int dst = (rank_ + k) % size_, src = (rank_ - k + size_) % size_;
       std::vector<at::Tensor> out{host.narrow(0, dst * row, row)};
       transfers.push_back(start(kind, [&] { return backend_->send(out, dst, tag); }));
-      std::vector<at::Tensor> in{at::empty({row}, host.options())};
+      // With this rank's contribution elsewhere, its row of the buffer, never sent, takes the
+      // first row that arrives (no memory of its own for it).
+      const bool into_own_row = own_in_out && !was_staged && k == 1;
+      std::vector<at::Tensor> in{into_own_row ? host.narrow(0, rank_ * row, row) : at::empty({row}, host.options())};
       incoming[static_cast<size_t>(src)] = in[0];
       transfers.push_back(start(kind, [&] { return backend_->recv(in, src, tag); }));
     }
     PendingWork work = track_all(kind, nbytes(flat), std::move(transfers));
-    const bool was_staged = !host.is_same(flat);
-    work.set_then([mine, host, incoming, rank = rank_, row, divisor, was_staged]() mutable {
+    work.set_then([mine, host, incoming, rank = rank_, row, divisor, was_staged, own_in_out]() mutable {
       std::vector<at::Tensor> in_rank_order;
       for (size_t r = 0; r < incoming.size(); ++r) {
         if (static_cast<int>(r) != rank) in_rank_order.push_back(incoming[r]);
       }
-      const at::Tensor own = host.narrow(0, rank * row, row);
+      at::Tensor own = host.narrow(0, rank * row, row);
+      if (own_in_out) {  // this rank's contribution is in `mine`
+        if (was_staged) own.copy_(mine);
+        else own = mine;
+      }
       if (was_staged) {  // summed on the host, then copied to the device
         at::Tensor sum = own;
         detail::sum_into(sum, in_rank_order, divisor != 1.0 ? row : 0, divisor);

@@ -90,8 +90,12 @@ struct ShardedDDP::Bucket {
   at::Tensor buffer;
   // After the reduction, on a rank that owns entries: the memory its reduced gradients live in,
   // `numel` of them then their flags. One owner's: `buffer`. A row bucket's: the store's memory
-  // of this rank's row, which the reduce-scatter writes its sum into.
+  // of this rank's row, which holds its own gradients from the first one on (copied, or
+  // accumulated there by autograd: Note [Gradients as bucket views]) and into which the
+  // reduce-scatter sums the other ranks' rows.
   at::Tensor out;
+  // Where this rank's owned gradient slots are: `out` for a row bucket, `buffer` otherwise.
+  const at::Tensor& owned_slots() const { return rows() ? out : buffer; }
   // This backward accumulates into the store's memory of the bucket, where the owner's zeroed
   // gradients live (Note [Gradients as bucket views]).
   bool in_place = false;

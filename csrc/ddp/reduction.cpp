@@ -65,7 +65,7 @@ void ShardedDDP::before_accumulation(size_t h) {
     if (!e.whole || !e.owned || !is_handed_over(e)) continue;
     // Zeroed where the bucket is (decide_bucket_views): autograd adds into its slot.
     const Bucket& b = buckets_[e.bucket];
-    if (b.in_place && e.grad().storage().unsafeGetStorageImpl() == b.buffer.storage().unsafeGetStorageImpl()) {
+    if (b.in_place && e.grad().storage().unsafeGetStorageImpl() == b.owned_slots().storage().unsafeGetStorageImpl()) {
       continue;
     }
     uncleared_ |= static_cast<int64_t>(e.grad()._version()) == e.handed_version;
@@ -83,11 +83,11 @@ void ShardedDDP::before_accumulation(size_t h) {
 // into its slot (its in-place path for a gradient that exists), and nothing is copied in for them;
 // a gradient that is not there (set to none, or never handed over) is copied into its slot as
 // usual. Zero plus the local gradient is the local gradient bit for bit, so the reduction and its
-// result are those of the copying path. The decision is taken per owned bucket at the first
-// gradient of a backward, before autograd has accumulated anything, and not under no_sync() or with
-// unreduced local gradients. Buckets holding part of a split parameter, whose pieces' gradients
-// autograd never accumulates, and buckets of another dtype than their gradients (a reduce_dtype)
-// copy as before. Any other clearing style (none, Module::zero_grad, setting p.grad()) leaves
+// result are those of the copying path. The decision is taken per owned bucket (a row bucket: its
+// row on this rank) at the first gradient of a backward, before autograd has accumulated anything,
+// and not under no_sync() or with unreduced local gradients. Pieces of split parameters, whose
+// gradients autograd never accumulates, are copied into their slots as usual; buckets of another
+// dtype than their gradients (a reduce_dtype) copy as before. Any other clearing style (none, Module::zero_grad, setting p.grad()) leaves
 // gradients the executor cannot prove to be zero without reading them, and they take the copying
 // path, with the Note [Accumulating across reductions] semantics.
 void ShardedDDP::drop_bucket_views() {
@@ -95,7 +95,7 @@ void ShardedDDP::drop_bucket_views() {
   for (auto& b : buckets_) {
     if (!b.in_place) continue;
     b.in_place = false;
-    if (b.pending == b.entries.size()) b.buffer = at::Tensor();  // nothing went in yet
+    if (b.pending == b.entries.size()) (b.rows() ? b.out : b.buffer) = at::Tensor();  // nothing went in yet
   }
 }
 
@@ -116,13 +116,13 @@ void ShardedDDP::decide_bucket_views() {
   });
   if (!options_.gradient_as_bucket_view()) return;
   for (auto& b : buckets_) {
-    if (b.owner == group_->rank() && !b.buffer.defined()) decide_bucket_view(b);
+    if (!b.owned.empty() && !b.owned_slots().defined()) decide_bucket_view(b);
   }
 }
 
 // Whether this backward accumulates into owned bucket `b` where its zeroed gradients live.
 void ShardedDDP::decide_bucket_view(Bucket& b) {
-  const int64_t elements = b.numel + static_cast<int64_t>(b.entries.size());
+  const int64_t elements = b.stride;
   // The memory the owned gradients live in: the store's memory of the bucket, or that of an
   // earlier bucket (before a new layout), where a backward that copied left them (Note
   // [Accumulating across reductions] adds into the gradient as it is).
@@ -130,9 +130,10 @@ void ShardedDDP::decide_bucket_view(Bucket& b) {
   const c10::StorageImpl* own = kept.defined() ? kept.storage().unsafeGetStorageImpl() : nullptr;
   c10::Storage memory = kept.defined() ? kept.storage() : c10::Storage();
   bool eligible = true, found = false;
-  for (size_t k : b.entries) {
+  for (size_t k : b.owned) {
     const Entry& e = entries_[k];
-    if (!e.whole || !e.owned || e.whole_param.dtype() != b.options.dtype()) {
+    if (!e.whole) continue;  // a piece of a split parameter is copied into its slot
+    if (e.whole_param.dtype() != b.options.dtype()) {
       eligible = false;
       break;
     }
@@ -146,12 +147,12 @@ void ShardedDDP::decide_bucket_view(Bucket& b) {
   const c10::StorageImpl* impl = memory.unsafeGetStorageImpl();
   if (static_cast<int64_t>(memory.nbytes()) != elements * static_cast<int64_t>(b.options.dtype().itemsize())) return;
   int64_t zeroed = 0;  // owned gradients in that memory, each zeroed and at its own slot
-  for (size_t k : b.entries) {
+  for (size_t k : b.owned) {
     const Entry& e = entries_[k];
     const at::Tensor& g = e.grad();
     if (!g.defined() || g.storage().unsafeGetStorageImpl() != impl) continue;
     // Zeroed, at its own slot, laid out as the slot is (so that autograd's add lands in order).
-    if (!b.store->zeroed(g) || g.storage_offset() != e.offset || g.numel() != e.numel ||
+    if (!b.store->zeroed(g) || g.storage_offset() != e.out_offset || g.numel() != e.numel ||
         !g.is_contiguous() || g.dtype() != b.options.dtype()) {
       eligible = false;
       break;
@@ -166,17 +167,17 @@ void ShardedDDP::decide_bucket_view(Bucket& b) {
       // Zeroed gradients in the memory of an earlier layout move into the store's (each keeps its
       // identity and version): the earlier slab is freed once nothing else is left in it.
       kept.zero_();
-      for (size_t k : b.entries) {
+      for (size_t k : b.owned) {
         const Entry& e = entries_[k];
         at::Tensor g = e.grad();
-        if (g.defined() && g.storage().unsafeGetStorageImpl() == impl) g.set_data(alias_at(kept, e.offset, g.sizes()));
+        if (g.defined() && g.storage().unsafeGetStorageImpl() == impl) g.set_data(alias_at(kept, e.out_offset, g.sizes()));
       }
     } else {
       kept = at::empty({0}, b.options).set_(memory, 0, {elements}, {1});
     }
   }
   b.in_place = true;
-  b.buffer = kept;
+  (b.rows() ? b.out : b.buffer) = kept;
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -200,8 +201,11 @@ at::Tensor ShardedDDP::bucket_buffer(Bucket& b) {
   if (b.buffer.defined()) return b.buffer;
   // Every gradient slot is written (copied or zeroed), and the flags when the bucket is full.
   if (b.rows()) {
+    // The other ranks' rows; this rank's own lives in the memory its gradients live in (`out`),
+    // where the reduce-scatter sums the others into it.
     const int64_t elements = b.stride * group_->size();
     b.buffer = b.zero_fill ? at::zeros({elements}, b.options) : at::empty({elements}, b.options);
+    if (!b.owned.empty() && !b.out.defined()) b.out = owned_memory(b);
     return b.buffer;
   }
   if (b.owner != group_->rank()) {
@@ -262,16 +266,19 @@ void ShardedDDP::fill_param(size_t h) {
     if (entry.ready) continue;
     filled = true;
     Bucket& b = buckets_[entry.bucket];
-    at::Tensor buffer = bucket_buffer(b);
-    // (A row bucket's reduce buffer is temporary: its owners' gradients end up in their rows.)
-    const bool owned_whole = has_grad && entry.whole && entry.owned && !b.rows();
-    if (fill_small_on_host(entry.offset, entry.numel, entry.slot_end, entry.whole ? 0 : entry.in_param.begin, buffer,
+    bucket_buffer(b);
+    // This rank's own slots of a row bucket are in `out`, every other in the reduce buffer.
+    const bool in_out = b.rows() && entry.owned;
+    at::Tensor buffer = in_out ? b.out : b.buffer;
+    const int64_t shift = in_out ? entry.offset - entry.out_offset : 0;
+    const bool owned_whole = has_grad && entry.whole && entry.owned;
+    if (fill_small_on_host(entry.offset - shift, entry.numel, entry.slot_end - shift, entry.whole ? 0 : entry.in_param.begin, buffer,
                            has_grad ? p.grad() : at::Tensor(), copying_)) {
       if (owned_whole) owned = &entry;
     } else {
-      at::Tensor slot = buffer.narrow(0, entry.offset, entry.numel);
+      at::Tensor slot = buffer.narrow(0, entry.offset - shift, entry.numel);
       if (entry.slot_end > entry.offset + entry.numel) {
-        buffer.narrow(0, entry.offset + entry.numel, entry.slot_end - entry.offset - entry.numel).zero_();
+        buffer.narrow(0, entry.offset - shift + entry.numel, entry.slot_end - entry.offset - entry.numel).zero_();
       }
       if (has_grad) {
         const at::Tensor grad = p.grad();
@@ -307,12 +314,14 @@ void ShardedDDP::release_local_grad(Hooked& hooked, const Entry* owned) {
   }
   // A gradient autograd accumulated where its slot is (Note [Gradients as bucket views]) stays
   // the same tensor, as under DDP; any other becomes a view of its slot.
-  const at::Tensor& buffer = buckets_[owned->bucket].buffer;
+  const Bucket& b = buckets_[owned->bucket];
+  const at::Tensor& buffer = b.owned_slots();
+  const int64_t offset = b.rows() ? owned->out_offset : owned->offset;
   const at::Tensor& g = p.grad();
   const bool at_slot = g.is_contiguous() && g.dtype() == buffer.dtype() && g.sizes() == p.sizes() &&
                        g.storage().unsafeGetStorageImpl() == buffer.storage().unsafeGetStorageImpl() &&
-                       g.storage_offset() == buffer.storage_offset() + owned->offset;
-  if (!at_slot) p.mutable_grad() = alias_at(buffer, owned->offset, p.sizes());
+                       g.storage_offset() == buffer.storage_offset() + offset;
+  if (!at_slot) p.mutable_grad() = alias_at(buffer, offset, p.sizes());
   hooked.slot_alias = p.grad().unsafeGetTensorImpl();
 }
 
@@ -340,20 +349,17 @@ void ShardedDDP::launch_ready_buckets() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_++];
     write_flags(b);
-    // A row bucket's reduction writes this rank's row straight into the memory its gradients
-    // live in.
-    if (b.rows() && !b.owned.empty()) b.out = owned_memory(b);
     // A sum over one rank is its own buffer: no collective (and, on a GPU, no wait for one).
-    if (group_->size() == 1) {
-      if (b.out.defined()) b.out.copy_(b.buffer);
-      continue;
-    }
+    if (group_->size() == 1) continue;
     // The mean in the pass that sums, where nothing is summed after it (hierarchical sharding
     // sums across blocks first).
     const double divisor = grad_divisor();
     b.divided = !replica_ && divisor != 1.0;
     if (b.rows()) {  // each row's flags are divided too: a flag is only ever compared with zero
-      b.work = group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0, b.out);
+      // This rank's row is `out` (where its gradients were copied or accumulated): the others
+      // are summed into it.
+      b.work = b.out.defined() ? group_->reduce_scatter_rows_into_async(b.buffer, b.out, b.divided ? divisor : 1.0)
+                               : group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0);
     } else {
       b.work = b.divided ? group_->reduce_mean_async(b.buffer, b.owner, b.numel, divisor)
                          : group_->reduce_async(b.buffer, b.owner);
@@ -381,8 +387,10 @@ void ShardedDDP::write_flags(Bucket& b) {
   // A row bucket: every row's flag slots at once, from a table made on the host.
   const int64_t world = group_->size(), per_row = b.stride - b.numel;
   at::Tensor rows = b.buffer.view({world, b.stride}).narrow(1, b.numel, per_row);
+  at::Tensor own = b.out.defined() ? b.out.narrow(0, b.numel, per_row) : at::Tensor();
   if (with == n && !b.zero_fill) {
     rows.fill_(1);  // (slots past a row's last entry are never read)
+    if (own.defined()) own.fill_(1);
     return;
   }
   at::Tensor table = at::zeros({world, per_row}, at::TensorOptions().dtype(b.options.dtype()));
@@ -393,6 +401,7 @@ void ShardedDDP::write_flags(Bucket& b) {
     table.select(0, flag / b.stride).narrow(0, flag % b.stride - b.numel, 1).fill_(1);
   }
   rows.copy_(table);
+  if (own.defined()) own.copy_(table.select(0, group_->rank()));
 }
 
 double ShardedDDP::grad_divisor() const {

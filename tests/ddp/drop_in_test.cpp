@@ -234,6 +234,52 @@ TEST(DropIn, GradientsZeroedInPlaceStayInTheirBucketWithDdpsResult) {
   }
 }
 
+// Row buckets (the default partition for Adam): this rank's row of each bucket is its own memory,
+// and after zero_grad(false) the whole parameters of that row accumulate there: only the other
+// ranks' rows and the pieces of parameters cut across rows are copied. DDP's result.
+TEST(DropIn, RowBucketGradientsZeroedInPlaceStayInTheOwnersRow) {
+  // 5 -> 16 -> 16 -> 16 -> 3: 8 tensors, so that each rank's row holds whole parameters.
+  auto make = [] {
+    auto made = torch::nn::Sequential(torch::nn::Linear(5, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
+                                      torch::nn::Tanh(), torch::nn::Linear(16, 16), torch::nn::Tanh(),
+                                      torch::nn::Linear(16, 3));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+    at::NoGradGuard no_grad;
+    for (auto& p : made->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.3);
+    return made;
+  };
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = make(), ref_net = make();
+    Params params = net->parameters(), ref = ref_net->parameters();
+    optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
+    OSS oss(params, optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
+    ShardedDDP ddp(net.ptr(), oss);
+    ASSERT_TRUE(oss.split());
+    ASSERT_TRUE(oss.layout().buckets().at(0).rows());
+    int64_t all_bytes = 0, in_row_bytes = 0;  // every gradient; the whole ones in this rank's rows
+    for (const auto& p : params) all_bytes += static_cast<int64_t>(p.nbytes());
+    for (const Piece& piece : oss.layout().pieces()) {
+      if (piece.owner == g->rank() && piece.whole()) in_row_bytes += piece.in_param.size() * 4;
+    }
+    ASSERT_GT(in_row_bytes, 0) << "rank " << g->rank() << " holds whole parameters in its rows";
+    for (int step = 0; step < 4; ++step) {
+      ref_opt.zero_grad(true);
+      ddp.zero_grad(false);
+      auto data = testing::rank_data(step, g->rank(), 4);
+      if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+      testing::loss_of(ref_net->forward(data.x), data, 4).backward();
+      testing::allreduce_grads(ref, *g);
+      testing::loss_of(ddp.forward(data.x), data, 4).backward();
+      // Step 0 has no row memory yet to accumulate into.
+      EXPECT_EQ(testing::Introspection::copied_grad_bytes(ddp), step == 0 ? all_bytes : all_bytes - in_row_bytes)
+          << "step " << step << ", rank " << g->rank();
+      ref_opt.step();
+      oss.step();
+      ASSERT_TRUE(testing::matches_reference(params, ref, *g, 1e-5)) << "after step " << step;
+    }
+  });
+}
+
 // torch::autograd::grad() runs the hooks before accumulation but reduces nothing: the gradients
 // are left as they were (a zeroed one stays where it is, none is set aside for good), and what the
 // user adds to them before the next backward counts, as under DDP: after zero_grad(false), a

@@ -168,6 +168,10 @@ class ProcessGroup {
   // rank sends (size - 1) / size of `flat`. With `out` (one row, of flat's dtype and device) the
   // sum goes there instead, and this rank's row of `flat` is left unspecified too.
   PendingWork reduce_scatter_rows_async(at::Tensor& flat, double divisor = 1.0, at::Tensor out = {});
+  // The same with this rank's own contribution in `out` (not in its row of `flat`, which is left
+  // alone), summed into there with the others: ShardedDDP keeps a rank's own gradients of a row
+  // bucket where they are reduced.
+  PendingWork reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor = 1.0);
   PendingWork allgather_rows_async(at::Tensor& flat);
 
   // Small control messages: every rank's vector of integers (lengths may differ).
@@ -258,6 +262,7 @@ class ProcessGroup {
   static void unstage_after(PendingWork& work, at::Tensor tensor, const at::Tensor& staged);
   // `what` with the phase and, in a sub-group, its global ranks: how errors name an operation.
   std::string label(std::string what) const;
+  PendingWork reduce_scatter_rows(at::Tensor& flat, double divisor, at::Tensor out, bool own_in_out);
   // The desync check before a collective (when on): every rank's (sequence, kind, bytes, root).
   void check_in(CommStats::Kind kind, int64_t bytes, int root);
   // A group over `backend` whose rank i is this group's rank members[i] (split, regroup); with
