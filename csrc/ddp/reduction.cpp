@@ -87,9 +87,10 @@ void ShardedDDP::before_accumulation(size_t h) {
 // row on this rank) at the first gradient of a backward, before autograd has accumulated anything,
 // and not under no_sync() or with unreduced local gradients. Pieces of split parameters, whose
 // gradients autograd never accumulates, are copied into their slots as usual; buckets of another
-// dtype than their gradients (a reduce_dtype) copy as before. Any other clearing style (none, Module::zero_grad, setting p.grad()) leaves
-// gradients the executor cannot prove to be zero without reading them, and they take the copying
-// path, with the Note [Accumulating across reductions] semantics.
+// dtype than their gradients (a reduce_dtype) copy as before. Any other clearing style (none,
+// Module::zero_grad, setting p.grad()) leaves gradients the executor cannot prove to be zero
+// without reading them, and they take the copying path, with the semantics of
+// Note [Accumulating across reductions].
 void ShardedDDP::drop_bucket_views() {
   views_decided_ = false;
   for (auto& b : buckets_) {
