@@ -64,6 +64,40 @@ TEST(Rows, ReduceScatterSumsEachRowOnItsOwnerAndAllGatherSpreadsThem) {
   }
 }
 
+// With this rank's contribution in an output row of its own (reduce_scatter_rows_into_async, as
+// ShardedDDP keeps a rank's own gradients where they live): the same sum, bit for bit, in that
+// output, whatever this rank's row of the buffer holds; and an output row to receive the sum
+// while the own contribution stays in the buffer (reduce_scatter_rows_async's `out`).
+TEST(Rows, ReduceScatterIntoAnOutputRowSumsTheSameBits) {
+  for (int world : {2, 3, 4}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank();
+      for (double divisor : {1.0, static_cast<double>(world)}) {
+        const int64_t row = 5003;
+        at::manual_seed(300 + r);
+        at::Tensor flat = at::randn({row * world});
+        const std::vector<at::Tensor> all = everyones(*g, flat);
+        at::Tensor expected = all[r].narrow(0, r * row, row).clone();
+        for (int k = 0; k < world; ++k) {
+          if (k != r) expected.add_(all[k].narrow(0, r * row, row));
+        }
+        if (divisor != 1.0) expected.div_(divisor);
+        // Own contribution in `out`; this rank's row of the buffer holds something else.
+        at::Tensor out = flat.narrow(0, r * row, row).clone();
+        at::Tensor scratch = flat.clone();
+        scratch.narrow(0, r * row, row).fill_(12345.0);
+        g->reduce_scatter_rows_into_async(scratch, out, divisor).wait();
+        EXPECT_TRUE(out.equal(expected)) << "into, world " << world << " divisor " << divisor;
+        // Own contribution in the buffer, the sum to `out`.
+        at::Tensor to = at::empty({row});
+        at::Tensor again = flat.clone();
+        g->reduce_scatter_rows_async(again, divisor, to).wait();
+        EXPECT_TRUE(to.equal(expected)) << "to, world " << world << " divisor " << divisor;
+      }
+    });
+  }
+}
+
 // Several rows collectives in flight at once (as buckets become ready in backward), waited in
 // another order than they were started: each gets its own transfers.
 TEST(Rows, SeveralInFlightAtOnceKeepTheirData) {
