@@ -70,6 +70,8 @@ fi
   echo "gpu_check: no binaries: give a pack (tools/gpu_check.sh pack, carried) or a build folder" | tee "$results"
   exit 1
 }
+# Absolute, since some checks run from another folder.
+dir="$(cd "$dir" && pwd)"
 torch_lib=$("$python" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))")
 cuda_libs=$("$python" - <<'EOF'
 import glob, os, site

@@ -26,7 +26,8 @@
 //                           upcast, at::_fused_adamw_ on the masters, the masters cast into the
 //                           parameters, each a multi-tensor call)
 // Every OssStep benchmark also reports `launches`: the kernels one step launches, counted by the
-// Kineto profiler around one step after the warm-up (memory copies and sets not counted).
+// Kineto profiler around one step after the warm-up (memory copies and sets not counted), and
+// `host_ms`: the host's time to enqueue one step.
 //   TrainStep/{ShardedDdp,TorchOptim}/mlp
 //                           a whole training step of a 33.6M-parameter MLP: OSS + ShardedDDP
 //                           (world 1, NCCL) against the module with torch::optim::AdamW
@@ -58,6 +59,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <cstdio>
 #include <functional>
@@ -268,6 +270,21 @@ int64_t kernel_launches(const std::function<void()>& fn) {
   return kernels;
 }
 
+// The host's time to enqueue one step (the median of 21, each after the device is idle): where it
+// exceeds the device's, the device waits on the host and the step's time is the host's.
+double host_enqueue_ms(const std::function<void(int64_t)>& step) {
+  std::vector<double> ms;
+  for (int k = 0; k < 21; ++k) {
+    AT_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto start = std::chrono::steady_clock::now();
+    step(0);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  AT_CUDA_CHECK(cudaDeviceSynchronize());
+  std::nth_element(ms.begin(), ms.begin() + 10, ms.end());
+  return ms[10];
+}
+
 void oss_step_bench(benchmark::State& state, Stepper stepper) {
   try {
     const bool mixed = stepper == Stepper::kOssMixed || stepper == Stepper::kAtenMixed;
@@ -331,6 +348,7 @@ void oss_step_bench(benchmark::State& state, Stepper stepper) {
     }
     step(0);  // warm-up: the first step makes the state (and OSS its slabs)
     state.counters["launches"] = static_cast<double>(kernel_launches([&] { step(0); }));
+    state.counters["host_ms"] = host_enqueue_ms(step);
     // (mixed: the bytes of an fp32 AdamW element, as the other OssStep runs, so GB/s compares)
     run(state, kAdamBytes * n, 1, step);
   } catch (const std::exception& e) {

@@ -13,6 +13,7 @@
 #include <shardopt_kernels/norm.h>
 #include <shardopt_kernels/sgd.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace shardopt::detail {
@@ -65,18 +66,56 @@ cudaStream_t current_stream(const at::Tensor& t) { return c10::cuda::getCurrentC
 
 bool cuda_kernels_built() { return true; }
 
-void cuda_adam(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
-               const at::Tensor& vmax, const AdamScalars& s, int64_t step) {
-  check_operand(p, p, "parameter");
-  check_operand(g, p, "gradient");
-  check_operand(m, p, "exp_avg");
-  check_operand(v, p, "exp_avg_sq");
-  if (s.amsgrad) check_operand(vmax, p, "max_exp_avg_sq");
-  const c10::cuda::CUDAGuard guard(p.device());
+void cuda_adam(const std::vector<CudaAdamOperands>& run, const AdamScalars& s, int64_t step) {
+  // The run's segments by device and by the copy's and gradient's dtypes (FLOAT32 copy: none).
+  struct Launches {
+    c10::Device device;
+    shardopt_kernel_dtype copy, grad;
+    std::vector<shardopt_adamw_segment> segments;
+  };
+  std::vector<Launches> launches;
+  for (const CudaAdamOperands& e : run) {
+    const at::Tensor& p = e.p;
+    check_operand(p, p, e.copy.defined() ? "master weight" : "parameter");
+    check_operand(e.m, p, "exp_avg");
+    check_operand(e.v, p, "exp_avg_sq");
+    if (s.amsgrad) check_operand(e.vmax, p, "max_exp_avg_sq");
+    shardopt_kernel_dtype copy = SHARDOPT_KERNEL_FLOAT32, grad = SHARDOPT_KERNEL_FLOAT32;
+    if (e.copy.defined()) {
+      SHARDOPT_CHECK(kernel_dtype(e.copy.scalar_type(), &copy) && copy != SHARDOPT_KERNEL_FLOAT32 &&
+                         e.copy.device() == p.device() && e.copy.is_contiguous() && e.copy.numel() == p.numel(),
+                     "fused CUDA mixed-precision step: the parameter copy is not a contiguous bf16/fp16 tensor of ",
+                     p.numel(), " elements on ", p.device());
+      SHARDOPT_CHECK(kernel_dtype(e.g.scalar_type(), &grad) && (grad == copy || grad == SHARDOPT_KERNEL_FLOAT32) &&
+                         e.g.device() == p.device() && e.g.is_contiguous() && e.g.numel() == p.numel(),
+                     "fused CUDA mixed-precision step: the gradient is not a contiguous ", e.copy.scalar_type(),
+                     " or fp32 tensor of ", p.numel(), " elements on ", p.device());
+    } else {
+      check_operand(e.g, p, "gradient");
+    }
+    auto it = std::find_if(launches.begin(), launches.end(), [&](const Launches& l) {
+      return l.device == p.device() && l.copy == copy && l.grad == grad;
+    });
+    if (it == launches.end()) it = launches.insert(launches.end(), Launches{p.device(), copy, grad, {}});
+    it->segments.push_back({e.copy.defined() ? e.copy.data_ptr() : p.data_ptr(), e.g.data_ptr(),
+                            e.copy.defined() ? f32(p) : nullptr, f32(e.m), f32(e.v),
+                            s.amsgrad ? f32(e.vmax) : nullptr, p.numel()});
+  }
   const shardopt_adamw_hparams h = adam_hparams(s, step);
-  check_status(shardopt_adamw_fp32(f32(p), f32(g), f32(m), f32(v), s.amsgrad ? f32(vmax) : nullptr, p.numel(), &h,
-                                   s.device_inv_scale, s.device_found_inf, current_stream(p)),
-               "shardopt_adamw_fp32");
+  for (const Launches& l : launches) {
+    const c10::cuda::CUDAGuard guard(l.device);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(l.device.index()).stream();
+    const auto count = static_cast<int64_t>(l.segments.size());
+    if (l.copy == SHARDOPT_KERNEL_FLOAT32) {
+      check_status(shardopt_adamw_fp32_segments(l.segments.data(), count, &h, s.device_inv_scale,
+                                                s.device_found_inf, stream),
+                   "shardopt_adamw_fp32_segments");
+    } else {
+      check_status(shardopt_adamw_mixed_segments(l.segments.data(), count, l.copy, l.grad, &h, s.device_inv_scale,
+                                                 s.device_found_inf, stream),
+                   "shardopt_adamw_mixed_segments");
+    }
+  }
 }
 
 void cuda_sgd(const at::Tensor& p, const at::Tensor& g, const at::Tensor& buf, const SgdScalars& s) {
@@ -95,29 +134,6 @@ void cuda_sgd(const at::Tensor& p, const at::Tensor& g, const at::Tensor& buf, c
   check_status(shardopt_sgd_fp32(f32(p), f32(g), f32(buf), p.numel(), &h, s.device_inv_scale, s.device_found_inf,
                                  c10::cuda::getCurrentCUDAStream(p.device().index()).stream()),
                "shardopt_sgd_fp32");
-}
-
-void cuda_adam_mixed(const at::Tensor& copy, const at::Tensor& g, const at::Tensor& master, const at::Tensor& m,
-                     const at::Tensor& v, const at::Tensor& vmax, const AdamScalars& s, int64_t step) {
-  check_operand(master, master, "master weight");
-  check_operand(m, master, "exp_avg");
-  check_operand(v, master, "exp_avg_sq");
-  if (s.amsgrad) check_operand(vmax, master, "max_exp_avg_sq");
-  shardopt_kernel_dtype copy_dtype{}, grad_dtype{};
-  SHARDOPT_CHECK(kernel_dtype(copy.scalar_type(), &copy_dtype) && copy_dtype != SHARDOPT_KERNEL_FLOAT32 &&
-                     copy.device() == master.device() && copy.is_contiguous() && copy.numel() == master.numel(),
-                 "fused CUDA mixed-precision step: the parameter copy is not a contiguous bf16/fp16 tensor of ",
-                 master.numel(), " elements on ", master.device());
-  SHARDOPT_CHECK(kernel_dtype(g.scalar_type(), &grad_dtype) && (grad_dtype == copy_dtype || grad_dtype == SHARDOPT_KERNEL_FLOAT32) &&
-                     g.device() == master.device() && g.is_contiguous() && g.numel() == master.numel(),
-                 "fused CUDA mixed-precision step: the gradient is not a contiguous ", copy.scalar_type(),
-                 " or fp32 tensor of ", master.numel(), " elements on ", master.device());
-  const c10::cuda::CUDAGuard guard(master.device());
-  const shardopt_adamw_hparams h = adam_hparams(s, step);
-  check_status(shardopt_adamw_mixed(copy.data_ptr(), copy_dtype, g.data_ptr(), grad_dtype, f32(master), f32(m), f32(v),
-                                    s.amsgrad ? f32(vmax) : nullptr, master.numel(), &h, s.device_inv_scale,
-                                    s.device_found_inf, current_stream(master)),
-               "shardopt_adamw_mixed");
 }
 
 at::Tensor cuda_norm(const std::vector<at::Tensor>& tensors, bool inf) {

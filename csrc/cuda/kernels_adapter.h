@@ -14,20 +14,22 @@ namespace shardopt::detail {
 // Whether this build carries kernels/'s CUDA kernels (nvcc found and LibTorch built with CUDA).
 bool cuda_kernels_built();
 
-// One Adam/AdamW step of an fp32 CUDA parameter with its gradient and state (same device,
-// contiguous), `step` counted from 1, on the device's current stream; `vmax` undefined without
-// AMSGrad. The scalars are the CPU step's (AdamScalars), so both paths compute alike.
-void cuda_adam(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
-               const at::Tensor& vmax, const AdamScalars& s, int64_t step);
+// One operand set of the CUDA Adam/AdamW step: an fp32 parameter (or, under mixed precision, the
+// fp32 master) `p` with its gradient `g` and state (same device, contiguous); `vmax` undefined
+// without AMSGrad; `copy` the bf16/fp16 parameter copy under mixed precision (Note [Mixed
+// precision]), written with the updated master rounded, else undefined.
+struct CudaAdamOperands {
+  at::Tensor p, g, m, v, vmax, copy;
+};
+
+// One Adam/AdamW step of every entry of `run` (same options, `step` counted from 1), on each
+// device's current stream, in as few launches as kernels/ allows: one per device, dtype pair and
+// SHARDOPT_ADAMW_SEGMENTS_PER_LAUNCH entries. The scalars are the CPU step's (AdamScalars), so
+// both paths compute alike.
+void cuda_adam(const std::vector<CudaAdamOperands>& run, const AdamScalars& s, int64_t step);
 
 // One SGD step of an fp32 CUDA parameter; `buf` undefined without momentum.
 void cuda_sgd(const at::Tensor& p, const at::Tensor& g, const at::Tensor& buf, const SgdScalars& s);
-
-// The mixed-precision Adam/AdamW step (Note [Mixed precision]): the fp32 `master` and its state
-// take the update from `g` (the copy's dtype or fp32), and `copy` (bf16 or fp16, as many elements,
-// contiguous) becomes the updated master rounded, in the same pass.
-void cuda_adam_mixed(const at::Tensor& copy, const at::Tensor& g, const at::Tensor& master, const at::Tensor& m,
-                     const at::Tensor& v, const at::Tensor& vmax, const AdamScalars& s, int64_t step);
 
 // The L2 norm squared (or, with `inf`, the largest magnitude) of every element of `tensors`, and
 // whether any is inf or NaN, as a 2-element fp32 tensor on their device, with no host

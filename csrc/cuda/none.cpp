@@ -8,17 +8,11 @@ namespace shardopt::detail {
 
 bool cuda_kernels_built() { return false; }
 
-void cuda_adam(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-               const AdamScalars&, int64_t) {
+void cuda_adam(const std::vector<CudaAdamOperands>&, const AdamScalars&, int64_t) {
   SHARDOPT_CHECK(false, "this shardopt was built without CUDA kernels");
 }
 
 void cuda_sgd(const at::Tensor&, const at::Tensor&, const at::Tensor&, const SgdScalars&) {
-  SHARDOPT_CHECK(false, "this shardopt was built without CUDA kernels");
-}
-
-void cuda_adam_mixed(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                     const at::Tensor&, const AdamScalars&, int64_t) {
   SHARDOPT_CHECK(false, "this shardopt was built without CUDA kernels");
 }
 

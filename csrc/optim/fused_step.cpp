@@ -140,8 +140,8 @@ detail::AdamSegment<T> adam_segment(const AdamEntry& e) {
 }
 
 // One run: parameters with the same options and step count, adjacent ones joined (Note [Adjacent
-// tensors in one pass]). All CPU tensors of a dtype go through one parallel region; a CUDA segment
-// is one launch. Returns the segments stepped.
+// tensors in one pass]). All CPU tensors of a dtype go through one parallel region; the CUDA
+// segments go to kernels/ as one list (a launch per 32). Returns the segments stepped.
 int64_t adam_run(std::vector<AdamEntry> run, const AdamScalars& s, int64_t step) {
   at::NoGradGuard no_grad;
   for (const auto& e : run) {
@@ -152,11 +152,10 @@ int64_t adam_run(std::vector<AdamEntry> run, const AdamScalars& s, int64_t step)
   run = detail::joined_adjacent(std::move(run));
   std::vector<detail::AdamSegment<float>> f32;
   std::vector<detail::AdamSegment<double>> f64;
+  std::vector<detail::CudaAdamOperands> cuda;
   for (const auto& e : run) {
-    if (e.copy.defined()) {
-      detail::cuda_adam_mixed(e.copy, e.g, e.p, e.m, e.v, e.vmax, s, step);
-    } else if (e.p.is_cuda()) {
-      detail::cuda_adam(e.p, e.g, e.m, e.v, e.vmax, s, step);
+    if (e.copy.defined() || e.p.is_cuda()) {
+      cuda.push_back({e.p, e.g, e.m, e.v, e.vmax, e.copy});
     } else if (e.p.scalar_type() == at::kFloat) {
       f32.push_back(adam_segment<float>(e));
     } else {
@@ -165,6 +164,7 @@ int64_t adam_run(std::vector<AdamEntry> run, const AdamScalars& s, int64_t step)
   }
   if (!f32.empty()) adam_kernel(f32, s);
   if (!f64.empty()) adam_kernel(f64, s);
+  if (!cuda.empty()) detail::cuda_adam(cuda, s, step);
   return static_cast<int64_t>(run.size());
 }
 

@@ -50,7 +50,19 @@ __device__ __forceinline__ Pack<T, N> load(const T* p) {
 
 template <int N, class T>
 __device__ __forceinline__ void store(T* p, const Pack<T, N>& x) {
-  *reinterpret_cast<Pack<T, N>*>(p) = x;
+  if constexpr (sizeof(T) == 2 && sizeof(Pack<T, N>) % kVectorBytes == 0) {
+    // Two-byte elements go out as explicit 16-byte stores (__stwb: st.global.wb.v4.u32): as an
+    // aggregate copy, nvcc emitted one 2-byte store per element in the list kernel of adamw.cu,
+    // where it vectorized the fp32 packs.
+#pragma unroll
+    for (int q = 0; q < static_cast<int>(sizeof(Pack<T, N>) / kVectorBytes); ++q) {
+      uint4 bits;
+      memcpy(&bits, reinterpret_cast<const unsigned char*>(&x) + q * kVectorBytes, kVectorBytes);
+      __stwb(reinterpret_cast<uint4*>(p) + q, bits);
+    }
+  } else {
+    *reinterpret_cast<Pack<T, N>*>(p) = x;
+  }
 }
 
 // The same through the read-only data path (ld.global.nc), for buffers that no thread writes while
@@ -202,6 +214,16 @@ inline bool disjoint(std::initializer_list<ByteRange> ranges) {
     for (auto b = a + 1; b != ranges.end(); ++b) {
       if (a->begin < b->end && b->begin < a->end) return false;
     }
+  }
+  return true;
+}
+
+// The same for many ranges (the buffers of a list of segments): sorted by start, each must end
+// before the next begins. `ranges` is reordered.
+inline bool disjoint_sorted(ByteRange* ranges, size_t count) {
+  std::sort(ranges, ranges + count, [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
+  for (size_t k = 1; k < count; ++k) {
+    if (ranges[k].begin < ranges[k - 1].end) return false;
   }
   return true;
 }

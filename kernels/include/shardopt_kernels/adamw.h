@@ -104,6 +104,47 @@ shardopt_kernel_status shardopt_adamw_mixed(void* param, shardopt_kernel_dtype p
                                             const shardopt_adamw_hparams* hparams, const float* inv_scale,
                                             const float* found_inf, cudaStream_t stream);
 
+/* Many segments in few launches: one step of the same hyper-parameters over a list of segments
+ * (the parameters of one optimizer group, each its own allocation), as ATen's multi-tensor
+ * _fused_adamw_ does. Each launch takes up to SHARDOPT_ADAMW_SEGMENTS_PER_LAUNCH segments, passed
+ * by value as the kernel's argument (no descriptor in device memory, no copy to the device), and
+ * each segment is cut into chunks of whole 16-byte vectors that the blocks share out; a segment's
+ * results are bit for bit those of the single-segment entry point on it. Segments with n == 0 are
+ * skipped without their buffers being checked. The list is read during the call only. Each
+ * segment's buffers follow the rules above, and no two buffers of the whole list overlap. */
+#define SHARDOPT_ADAMW_SEGMENTS_PER_LAUNCH 32
+
+/* One segment of a list.
+ *   param           the fp32 step: the fp32 parameters (float*, read and written);
+ *                   the mixed step: the low-precision copy (written only)
+ *   grad            the gradients: fp32 in the fp32 step; the copy's dtype or fp32 in the mixed one
+ *   master          the mixed step: the fp32 master weights (read and written); the fp32 step:
+ *                   must be NULL
+ *   exp_avg, exp_avg_sq, max_exp_avg_sq, n
+ *                   as for shardopt_adamw_fp32 */
+typedef struct shardopt_adamw_segment {
+  void* param;
+  const void* grad;
+  float* master;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;
+  int64_t n;
+} shardopt_adamw_segment;
+
+/* shardopt_adamw_fp32 over `count` segments (host array). */
+shardopt_kernel_status shardopt_adamw_fp32_segments(const shardopt_adamw_segment* segments, int64_t count,
+                                                    const shardopt_adamw_hparams* hparams, const float* inv_scale,
+                                                    const float* found_inf, cudaStream_t stream);
+
+/* shardopt_adamw_mixed over `count` segments (host array), every copy of param_dtype and every
+ * gradient of grad_dtype. */
+shardopt_kernel_status shardopt_adamw_mixed_segments(const shardopt_adamw_segment* segments, int64_t count,
+                                                     shardopt_kernel_dtype param_dtype,
+                                                     shardopt_kernel_dtype grad_dtype,
+                                                     const shardopt_adamw_hparams* hparams, const float* inv_scale,
+                                                     const float* found_inf, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
