@@ -179,6 +179,23 @@ void BM_PairedAtenVsOssStepGpt2(benchmark::State& state) {
   paired_aten_vs_oss(state, opt, params, 10, /*per_tensor=*/true);
 }
 
+// The host's share: as many tensors as GPT-2 small has (148) but of 64 elements each, so the time
+// is the per-tensor bookkeeping of a step, the part a GPU waits on (docs/benchmarks.md, "Many
+// parameters in few launches").
+void BM_PairedAtenVsOssStepHost(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  auto group = shardopt::init_process_group(c10::make_intrusive<c10d::HashStore>(),
+                                            shardopt::InitOptions().backend("gloo").rank(0).world_size(1));
+  std::vector<at::Tensor> params;
+  for (size_t i = 0; i < shardopt::models::gpt2_shapes().size(); ++i) {
+    at::Tensor p = (at::randn({64}) * 0.02).requires_grad_();
+    p.mutable_grad() = at::randn({64}) * 1e-3;
+    params.push_back(p);
+  }
+  shardopt::OSS opt(params, shardopt::optimizer<optim::AdamW>(options()), group);
+  paired_aten_vs_oss(state, opt, params, 200);
+}
+
 // The floor: each element read from 4 arrays and written to 3, with a few flops, as AdamW does.
 void BM_StreamingFloor(benchmark::State& state) {
   at::set_num_threads(static_cast<int>(state.range(0)));
@@ -222,6 +239,7 @@ BENCHMARK(BM_ShardoptFusedStep)->Apply(threads);
 BENCHMARK(BM_OssStepWorldOne)->Apply(threads);
 BENCHMARK(BM_PairedAtenVsOssStep)->Apply(threads)->Iterations(3);
 BENCHMARK(BM_PairedAtenVsOssStepGpt2)->Apply(threads)->Iterations(3);
+BENCHMARK(BM_PairedAtenVsOssStepHost)->Arg(1)->Iterations(3);
 
 }  // namespace
 

@@ -59,9 +59,6 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
     : module_(std::move(module)), callable_(std::move(callable)), optimizers_(std::move(optimizers)), options_(options) {
   SHARDOPT_CHECK(module_, "ShardedDDP needs a module, got null");
   check_optimizers();
-  if (options_.overlap_param_sync()) {
-    for (OSS* opt : optimizers_) detail::store_of(*opt).set_overlap_param_sync(true);
-  }
   group_ = std::shared_ptr<ProcessGroup>(&optimizers_[0]->process_group(), [](ProcessGroup*) {});
   global_ = &optimizers_[0]->global_group();
   replica_ = optimizers_[0]->replica_group();
@@ -78,22 +75,19 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   }
   auto mask = detail::trainable_mask(params_);
   detail::agree_on_mask(*global_, mask, /*exhaustive=*/true, [this](size_t i) { return name(i); });
-  // forward() checks the trainable set; the step need not check it again.
-  if (options_.auto_refresh_trainable()) {
-    for (OSS* opt : optimizers_) detail::store_of(*opt).set_trainable_checked_outside(true);
-  }
+  // What this ShardedDDP takes over from each optimizer's step, in one call: forward() checks the
+  // trainable set (the step need not check it again), the buckets' cuts, and the overlapped sync.
+  detail::ShardStore::HandOver hand_over;
+  hand_over.checks_trainable = options_.auto_refresh_trainable();
+  hand_over.overlap_param_sync = options_.overlap_param_sync();
   for (OSS* opt : optimizers_) {
-    detail::store_of(*opt).set_bucket_bytes(options_.bucket_bytes_for(opt->global_group().size()));
+    hand_over.bucket_bytes = options_.bucket_bytes_for(opt->global_group().size());
+    detail::store_of(*opt).hand_over(hand_over);
   }
   mask_ = std::move(mask);
   lay_out();
   build();
   balanced_for_ = mask_;
-  // From here on a new layout of any optimizer (its step's own check, a re-partition) marks the
-  // buckets stale; the next forward rebuilds them.
-  for (OSS* opt : optimizers_) {
-    layout_followers_.push_back(detail::store_of(*opt).follow_layouts([this] { layouts_changed_ = true; }));
-  }
 }
 
 void ShardedDDP::check_optimizers() {
@@ -216,9 +210,14 @@ void ShardedDDP::follow_partition(bool agreed_mask_changed) {
 }
 
 // Rebuilds the buckets when any optimizer has a new layout (its trainable set, owners or bucket
-// cuts changed, by this ShardedDDP or by the optimizer's own step): each store announces it.
+// cuts changed, by this ShardedDDP or by the optimizer's own step): its layout version moved
+// since build().
 void ShardedDDP::follow_layouts() {
-  if (!layouts_changed_) return;
+  bool changed = false;
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    changed |= detail::store_of(*optimizers_[k]).layout_version() != built_versions_[k];
+  }
+  if (!changed) return;
   const std::vector<int> before = owner_;
   refresh_owners();
   bool owners_changed = false;  // a re-partition (split ranges are cut anew, never re-partitioned)
@@ -237,15 +236,10 @@ void ShardedDDP::follow_layouts() {
 
 ShardedDDP::~ShardedDDP() {
   remove_hooks();
-  for (size_t k = 0; k < layout_followers_.size(); ++k) {
-    detail::store_of(*optimizers_[k]).unfollow_layouts(layout_followers_[k]);
-  }
   // The optimizers go on alone: their steps check the trainable set and sync in full again.
   for (OSS* opt : optimizers_) {
-    auto& store = detail::store_of(*opt);
-    store.set_trainable_checked_outside(false);
     try {
-      store.set_overlap_param_sync(false);
+      detail::store_of(*opt).take_back();
     } catch (const std::exception&) {
       // A failed sync was the last thing these optimizers did; not for a destructor to raise.
     }
@@ -315,7 +309,8 @@ void ShardedDDP::build() {
     const auto& layout = detail::store_of(*optimizers_[k]).layout();
     mask_[m] = layout.pieces()[layout.pieces_of(i).front()].bucket >= 0;
   }
-  layouts_changed_ = false;
+  built_versions_.clear();
+  for (OSS* opt : optimizers_) built_versions_.push_back(detail::store_of(*opt).layout_version());
   has_split_pieces_ = std::any_of(entries_.begin(), entries_.end(), [](const Entry& e) { return !e.whole; });
   ++rebuilds_;
 }

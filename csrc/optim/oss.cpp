@@ -196,7 +196,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
   store_->set_kept_whole(placement_.whole_kind);
   // Whoever lays the store out (this OSS, or ShardedDDP for its forward's trainable set), the
   // holdings follow the new layout at once.
-  store_->follow_layouts([this] { assign_holdings(); });
+  store_->on_layout([this] { assign_holdings(); });
   if (placement_.split) {
     // A parameter frozen from the start keeps its state where it would be if all were trainable.
     store_->lay_out(std::vector<uint8_t>(params_.size(), 1));

@@ -237,9 +237,17 @@ void ShardStore::finish_param_sync(size_t param) {
   }
 }
 
-void ShardStore::set_overlap_param_sync(bool on) {
-  if (!on) finish_param_sync();
-  overlap_sync_ = on;
+void ShardStore::hand_over(const HandOver& h) {
+  if (!h.overlap_param_sync) finish_param_sync();
+  overlap_sync_ = h.overlap_param_sync;
+  trainable_checked_outside_ = h.checks_trainable;
+  set_bucket_bytes(h.bucket_bytes);
+}
+
+void ShardStore::take_back() {
+  trainable_checked_outside_ = false;
+  overlap_sync_ = false;
+  finish_param_sync();
 }
 
 }  // namespace shardopt::detail

@@ -149,21 +149,12 @@ int64_t ShardStore::bytes() const {
   return total;
 }
 
-size_t ShardStore::follow_layouts(std::function<void()> fn) {
-  followers_.emplace(next_follower_, std::move(fn));
-  return next_follower_++;
-}
-
-void ShardStore::unfollow_layouts(size_t handle) {
-  followers_.erase(handle);
-}
-
 void ShardStore::announce_layout() {
   // New buckets: their memory is carved anew when a backward asks for it. Gradients that are
   // views of the old keep it alive until they are cleared.
   grad_slabs_.clear();
   bucket_memory_.clear();
-  for (auto& [handle, fn] : followers_) fn();
+  if (on_layout_) on_layout_();
 }
 
 }  // namespace shardopt::detail

@@ -1,6 +1,6 @@
 // ShardStore: the memory a rank's shard of the optimizer owns, addressed through the FlatLayout
 // (Note [Shard store] in shard_store.cpp). Internal to shardopt; OSS composes it, and ShardedDDP
-// shares it (detail::store_of).
+// shares it (detail::store_of), after one hand_over() call.
 //
 // It holds the partition, the flat parameter buffers and the layout they follow, with the
 // trainable set it was made for, and the parameter sync after the step. For each (device, dtype)
@@ -79,17 +79,27 @@ class ShardStore {
   // the parameters' values copied in (lay_out_params), the old buffers freed once nothing refers
   // to them, and the new layout announced.
   void lay_out(const std::vector<uint8_t>& trainable);
-  // Re-cuts the gradient buckets at `bytes` (0: one per parameter); no data moves.
-  void set_bucket_bytes(int64_t bytes);
   const FlatLayout& layout() const { return layout_; }
   // The trainable set the layout was made for (one flag per parameter, in OSS's order).
   const std::vector<uint8_t>& laid_out_for() const { return laid_out_for_; }
   std::vector<at::Tensor>& buffers() { return buffers_; }
-  // Counts layouts (lay_out and new bucket cuts).
+  // Counts layouts (lay_out and new bucket cuts): whoever built on a layout compares it to know
+  // whether the layout is still the one it built on.
   int64_t layout_version() const { return layout_version_; }
-  // ShardedDDP checks the trainable set at every forward and lays the store out for it; with this
-  // on, OSS's step leaves both to it.
-  void set_trainable_checked_outside(bool on) { trainable_checked_outside_ = on; }
+
+  // ---- what a ShardedDDP takes over, in one call ----
+  // ShardedDDP checks the trainable set at every forward and lays the store out for it (with
+  // checks_trainable, OSS's step leaves both to it), cuts the gradient buckets at bucket_bytes,
+  // and with overlap_param_sync leaves the step's parameter sync in flight for its forward.
+  struct HandOver {
+    bool checks_trainable = false;
+    bool overlap_param_sync = false;
+    int64_t bucket_bytes = 0;
+  };
+  void hand_over(const HandOver& h);
+  // OSS alone again (the ShardedDDP is gone): its step checks the set and syncs in full. The
+  // bucket cuts stay. Finishes the sync in flight.
+  void take_back();
   bool trainable_checked_outside() const { return trainable_checked_outside_; }
 
   // ---- the parameter sync (Note [Parameter sync], Note [Overlapped parameter sync]) ----
@@ -102,8 +112,6 @@ class ShardStore {
   void finish_param_sync();
   void finish_param_sync(size_t param);
   bool param_sync_in_flight() const { return sync_in_flight_ > 0; }
-  // With it on, sync_after_step() leaves the sync in flight; off finishes what is in flight.
-  void set_overlap_param_sync(bool on);
 
   // ---- optimizer state ----
   // Plans where this rank's state lives: every holding of `rank` that is a piece of the layout's
@@ -168,10 +176,10 @@ class ShardStore {
   bool zeroed(const at::Tensor& grad) const;
 
   // ---- new layouts ----
-  // `fn` runs whenever OSS lays the shard out anew (a trainable set, owners or bucket cuts
-  // changed): ShardedDDP follows, to rebuild its buckets. Returns a handle for unfollow().
-  size_t follow_layouts(std::function<void()> fn);
-  void unfollow_layouts(size_t handle);
+  // `fn` runs whenever the shard is laid out anew (a trainable set, owners or bucket cuts
+  // changed), whoever laid it out: OSS's holdings follow at once. (ShardedDDP compares
+  // layout_version() before its forward instead.)
+  void on_layout(std::function<void()> fn) { on_layout_ = std::move(fn); }
   void announce_layout();
 
  private:
@@ -186,6 +194,9 @@ class ShardStore {
   FlatLayout plan_layout(const std::vector<uint8_t>& trainable) const;
   // Starts the broadcast of every bucket from its owner, in reverse bucket order.
   void start_param_sync();
+  // Re-cuts the gradient buckets at `bytes` (0: one per parameter); data moves only when new row
+  // buckets change where a parameter lies.
+  void set_bucket_bytes(int64_t bytes);
 
   std::vector<at::Tensor> params_;  // OSS's parameters (the same TensorImpls)
   std::shared_ptr<ProcessGroup> group_;
@@ -214,8 +225,7 @@ class ShardStore {
     int64_t version;
   };
   std::unordered_map<const c10::TensorImpl*, Zeroed> zeroed_;
-  std::map<size_t, std::function<void()>> followers_;
-  size_t next_follower_ = 0;
+  std::function<void()> on_layout_;
 };
 
 }  // namespace shardopt::detail

@@ -301,8 +301,7 @@ class ShardedDDP {
   std::vector<std::pair<size_t, size_t>> place_;  // per module parameter: (optimizer, its position there)
   std::vector<int> owner_;          // per module parameter
   std::unordered_map<const void*, size_t> module_index_;  // TensorImpl -> position in params_
-  std::vector<size_t> layout_followers_;     // per optimizer: our handle in its store's followers
-  bool layouts_changed_ = false;             // some optimizer laid out anew since the buckets were built
+  std::vector<int64_t> built_versions_;      // per optimizer: the layout version the buckets were built on
   std::vector<Hooked> hooked_;               // parameters that carry our post-accumulation hook
   std::unordered_map<const void*, size_t> hooked_index_;  // TensorImpl -> position in hooked_
   std::vector<uint8_t> mask_;       // trainable mask the buckets were built for

@@ -350,7 +350,7 @@ class OSS : public torch::optim::Optimizer {
   std::shared_ptr<ProcessGroup> global_group_, replica_group_;
   bool stepped_fused_ = false;  // every optimizer stepped fused last time
   std::vector<uint8_t> fused_;  // per optimizer: steps fused this time
-  int64_t fused_segments_ = 0;  // the segments the last fused step stepped (one CUDA launch each)
+  int64_t fused_segments_ = 0;  // the segments the last fused step stepped
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::vector<Unit> units_;
   std::vector<size_t> unit_of_group_, local_group_of_;  // per global group: its unit, its index there

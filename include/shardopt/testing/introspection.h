@@ -22,8 +22,8 @@ struct Introspection {
   static int64_t layout_version(const OSS& oss);
   // Whether the last step() used the fused step.
   static bool stepped_fused(const OSS& oss) { return oss.stepped_fused_; }
-  // The segments of adjacent tensors the last fused step stepped: one CUDA launch each (Note
-  // [Adjacent tensors in one pass] in csrc/optim/adjacent.h).
+  // The segments of adjacent tensors the last fused step stepped (Note [Adjacent tensors in one
+  // pass] in csrc/optim/adjacent.h); on CUDA, 32 of a run share one launch.
   static int64_t fused_segments(const OSS& oss) { return oss.fused_segments_; }
   // Bytes of gradients the last reduction copied into buckets: gradients autograd accumulated
   // where their bucket is (gradient_as_bucket_view) are not copied.
