@@ -59,7 +59,7 @@ bool ShardedDDP::is_handed_over(const Entry& e) const {
 // gradient still as the last reduction handed it over is set aside, so that the reduction of
 // this backward's fresh gradients can be added to it.
 void ShardedDDP::before_accumulation(size_t h) {
-  if (!views_decided_ && !no_sync_ && !unreduced_local_grads_) decide_bucket_views();
+  if (phase_ == Phase::kIdle && !no_sync_) decide_bucket_views();
   for (size_t k : hooked_[h].entries) {
     Entry& e = entries_[k];
     if (!e.whole || !e.owned || !is_handed_over(e)) continue;
@@ -92,7 +92,7 @@ void ShardedDDP::before_accumulation(size_t h) {
 // without reading them, and they take the copying path, with the semantics of
 // Note [Accumulating across reductions].
 void ShardedDDP::drop_bucket_views() {
-  views_decided_ = false;
+  if (phase_ == Phase::kViews) phase_ = Phase::kIdle;
   for (auto& b : buckets_) {
     if (!b.in_place) continue;
     b.in_place = false;
@@ -101,14 +101,14 @@ void ShardedDDP::drop_bucket_views() {
 }
 
 void ShardedDDP::decide_bucket_views() {
-  views_decided_ = true;
+  phase_ = Phase::kViews;
   // The decision holds for this backward only. One that reduces nothing (autograd::grad() runs
   // the hooks before accumulation, never the ones after) drops it at its end; one that reduces
   // drops it in finish_reduction().
   // It also gives back the gradients set aside before accumulation (Note [Accumulating across
   // reductions]), which such a backward never adds to.
   torch::autograd::Engine::get_default_engine().queue_callback([this] {
-    if (in_backward_) return;
+    if (phase_ == Phase::kReducing) return;
     drop_bucket_views();
     for (auto& e : entries_) {
       if (e.carried.defined() && e.owned && !e.grad().defined()) e.set_grad(e.carried);
@@ -183,15 +183,33 @@ void ShardedDDP::decide_bucket_view(Bucket& b) {
 
 // ---- backward -----------------------------------------------------------------------------------
 
+// Note [Reduction phases]
+// Where the reduction stands is one value, ShardedDDP::phase_:
+//   kIdle          no backward under way, and no local gradient waits to be reduced.
+//   kViews         a backward outside no_sync() began with nothing waiting: before autograd
+//                  accumulated anything, decide_bucket_views() chose which buckets are the
+//                  gradients' own memory (Note [Gradients as bucket views]). The first ready
+//                  gradient moves on to kReducing; a backward that readies none (autograd::grad)
+//                  drops the decision at its end and goes back to kIdle.
+//   kAccumulating  backward(s) under no_sync() left local, unreduced gradients. The next backward
+//                  outside no_sync() (or reduce()) reduces them with its own, deciding no views;
+//                  the trainable set may not change meanwhile.
+//   kReducing      a backward outside no_sync() has a ready gradient: buckets are filled and
+//                  launched as they complete, and finish_reduction(), queued to run when autograd
+//                  is done, waits for them, hands the results over and returns to kIdle. A
+//                  backward that raised in between stays here, and the next forward refuses to
+//                  pair this rank's collectives with the wrong ones elsewhere.
+// no_sync() itself is a mode the user sets, not a phase.
+
 void ShardedDDP::on_grad_ready(size_t h) {
   CommPhase phase("backward (gradient reductions)");
   if (no_sync_) {
-    unreduced_local_grads_ = true;
+    phase_ = Phase::kAccumulating;
     return;
   }
-  if (!in_backward_) {
+  if (phase_ != Phase::kReducing) {
     await_mask_check();
-    in_backward_ = true;
+    phase_ = Phase::kReducing;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_reduction(); });
   }
   fill_param(h);
@@ -415,7 +433,7 @@ double ShardedDDP::grad_divisor() const {
 
 void ShardedDDP::finish_reduction() {
   CommPhase phase("backward (gradient reductions)");
-  in_backward_ = false;
+  phase_ = Phase::kIdle;
   // Parameters that got no gradient in this backward still take part, so every rank launches
   // the same buckets; their flags say whether any rank had a gradient (from this backward or
   // accumulated under no_sync).
@@ -475,7 +493,7 @@ void ShardedDDP::reset_executor() {
     b.divided = false;
     b.pending = b.entries.size();
   }
-  views_decided_ = false;
+  phase_ = Phase::kIdle;
   copied_bytes_ = copying_;
   copying_ = 0;
   for (auto& hooked : hooked_) hooked.slot_alias = nullptr;
@@ -485,7 +503,6 @@ void ShardedDDP::reset_executor() {
     entry.carried = at::Tensor();
   }
   next_launch_ = 0;
-  unreduced_local_grads_ = false;
   global_samples_ = -1;
 }
 
@@ -548,7 +565,7 @@ void ShardedDDP::hand_over_reduced() {
 }
 
 void ShardedDDP::reduce() {
-  SHARDOPT_CHECK(!in_backward_, "reduce() called during backward");
+  SHARDOPT_CHECK(phase_ != Phase::kReducing, "reduce() called during backward");
   SHARDOPT_CHECK(!no_sync_, "reduce() called inside no_sync()");
   await_mask_check();
   finish_reduction();

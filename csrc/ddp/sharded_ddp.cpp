@@ -227,7 +227,7 @@ void ShardedDDP::follow_layouts() {
   build();
   // A re-partition gave each moved gradient to its new owner; the old one lets go of it, unless
   // it is a local gradient still waiting to be reduced (no_sync).
-  if (owners_changed && !unreduced_local_grads_) {
+  if (owners_changed && phase_ != Phase::kAccumulating) {
     for (size_t m = 0; m < params_.size(); ++m) {
       if (owner_[m] != group_->rank()) params_[m].mutable_grad().reset();
     }
@@ -385,7 +385,7 @@ void ShardedDDP::pre_forward(bool finish_sync) {
   CommPhase phase("forward (trainability check, buffers)");
   // A backward that raised after its first gradient left its buckets half reduced: going on would
   // pair this rank's next collectives with the wrong ones elsewhere.
-  SHARDOPT_CHECK(!in_backward_, "the last backward on this rank raised an error after gradients had started to "
+  SHARDOPT_CHECK(phase_ != Phase::kReducing, "the last backward on this rank raised an error after gradients had started to "
                  "reduce; ShardedDDP's reductions are incomplete and it cannot go on (start again from a "
                  "checkpoint)");
   drop_bucket_views();  // a backward that ended early took its decision along
@@ -394,7 +394,7 @@ void ShardedDDP::pre_forward(bool finish_sync) {
     follow_partition(mask_ != balanced_for_);
     auto mask = detail::trainable_mask(params_);
     if (mask != mask_) {
-      SHARDOPT_CHECK(!unreduced_local_grads_, "the trainable set changed while no_sync() gradients are "
+      SHARDOPT_CHECK(phase_ != Phase::kAccumulating, "the trainable set changed while no_sync() gradients are "
                   "waiting to be reduced; call reduce() (or run a backward outside no_sync) first");
       mask_ = std::move(mask);
     }
@@ -448,7 +448,7 @@ void ShardedDDP::await_mask_check() {
 
 void ShardedDDP::refresh_trainable() {
   await_mask_check();
-  SHARDOPT_CHECK(!unreduced_local_grads_, "refresh_trainable() while no_sync() gradients are waiting to be "
+  SHARDOPT_CHECK(phase_ != Phase::kAccumulating, "refresh_trainable() while no_sync() gradients are waiting to be "
               "reduced; call reduce() (or run a backward outside no_sync) first");
   auto mask = detail::trainable_mask(params_);
   detail::agree_on_mask(*global_, mask, /*exhaustive=*/false, [this](size_t i) { return name(i); });
@@ -459,7 +459,7 @@ void ShardedDDP::refresh_trainable() {
 }
 
 void ShardedDDP::zero_grad(bool set_to_none) {
-  if (!in_backward_) drop_bucket_views();
+  if (phase_ != Phase::kReducing) drop_bucket_views();
   // Every module parameter ShardedDDP handles is in one of the optimizers, which clear the
   // owners' pieces too and note what they zeroed (Note [Gradients as bucket views]).
   for (OSS* opt : optimizers_) opt->zero_grad(set_to_none);

@@ -309,12 +309,12 @@ class ShardedDDP {
   std::vector<Entry> entries_;      // trainable parameters, in bucket order
   std::vector<Bucket> buckets_;
   size_t next_launch_ = 0;
-  bool in_backward_ = false;
-  bool views_decided_ = false;  // decide_bucket_views() ran in this backward
+  // Where the reduction stands (Note [Reduction phases] in csrc/ddp/reduction.cpp).
+  enum class Phase : uint8_t { kIdle, kAccumulating, kViews, kReducing };
+  Phase phase_ = Phase::kIdle;
   int64_t copying_ = 0;         // bytes copied into buckets in this backward so far
   int64_t copied_bytes_ = 0;    // ... in the last one
-  bool no_sync_ = false;
-  bool unreduced_local_grads_ = false;
+  bool no_sync_ = false;  // inside no_sync(): a mode the user sets, not a phase
   int64_t global_samples_ = -1;
   PendingWork mask_check_;
   at::Tensor mask_check_buffer_;
