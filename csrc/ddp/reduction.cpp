@@ -15,6 +15,42 @@
 
 namespace shardopt {
 
+// Note [One gradient's path]
+// From autograd to the optimizer, one trainable parameter's gradient under ShardedDDP + OSS
+// passes these functions, in this order (each names its file; the Notes named say why):
+//  1. Before autograd accumulates anything in a backward outside no_sync(), the parameter's
+//     pre-hook runs ShardedDDP::before_accumulation (this file), whose first call runs
+//     decide_bucket_views / decide_bucket_view: where the owner's gradient is already its bucket's
+//     memory, autograd accumulates into the bucket (Note [Gradients as bucket views]).
+//  2. Autograd accumulates into p.grad and runs the post-accumulation hook, GradReadyHook
+//     (sharded_ddp.cpp), which calls ShardedDDP::on_grad_ready: the first gradient of a backward
+//     waits for the trainability check of the forward (await_mask_check, sharded_ddp.cpp) and
+//     queues finish_reduction for the backward's end (Note [Reduction phases]).
+//  3. ShardedDDP::fill_param copies the gradient into its slot of each bucket holding it:
+//     bucket_buffer makes the reduce buffer (a row bucket's own row is owned_memory, the store's
+//     ShardStore::bucket_memory, shard_grads.cpp), fill_small_on_host or copy_ writes the slot,
+//     release_local_grad drops the local gradient (an owner keeps a view of its slot).
+//  4. ShardedDDP::launch_ready_buckets launches each bucket, in bucket order, once all its slots
+//     are written: write_flags, then ProcessGroup::reduce_scatter_rows_into_async for a row bucket
+//     (csrc/comm/rows.cpp, Note [Rows]: on Gloo direct transfers summed by detail::sum_to in
+//     comm/sum_into.h; on NCCL its reduce-scatter) or reduce_async / reduce_mean_async to the
+//     owner for a bucket of whole parameters (Note [Reduce to one owner]).
+//  5. At the backward's end, ShardedDDP::finish_reduction fills the parameters that had no
+//     gradient (fill_param), launches the rest, waits for every bucket (PendingWork::wait), reads
+//     the clearing evidence of split pieces (clearing_evidence), checks (reduction_error) and
+//     calls hand_over_reduced: across blocks the replica all-reduce, the division, the flags, and
+//     Entry::set_grad (executor.h) gives the owner its reduced gradient: a whole parameter's
+//     p.grad() becomes a view of the reduced row (alias_at), a split range's goes to
+//     ShardStore::set_grad (shard_grads.cpp). reset_executor readies the next backward.
+//  6. OSS::step (oss_step.cpp) runs step_with: settle_state (oss.cpp) moves state for a new
+//     layout; step_shard reads each holding's gradient through OSS::holding_grad (oss.cpp: the
+//     whole p.grad(), a range of it, or ShardStore::grad) into detail::FusedStepInputs, and
+//     detail::fused_step (fused_step.cpp) steps it: adam_like_step groups runs, adam_run joins
+//     adjacent tensors (joined_adjacent, adjacent.h), then the CPU loops of fused_kernels.inc
+//     (adam_kernel) or, on CUDA, detail::cuda_adam (cuda/kernels_adapter.cpp) and
+//     shardopt_adamw_fp32_segments (kernels/). ShardStore::sync_after_step (param_buffers.cpp)
+//     then sends the updated rows to every rank (allgather_rows_async, Note [Parameter sync]).
+
 namespace {
 
 // A tensor of `sizes` over `buffer`'s memory from element `offset` on, without being an autograd
