@@ -186,6 +186,7 @@ std::string Resilient::describe() const {
 }
 
 void Resilient::refresh(int64_t step) {
+  CommPhase phase("refreshing the copies");
   if (ddp_) ddp_->finish_param_sync();
   optimizer_->finish_param_sync();
   auto copy = std::make_unique<Copy>();

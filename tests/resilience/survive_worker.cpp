@@ -22,12 +22,14 @@
 #include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
 #include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <csignal>
 #include <iostream>
+#include <memory>
 #include <set>
 #include <string>
 
@@ -47,6 +49,7 @@ struct Args {
   int shard_group_size = 0;           // > 0: replica blocks of this size while the world size is a multiple
   int64_t timeout_s = 20;             // the group's collective timeout
   bool scaler_on_rank_1 = false;      // only rank 1 passes a grad_scaler (a bad-input test)
+  std::string optimizer = "adam";     // adam, or sgd (with momentum)
   std::string dir;
 };
 
@@ -65,6 +68,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--stop-at-step") a.stop_at = std::stoll(v);
     else if (k == "--shard-group-size") a.shard_group_size = std::stoi(v);
     else if (k == "--dir") a.dir = v;
+    else if (k == "--optimizer") a.optimizer = v;
     else if (k == "--timeout") a.timeout_s = std::stoll(v);
     else if (k == "--scaler-on-rank-1") a.scaler_on_rank_1 = v == "1";
     else if (k == "--min-world-size") a.min_world_size = std::stoi(v);
@@ -110,7 +114,10 @@ int main(int argc, char** argv) {
     const Args args = parse(argc, argv);
     auto group = init_process_group(InitOptions().timeout(std::chrono::seconds(args.timeout_s)));
     auto model = make_model();
+    TORCH_CHECK(args.optimizer == "adam" || args.optimizer == "sgd", "--optimizer: adam or sgd, got ", args.optimizer);
+    const bool sgd = args.optimizer == "sgd";
     const auto adam = torch::optim::AdamOptions(1e-2);
+    const auto sgd_options = torch::optim::SGDOptions(5e-2).momentum(0.9);
 
     // Each rank's share of a step differs (checked once, at the start's world size).
     {
@@ -129,8 +136,9 @@ int main(int argc, char** argv) {
         [&](std::shared_ptr<ProcessGroup> g) {
           const int b = args.shard_group_size;
           const bool blocks = b > 0 && g->size() > b && g->size() % b == 0;
-          return std::make_unique<OSS>(model->parameters(), optimizer<torch::optim::Adam>(adam), g,
-                                       OSSOptions().shard_group_size(blocks ? b : 0));
+          return std::make_unique<OSS>(model->parameters(),
+                                       sgd ? optimizer<torch::optim::SGD>(sgd_options) : optimizer<torch::optim::Adam>(adam),
+                                       g, OSSOptions().shard_group_size(blocks ? b : 0));
         },
         [&](OSS& opt) {
           return std::make_unique<ShardedDDP>(
@@ -191,15 +199,20 @@ int main(int argc, char** argv) {
       }
     }
 
-    // The reference: one process, plain Adam, the whole global batch of every step.
+    // The reference: one process, plain torch::optim (Adam or SGD), the whole global batch of every step.
     auto reference = make_model();
-    torch::optim::Adam ref_opt(reference->parameters(), adam);
+    std::unique_ptr<torch::optim::Optimizer> ref_opt;
+    if (sgd) {
+      ref_opt = std::make_unique<torch::optim::SGD>(reference->parameters(), sgd_options);
+    } else {
+      ref_opt = std::make_unique<torch::optim::Adam>(reference->parameters(), adam);
+    }
     for (int64_t t = 0; t < args.steps; ++t) {
       set_trainable(reference, t, args.freeze_at);
-      ref_opt.zero_grad(true);
+      ref_opt->zero_grad(true);
       auto [x, y] = global_batch(t);
       loss_of(reference, x, y).backward();
-      ref_opt.step();
+      ref_opt->step();
     }
     double worst = 0.0;
     auto mine = model->parameters(), ref = reference->parameters();

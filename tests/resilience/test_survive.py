@@ -122,6 +122,43 @@ class RankZeroAndTwoFailures(Base):
             self.assertRegex(out, rf"\[rank {r}\] survive_worker: .*3 ranks are left, fewer than min_world_size 4")
 
 
+class DeathDuringARefresh(Base):
+    """A rank dies as it enters a refresh of the copies (refresh_every 1): the survivors that had
+    made the new copies keep the previous ones too, and recovery goes back to the newest refresh
+    every survivor and the dead rank's buddy hold in full."""
+
+    def test_the_previous_refresh_is_used(self):
+        # The 6th refresh is the one after step 4 (the first is made before step 0): rank 3, rank
+        # 2's buddy, never gets rank 2's copy of it, so the run goes back to the refresh of step 4.
+        out = self.survive(4, "2:refreshing the copies:6", [2], "--refresh-every", 1)
+        survivors = re.findall(r"recovered: rank 2 died \(seen in .*\) at step 5; rolled back 1 step to step 4; "
+                               r"world size 4 -> 3", out)
+        self.assertEqual(len(survivors), 3, out)
+
+    def test_a_death_in_the_first_refresh_is_an_error_on_every_survivor(self):
+        # No refresh is complete yet: there is nothing to go back to.
+        code, out = run(4, "2:refreshing the copies:1", "--steps", 24, "--refresh-every", 5)
+        self.assertNotEqual(code, 0)
+        ends = exits(out)
+        self.assertEqual(ends[2], "was killed by signal 9", out)
+        for r in (0, 1, 3):
+            self.assertEqual(ends[r], "exited with code 1", out)
+            self.assertRegex(out, rf"\[rank {r}\] survive_worker: shardopt: recovery after a failure in refreshing the "
+                                  r"copies at step 0 failed: .*a rank died during the first refresh; restart from the "
+                                  r"last checkpoint")
+
+
+class SgdUnderResilient(Base):
+    """SGD with momentum under Resilient (world 4 -> 3, a death in backward, copies every step):
+    the momentum buffers travel in the copies, and the survivors end equal to one-process
+    torch::optim::SGD."""
+
+    def test_a_rank_dies_and_the_run_ends_equal_to_the_reference(self):
+        out = self.survive(4, "1:backward (gradient reductions):40", [1], "--refresh-every", 1, "--optimizer", "sgd",
+                           "--freeze-at", 12)
+        self.assertRegex(out, r"recovered: rank 1 died .* rolled back 0 steps to step \d+; world size 4 -> 3")
+
+
 class ReplicaBlocks(Base):
     """Hierarchical sharding, 2 blocks of 2 (world 4 -> 3): the dead rank's shard comes from its
     replica in the other block, and no completed step is run again."""
