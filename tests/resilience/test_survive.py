@@ -148,6 +148,39 @@ class DeathDuringARefresh(Base):
                                   r"last checkpoint")
 
 
+class StoreGone(Base):
+    """Under a plain env:// rendezvous (the ranks started by hand, as by mpirun or a scheduler, with
+    no launcher serving the store) rank 0's process serves the store: when it dies, the survivors
+    cannot agree on anything, and each exits with an error that says so instead of hanging."""
+
+    def test_rank_0_serving_the_store_dies(self):
+        import socket
+        import time
+        # The port stays reserved (bound, not listening, SO_REUSEADDR) while the ranks run; rank 0
+        # binds it for the store as tools/launch's ranks do.
+        reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reserved.bind(("127.0.0.1", 0))
+        port = reserved.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+        env.update(WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   SHARDOPT_FAULT_IN_PHASE="0:backward (gradient reductions):40")
+        start = time.monotonic()
+        procs = [subprocess.Popen([WORKER, "--steps", "24", "--refresh-every", "1"],
+                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(4)]
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+        took = time.monotonic() - start
+        reserved.close()
+        self.assertEqual(procs[0].returncode, -9, outs[0])
+        for r in (1, 2, 3):
+            self.assertEqual(procs[r].returncode, 1, outs[r])
+            self.assertRegex(outs[r], r"survive_worker: shardopt: recovery after a failure in backward \(gradient "
+                                      r"reductions\) at step \d+ failed: .*cannot reach the rendezvous store .*the store "
+                                      r"is gone, so the survivors cannot agree; restart from the last checkpoint")
+        self.assertLess(took, 20 + 30)  # the group's timeout (20 s) and start-up: no hang
+
+
 class SgdUnderResilient(Base):
     """SGD with momentum under Resilient (world 4 -> 3, a death in backward, copies every step):
     the momentum buffers travel in the copies, and the survivors end equal to one-process
