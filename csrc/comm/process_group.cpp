@@ -438,15 +438,63 @@ PendingWork ProcessGroup::reduce_async(at::Tensor& tensor, int root, Reduction o
   return reduce_to(tensor, root, op, 0, 1.0);
 }
 
-PendingWork ProcessGroup::reduce_mean_async(at::Tensor& tensor, int root, int64_t numel, double divisor) {
+PendingWork ProcessGroup::reduce_mean_async(at::Tensor& tensor, int root, int64_t numel, double divisor,
+                                            std::optional<at::ScalarType> wire) {
   SHARDOPT_CHECK(numel >= 0 && numel <= tensor.numel(), "reduce_mean_async: ", numel, " leading elements of a tensor of ",
                  tensor.numel());
   SHARDOPT_CHECK(divisor > 0, "reduce_mean_async: divisor must be positive, got ", divisor);
-  return reduce_to(tensor, root, Reduction::kSum, numel, divisor);
+  return reduce_to(tensor, root, Reduction::kSum, numel, divisor, wire);
 }
 
-PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, int64_t numel, double divisor) {
+PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, int64_t numel, double divisor,
+                                    std::optional<at::ScalarType> wire) {
   SHARDOPT_CHECK(root >= 0 && root < size_, "reduce root ", root, " is outside [0, ", size_, ")");
+  if (wire && *wire != tensor.scalar_type() && size_ >= 2) {
+    // Every contribution travels in `wire`; the root widens and sums in the tensor's dtype, its
+    // own rounded through `wire` too (Note [Gradient wire] in wire.cpp).
+    SHARDOPT_CHECK(op == Reduction::kSum && tensor.is_contiguous(), "reduce on a wire of ", *wire,
+                   ": needs a contiguous tensor and a sum");
+    const int64_t bytes = tensor.numel() * static_cast<int64_t>(c10::elementSize(*wire));
+    check_in(CommStats::kReduce, bytes, root);
+    if (backend_name_ == "gloo") {
+      const int tag = next_p2p_tag();
+      const at::Tensor packed = tensor.to(at::TensorOptions().device(at::kCPU).dtype(*wire));
+      if (rank_ != root) {
+        std::vector<at::Tensor> ts{packed};
+        return track(CommStats::kReduce, bytes, [&] { return backend_->send(ts, root, tag); });
+      }
+      std::vector<at::Tensor> incoming;
+      std::vector<c10::intrusive_ptr<c10d::Work>> recvs;
+      for (int r = 0; r < size_; ++r) {
+        if (r == rank_) continue;
+        std::vector<at::Tensor> ts{at::empty_like(packed)};
+        incoming.push_back(ts[0]);
+        recvs.push_back(start(CommStats::kReduce, [&] { return backend_->recv(ts, r, tag); }));
+      }
+      PendingWork work = track_all(CommStats::kReduce, bytes, std::move(recvs));
+      work.set_then([tensor, packed, incoming, numel, divisor]() mutable {
+        at::Tensor sum = packed.to(tensor.scalar_type());
+        std::vector<at::Tensor> wide;
+        for (const auto& t : incoming) wide.push_back(t.to(tensor.scalar_type()));
+        detail::sum_into(sum, wide, numel, divisor);
+        tensor.copy_(sum);
+      });
+      return work;
+    }
+    std::vector<at::Tensor> ts{staged(tensor.to(*wire))};
+    c10d::ReduceOptions opts;
+    opts.rootRank = root;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    opts.timeout = timeout_;
+    auto work = track(CommStats::kReduce, bytes, [&] { return backend_->reduce(ts, opts); });
+    if (rank_ == root) {
+      work.set_then([tensor, packed = ts[0], numel, divisor]() mutable {
+        tensor.copy_(packed);
+        if (divisor != 1.0 && numel > 0) tensor.narrow(0, 0, numel).div_(divisor);
+      });
+    }
+    return work;
+  }
   check_in(CommStats::kReduce, nbytes(tensor), root);
   if (size_ >= 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {
     const int tag = next_p2p_tag();

@@ -42,16 +42,19 @@ void check_rows(const char* what, const at::Tensor& flat, int size) {
 
 }  // namespace
 
-PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double divisor, at::Tensor out) {
-  return reduce_scatter_rows(flat, divisor, std::move(out), false);
+PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double divisor, at::Tensor out,
+                                                    std::optional<at::ScalarType> wire) {
+  return reduce_scatter_rows(flat, divisor, std::move(out), false, wire);
 }
 
-PendingWork ProcessGroup::reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor) {
+PendingWork ProcessGroup::reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor,
+                                                         std::optional<at::ScalarType> wire) {
   SHARDOPT_CHECK(out.defined(), "reduce_scatter_rows_into_async: needs an output row");
-  return reduce_scatter_rows(flat, divisor, out, true);
+  return reduce_scatter_rows(flat, divisor, out, true, wire);
 }
 
-PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, at::Tensor out, bool own_in_out) {
+PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, at::Tensor out, bool own_in_out,
+                                              std::optional<at::ScalarType> wire) {
   check_rows("reduce_scatter_rows_async", flat, size_);
   SHARDOPT_CHECK(divisor > 0, "reduce_scatter_rows_async: divisor must be positive, got ", divisor);
   const int64_t row = flat.numel() / size_;
@@ -63,8 +66,12 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
                    out.device());
   }
   constexpr auto kind = CommStats::kReduceScatter;
-  check_in(kind, nbytes(flat), -1);
   at::Tensor mine = out.defined() ? out : flat.narrow(0, rank_ * row, row);
+  if (wire && *wire != flat.scalar_type() && size_ > 1) {
+    return reduce_scatter_rows_on_wire(flat, divisor, mine, own_in_out ? out : flat.narrow(0, rank_ * row, row),
+                                       *wire);
+  }
+  check_in(kind, nbytes(flat), -1);
   if (size_ == 1) {  // the one row is this rank's: nothing to send
     if (out.defined() && !own_in_out) mine.copy_(flat);
     if (divisor != 1.0) mine.div_(divisor);
@@ -120,6 +127,58 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
   work.set_then([mine, result, divisor]() mutable {
     if (divisor != 1.0) result.div_(divisor);
     if (!mine.is_same(result)) mine.copy_(result);
+  });
+  return work;
+}
+
+// Every rank's contribution travels in `wire`; the owner widens what it receives and sums in the
+// rows' own dtype, its own contribution rounded through `wire` first, in the exact path's order
+// (Note [Gradient wire] in wire.cpp). `own` is cast before this returns, so it may be `mine`.
+PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double divisor, const at::Tensor& mine,
+                                                      const at::Tensor& own, at::ScalarType wire) {
+  constexpr auto kind = CommStats::kReduceScatter;
+  const int64_t row = flat.numel() / size_;
+  const int64_t bytes = flat.numel() * static_cast<int64_t>(c10::elementSize(wire));
+  check_in(kind, bytes, -1);
+  if (backend_name_ == "gloo") {
+    const int tag = next_p2p_tag();
+    const auto on_host = at::TensorOptions().device(at::kCPU).dtype(wire);
+    const at::Tensor packed = flat.to(on_host);  // every row as it travels (a CUDA buffer's copied out)
+    const at::Tensor own_on_wire = own.to(on_host);
+    std::vector<at::Tensor> incoming(static_cast<size_t>(size_));
+    std::vector<c10::intrusive_ptr<c10d::Work>> transfers;
+    for (int k = 1; k < size_; ++k) {
+      const int dst = (rank_ + k) % size_, src = (rank_ - k + size_) % size_;
+      std::vector<at::Tensor> out{packed.narrow(0, dst * row, row)};
+      transfers.push_back(start(kind, [&] { return backend_->send(out, dst, tag); }));
+      std::vector<at::Tensor> in{at::empty({row}, on_host)};
+      incoming[static_cast<size_t>(src)] = in[0];
+      transfers.push_back(start(kind, [&] { return backend_->recv(in, src, tag); }));
+    }
+    PendingWork work = track_all(kind, bytes, std::move(transfers));
+    work.set_then([mine, packed, own_on_wire, incoming, rank = rank_, row, divisor]() mutable {
+      const auto dtype = mine.scalar_type();
+      at::Tensor sum = own_on_wire.to(dtype);
+      std::vector<at::Tensor> wide;
+      for (size_t r = 0; r < incoming.size(); ++r) {
+        if (static_cast<int>(r) != rank) wide.push_back(incoming[r].to(dtype));
+      }
+      detail::sum_into(sum, wide, divisor != 1.0 ? row : 0, divisor);
+      mine.copy_(sum);
+    });
+    return work;
+  }
+  // NCCL sums in the wire's dtype, in place in this rank's row of the packed buffer.
+  at::Tensor packed = staged(flat.to(wire));
+  packed.narrow(0, rank_ * row, row).copy_(own);
+  at::Tensor result = packed.narrow(0, rank_ * row, row);
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.timeout = timeout_;
+  auto work = track(kind, bytes, [&] { return backend_->_reduce_scatter_base(result, packed, opts); });
+  work.set_then([mine, result, divisor]() mutable {
+    mine.copy_(result);
+    if (divisor != 1.0) mine.div_(divisor);
   });
   return work;
 }

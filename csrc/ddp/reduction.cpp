@@ -410,11 +410,16 @@ void ShardedDDP::launch_ready_buckets() {
     // sums across blocks first).
     const double divisor = grad_divisor();
     b.divided = !replica_ && divisor != 1.0;
+    // The dtype the bucket travels in, where not its own (Note [Gradient wire]).
+    const auto wire = wire_dtype(options_.gradient_wire(), b.options.dtype().toScalarType());
     if (b.rows()) {  // each row's flags are divided too: a flag is only ever compared with zero
       // This rank's row is `out` (where its gradients were copied or accumulated): the others
       // are summed into it.
-      b.work = b.out.defined() ? group_->reduce_scatter_rows_into_async(b.buffer, b.out, b.divided ? divisor : 1.0)
-                               : group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0);
+      b.work = b.out.defined()
+                   ? group_->reduce_scatter_rows_into_async(b.buffer, b.out, b.divided ? divisor : 1.0, wire)
+                   : group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0, {}, wire);
+    } else if (wire) {
+      b.work = group_->reduce_mean_async(b.buffer, b.owner, b.divided ? b.numel : 0, b.divided ? divisor : 1.0, wire);
     } else {
       b.work = b.divided ? group_->reduce_mean_async(b.buffer, b.owner, b.numel, divisor)
                          : group_->reduce_async(b.buffer, b.owner);

@@ -106,6 +106,18 @@ void ShardedDDP::check_optimizers() {
     const auto& mp = opt->options().mixed_precision();
     if (mp.enabled() && !input_dtype_) input_dtype_ = mp.param_dtype();
   }
+  // The wire, agreed before any collective of the gradients: a rank on another wire would pair
+  // transfers of other sizes with everyone's.
+  const Wire wire = options_.gradient_wire();
+  ProcessGroup& global = optimizers_[0]->global_group();
+  const auto all = global.allgather_ints({static_cast<int64_t>(wire)});
+  for (size_t r = 1; r < all.size(); ++r) {
+    SHARDOPT_CHECK(all[r][0] == all[0][0], "ShardedDDPOptions::gradient_wire differs between ranks: ",
+                   global.describe_rank(0), " has ", wire_name(static_cast<Wire>(all[0][0])), ", ",
+                   global.describe_rank(static_cast<int>(r)), " has ", wire_name(static_cast<Wire>(all[r][0])));
+  }
+  SHARDOPT_CHECK(wire != Wire::kInt8, "ShardedDDPOptions::gradient_wire(Wire::kInt8) is not offered yet; use "
+                 "Wire::kExact or Wire::kBFloat16");
 }
 
 namespace {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -156,7 +157,10 @@ class ProcessGroup {
   // The sum to `root`, whose first `numel` elements the root then divides by `divisor` (a mean of
   // the leading elements; the ones after them, counts for example, stay sums). On Gloo the
   // division is in the same pass over memory as the sum, with the rounding of sum then div_.
-  PendingWork reduce_mean_async(at::Tensor& tensor, int root, int64_t numel, double divisor);
+  // With `wire` (a dtype other than the tensor's), every contribution travels in that dtype and
+  // the root sums them in the tensor's (Note [Gradient wire] in csrc/comm/wire.cpp).
+  PendingWork reduce_mean_async(at::Tensor& tensor, int root, int64_t numel, double divisor,
+                                std::optional<at::ScalarType> wire = std::nullopt);
   PendingWork allreduce_async(at::Tensor& tensor, Reduction op = Reduction::kSum);
   PendingWork broadcast_async(at::Tensor& tensor, int root);
   // Rows (Note [Rows]): a 1-D contiguous `flat` whose length is a multiple of size() is cut into
@@ -167,11 +171,14 @@ class ProcessGroup {
   // collective in stats() (kReduceScatter, kAllgather) counting the bytes of `flat`, and each
   // rank sends (size - 1) / size of `flat`. With `out` (one row, of flat's dtype and device) the
   // sum goes there instead, and this rank's row of `flat` is left unspecified too.
-  PendingWork reduce_scatter_rows_async(at::Tensor& flat, double divisor = 1.0, at::Tensor out = {});
+  // With `wire`, each row travels in that dtype (Note [Gradient wire]).
+  PendingWork reduce_scatter_rows_async(at::Tensor& flat, double divisor = 1.0, at::Tensor out = {},
+                                        std::optional<at::ScalarType> wire = std::nullopt);
   // The same with this rank's own contribution in `out` (not in its row of `flat`, which is left
   // alone), summed into there with the others: ShardedDDP keeps a rank's own gradients of a row
   // bucket where they are reduced.
-  PendingWork reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor = 1.0);
+  PendingWork reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor = 1.0,
+                                             std::optional<at::ScalarType> wire = std::nullopt);
   PendingWork allgather_rows_async(at::Tensor& flat);
 
   // Small control messages: every rank's vector of integers (lengths may differ).
@@ -262,7 +269,11 @@ class ProcessGroup {
   static void unstage_after(PendingWork& work, at::Tensor tensor, const at::Tensor& staged);
   // `what` with the phase and, in a sub-group, its global ranks: how errors name an operation.
   std::string label(std::string what) const;
-  PendingWork reduce_scatter_rows(at::Tensor& flat, double divisor, at::Tensor out, bool own_in_out);
+  PendingWork reduce_scatter_rows(at::Tensor& flat, double divisor, at::Tensor out, bool own_in_out,
+                                  std::optional<at::ScalarType> wire);
+  // The rows travelling in `wire` (Note [Gradient wire]).
+  PendingWork reduce_scatter_rows_on_wire(at::Tensor& flat, double divisor, const at::Tensor& mine,
+                                          const at::Tensor& own, at::ScalarType wire);
   // The desync check before a collective (when on): every rank's (sequence, kind, bytes, root).
   void check_in(CommStats::Kind kind, int64_t bytes, int root);
   // A group over `backend` whose rank i is this group's rank members[i] (split, regroup); with
@@ -271,7 +282,8 @@ class ProcessGroup {
                                              const c10::intrusive_ptr<c10d::Store>& store,
                                              std::shared_ptr<detail::GroupFailure> failure = nullptr) const;
   // reduce_async and reduce_mean_async (numel 0: no division).
-  PendingWork reduce_to(at::Tensor& tensor, int root, Reduction op, int64_t numel, double divisor);
+  PendingWork reduce_to(at::Tensor& tensor, int root, Reduction op, int64_t numel, double divisor,
+                        std::optional<at::ScalarType> wire = std::nullopt);
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::string backend_name_;

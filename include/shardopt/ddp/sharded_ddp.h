@@ -37,6 +37,7 @@
 
 #include <shardopt/check.h>
 #include <shardopt/comm/process_group.h>
+#include <shardopt/comm/wire.h>
 #include <shardopt/optim/oss.h>
 
 #include <torch/csrc/api/include/torch/nn/module.h>
@@ -93,6 +94,11 @@ struct ShardedDDPOptions {
   // [Gradients as bucket views] in csrc/ddp/reduction.cpp). Other clearing styles copy, as
   // without it; results are the same either way.
   TORCH_ARG(bool, gradient_as_bucket_view) = true;
+  // How each rank's gradients travel to their owners (Note [Gradient wire] in
+  // csrc/comm/wire.cpp): kExact (as they are, the default) or kBFloat16 (rounded to bf16, summed
+  // in fp32 by the owner on Gloo, half the bytes). kInt8 is not offered yet. Every rank must pass
+  // the same.
+  TORCH_ARG(Wire, gradient_wire) = Wire::kExact;
 };
 
 class ShardedDDP;

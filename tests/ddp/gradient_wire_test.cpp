@@ -1,0 +1,180 @@
+// ShardedDDPOptions::gradient_wire (Note [Gradient wire] in csrc/comm/wire.cpp): with kBFloat16,
+// each owner's reduced gradient is the sum, in fp32, of every rank's gradient rounded to bf16 (its
+// own first, then the others in rank order), divided by the world size: checked bit for bit
+// against a reference built from every rank's local gradient, at worlds 2, 3 and 4, with row
+// buckets (the default) and with whole parameters, each rank's data different. The bytes the
+// reduce-scatters move are half of the exact wire's, every rank's parameters stay bitwise equal
+// after the step, and a wire that differs between ranks, or kInt8, is an error on every rank.
+#include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/oss.h>
+#include <shardopt/testing/introspection.h>
+
+#include "harness.h"
+#include "model.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/nn/modules/activation.h>
+#include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
+#include <torch/csrc/api/include/torch/nn/modules/linear.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+
+#include <string>
+#include <vector>
+
+namespace shardopt {
+namespace {
+
+namespace optim = torch::optim;
+using testing::run_ranks;
+using Params = std::vector<at::Tensor>;
+
+// 5 -> 24 -> 24 -> 3: 795 elements in 6 tensors.
+torch::nn::Sequential net_of(uint64_t seed) {
+  auto made = torch::nn::Sequential(torch::nn::Linear(5, 24), torch::nn::Tanh(), torch::nn::Linear(24, 24),
+                                    torch::nn::Tanh(), torch::nn::Linear(24, 3));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::NoGradGuard no_grad;
+  for (auto& p : made->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.3);
+  return made;
+}
+
+optim::AdamWOptions adamw() { return optim::AdamWOptions(1e-2).weight_decay(0.01); }
+
+// Every rank's local gradient of each parameter, flattened: all[param][rank].
+std::vector<std::vector<at::Tensor>> all_local_grads(const Params& local, ProcessGroup& g) {
+  std::vector<std::vector<at::Tensor>> all;
+  for (const auto& p : local) {
+    std::vector<at::Tensor> out;
+    for (int r = 0; r < g.size(); ++r) out.push_back(at::empty({p.numel()}));
+    g.allgather(out, p.grad().reshape(-1).contiguous());
+    all.push_back(out);
+  }
+  return all;
+}
+
+// The reduction a bf16 wire gives the owner `owner` of elements [begin, end) of one parameter.
+at::Tensor bf16_reference(const std::vector<at::Tensor>& per_rank, int owner, int64_t begin, int64_t end) {
+  auto rounded = [&](int r) { return per_rank[r].narrow(0, begin, end - begin).to(at::kBFloat16).to(at::kFloat); };
+  at::Tensor sum = rounded(owner);
+  for (int r = 0; r < static_cast<int>(per_rank.size()); ++r) {
+    if (r != owner) sum = sum + rounded(r);
+  }
+  return sum / static_cast<double>(per_rank.size());
+}
+
+// One backward and step at each world size under `options`; returns the reduce-scatter and reduce
+// bytes this rank moved in the backward.
+int64_t check_bf16_wire(int world, OSSOptions oss_options) {
+  int64_t bytes = 0;
+  run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = net_of(7), local = net_of(7);
+    Params params = net->parameters();
+    OSS oss(params, optimizer<optim::AdamW>(adamw()), g, oss_options);
+    ShardedDDP ddp(net.ptr(), oss,
+                   ShardedDDPOptions().gradient_wire(Wire::kBFloat16).reduce_bucket_bytes(1024).bucket_bytes_per_rank(0));
+    const auto data = testing::rank_data(0, g->rank(), 2);
+    ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+    // Each rank's own gradient, computed apart.
+    testing::loss_of(local->forward(data.x), data, 1).backward();
+    const auto all = all_local_grads(local->parameters(), *g);
+
+    const CommStats before = g->stats();
+    ddp.zero_grad();
+    testing::loss_of(ddp.forward(data.x), data, 1).backward();
+    const CommStats& after = g->stats();
+    if (g->rank() == 0) {
+      bytes = after.bytes[CommStats::kReduceScatter] - before.bytes[CommStats::kReduceScatter] +
+              after.bytes[CommStats::kReduce] - before.bytes[CommStats::kReduce];
+    }
+    // The gradients this rank owns, in OSS::grads(true)'s order: each trainable parameter's ranges
+    // held by this rank.
+    const std::vector<at::Tensor> owned = oss.grads(/*owned_only=*/true);
+    size_t next = 0;
+    int64_t checked = 0, differs_from_exact = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      for (const auto& h : testing::Introspection::holdings(oss, i)) {
+        if (h.rank != g->rank()) continue;
+        ASSERT_LT(next, owned.size());
+        const at::Tensor got = owned[next++].reshape(-1);
+        const at::Tensor want = bf16_reference(all[i], g->rank(), h.in_param.begin, h.in_param.end);
+        ASSERT_TRUE(at::equal(got, want)) << "parameter " << i << " [" << h.in_param.begin << ", " << h.in_param.end
+                                          << "), max diff " << (got - want).abs().max().item<double>();
+        at::Tensor exact = at::zeros_like(want);
+        for (const auto& t : all[i]) exact += t.narrow(0, h.in_param.begin, h.in_param.size());
+        differs_from_exact += (got != exact / static_cast<double>(world)).sum().item<int64_t>();
+        checked += got.numel();
+      }
+    }
+    EXPECT_EQ(next, owned.size());
+    EXPECT_GT(checked, 0) << "rank " << g->rank() << " owns no gradient";
+    // The wire rounded something: most reductions differ from the exact one somewhere.
+    const auto total = g->allgather_ints({differs_from_exact});
+    int64_t any = 0;
+    for (const auto& v : total) any += v[0];
+    EXPECT_GT(any, 0) << "the bf16 wire gave the exact reduction everywhere";
+    oss.step();
+    ddp.finish_param_sync();
+    EXPECT_TRUE(testing::same_on_all_ranks(params, *g));
+  });
+  return bytes;
+}
+
+int64_t exact_bytes(int world, OSSOptions oss_options) {
+  int64_t bytes = 0;
+  run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = net_of(7);
+    OSS oss(net->parameters(), optimizer<optim::AdamW>(adamw()), g, oss_options);
+    ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().reduce_bucket_bytes(1024).bucket_bytes_per_rank(0));
+    const auto data = testing::rank_data(0, g->rank(), 2);
+    const CommStats before = g->stats();
+    testing::loss_of(ddp.forward(data.x), data, 1).backward();
+    const CommStats& after = g->stats();
+    if (g->rank() == 0) {
+      bytes = after.bytes[CommStats::kReduceScatter] - before.bytes[CommStats::kReduceScatter] +
+              after.bytes[CommStats::kReduce] - before.bytes[CommStats::kReduce];
+    }
+  });
+  return bytes;
+}
+
+TEST(GradientWire, Bf16RowBucketsSumTheRoundedGradientsInFp32AndMoveHalfTheBytes) {
+  for (int world : {2, 3, 4}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    const int64_t bf16 = check_bf16_wire(world, OSSOptions());
+    EXPECT_EQ(2 * bf16, exact_bytes(world, OSSOptions()));
+  }
+}
+
+TEST(GradientWire, Bf16WholeParameterBucketsSumTheRoundedGradientsInFp32) {
+  const auto whole = OSSOptions().partition(PartitionMode::kWholeParameters);
+  for (int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    const int64_t bf16 = check_bf16_wire(world, whole);
+    EXPECT_EQ(2 * bf16, exact_bytes(world, whole));
+  }
+}
+
+TEST(GradientWire, AWireThatDiffersBetweenRanksOrInt8IsAnErrorOnEveryRank) {
+  auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = net_of(7);
+    OSS oss(net->parameters(), optimizer<optim::AdamW>(adamw()), g);
+    ShardedDDP ddp(net.ptr(), oss,
+                   ShardedDDPOptions().gradient_wire(g->rank() == 0 ? Wire::kExact : Wire::kBFloat16));
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("ShardedDDPOptions::gradient_wire differs between ranks: rank 0 has exact, rank 1 has bf16"),
+              std::string::npos)
+        << e;
+  }
+  errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = net_of(7);
+    OSS oss(net->parameters(), optimizer<optim::AdamW>(adamw()), g);
+    ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().gradient_wire(Wire::kInt8));
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("gradient_wire(Wire::kInt8) is not offered yet"), std::string::npos) << e;
+  }
+}
+
+}  // namespace
+}  // namespace shardopt
