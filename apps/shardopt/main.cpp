@@ -130,6 +130,10 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
                    "dtype, fp32 master weights and optimizer state sharded (fp16 with loss scaling)")
       ->check(CLI::IsMember({"off", "bf16", "fp16"}))
       ->capture_default_str();
+  train.add_option("--gradient-wire", o.gradient_wire, "exact, bf16 or int8: how each rank's gradients travel to "
+                   "their owners (bf16: rounded to bf16, summed in fp32, half the bytes)")
+      ->check(CLI::IsMember({"exact", "bf16", "int8"}))
+      ->capture_default_str();
 }
 
 void add_memory_options(CLI::App& memory, MemoryOptions& o) {

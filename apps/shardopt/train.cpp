@@ -244,7 +244,10 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   // Each rank's loss is the sum over its real samples; gradients are divided by the real
   // samples of the global step, so a padded last step weighs exactly right.
   auto make_ddp = [this](OSS& opt) {
-    return std::make_unique<ShardedDDP>(model_.ptr(), opt, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples));
+    return std::make_unique<ShardedDDP>(model_.ptr(), opt, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples).gradient_wire(
+                                                              o_.gradient_wire == "bf16"   ? Wire::kBFloat16
+                                                              : o_.gradient_wire == "int8" ? Wire::kInt8
+                                                                                           : Wire::kExact));
   };
   if (o.survive_failures) {
     resilient_ = std::make_unique<Resilient>(
@@ -483,6 +486,7 @@ int Trainer::run() {
                      {"world", world_},
                      {"optimizer", o_.optimizer},
                      {"mixed_precision", o_.mixed_precision},
+                     {"gradient_wire", o_.gradient_wire},
                      {"device", o_.device},
                      {"params", model_numel()},
                      {"batch_size", o_.batch_size},

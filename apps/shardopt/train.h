@@ -32,6 +32,7 @@ struct TrainOptions {
   int threads = 0;                   // intra-op threads per rank; 0: the cores / local ranks
   int64_t timeout_s = 300;           // of every collective
   std::string mixed_precision = "off";  // off | bf16 | fp16 (fp16 with the sharded gradient scaler)
+  std::string gradient_wire = "exact";  // exact | bf16 | int8 (ShardedDDPOptions::gradient_wire)
   std::string device = "cpu";        // cpu (Gloo) | cuda (NCCL, the GPU of each rank's LOCAL_RANK)
   // The metrics file (metrics_log.h) and its chart beside it: this path; empty: DIR/metrics.jsonl
   // under --checkpoint-dir DIR, else none; "off": none.

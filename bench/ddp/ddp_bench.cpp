@@ -137,6 +137,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"off", "bf16", "fp16"}));
   app.add_option("--freeze", freeze, "which tensors the freeze measurement freezes (sharded)")
       ->check(CLI::IsMember({"embeddings", "lower", "alternate"}));
+  std::string gradient_wire = "exact";
+  app.add_option("--gradient-wire", gradient_wire, "ShardedDDPOptions::gradient_wire (sharded): exact, bf16, int8")
+      ->check(CLI::IsMember({"exact", "bf16", "int8"}));
   int transport_nice = shardopt::InitOptions().transport_thread_nice();
   app.add_option("--transport-nice", transport_nice, "InitOptions::transport_thread_nice")->check(CLI::Range(0, 39));
   bool transport_batch = shardopt::InitOptions().transport_thread_batch();
@@ -193,7 +196,10 @@ int main(int argc, char** argv) {
                       group, options)
                 : std::make_unique<shardopt::OSS>(module->parameters(), factory, group, options);
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss,
-                                                   shardopt::ShardedDDPOptions().overlap_param_sync(overlap).gradient_as_bucket_view(bucket_view));
+                                                   shardopt::ShardedDDPOptions().overlap_param_sync(overlap).gradient_as_bucket_view(bucket_view).gradient_wire(
+                                                       gradient_wire == "bf16"   ? shardopt::Wire::kBFloat16
+                                                       : gradient_wire == "int8" ? shardopt::Wire::kInt8
+                                                                                 : shardopt::Wire::kExact));
       if (auto gpt = std::dynamic_pointer_cast<GPT2Like>(module); gpt && overlap) {
         gpt->before_use = [d = ddp.get()](const std::vector<at::Tensor>& ps) { d->wait_param_sync(ps); };
       }
@@ -372,6 +378,7 @@ int main(int argc, char** argv) {
         {"moved_state_bytes", moved_bytes}, {"after_freeze_step_ms", after_freeze_ms},
         {"peak_rss_with_freeze_mb", peak_rss_mb()}, {"split", oss && oss->split()}, {"state_bytes", state_bytes},
         {"grad_bytes", grad_bytes}, {"master_bytes", master_bytes}, {"mixed_precision", mixed},
+        {"gradient_wire", gradient_wire},
         {"block_bytes_per_step", block_bytes_per_step},
         {"cross_block_bytes_per_step", cross_bytes_per_step}, {"wire_bytes_per_step", wire_bytes_per_step}};
     std::printf("%s\n", row.dump().c_str());

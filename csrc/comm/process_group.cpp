@@ -458,26 +458,25 @@ PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, 
     check_in(CommStats::kReduce, bytes, root);
     if (backend_name_ == "gloo") {
       const int tag = next_p2p_tag();
-      const at::Tensor packed = tensor.to(at::TensorOptions().device(at::kCPU).dtype(*wire));
+      const auto on_host = at::TensorOptions().device(at::kCPU).dtype(*wire);
       if (rank_ != root) {
-        std::vector<at::Tensor> ts{packed};
+        std::vector<at::Tensor> ts{tensor.to(on_host)};
         return track(CommStats::kReduce, bytes, [&] { return backend_->send(ts, root, tag); });
       }
       std::vector<at::Tensor> incoming;
       std::vector<c10::intrusive_ptr<c10d::Work>> recvs;
       for (int r = 0; r < size_; ++r) {
         if (r == rank_) continue;
-        std::vector<at::Tensor> ts{at::empty_like(packed)};
+        std::vector<at::Tensor> ts{at::empty({tensor.numel()}, on_host)};
         incoming.push_back(ts[0]);
         recvs.push_back(start(CommStats::kReduce, [&] { return backend_->recv(ts, r, tag); }));
       }
       PendingWork work = track_all(CommStats::kReduce, bytes, std::move(recvs));
-      work.set_then([tensor, packed, incoming, numel, divisor]() mutable {
-        at::Tensor sum = packed.to(tensor.scalar_type());
-        std::vector<at::Tensor> wide;
-        for (const auto& t : incoming) wide.push_back(t.to(tensor.scalar_type()));
-        detail::sum_into(sum, wide, numel, divisor);
-        tensor.copy_(sum);
+      const at::Tensor own = tensor.is_cpu() ? tensor : tensor.to(at::kCPU);
+      work.set_then([tensor, own, incoming, numel, divisor]() mutable {
+        at::Tensor sum = tensor.is_cpu() && tensor.is_contiguous() ? tensor : at::empty_like(own);
+        detail::sum_widened(sum, own, incoming, numel, divisor);
+        if (!sum.is_same(tensor)) tensor.copy_(sum);
       });
       return work;
     }

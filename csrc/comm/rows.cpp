@@ -143,28 +143,32 @@ PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double d
   if (backend_name_ == "gloo") {
     const int tag = next_p2p_tag();
     const auto on_host = at::TensorOptions().device(at::kCPU).dtype(wire);
-    const at::Tensor packed = flat.to(on_host);  // every row as it travels (a CUDA buffer's copied out)
-    const at::Tensor own_on_wire = own.to(on_host);
-    std::vector<at::Tensor> incoming(static_cast<size_t>(size_));
+    // This rank's contribution stays here: on the host in its own dtype (a CUDA row copied out).
+    const at::Tensor own_here = own.is_cpu() ? own : own.to(at::kCPU);
+    std::vector<at::Tensor> incoming;
     std::vector<c10::intrusive_ptr<c10d::Work>> transfers;
+    std::vector<at::Tensor> outgoing(static_cast<size_t>(size_));
+    for (int k = 1; k < size_; ++k) {
+      const int dst = (rank_ + k) % size_;
+      outgoing[static_cast<size_t>(dst)] = flat.narrow(0, dst * row, row).to(on_host);  // each row sent, cast once
+    }
+    std::vector<at::Tensor> by_rank(static_cast<size_t>(size_));
     for (int k = 1; k < size_; ++k) {
       const int dst = (rank_ + k) % size_, src = (rank_ - k + size_) % size_;
-      std::vector<at::Tensor> out{packed.narrow(0, dst * row, row)};
+      std::vector<at::Tensor> out{outgoing[static_cast<size_t>(dst)]};
       transfers.push_back(start(kind, [&] { return backend_->send(out, dst, tag); }));
       std::vector<at::Tensor> in{at::empty({row}, on_host)};
-      incoming[static_cast<size_t>(src)] = in[0];
+      by_rank[static_cast<size_t>(src)] = in[0];
       transfers.push_back(start(kind, [&] { return backend_->recv(in, src, tag); }));
     }
+    for (int r = 0; r < size_; ++r) {
+      if (r != rank_) incoming.push_back(by_rank[static_cast<size_t>(r)]);
+    }
     PendingWork work = track_all(kind, bytes, std::move(transfers));
-    work.set_then([mine, packed, own_on_wire, incoming, rank = rank_, row, divisor]() mutable {
-      const auto dtype = mine.scalar_type();
-      at::Tensor sum = own_on_wire.to(dtype);
-      std::vector<at::Tensor> wide;
-      for (size_t r = 0; r < incoming.size(); ++r) {
-        if (static_cast<int>(r) != rank) wide.push_back(incoming[r].to(dtype));
-      }
-      detail::sum_into(sum, wide, divisor != 1.0 ? row : 0, divisor);
-      mine.copy_(sum);
+    work.set_then([mine, outgoing, own_here, incoming, row, divisor]() mutable {
+      at::Tensor sum = mine.is_cpu() && mine.is_contiguous() ? mine : at::empty({row}, own_here.options());
+      detail::sum_widened(sum, own_here, incoming, divisor != 1.0 ? row : 0, divisor);
+      if (!sum.is_same(mine)) mine.copy_(sum);
     });
     return work;
   }

@@ -15,4 +15,12 @@ void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64
 void sum_to(at::Tensor& out, const at::Tensor& first, const std::vector<at::Tensor>& incoming, int64_t numel,
             double divisor);
 
+// out = round(own) + widen(incoming[0]) + widen(incoming[1]) + ..., each addition rounded to
+// out's dtype, then out[0, numel) /= divisor: the sum of a reduction whose contributions travelled
+// in `incoming`'s narrower dtype (Note [Gradient wire]), its own contribution `own` rounded to
+// that dtype too. One pass over memory for fp32 `out` and `own` (which may be `out`) with bf16
+// `incoming`, all contiguous on the CPU; other dtypes take ATen's casts and add_.
+void sum_widened(at::Tensor& out, const at::Tensor& own, const std::vector<at::Tensor>& incoming, int64_t numel,
+                 double divisor);
+
 }  // namespace shardopt::detail
