@@ -424,6 +424,17 @@ class CliTest(unittest.TestCase):
         for line in lines:
             self.assertIn("--metrics '/nonexistent/m.jsonl': the folder '/nonexistent' does not exist", line)
 
+    def test_bf16_gradient_wire_trains_like_the_exact_wire(self):
+        # The same seed and schedule; only the way gradients travel differs.
+        args = ["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE]
+        exact = run([*args, "--checkpoint-dir", self.path("exact")])
+        bf16 = run([*args, "--checkpoint-dir", self.path("bf16"), "--gradient-wire", "bf16"])
+        accuracy = lambda p: float(re.findall(r"test accuracy (\d+\.\d+)%", p.stdout)[-1])
+        self.assertLessEqual(abs(accuracy(bf16) - accuracy(exact)), 1.0, f"{exact.stdout}\n{bf16.stdout}")
+        a = read_checkpoint.load(self.path("exact/last.ckpt"))["model"]
+        b = read_checkpoint.load(self.path("bf16/last.ckpt"))["model"]
+        self.assertGreater(max_abs_diff(a, b), 0, "the bf16 wire changed nothing")
+
     def test_one_rank_and_four_ranks_end_within_1e_4(self):
         run(["train", *TINY, "--checkpoint-dir", self.path("one")])
         run(["train", *TINY, "-n", "4", "--checkpoint-dir", self.path("four")])
@@ -480,6 +491,9 @@ class CliTest(unittest.TestCase):
                                       ("--checkpoint-every", "5", "--checkpoint-every requires --checkpoint-dir")]:
             fails(["train", option, value], needle)
         fails(["train", "--sharded-checkpoint"], "--sharded-checkpoint requires --checkpoint-dir")
+        fails(["train", "-n", "2", "--gradient-wire", "int8", *SMALL], "gradient_wire(Wire::kInt8) is not offered yet",
+              ranks=2)
+        fails(["train", "--gradient-wire", "fp8"], "fp8")
         fails(["train", "--data", EXE], f"--data '{EXE}' is not a folder")
         fails(["train", *SMALL, "--checkpoint-dir", EXE], f"--checkpoint-dir '{EXE}' is not a folder")
 
