@@ -186,6 +186,10 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
                                                           "second scenario (0: none)")
       ->check(number_in(0, 0.999999, "in [0, 1)"))
       ->capture_default_str();
+  plan.add_option("--gradient-wire", o.gradient_wire, "exact or bf16: how ZeRO-2's gradients travel to their owners "
+                                                      "(ShardedDDPOptions::gradient_wire; int8 is not offered yet)")
+      ->check(CLI::IsMember({"exact", "bf16"}))
+      ->capture_default_str();
   plan.add_option("--intra-node-bandwidth", o.intra_node_gbps, "GB/s each way between ranks of one node (NVLink)")
       ->check(kPositive)
       ->capture_default_str();

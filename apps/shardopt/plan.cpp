@@ -193,6 +193,7 @@ nlohmann::json report_json(const std::vector<Row>& rows, const ModelSpec& spec, 
                        {"shard_group_size", row.config.shard_group_size},
                        {"scenario", row.plan.scenario},
                        {"optimizer", row.config.optimizer},
+                       {"gradient_wire", row.config.gradient_wire},
                        {"split", row.plan.split},
                        {"buckets", row.plan.buckets},
                        {"trainable", row.plan.trainable},
@@ -265,6 +266,7 @@ int run_plan(const PlanOptions& o) {
       c.partition = o.partition;
       c.bucket_bytes = static_cast<int64_t>(o.bucket_mb * (1 << 20));
       c.freeze_fraction = o.freeze_fraction;
+      c.gradient_wire = o.gradient_wire;
       for (auto& plan : plan_config(spec, c)) {
         Row row{c, std::move(plan), 0.0, 0.0, 0, {}, 0};
         add_comm_time(o, row);

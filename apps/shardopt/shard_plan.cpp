@@ -84,6 +84,9 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
   const int blocks = c.world_size / layout.world_size();
   const bool bf16 = is_bf16(c.mode), zero2 = c.mode.rfind("zero2", 0) == 0;
   const double low = bf16 ? 2.0 : 4.0;
+  // ZeRO-2's gradients within a block travel in bf16 under --gradient-wire bf16 (Note [Gradient
+  // wire] in csrc/comm/wire.cpp); the all-reduce across blocks stays exact.
+  const double wire = c.gradient_wire == "bf16" ? std::min(low, 2.0) : low;
   out.ranks.assign(layout.world_size(), RankPlan());
   for (int r = 0; r < layout.world_size(); ++r) out.ranks[r].rank = r;
   double buffers = 0;
@@ -112,12 +115,12 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
           out.ranks[r].buckets += static_cast<double>(bucket_memory_numel(b)) * low;
           owned[r] += static_cast<double>(b.numel()) * low;
         }
-        block.rows(static_cast<double>(b.numel() * layout.world_size()) * low);
+        block.rows(static_cast<double>(b.numel() * layout.world_size()) * wire);
         continue;
       }
       out.ranks[b.owner].buckets += static_cast<double>(bucket_memory_numel(b)) * low;
       owned[b.owner] += static_cast<double>(b.numel()) * low;
-      block.reduce(static_cast<double>(b.numel()) * low, b.owner);
+      block.reduce(static_cast<double>(b.numel()) * wire, b.owner);
     }
     for (auto& r : out.ranks) r.buckets -= r.grads;  // the slabs' bytes beyond the gradients
     // The replica groups all-reduce each owned, block-reduced bucket.

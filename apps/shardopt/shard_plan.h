@@ -30,6 +30,7 @@ struct PlanConfig {
   std::string partition = "auto"; // auto, split, whole (PartitionMode)
   int64_t bucket_bytes = 8 << 20; // ZeRO-2's reduce buckets (ShardedDDPOptions::reduce_bucket_bytes)
   double freeze_fraction = 0.0;   // leading layers frozen for the second scenario (0: none)
+  std::string gradient_wire = "exact";  // ZeRO-2's gradients on the wire: exact or bf16 (ShardedDDPOptions::gradient_wire)
 };
 
 // One rank's bytes and traffic.

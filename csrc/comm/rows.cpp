@@ -133,7 +133,8 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
 
 // Every rank's contribution travels in `wire`; the owner widens what it receives and sums in the
 // rows' own dtype, its own contribution rounded through `wire` first, in the exact path's order
-// (Note [Gradient wire] in wire.cpp). `own` is cast before this returns, so it may be `mine`.
+// (Note [Gradient wire] in wire.cpp). `own` (which may be `mine`) is read once the transfers are
+// done; a CUDA one is copied to the host at once.
 PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double divisor, const at::Tensor& mine,
                                                       const at::Tensor& own, at::ScalarType wire) {
   constexpr auto kind = CommStats::kReduceScatter;

@@ -198,6 +198,37 @@ class PlanTest(unittest.TestCase):
         with open(self.path("p/plan.csv")) as f:
             self.assertEqual(len(list(csv.DictReader(f))), 3 * 4096)
 
+    def test_a_bf16_gradient_wire_halves_the_gradient_bytes_only(self):
+        """--gradient-wire bf16: ZeRO-2's gradients travel in bf16, the parameter sync and the memory
+        stay as they are. With row buckets the gradients' reduce-scatter and the parameters'
+        all-gather move the same rows, so a rank sends and receives 3/4 of the exact wire's bytes;
+        DDP and ZeRO-1 do not change."""
+        common = ["plan", "--spec", self.path("spec.json"), "--world-sizes", "2,4,8", "--modes", "ddp,zero1,zero2",
+                  "--partition", "split"]
+        with open(self.path("spec.json"), "w") as f:
+            json.dump(SPEC, f)
+        run([*common, "-o", self.path("exact")])
+        run([*common, "--gradient-wire", "bf16", "-o", self.path("bf16")])
+        plans = {}
+        for wire in ("exact", "bf16"):
+            with open(self.path(f"{wire}/plan.json")) as f:
+                plans[wire] = {(c["mode"], c["world_size"]): c for c in json.load(f)["configs"]}
+        self.assertEqual(plans["exact"].keys(), plans["bf16"].keys())
+        for key, exact in plans["exact"].items():
+            bf16 = plans["bf16"][key]
+            self.assertEqual(bf16["gradient_wire"], "bf16")
+            for field in ("params", "grads", "buckets", "masters", "state"):
+                self.assertEqual(bf16["max_rank"][field], exact["max_rank"][field], key)
+            self.assertEqual(bf16["collectives_per_step"], exact["collectives_per_step"], key)
+            for field in ("bytes_sent_per_step", "bytes_received_per_step"):
+                want = 0.75 * exact["max_traffic_rank"][field] if key[0] == "zero2" else exact["max_traffic_rank"][field]
+                self.assertAlmostEqual(bf16["max_traffic_rank"][field], want, delta=1e-6 * want + 1e-9, msg=str(key))
+            if key[0] == "zero2":
+                self.assertLess(bf16["comm_seconds_per_step"], exact["comm_seconds_per_step"], key)
+        p = run(["plan", "--gradient-wire", "int8"], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("--gradient-wire", p.stderr)
+
     def test_collectives_and_their_latency_per_step(self):
         """plan.json's collectives per step of the busiest rank, and the latency each adds to the
         communication time, computed here from NCCL's ring/Simple figures (8.4 us a collective, 3.4
