@@ -6,8 +6,6 @@
 #include "comm/sum_into.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -341,72 +339,6 @@ void ProcessGroup::allreduce(at::Tensor& tensor, Reduction op) {
   allreduce_async(tensor, op).wait();
 }
 
-namespace detail {
-namespace {
-
-// tensor += each of `incoming` in turn; then tensor[0, numel) /= divisor. For dense float and
-// double in one pass over memory, chunk by chunk, with the rounding of add_ then div_ (each sum
-// rounded, then a true division by the divisor in the tensor's type); other types take those
-// two operators.
-// out = first + in[0] + in[1] + ... (first may be out), then out[0, numel) /= divisor. The
-// additions into `out` itself are written as such: the loops the compiler vectorises best.
-template <typename T>
-void sum_then_divide(T* out, const T* first, const std::vector<const T*>& in, int64_t begin, int64_t end,
-                     int64_t numel, T divisor) {
-  const size_t last = in.size() - 1;
-  size_t k = 0;
-  if (first != out) {  // the first addition writes `out` from `first`
-    const T* src = in[0];
-    const int64_t split = last == 0 ? std::clamp(numel, begin, end) : begin;
-    for (int64_t i = begin; i < split; ++i) out[i] = (first[i] + src[i]) / divisor;
-    for (int64_t i = split; i < end; ++i) out[i] = first[i] + src[i];
-    if (last == 0) return;
-    k = 1;
-  }
-  for (; k < last; ++k) {
-    const T* src = in[k];
-    for (int64_t i = begin; i < end; ++i) out[i] += src[i];
-  }
-  const T* src = in[last];
-  const int64_t split = std::clamp(numel, begin, end);
-  for (int64_t i = begin; i < split; ++i) out[i] = (out[i] + src[i]) / divisor;
-  for (int64_t i = split; i < end; ++i) out[i] += src[i];
-}
-
-}  // namespace
-
-void sum_to(at::Tensor& out, const at::Tensor& first, const std::vector<at::Tensor>& incoming, int64_t numel,
-            double divisor) {
-  const bool fused = out.device().is_cpu() && out.is_contiguous() && first.is_contiguous() &&
-                     first.scalar_type() == out.scalar_type() &&
-                     (out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble);
-  if (!fused || incoming.empty()) {
-    if (!out.is_same(first)) out.copy_(first);
-    for (const auto& t : incoming) out.add_(t);
-    if (divisor != 1.0 && numel > 0) out.narrow(0, 0, numel).div_(divisor);
-    return;
-  }
-  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "reduce_sum_into", [&] {
-    std::vector<const scalar_t*> in;
-    for (const auto& t : incoming) in.push_back(t.const_data_ptr<scalar_t>());
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    const scalar_t* src = first.const_data_ptr<scalar_t>();
-    const auto d = static_cast<scalar_t>(divisor);
-    // Chunks small enough that a partial sum stays in cache between the incoming tensors.
-    constexpr int64_t kChunk = int64_t{1} << 14;
-    at::parallel_for(0, out.numel(), kChunk, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; b += kChunk) {
-        sum_then_divide(dst, src, in, b, std::min(end, b + kChunk), numel, d);
-      }
-    });
-  });
-}
-
-void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64_t numel, double divisor) {
-  sum_to(tensor, tensor, incoming, numel, divisor);
-}
-
-}  // namespace detail
 
 // Note [Reduce to one owner]
 // Gloo's reduce is ring-based and moves more than the buffer: measured per rank with /proc/self/io

@@ -2,15 +2,6 @@
 #include <shardopt/comm/wire.h>
 #include <shardopt/check.h>
 
-#include "comm/sum_into.h"
-
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-
-#include <algorithm>
-#include <vector>
-
 namespace shardopt {
 
 // Note [Gradient wire]
@@ -42,45 +33,4 @@ std::optional<at::ScalarType> wire_dtype(Wire wire, at::ScalarType dtype) {
   return at::kBFloat16;
 }
 
-namespace detail {
-
-void sum_widened(at::Tensor& out, const at::Tensor& own, const std::vector<at::Tensor>& incoming, int64_t numel,
-                 double divisor) {
-  bool fused = out.is_cpu() && own.is_cpu() && out.is_contiguous() && own.is_contiguous() &&
-               out.scalar_type() == at::kFloat && own.scalar_type() == at::kFloat && own.numel() == out.numel();
-  for (const auto& t : incoming) {
-    fused = fused && t.is_cpu() && t.is_contiguous() && t.scalar_type() == at::kBFloat16 && t.numel() == out.numel();
-  }
-  if (!fused) {
-    const auto wire = incoming.empty() ? at::kBFloat16 : incoming.front().scalar_type();
-    at::Tensor sum = own.to(wire).to(out.scalar_type());
-    std::vector<at::Tensor> wide;
-    for (const auto& t : incoming) wide.push_back(t.to(out.scalar_type()));
-    sum_into(sum, wide, numel, divisor);
-    out.copy_(sum);
-    return;
-  }
-  float* dst = out.data_ptr<float>();
-  const float* mine = own.const_data_ptr<float>();
-  std::vector<const c10::BFloat16*> in;
-  for (const auto& t : incoming) in.push_back(t.const_data_ptr<c10::BFloat16>());
-  const auto d = static_cast<float>(divisor);
-  // Chunks small enough for the partial sum to stay in cache while the incoming rows are added.
-  constexpr int64_t kChunk = int64_t{1} << 13;
-  at::parallel_for(0, out.numel(), kChunk, [&](int64_t begin, int64_t end) {
-    float acc[kChunk];
-    for (int64_t b = begin; b < end; b += kChunk) {
-      const int64_t n = std::min(end, b + kChunk) - b;
-      for (int64_t j = 0; j < n; ++j) acc[j] = static_cast<float>(c10::BFloat16(mine[b + j]));
-      for (const c10::BFloat16* src : in) {
-        for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<float>(src[b + j]);
-      }
-      const int64_t divided = std::clamp(numel - b, int64_t{0}, n);
-      for (int64_t j = 0; j < divided; ++j) dst[b + j] = acc[j] / d;
-      for (int64_t j = divided; j < n; ++j) dst[b + j] = acc[j];
-    }
-  });
-}
-
-}  // namespace detail
 }  // namespace shardopt

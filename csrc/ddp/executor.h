@@ -1,17 +1,37 @@
-// The parts of ShardedDDP's backward executor that its two source files share: an entry per
-// parameter piece in a bucket, a hooked parameter, a bucket as the executor runs it. Internal.
+// The parts of ShardedDDP's backward executor that its source files share: an entry per
+// parameter piece in a bucket, a hooked parameter, a bucket as the executor runs it, and how a
+// gradient becomes a tensor over a bucket's memory (alias_at). Internal.
 #pragma once
 
 #include <shardopt/ddp/sharded_ddp.h>
 
 #include "optim/shard_store.h"
 
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <optional>
 #include <vector>
 
 namespace shardopt {
+
+namespace detail {
+
+// A tensor of `sizes` over `buffer`'s memory from element `offset` on, without being an autograd
+// view of it, so that detach_() (Module::zero_grad(false), Optimizer::zero_grad(false)) works on
+// a gradient that lives in a bucket, and zero_() keeps it there. Made directly (no dispatcher
+// calls): a backward of many small parameters makes one or two per parameter.
+inline at::Tensor alias_at(const at::Tensor& buffer, int64_t offset, at::IntArrayRef sizes) {
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(),
+                                                           buffer.dtype());
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  impl->set_storage_offset(buffer.storage_offset() + offset);
+  impl->set_sizes_contiguous(sizes);
+  return t;
+}
+
+}  // namespace detail
 
 // One piece of a trainable parameter in a bucket (from its OSS's FlatLayout, bucket frame).
 struct ShardedDDP::Entry {

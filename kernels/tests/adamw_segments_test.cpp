@@ -11,12 +11,7 @@ namespace shardopt_kernels_test {
 namespace {
 
 shardopt_adamw_hparams hparams(int amsgrad, int decoupled, int64_t step) {
-  shardopt_adamw_hparams h{};
-  h.lr = 1e-2;
-  h.beta1 = 0.9;
-  h.beta2 = 0.999;
-  h.eps = 1e-8;
-  h.weight_decay = 0.05;
+  shardopt_adamw_hparams h = adamw_hparams();
   h.step = step;
   h.decoupled = decoupled;
   h.amsgrad = amsgrad;

@@ -9,18 +9,6 @@
 namespace shardopt_kernels_test {
 namespace {
 
-shardopt_adamw_hparams adamw_hparams() {
-  shardopt_adamw_hparams h{};
-  h.lr = 1e-2;
-  h.beta1 = 0.9;
-  h.beta2 = 0.999;
-  h.eps = 1e-8;
-  h.weight_decay = 0.05;
-  h.step = 1;
-  h.decoupled = 1;
-  return h;
-}
-
 // The variants each size and layout runs: AdamW, Adam with AMSGrad, AdamW ascending with AMSGrad
 // late in training, Adam without weight decay.
 std::vector<shardopt_adamw_hparams> variants() {

@@ -94,6 +94,19 @@ class DeviceArray {
   size_t count_ = 0, offset_ = 0;
 };
 
+// AdamW at lr 1e-2, weight decay 0.05, step 1: what the AdamW kernel tests start from.
+inline shardopt_adamw_hparams adamw_hparams() {
+  shardopt_adamw_hparams h{};
+  h.lr = 1e-2;
+  h.beta1 = 0.9;
+  h.beta2 = 0.999;
+  h.eps = 1e-8;
+  h.weight_decay = 0.05;
+  h.step = 1;
+  h.decoupled = 1;
+  return h;
+}
+
 // ---- bf16 and fp16 on the host (bit patterns in uint16_t) -------------------------------------------
 
 inline uint32_t bits_of(float x) {

@@ -1,0 +1,121 @@
+// The sums a rank computes of what others sent it (comm/sum_into.h): the reduce to one owner and
+// the rows' reduce-scatter, exact or from a narrower wire.
+#include "comm/sum_into.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace shardopt {
+
+namespace detail {
+namespace {
+
+// tensor += each of `incoming` in turn; then tensor[0, numel) /= divisor. For dense float and
+// double in one pass over memory, chunk by chunk, with the rounding of add_ then div_ (each sum
+// rounded, then a true division by the divisor in the tensor's type); other types take those
+// two operators.
+// out = first + in[0] + in[1] + ... (first may be out), then out[0, numel) /= divisor. The
+// additions into `out` itself are written as such: the loops the compiler vectorises best.
+template <typename T>
+void sum_then_divide(T* out, const T* first, const std::vector<const T*>& in, int64_t begin, int64_t end,
+                     int64_t numel, T divisor) {
+  const size_t last = in.size() - 1;
+  size_t k = 0;
+  if (first != out) {  // the first addition writes `out` from `first`
+    const T* src = in[0];
+    const int64_t split = last == 0 ? std::clamp(numel, begin, end) : begin;
+    for (int64_t i = begin; i < split; ++i) out[i] = (first[i] + src[i]) / divisor;
+    for (int64_t i = split; i < end; ++i) out[i] = first[i] + src[i];
+    if (last == 0) return;
+    k = 1;
+  }
+  for (; k < last; ++k) {
+    const T* src = in[k];
+    for (int64_t i = begin; i < end; ++i) out[i] += src[i];
+  }
+  const T* src = in[last];
+  const int64_t split = std::clamp(numel, begin, end);
+  for (int64_t i = begin; i < split; ++i) out[i] = (out[i] + src[i]) / divisor;
+  for (int64_t i = split; i < end; ++i) out[i] += src[i];
+}
+
+}  // namespace
+
+void sum_to(at::Tensor& out, const at::Tensor& first, const std::vector<at::Tensor>& incoming, int64_t numel,
+            double divisor) {
+  const bool fused = out.device().is_cpu() && out.is_contiguous() && first.is_contiguous() &&
+                     first.scalar_type() == out.scalar_type() &&
+                     (out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble);
+  if (!fused || incoming.empty()) {
+    if (!out.is_same(first)) out.copy_(first);
+    for (const auto& t : incoming) out.add_(t);
+    if (divisor != 1.0 && numel > 0) out.narrow(0, 0, numel).div_(divisor);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "reduce_sum_into", [&] {
+    std::vector<const scalar_t*> in;
+    for (const auto& t : incoming) in.push_back(t.const_data_ptr<scalar_t>());
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const scalar_t* src = first.const_data_ptr<scalar_t>();
+    const auto d = static_cast<scalar_t>(divisor);
+    // Chunks small enough that a partial sum stays in cache between the incoming tensors.
+    constexpr int64_t kChunk = int64_t{1} << 14;
+    at::parallel_for(0, out.numel(), kChunk, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; b += kChunk) {
+        sum_then_divide(dst, src, in, b, std::min(end, b + kChunk), numel, d);
+      }
+    });
+  });
+}
+
+void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64_t numel, double divisor) {
+  sum_to(tensor, tensor, incoming, numel, divisor);
+}
+
+
+void sum_widened(at::Tensor& out, const at::Tensor& own, const std::vector<at::Tensor>& incoming, int64_t numel,
+                 double divisor) {
+  bool fused = out.is_cpu() && own.is_cpu() && out.is_contiguous() && own.is_contiguous() &&
+               out.scalar_type() == at::kFloat && own.scalar_type() == at::kFloat && own.numel() == out.numel();
+  for (const auto& t : incoming) {
+    fused = fused && t.is_cpu() && t.is_contiguous() && t.scalar_type() == at::kBFloat16 && t.numel() == out.numel();
+  }
+  if (!fused) {
+    const auto wire = incoming.empty() ? at::kBFloat16 : incoming.front().scalar_type();
+    at::Tensor sum = own.to(wire).to(out.scalar_type());
+    std::vector<at::Tensor> wide;
+    for (const auto& t : incoming) wide.push_back(t.to(out.scalar_type()));
+    sum_into(sum, wide, numel, divisor);
+    out.copy_(sum);
+    return;
+  }
+  float* dst = out.data_ptr<float>();
+  const float* mine = own.const_data_ptr<float>();
+  std::vector<const c10::BFloat16*> in;
+  for (const auto& t : incoming) in.push_back(t.const_data_ptr<c10::BFloat16>());
+  const auto d = static_cast<float>(divisor);
+  // Chunks small enough for the partial sum to stay in cache while the incoming rows are added.
+  constexpr int64_t kChunk = int64_t{1} << 13;
+  at::parallel_for(0, out.numel(), kChunk, [&](int64_t begin, int64_t end) {
+    float acc[kChunk];
+    for (int64_t b = begin; b < end; b += kChunk) {
+      const int64_t n = std::min(end, b + kChunk) - b;
+      for (int64_t j = 0; j < n; ++j) acc[j] = static_cast<float>(c10::BFloat16(mine[b + j]));
+      for (const c10::BFloat16* src : in) {
+        for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<float>(src[b + j]);
+      }
+      const int64_t divided = std::clamp(numel - b, int64_t{0}, n);
+      for (int64_t j = 0; j < divided; ++j) dst[b + j] = acc[j] / d;
+      for (int64_t j = divided; j < n; ++j) dst[b + j] = acc[j];
+    }
+  });
+}
+
+}  // namespace detail
+
+}  // namespace shardopt
