@@ -20,8 +20,9 @@ namespace shardopt {
 // passes these functions, in this order (each names its file; the Notes named say why):
 //  1. Before autograd accumulates anything in a backward outside no_sync(), the parameter's
 //     pre-hook runs ShardedDDP::before_accumulation (this file), whose first call runs
-//     decide_bucket_views / decide_bucket_view: where the owner's gradient is already its bucket's
-//     memory, autograd accumulates into the bucket (Note [Gradients as bucket views]).
+//     decide_bucket_views / decide_bucket_view (bucket_views.cpp): where the owner's gradient is
+//     already its bucket's memory, autograd accumulates into the bucket (Note [Gradients as
+//     bucket views]).
 //  2. Autograd accumulates into p.grad and runs the post-accumulation hook, GradReadyHook
 //     (sharded_ddp.cpp), which calls ShardedDDP::on_grad_ready: the first gradient of a backward
 //     waits for the trainability check of the forward (await_mask_check, sharded_ddp.cpp) and

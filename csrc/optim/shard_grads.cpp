@@ -70,7 +70,7 @@ bool ShardStore::zeroed(const at::Tensor& grad) const {
 // Note [Gradient slab]
 // The gradients a rank owns live in the memory of its buckets: a reduction to the owner leaves
 // them there, and the next backward reuses that memory (or accumulates into it, Note [Gradients
-// as bucket views] in csrc/ddp/reduction.cpp). The store owns it, one slab per layout group: the
+// as bucket views] in csrc/ddp/bucket_views.cpp). The store owns it, one slab per layout group: the
 // buckets this rank owns, in layout order, each its gradients (the bucket's range of the shard,
 // gaps included; a row bucket's: this rank's row) followed by one count per piece, each starting
 // at a multiple of 16 elements.

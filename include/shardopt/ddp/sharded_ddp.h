@@ -91,7 +91,7 @@ struct ShardedDDPOptions {
   // Gradients zeroed in place (OSS's or ShardedDDP's zero_grad(false)) stay where the last
   // reduction left them, in their owner's bucket, and the next backward accumulates into them
   // there: no copy into the bucket, no second bucket, for the gradients this rank owns (Note
-  // [Gradients as bucket views] in csrc/ddp/reduction.cpp). Other clearing styles copy, as
+  // [Gradients as bucket views] in csrc/ddp/bucket_views.cpp). Other clearing styles copy, as
   // without it; results are the same either way.
   TORCH_ARG(bool, gradient_as_bucket_view) = true;
   // How each rank's gradients travel to their owners (Note [Gradient wire] in
