@@ -170,7 +170,7 @@ class Trainer {
   double last_accuracy_ = -1.0;
   // Values before a trainability change, reported after the step that follows it.
   struct Before {
-    int64_t grad_bytes = 0, state_bytes = 0, rebuilds = 0, partition_version = 0, state_moves = 0;
+    int64_t grad_bytes = 0, state_bytes = 0, rebuilds = 0, repartitions = 0, state_moves = 0;
     size_t buckets = 0;
   };
 };
@@ -388,9 +388,10 @@ void Trainer::report_change(int64_t step, const std::vector<const FreezeEvent*>&
   const auto grads_before = per_rank(*group_, before.grad_bytes), grads_after = per_rank(*group_, last_grad_bytes_);
   const auto state_before = per_rank(*group_, before.state_bytes);
   const auto state_after = per_rank(*group_, oss_->local_state_bytes());
-  const bool rebalanced = oss_->partition_version() != before.partition_version;
-  const bool moved_state = oss_->state_moves() != before.state_moves;
-  const auto moved = per_rank(*group_, moved_state ? oss_->last_rebalance().state_bytes_sent : 0);
+  const RebalanceStats last = oss_->last_rebalance();
+  const bool rebalanced = last.repartitions != before.repartitions;
+  const bool moved_state = last.moves != before.state_moves;
+  const auto moved = per_rank(*group_, moved_state ? last.state_bytes_sent : 0);
   if (rank_ != 0) return;
   std::string what;
   for (const auto* e : events) {
@@ -408,7 +409,7 @@ void Trainer::report_change(int64_t step, const std::vector<const FreezeEvent*>&
   const std::string rebuild = ddp_->rebuild_count() != before.rebuilds
                                   ? fmt::format("buckets rebuilt ({} -> {})", before.buckets, ddp_->num_buckets())
                                   : std::string("buckets unchanged");
-  std::string partition = rebalanced ? "partition rebalanced" : (oss_->split() ? "split ranges cut again" : "partition kept");
+  std::string partition = rebalanced ? "partition rebalanced" : (oss_->layout().options().split() ? "split ranges cut again" : "partition kept");
   if (moved_state) partition += fmt::format(", {} of optimizer state moved", bytes_text(static_cast<double>(moved_total)));
   if (metrics_) {
     bool freezes = false, unfreezes = false;
@@ -439,8 +440,8 @@ void Trainer::run_step(int64_t s) {
     std::raise(SIGKILL);
   }
   const auto events = schedule_.events_at(step_, steps_per_epoch_);
-  const Before before{last_grad_bytes_, oss_->local_state_bytes(), ddp_->rebuild_count(), oss_->partition_version(),
-                      oss_->state_moves(), ddp_->num_buckets()};
+  const Before before{last_grad_bytes_, oss_->local_state_bytes(), ddp_->rebuild_count(),
+                      oss_->last_rebalance().repartitions, oss_->last_rebalance().moves, ddp_->num_buckets()};
   apply_schedule(step_);
   const double loss = train_step(s);
   if (!events.empty()) report_change(step_, events, before);
@@ -492,7 +493,7 @@ int Trainer::run() {
                      {"batch_size", o_.batch_size},
                      {"steps_per_epoch", steps_per_epoch_},
                      {"total_steps", total_steps_},
-                     {"partition", oss_->split() ? "split" : "whole"}});
+                     {"partition", oss_->layout().options().split() ? "split" : "whole"}});
   }
   const int64_t stop = o_.stop_after_steps > 0 ? std::min(o_.stop_after_steps, total_steps_) : total_steps_;
   if (resilient_) {

@@ -39,6 +39,9 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <shardopt/testing/introspection.h>
+
+using shardopt::testing::Introspection;
 
 namespace {
 
@@ -271,7 +274,7 @@ int main(int argc, char** argv) {
     // Bytes handed to collectives per timed step: the whole group's (the block's, with
     // --shard-group-size) and across blocks.
     auto block_total = [&] { return oss ? oss->process_group().stats().total_bytes() : group->stats().total_bytes(); };
-    auto cross_total = [&] { return oss && oss->replica_group() ? oss->replica_group()->stats().total_bytes() : int64_t{0}; };
+    auto cross_total = [&] { return oss && Introspection::replica_group(*oss) ? Introspection::replica_group(*oss)->stats().total_bytes() : int64_t{0}; };
     const int64_t block_before = block_total(), cross_before = cross_total();
     const int64_t written_before = written_bytes();
     // Steps back to back, each timed from the end of the one before: what a step costs in a
@@ -304,7 +307,7 @@ int main(int argc, char** argv) {
            rebalance_ms = 0, after_freeze_ms = 0;
     int64_t moved_bytes = 0, grad_bytes = 0, state_bytes = 0, master_bytes = 0;
     // The busiest rank's trainable elements against 1/world, as trained above (before the freeze).
-    const double imbalance = oss ? oss->imbalance() : 0.0;
+    const double imbalance = oss ? oss->layout().imbalance() : 0.0;
     if (ddp) {
       // Gradient bytes this rank holds after a backward, as a fraction of all gradients.
       ddp->zero_grad(true);
@@ -323,10 +326,10 @@ int main(int argc, char** argv) {
       // Freeze part of the model (--freeze). The next forward rebuilds the
       // buckets; the one after it, once the ranks have agreed on the new set, re-partitions.
       auto trainable_imbalance = [&] {
-        if (oss->split()) return oss->imbalance();  // equal ranges of the set laid out last
+        if (oss->layout().options().split()) return oss->layout().imbalance();  // equal ranges of the set laid out last
         std::vector<double> load(group->size(), 0.0);
         for (auto& p : params) {
-          if (p.requires_grad()) load[oss->owner(p)] += p.numel();
+          if (p.requires_grad()) load[Introspection::owner(*oss, p)] += p.numel();
         }
         double total = 0, top = 0;
         for (double l : load) total += l, top = std::max(top, l);
@@ -376,7 +379,7 @@ int main(int argc, char** argv) {
         {"grad_fraction", grad_fraction}, {"imbalance", imbalance}, {"rebalance", rebalance},
         {"kept_imbalance", kept_imbalance}, {"freeze_imbalance", freeze_imbalance}, {"rebalance_ms", rebalance_ms},
         {"moved_state_bytes", moved_bytes}, {"after_freeze_step_ms", after_freeze_ms},
-        {"peak_rss_with_freeze_mb", peak_rss_mb()}, {"split", oss && oss->split()}, {"state_bytes", state_bytes},
+        {"peak_rss_with_freeze_mb", peak_rss_mb()}, {"split", oss && oss->layout().options().split()}, {"state_bytes", state_bytes},
         {"grad_bytes", grad_bytes}, {"master_bytes", master_bytes}, {"mixed_precision", mixed},
         {"gradient_wire", gradient_wire},
         {"block_bytes_per_step", block_bytes_per_step},

@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+using shardopt::testing::Introspection;
+
 namespace {
 
 namespace optim = torch::optim;
@@ -108,10 +110,10 @@ void paired_aten_vs_oss(benchmark::State& state, shardopt::OSS& opt, const std::
   opt.step();  // creates the state
   std::vector<at::Tensor> p, g, m, v, steps;
   // At world 1, the tensors OSS steps over `params`, in their order (one group).
-  const auto& stepped = opt.local_optimizer().param_groups().at(0).params();
+  const auto& stepped = Introspection::local_optimizer(opt).param_groups().at(0).params();
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& param = params[i];
-    auto& st = static_cast<optim::AdamWParamState&>(*opt.local_optimizer().state().at(stepped.at(i).unsafeGetTensorImpl()));
+    auto& st = static_cast<optim::AdamWParamState&>(*Introspection::local_optimizer(opt).state().at(stepped.at(i).unsafeGetTensorImpl()));
     p.push_back(param.detach());
     g.push_back(param.grad());
     m.push_back(st.exp_avg());

@@ -31,6 +31,9 @@
 #include <cstdio>
 #include <iostream>
 #include <string>
+#include <shardopt/testing/introspection.h>
+
+using shardopt::testing::Introspection;
 
 namespace {
 
@@ -69,8 +72,8 @@ int main(int argc, char** argv) {
                                       shardopt::MuonOptions(0.02).adjust_lr_fn("match_rms_adamw"))},
                        {others, shardopt::optimizer<torch::optim::AdamW>(torch::optim::AdamWOptions(3e-4))}},
                       group);
-    auto& muon = oss.local_optimizer(0);
-    auto& adamw = oss.local_optimizer(1);
+    auto& muon = Introspection::local_optimizer(oss, 0);
+    auto& adamw = Introspection::local_optimizer(oss, 1);
     int64_t muon_numel = 0, adamw_numel = 0;
     double cost = 0;
     for (auto* opt : {&muon, &adamw}) {

@@ -18,6 +18,9 @@
 #include <algorithm>
 #include <chrono>
 #include <mutex>
+#include <shardopt/testing/introspection.h>
+
+using shardopt::testing::Introspection;
 
 namespace {
 
@@ -91,7 +94,7 @@ void BM_OSSAdam(benchmark::State& state) {
       const int64_t b = opt.local_state_bytes();
       max_bytes = std::max(max_bytes, b), min_bytes = std::min(min_bytes, b), total_bytes += b;
       n = numel(params);
-      imbalance = opt.imbalance();
+      imbalance = Introspection::imbalance(opt);
       if (g->rank() == 0) times = mine;
     });
     state.SetIterationTime(median(times));

@@ -77,12 +77,12 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   detail::agree_on_mask(*global_, mask, /*exhaustive=*/true, [this](size_t i) { return name(i); });
   // What this ShardedDDP takes over from each optimizer's step, in one call: forward() checks the
   // trainable set (the step need not check it again), the buckets' cuts, and the overlapped sync.
-  detail::ShardStore::HandOver hand_over;
+  detail::HandOver hand_over;
   hand_over.checks_trainable = options_.auto_refresh_trainable();
   hand_over.overlap_param_sync = options_.overlap_param_sync();
   for (OSS* opt : optimizers_) {
     hand_over.bucket_bytes = options_.bucket_bytes_for(opt->global_group().size());
-    detail::store_of(*opt).hand_over(hand_over);
+    stores_.push_back(&opt->hand_over(hand_over));
   }
   mask_ = std::move(mask);
   lay_out();
@@ -210,7 +210,7 @@ std::vector<uint8_t> ShardedDDP::mask_for(size_t k) const {
 }
 
 void ShardedDDP::lay_out() {
-  for (size_t k = 0; k < optimizers_.size(); ++k) detail::store_of(*optimizers_[k]).lay_out_for(mask_for(k));
+  for (size_t k = 0; k < optimizers_.size(); ++k) stores_[k]->lay_out_for(mask_for(k));
 }
 
 // After an agreed change of the trainable set, each optimizer may re-partition (Note [Rebalance
@@ -227,7 +227,7 @@ void ShardedDDP::follow_partition(bool agreed_mask_changed) {
 void ShardedDDP::follow_layouts() {
   bool changed = false;
   for (size_t k = 0; k < optimizers_.size(); ++k) {
-    changed |= detail::store_of(*optimizers_[k]).layout_version() != built_versions_[k];
+    changed |= stores_[k]->layout_version() != built_versions_[k];
   }
   if (!changed) return;
   const std::vector<int> before = owner_;
@@ -249,9 +249,9 @@ void ShardedDDP::follow_layouts() {
 ShardedDDP::~ShardedDDP() {
   remove_hooks();
   // The optimizers go on alone: their steps check the trainable set and sync in full again.
-  for (OSS* opt : optimizers_) {
+  for (detail::ShardStore* store : stores_) {
     try {
-      detail::store_of(*opt).take_back();
+      store->take_back();
     } catch (const std::exception&) {
       // A failed sync was the last thing these optimizers did; not for a destructor to raise.
     }
@@ -294,7 +294,7 @@ void ShardedDDP::build() {
   next_launch_ = 0;
   std::vector<BucketSource> sources;
   for (size_t k = 0; k < optimizers_.size(); ++k) {
-    const auto& layout = detail::store_of(*optimizers_[k]).layout();
+    const auto& layout = stores_[k]->layout();
     const auto& ps = optimizers_[k]->all_params();
     for (size_t b = 0; b < layout.buckets().size(); ++b) {
       int64_t position = -1;
@@ -309,7 +309,7 @@ void ShardedDDP::build() {
     std::stable_sort(sources.begin(), sources.end(),
                      [](const BucketSource& a, const BucketSource& b) { return a.position > b.position; });
   }
-  for (const auto& src : sources) add_bucket(*optimizers_[src.optimizer], src.bucket);
+  for (const auto& src : sources) add_bucket(src.optimizer, src.bucket);
   for (size_t h = 0; h < hooked_.size(); ++h) {
     torch::autograd::impl::set_post_acc_grad_hooks(hooked_[h].param,
                                                    std::make_unique<GradReadyHook>([this, h] { on_grad_ready(h); }));
@@ -318,24 +318,25 @@ void ShardedDDP::build() {
   // The trainable set the buckets hold, per module parameter.
   for (size_t m = 0; m < params_.size(); ++m) {
     const auto& [k, i] = place_[m];
-    const auto& layout = detail::store_of(*optimizers_[k]).layout();
+    const auto& layout = stores_[k]->layout();
     mask_[m] = layout.pieces()[layout.pieces_of(i).front()].bucket >= 0;
   }
   built_versions_.clear();
-  for (OSS* opt : optimizers_) built_versions_.push_back(detail::store_of(*opt).layout_version());
+  for (const detail::ShardStore* store : stores_) built_versions_.push_back(store->layout_version());
   has_split_pieces_ = std::any_of(entries_.begin(), entries_.end(), [](const Entry& e) { return !e.whole; });
   ++rebuilds_;
 }
 
-void ShardedDDP::add_bucket(OSS& optimizer, size_t index) {
-  const auto& layout = detail::store_of(optimizer).layout();
+void ShardedDDP::add_bucket(size_t k_opt, size_t index) {
+  OSS& optimizer = *optimizers_[k_opt];
+  const auto& layout = stores_[k_opt]->layout();
   const auto& ps = optimizer.all_params();
   const FlatBucket& lb = layout.buckets()[index];
   const FlatGroup& group = layout.groups()[lb.group];
   const int rank = group_->rank();
   Bucket b;
   b.optimizer = &optimizer;
-  b.store = &detail::store_of(optimizer);
+  b.store = stores_[k_opt];
   b.index = index;
   b.owner = lb.owner;
   b.numel = lb.numel();
@@ -498,10 +499,9 @@ int64_t ShardedDDP::local_grad_bytes() const {
 
 int64_t ShardedDDP::local_bucket_bytes() const {
   int64_t bytes = 0;
-  for (OSS* opt : optimizers_) {
-    const auto& store = detail::store_of(*opt);
-    for (size_t g = 0; g < store.layout().groups().size(); ++g) {
-      const at::Tensor slab = store.grad_slab(g);
+  for (const detail::ShardStore* store : stores_) {
+    for (size_t g = 0; g < store->layout().groups().size(); ++g) {
+      const at::Tensor slab = store->grad_slab(g);
       if (slab.defined()) bytes += static_cast<int64_t>(slab.nbytes());
     }
   }

@@ -421,10 +421,10 @@ void OSS::set_local_groups() {
 
 const FlatLayout& OSS::layout() const { return store_->layout(); }
 
-const Partition& OSS::partition() const { return store_->partition(); }
 
-detail::ShardStore& detail::store_of(OSS& optimizer) {
-  return *optimizer.store_;
+detail::ShardStore& OSS::hand_over(const detail::HandOver& h) {
+  store_->hand_over(h);
+  return *store_;
 }
 
 // ---- introspection ------------------------------------------------------------------------
@@ -459,7 +459,7 @@ std::string OSS::describe() const {
                   : any_whole_kind ? "element-wise optimizers' parameters split into equal ranges, whole-tensor "
                                      "optimizers' parameters whole per owner, balanced by cost"
                                    : "parameters split into equal ranges (element-wise optimizer)")
-      << ", trainable imbalance " << imbalance() * 100.0 << "%";
+      << ", trainable imbalance " << layout().imbalance() * 100.0 << "%";
   if (!placement_.split && options_.partition() == PartitionMode::kAuto) {
     if (!all_registered()) {
       out << " (the wrapped optimizer is not one shardopt knows the state layout of)";
@@ -501,6 +501,13 @@ std::string OSS::describe() const {
     out << "state " << state_bytes[r] << " bytes, " << whole[r] << " whole and " << part[r] << " split parameters";
   }
   return out.str();
+}
+
+RebalanceStats OSS::last_rebalance() const {
+  RebalanceStats stats = last_rebalance_;
+  stats.moves = state_moves_;
+  stats.repartitions = partition_version_;
+  return stats;
 }
 
 int64_t OSS::local_state_bytes() const {

@@ -23,7 +23,6 @@ void OSS::finish_param_sync() { store_->finish_param_sync(); }
 
 void OSS::finish_param_sync(size_t param) { store_->finish_param_sync(param); }
 
-void OSS::sync_params() { store_->sync_params(); }
 
 void OSS::zero_grad(bool set_to_none) {
   store_->forget_zeroed();

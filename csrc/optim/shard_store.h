@@ -1,6 +1,6 @@
 // ShardStore: the memory a rank's shard of the optimizer owns, addressed through the FlatLayout
-// (Note [Shard store] in shard_store.cpp). Internal to shardopt; OSS composes it, and ShardedDDP
-// shares it (detail::store_of), after one hand_over() call.
+// (Note [Shard store] in shard_store.cpp). Internal to shardopt; OSS composes it, and a ShardedDDP
+// receives it from the one call OSS::hand_over.
 //
 // It holds the partition, the flat parameter buffers and the layout they follow, with the
 // trainable set it was made for, and the parameter sync after the step. For each (device, dtype)
@@ -50,6 +50,16 @@ struct Slot {
   }
 };
 
+// What a ShardedDDP takes over from an OSS, in one call (OSS::hand_over): it checks the trainable
+// set at every forward and lays the store out for it (with checks_trainable, OSS's step leaves
+// both to it), cuts the gradient buckets at bucket_bytes, and with overlap_param_sync leaves the
+// step's parameter sync in flight for its forward.
+struct HandOver {
+  bool checks_trainable = false;
+  bool overlap_param_sync = false;
+  int64_t bucket_bytes = 0;
+};
+
 class ShardStore {
  public:
   // The store of `params` (in OSS's order; the layout makes them views into its buffers), sharded
@@ -87,15 +97,7 @@ class ShardStore {
   // whether the layout is still the one it built on.
   int64_t layout_version() const { return layout_version_; }
 
-  // ---- what a ShardedDDP takes over, in one call ----
-  // ShardedDDP checks the trainable set at every forward and lays the store out for it (with
-  // checks_trainable, OSS's step leaves both to it), cuts the gradient buckets at bucket_bytes,
-  // and with overlap_param_sync leaves the step's parameter sync in flight for its forward.
-  struct HandOver {
-    bool checks_trainable = false;
-    bool overlap_param_sync = false;
-    int64_t bucket_bytes = 0;
-  };
+  // ---- what a ShardedDDP takes over, in one call (OSS::hand_over, HandOver below) ----
   void hand_over(const HandOver& h);
   // OSS alone again (the ShardedDDP is gone): its step checks the set and syncs in full. The
   // bucket cuts stay. Finishes the sync in flight.

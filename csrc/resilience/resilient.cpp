@@ -163,7 +163,7 @@ void Resilient::build() {
     ddp_ = make_ddp_(*optimizer_);
     SHARDOPT_CHECK(ddp_, "Resilient: the function that makes ShardedDDP returned null");
   }
-  replicated_ = optimizer_->replica_group() != nullptr;
+  replicated_ = &optimizer_->process_group() != &optimizer_->global_group();  // replica blocks
 }
 
 int64_t Resilient::refreshed_at() const { return current_ ? current_->step : -1; }

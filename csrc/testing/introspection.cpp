@@ -21,6 +21,10 @@ at::Tensor Introspection::state_slab(const OSS& oss, size_t group, const std::st
   return oss.store_->slab(group, kind);
 }
 
+const Partition& Introspection::partition(const OSS& oss) { return oss.store_->partition(); }
+
+void Introspection::sync_params(OSS& oss) { oss.store_->sync_params(); }
+
 int64_t Introspection::slab_bytes(const OSS& oss) { return oss.store_->bytes(); }
 
 at::Tensor Introspection::grad_slab(const OSS& oss, size_t group) { return oss.store_->grad_slab(group); }

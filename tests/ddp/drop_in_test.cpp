@@ -16,6 +16,8 @@
 #include <torch/csrc/api/include/torch/nn/modules/embedding.h>
 #include <torch/csrc/api/include/torch/optim.h>
 
+using shardopt::testing::Introspection;
+
 namespace shardopt {
 namespace {
 
@@ -184,7 +186,7 @@ TEST(DropIn, GradientsZeroedInPlaceStayInTheirBucketWithDdpsResult) {
       int64_t all_bytes = 0, others_bytes = 0;  // every gradient; those of parameters another rank owns
       for (const auto& p : net->params) {
         all_bytes += static_cast<int64_t>(p.nbytes());
-        if (oss.owner(p) != g->rank()) others_bytes += static_cast<int64_t>(p.nbytes());
+        if (Introspection::owner(oss, p) != g->rank()) others_bytes += static_cast<int64_t>(p.nbytes());
       }
       ASSERT_LT(others_bytes, all_bytes) << "every rank owns a parameter here";
       for (int step = 0; step < 6; ++step) {
@@ -254,7 +256,7 @@ TEST(DropIn, RowBucketGradientsZeroedInPlaceStayInTheOwnersRow) {
     optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
     OSS oss(params, optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
     ShardedDDP ddp(net.ptr(), oss);
-    ASSERT_TRUE(oss.split());
+    ASSERT_TRUE(Introspection::split(oss));
     ASSERT_TRUE(oss.layout().buckets().at(0).rows());
     int64_t all_bytes = 0, in_row_bytes = 0;  // every gradient; the whole ones in this rank's rows
     for (const auto& p : params) all_bytes += static_cast<int64_t>(p.nbytes());
@@ -447,7 +449,7 @@ TEST(DropIn, AccumulationThatCannotBeToldFromClearingIsAnErrorOnEveryRank) {
     OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
             OSSOptions().partition(PartitionMode::kSplit));
     ShardedDDP ddp(net, oss);
-    ASSERT_EQ(oss.owners(net->w).size(), 2u) << "w must be split for this test";
+    ASSERT_EQ(Introspection::owners(oss, net->w).size(), 2u) << "w must be split for this test";
     auto x = torch::randn({3, 8}, at::TensorOptions().dtype(at::kDouble)) + g->rank();
     for (int step = 0; step < 2; ++step) {  // cleared through the OSS: fine
       oss.zero_grad();

@@ -16,6 +16,9 @@
 
 #include <mutex>
 #include <unistd.h>
+#include <shardopt/testing/introspection.h>
+
+using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
@@ -36,11 +39,11 @@ TEST(Hierarchical, MatchesTheReferenceWithHalfTheStatePerRank) {
       OSS oss(net->parameters(), adam(), g, OSSOptions().shard_group_size(2).partition(partition));
       ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(64).bucket_bytes_per_rank(0));
       ASSERT_EQ(oss.process_group().size(), 2);
-      ASSERT_NE(oss.replica_group(), nullptr);
-      EXPECT_EQ(oss.replica_group()->global_ranks(), (std::vector<int>{g->rank() % 2, g->rank() % 2 + 2}));
+      ASSERT_NE(Introspection::replica_group(oss), nullptr);
+      EXPECT_EQ(Introspection::replica_group(oss)->global_ranks(), (std::vector<int>{g->rank() % 2, g->rank() % 2 + 2}));
       CommStats block_before, across_before;
       for (int step = 0; step < 6; ++step) {
-        if (step == 5) block_before = oss.process_group().stats(), across_before = oss.replica_group()->stats();
+        if (step == 5) block_before = oss.process_group().stats(), across_before = Introspection::replica_group(oss)->stats();
         const bool frozen = step == 2 || step == 3;
         for (Params* q : {&ref, &net->params}) (*q)[2].requires_grad_(!frozen), (*q)[3].requires_grad_(!frozen);
         auto data = testing::rank_data(step, g->rank(), 3);
@@ -67,7 +70,7 @@ TEST(Hierarchical, MatchesTheReferenceWithHalfTheStatePerRank) {
       // Gradients move within the block (a reduce to each owner, or a reduce-scatter of each row
       // bucket) and across blocks (all-reduce of owned shards); the parameters within the block.
       const auto& block_stats = oss.process_group().stats();
-      const auto& across = oss.replica_group()->stats();
+      const auto& across = Introspection::replica_group(oss)->stats();
       if (partition == PartitionMode::kSplit) {
         EXPECT_GT(block_stats.bytes[CommStats::kReduceScatter], 0);
         EXPECT_GT(block_stats.bytes[CommStats::kAllgather], 0);

@@ -11,6 +11,8 @@
 #include <torch/csrc/api/include/torch/optim.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+using shardopt::testing::Introspection;
+
 namespace shardopt {
 namespace {
 
@@ -118,7 +120,7 @@ struct DdpParity {
         testing::allreduce_grads(ref, *g);
         // After backward a rank holds gradients only for parameters it owns.
         for (size_t i = 0; i < ref.size(); ++i) {
-          if (opts.size() == 1 && oss_a->owner(net->params[i]) != g->rank()) {
+          if (opts.size() == 1 && Introspection::owner(*oss_a, net->params[i]) != g->rank()) {
             ASSERT_FALSE(net->params[i].grad().defined()) << "non-owner kept the gradient of parameter " << i;
           }
         }
@@ -164,12 +166,12 @@ TEST(ShardedDDP, FreezingRebalancesOwnersAndBuckets) {
         }
       };
       p.after_backward = [](int step, ShardedDDP& ddp, OSS& oss, ProcessGroup& g) {
-        if (step < 7) ASSERT_EQ(oss.partition_version(), step < 3 ? 0 : 1) << "step " << step;
+        if (step < 7) ASSERT_EQ(Introspection::partition_version(oss), step < 3 ? 0 : 1) << "step " << step;
         if (step >= 7) {  // unfrozen: re-partitioned again, or balanced already by the spread kept state
           std::vector<int64_t> weights;
-          for (const auto& q : oss.all_params()) weights.push_back(q.numel() * 4);
+          for (const auto& q : Introspection::all_params(oss)) weights.push_back(q.numel() * 4);
           const std::vector<uint8_t> all(weights.size(), 1);
-          EXPECT_NEAR(oss.partition().imbalance(weights, all), Partition::balance(weights, g.size()).imbalance(), 1e-12)
+          EXPECT_NEAR(Introspection::partition(oss).imbalance(weights, all), Partition::balance(weights, g.size()).imbalance(), 1e-12)
               << "step " << step << ": as balanced as whole tensors allow";
         }
         if (step < 3 || step >= 6) return;
@@ -177,13 +179,13 @@ TEST(ShardedDDP, FreezingRebalancesOwnersAndBuckets) {
         std::vector<int64_t> weights;
         std::vector<uint8_t> mask;
         int64_t trainable_bytes = 0;
-        for (const auto& q : oss.all_params()) {
+        for (const auto& q : Introspection::all_params(oss)) {
           weights.push_back(q.numel() * 4);
           mask.push_back(q.requires_grad());
           if (q.requires_grad()) trainable_bytes += q.numel() * 4;
         }
         const double best = Partition::balance(weights, g.size(), mask).imbalance();
-        EXPECT_NEAR(oss.partition().imbalance(weights, mask), best, 1e-12);
+        EXPECT_NEAR(Introspection::partition(oss).imbalance(weights, mask), best, 1e-12);
         EXPECT_LE(ddp.local_grad_bytes(), trainable_bytes * (1 + best) / g.size() + 1e-9) << "step " << step;
       };
       SCOPED_TRACE("world " + std::to_string(world) + " buckets " + std::to_string(bucket_bytes));
@@ -387,7 +389,7 @@ TEST(ShardedDDP, GradientMemoryAndCommunicationVolume) {
       OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g, OSSOptions().partition(mode));
       const int64_t cap = 8000;  // two parameters per bucket
       ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(cap).bucket_bytes_per_rank(0));
-      ASSERT_EQ(oss.split(), mode == PartitionMode::kAuto);
+      ASSERT_EQ(Introspection::split(oss), mode == PartitionMode::kAuto);
       ASSERT_EQ(ddp.num_buckets(), 4u);  // two parameters each
       const int64_t total = 8 * 1000 * 4;
       g->reset_stats();
@@ -395,7 +397,7 @@ TEST(ShardedDDP, GradientMemoryAndCommunicationVolume) {
       ddp.forward(x).backward();
       const int64_t mine = ddp.local_grad_bytes();
       EXPECT_GT(mine, 0);
-      EXPECT_LE(mine, total / 2 * (1 + oss.partition().imbalance()) + cap) << "gradient bytes on rank " << g->rank();
+      EXPECT_LE(mine, total / 2 * (1 + Introspection::partition(oss).imbalance()) + cap) << "gradient bytes on rank " << g->rank();
       // One step moves each gradient once (reduced to its owner, or reduce-scattered to the
       // owners of its row bucket) and each parameter once (broadcast from its owner, or
       // all-gathered from the rows' owners): the 2 x parameter bytes of plain data parallel,
@@ -449,7 +451,7 @@ TEST(ShardedDDP, RefreshWhileNoSyncGradientsWaitIsAnError) {
     }
     ddp.reduce();
     ddp.refresh_trainable();
-    EXPECT_FALSE(net->params[0].grad().defined() && oss.owner(net->params[0]) != g->rank());
+    EXPECT_FALSE(net->params[0].grad().defined() && Introspection::owner(oss, net->params[0]) != g->rank());
   });
 }
 
@@ -521,15 +523,15 @@ TEST(ShardedDDP, RepartitionBetweenBackwardAndStepMovesTheReducedGradients) {
         ref[0].mutable_grad().reset();  // OSS never moves a frozen parameter; plain Adam would
         ref[2].mutable_grad().reset();
         std::vector<int> owners_before;
-        for (auto& p : net->params) owners_before.push_back(oss.owner(p));
+        for (auto& p : net->params) owners_before.push_back(Introspection::owner(oss, p));
         ddp.refresh_trainable();
-        ASSERT_EQ(oss.partition_version(), 1);
+        ASSERT_EQ(Introspection::partition_version(oss), 1);
         int moved_trainable = 0;
-        for (int i : {1, 3, 4}) moved_trainable += oss.owner(net->params[i]) != owners_before[i];
+        for (int i : {1, 3, 4}) moved_trainable += Introspection::owner(oss, net->params[i]) != owners_before[i];
         ASSERT_GT(moved_trainable, 0) << "the test needs a trainable parameter that changes owner";
       }
       for (auto& p : net->params) {
-        if (oss.owner(p) != g->rank()) EXPECT_FALSE(p.grad().defined()) << "a non-owner holds a gradient";
+        if (Introspection::owner(oss, p) != g->rank()) EXPECT_FALSE(p.grad().defined()) << "a non-owner holds a gradient";
       }
       ref_opt.step();
       oss.step();
@@ -613,7 +615,7 @@ TEST(ShardedDDP, BucketsAreTheOptimizersLayoutBuckets) {
     for (size_t i : {0u, 2u}) EXPECT_EQ(oss.layout().pieces()[oss.layout().pieces_of(i)[0]].bucket, -1);
     run_step(2);  // the next forward re-partitions for the agreed set
     for (const auto& b : oss.layout().buckets()) {
-      for (size_t k : b.pieces) EXPECT_EQ(oss.owner(net->params[oss.layout().pieces()[k].param]), b.owner);
+      for (size_t k : b.pieces) EXPECT_EQ(Introspection::owner(oss, net->params[oss.layout().pieces()[k].param]), b.owner);
     }
     // The parameters are views of the layout's buffer, at the ranges it gives.
     for (size_t i = 0; i < net->params.size(); ++i) {
@@ -643,8 +645,8 @@ TEST(ShardedDDP, SplitRangesOfADominantTensorKeepParityAndHoldOneWorldthOfTheGra
         optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
         OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
         ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(bucket_bytes));
-        ASSERT_TRUE(oss.split());
-        ASSERT_EQ(oss.owners(net->params[1]).size(), static_cast<size_t>(world));
+        ASSERT_TRUE(Introspection::split(oss));
+        ASSERT_EQ(Introspection::owners(oss, net->params[1]).size(), static_cast<size_t>(world));
         for (int step = 0; step < 7; ++step) {
           for (Params* q : {&ref, &net->params}) {
             (*q)[1].requires_grad_(step < 2 || step > 3);  // D frozen at steps 2 and 3

@@ -21,6 +21,8 @@
 #include <thread>
 #include <utility>
 
+using shardopt::testing::Introspection;
+
 namespace shardopt {
 namespace {
 
@@ -107,7 +109,7 @@ TEST(Cuda, OssAndShardedDdpOnCudaMatchTorchOptim) {
     ddp.forward(x).sub(y).pow(2).mean().backward();
     oss.step();
     // fp32 CUDA parameters take kernels/'s fused AdamW/Adam kernel (a build with nvcc).
-    EXPECT_TRUE(testing::Introspection::stepped_fused(oss)) << fused_step_unsupported(oss.local_optimizer());
+    EXPECT_TRUE(testing::Introspection::stepped_fused(oss)) << fused_step_unsupported(Introspection::local_optimizer(oss));
     ref_opt.zero_grad();
     ref->forward(x).sub(y).pow(2).mean().backward();
     ref_opt.step();

@@ -100,8 +100,8 @@ TEST(MixedOptimizers, MuonAndAdamWMatchASingleProcessReferenceThroughFreezes) {
       ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().reduce_bucket_bytes(512));
       Muon ref_muon(pick(ref, kMatrices), muon_options());
       optim::AdamW ref_adamw(pick(ref, kOthers), adamw_options());
-      ASSERT_EQ(oss.num_optimizers(), 2u);
-      ASSERT_EQ(oss.split(), mode == PartitionMode::kAuto) << oss.describe();
+      ASSERT_EQ(Introspection::num_optimizers(oss), 2u);
+      ASSERT_EQ(Introspection::split(oss), mode == PartitionMode::kAuto) << oss.describe();
       for (int step = 0; step < 9; ++step) {
         // The hidden matrix (Muon) and the embedding (AdamW) frozen for steps 3-5.
         const bool frozen = step >= 3 && step < 6;
@@ -131,10 +131,10 @@ TEST(MixedOptimizers, MuonAndAdamWMatchASingleProcessReferenceThroughFreezes) {
             << where << ", step " << step << ", Muon's matrices";
         // The matrices stay whole on one owner; the rest is cut into equal ranges.
         for (size_t i : kMatrices) {
-          EXPECT_TRUE(oss.kept_whole(oss.index_of(params[i]))) << where;
-          EXPECT_EQ(oss.owners(params[i]).size(), 1u) << where << ", parameter " << i;
+          EXPECT_TRUE(Introspection::kept_whole(oss, Introspection::index_of(oss, params[i]))) << where;
+          EXPECT_EQ(Introspection::owners(oss, params[i]).size(), 1u) << where << ", parameter " << i;
         }
-        EXPECT_EQ(oss.kept_whole(oss.index_of(params[6])), mode == PartitionMode::kWholeParameters) << where;
+        EXPECT_EQ(Introspection::kept_whole(oss, Introspection::index_of(oss, params[6])), mode == PartitionMode::kWholeParameters) << where;
       }
     });
     if (::testing::Test::HasFatalFailure()) return;
@@ -158,7 +158,7 @@ TEST(MixedOptimizers, WholeMatricesAreBalancedByNewtonSchulzCost) {
     std::vector<double> cost(4, 0.0);
     double largest = 0, total = 0;
     for (const auto& m : matrices) {
-      const int owner = oss.owner(m);
+      const int owner = Introspection::owner(oss, m);
       ASSERT_GE(owner, 0);
       cost[owner] += muon_cost(m.sizes());
       largest = std::max(largest, muon_cost(m.sizes()));
@@ -194,13 +194,13 @@ TEST(MixedOptimizers, FreezingMatricesRebalancesTheirCost) {
     }
     OSS oss(params, optimizer<Muon>(muon_options()), g);
     Muon ref_opt(ref, muon_options());
-    ASSERT_FALSE(oss.split()) << oss.describe();
+    ASSERT_FALSE(Introspection::split(oss)) << oss.describe();
     for (int step = 0; step < 6; ++step) {
       // The two square matrices on one rank frozen from step 2: the other rank has the work.
       if (step == 2) {
         std::vector<size_t> on_zero;
         for (size_t i = 0; i < 4; ++i) {
-          if (oss.owner(params[i]) == 0) on_zero.push_back(i);
+          if (Introspection::owner(oss, params[i]) == 0) on_zero.push_back(i);
         }
         ASSERT_EQ(on_zero.size(), 2u) << oss.describe();
         for (size_t i : on_zero) params[i].requires_grad_(false), ref[i].requires_grad_(false);
@@ -216,10 +216,10 @@ TEST(MixedOptimizers, FreezingMatricesRebalancesTheirCost) {
       ASSERT_TRUE(testing::matches_reference(params, ref, *g, 1e-6)) << "step " << step;
       if (step == 2) {
         // Two square matrices left: one per rank, and one of them moved with its momentum.
-        EXPECT_GE(oss.partition_version(), 1) << oss.describe();
+        EXPECT_GE(Introspection::partition_version(oss), 1) << oss.describe();
         std::vector<int> owners;
         for (size_t i = 0; i < 4; ++i) {
-          if (params[i].requires_grad()) owners.push_back(oss.owner(params[i]));
+          if (params[i].requires_grad()) owners.push_back(Introspection::owner(oss, params[i]));
         }
         ASSERT_EQ(owners.size(), 2u);
         EXPECT_NE(owners[0], owners[1]) << oss.describe();
@@ -315,8 +315,8 @@ TEST(MixedOptimizers, AnLrSchedulerReachesEveryOptimizerGroup) {
       // LibTorch's StepLR leaves the rate alone at its first step(), then halves it at each.
       const double scale = std::pow(0.5, std::max(0, step - 1));
       EXPECT_DOUBLE_EQ(oss.param_groups()[0].options().get_lr(), 0.02 * scale);
-      EXPECT_DOUBLE_EQ(oss.local_optimizer(0).param_groups()[0].options().get_lr(), 0.02 * scale);
-      EXPECT_DOUBLE_EQ(oss.local_optimizer(1).param_groups()[0].options().get_lr(), 3e-3 * scale);
+      EXPECT_DOUBLE_EQ(Introspection::local_optimizer(oss, 0).param_groups()[0].options().get_lr(), 0.02 * scale);
+      EXPECT_DOUBLE_EQ(Introspection::local_optimizer(oss, 1).param_groups()[0].options().get_lr(), 3e-3 * scale);
       schedule.step();
     }
   });

@@ -9,6 +9,9 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <fstream>
+#include <shardopt/testing/introspection.h>
+
+using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
@@ -155,7 +158,7 @@ TEST(OSS, MoreRanksThanParameters) {
     Params ref = testing::clone_params(init), mine = testing::clone_params(init);
     optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
     OSS oss(mine, p.factory, g);
-    int owned = static_cast<int>(oss.partition().shard(g->rank()).size());
+    int owned = static_cast<int>(Introspection::partition(oss).shard(g->rank()).size());
     at::Tensor counts = at::full({1}, owned, at::kLong);
     g->allreduce(counts);
     ASSERT_EQ(counts.item<int64_t>(), 3);
@@ -267,11 +270,11 @@ TEST(OSS, TheStepLeavesEveryGradientAsItWas) {
 // best any whole-tensor partition achieves for the current trainable set.
 double trainable_imbalance(const OSS& oss, bool best = false) {
   std::vector<int64_t> weights;
-  for (const auto& p : oss.all_params()) weights.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
+  for (const auto& p : Introspection::all_params(oss)) weights.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
   std::vector<uint8_t> mask;
-  for (const auto& p : oss.all_params()) mask.push_back(p.requires_grad());
-  if (best) return Partition::balance(weights, oss.partition().world_size(), mask).imbalance();
-  return oss.partition().imbalance(weights, mask);
+  for (const auto& p : Introspection::all_params(oss)) mask.push_back(p.requires_grad());
+  if (best) return Partition::balance(weights, Introspection::partition(oss).world_size(), mask).imbalance();
+  return Introspection::partition(oss).imbalance(weights, mask);
 }
 
 // Freezing w1 and w2 (82% of the model) leaves all trainable work on one rank; the step after
@@ -294,10 +297,10 @@ TEST(OSS, FreezingRebalancesTheWorkAndMovesTheState) {
       };
       p.after_step = [](int step, OSS& oss, ProcessGroup& g) {
         if (step == 1) {
-          ASSERT_EQ(oss.partition_version(), 0);
+          ASSERT_EQ(Introspection::partition_version(oss), 0);
         }
         if (step == 2) {
-          ASSERT_EQ(oss.partition_version(), 1) << "the freeze must re-partition";
+          ASSERT_EQ(Introspection::partition_version(oss), 1) << "the freeze must re-partition";
           const auto& st = oss.last_rebalance();
           EXPECT_GT(st.imbalance_before, 0.5);
           EXPECT_LT(st.imbalance_after, st.imbalance_before);
@@ -311,7 +314,7 @@ TEST(OSS, FreezingRebalancesTheWorkAndMovesTheState) {
         // Unfreezing re-partitions again unless the frozen tensors' kept state was spread so that
         // the work is as balanced as whole tensors allow already (Note [Kept state]); either way
         // the next line holds.
-        if (step == 6) EXPECT_GE(oss.partition_version(), 1);
+        if (step == 6) EXPECT_GE(Introspection::partition_version(oss), 1);
         if (step >= 2) EXPECT_NEAR(trainable_imbalance(oss), trainable_imbalance(oss, true), 1e-12) << "step " << step;
       };
       p.run();
@@ -329,7 +332,7 @@ TEST(OSS, RebalanceOffKeepsThePartition) {
     for (Params* q : {&ref, &mine}) (*q)[0].requires_grad_(step < 2);
   };
   p.after_step = [](int step, OSS& oss, ProcessGroup&) {
-    EXPECT_EQ(oss.partition_version(), 0);
+    EXPECT_EQ(Introspection::partition_version(oss), 0);
     if (step >= 2) EXPECT_GT(trainable_imbalance(oss), 0.5) << "frozen w1's rank has nothing to step";
   };
   p.run();

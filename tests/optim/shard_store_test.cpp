@@ -106,8 +106,8 @@ int check_state_in_slabs(const OSS& oss, optim::Optimizer& reference, const Para
   for (size_t i = 0; i < ref.size(); ++i) {
     for (const auto& h : Introspection::holdings(oss, i)) {
       if (h.rank != rank) continue;
-      auto mine = const_cast<OSS&>(oss).local_optimizer().state().find(h.tensor.unsafeGetTensorImpl());
-      if (mine == const_cast<OSS&>(oss).local_optimizer().state().end()) continue;
+      auto mine = Introspection::local_optimizer(const_cast<OSS&>(oss)).state().find(h.tensor.unsafeGetTensorImpl());
+      if (mine == Introspection::local_optimizer(const_cast<OSS&>(oss)).state().end()) continue;
       auto theirs = reference.state().find(ref[i].unsafeGetTensorImpl());
       EXPECT_NE(theirs, reference.state().end()) << where << ": rank " << rank << " holds state of parameter " << i
                                                  << " that the reference never made";
@@ -260,7 +260,7 @@ TEST(ShardStore, ANewLayoutMovesExactlyTheStateWhoseHolderChanged) {
       };
       step(0), step(1);
       const auto before = holders(oss, params);
-      const int64_t moves = oss.state_moves();
+      const int64_t moves = Introspection::state_moves(oss);
       for (int k = 0; k < 4; ++k) params[k].requires_grad_(false);
       step(2);
       const auto after = holders(oss, params);
@@ -268,7 +268,7 @@ TEST(ShardStore, ANewLayoutMovesExactlyTheStateWhoseHolderChanged) {
       for (size_t i = 0; i < params.size(); ++i) changed += before[i].ne(after[i]).sum().item<int64_t>();
       const char* where = mode == PartitionMode::kSplit ? "split" : "whole parameters";
       ASSERT_GT(changed, 0) << where << ": the freeze should change some holders";
-      ASSERT_EQ(oss.state_moves(), moves + 1) << where;
+      ASSERT_EQ(Introspection::state_moves(oss), moves + 1) << where;
       at::Tensor bytes = at::tensor({oss.last_rebalance().state_bytes_sent, oss.last_rebalance().state_bytes_received});
       g->allreduce(bytes);
       EXPECT_EQ(bytes[0].item<int64_t>(), 8 * changed) << where << ": bytes sent";

@@ -11,6 +11,9 @@
 #include <torch/csrc/api/include/torch/optim.h>
 
 #include <mutex>
+#include <shardopt/testing/introspection.h>
+
+using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
@@ -45,12 +48,12 @@ struct SplitParity {
       Params ref = testing::clone_params(init), mine = testing::clone_params(init);
       auto ref_opt = factory({optim::OptimizerParamGroup(ref)});
       OSS oss(mine, factory, g);
-      ASSERT_TRUE(oss.split()) << oss.describe();
-      EXPECT_EQ(oss.owners(mine[kD]).size(), static_cast<size_t>(world)) << "D spans every rank";
-      EXPECT_EQ(oss.owner(mine[kD]), -1);
+      ASSERT_TRUE(Introspection::split(oss)) << oss.describe();
+      EXPECT_EQ(Introspection::owners(oss, mine[kD]).size(), static_cast<size_t>(world)) << "D spans every rank";
+      EXPECT_EQ(Introspection::owner(oss, mine[kD]), -1);
       if (world >= 3) {
         // A rank in the middle of D owns no whole parameter.
-        for (const auto& p : mine) EXPECT_NE(oss.owner(p), 1);
+        for (const auto& p : mine) EXPECT_NE(Introspection::owner(oss, p), 1);
       }
       for (int step = 0; step < steps; ++step) {
         // D is frozen for steps 2 and 3, A at step 5.
@@ -129,7 +132,7 @@ TEST(Split, StateBytesAreOneWorldthAtAnyWorldSize) {
       const double ideal = static_cast<double>(total) / world;
       EXPECT_NEAR(static_cast<double>(oss.local_state_bytes()), ideal, 0.03 * ideal)
           << "rank " << g->rank() << " of " << world;
-      EXPECT_LT(oss.imbalance(), 0.03);
+      EXPECT_LT(Introspection::imbalance(oss), 0.03);
       at::Tensor sum = at::full({1}, oss.local_state_bytes(), at::kLong);
       g->allreduce(sum);
       EXPECT_EQ(sum.item<int64_t>(), total);
@@ -241,9 +244,9 @@ TEST(Split, OptimizersThatAreNotElementWiseKeepWholeParametersOrAreRefused) {
     Params ref = testing::clone_params(p);
     SignSGD ref_opt({optim::OptimizerParamGroup(ref)}, SignSGDOptions(0.01));
     OSS oss(p, sign, g, OSSOptions().rebalance(false));
-    EXPECT_FALSE(oss.split());
+    EXPECT_FALSE(Introspection::split(oss));
     EXPECT_NE(oss.describe().find("whole parameters"), std::string::npos) << oss.describe();
-    for (const auto& t : p) EXPECT_GE(oss.owner(t), 0);
+    for (const auto& t : p) EXPECT_GE(Introspection::owner(oss, t), 0);
     for (int step = 0; step < 3; ++step) {
       oss.zero_grad();
       ref_opt.zero_grad();
@@ -262,8 +265,8 @@ TEST(Split, OptimizersThatAreNotElementWiseKeepWholeParametersOrAreRefused) {
     expect_error([&] { OSS lbfgs(q, optimizer<optim::LBFGS>(optim::LBFGSOptions(0.1)), g); }, "OSS cannot shard LBFGS");
     OSS forced(q, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g,
                OSSOptions().partition(PartitionMode::kWholeParameters));
-    EXPECT_FALSE(forced.split());
-    EXPECT_GT(forced.imbalance(), 0.8) << "one rank holds the dominant tensor";
+    EXPECT_FALSE(Introspection::split(forced));
+    EXPECT_GT(Introspection::imbalance(forced), 0.8) << "one rank holds the dominant tensor";
     expect_error([&] { OSS split(q, sign, g, OSSOptions().rebalance(false).partition(PartitionMode::kSplit)); },
                  "partition kSplit needs optimizers shardopt can move state for");
   });
@@ -279,18 +282,18 @@ TEST(Split, AutoSplitsUnlessWholeParametersBalanceWithinTheThreshold) {
     // By default element-wise optimizers always split (row buckets); a threshold keeps whole
     // parameters that balance within it.
     OSS by_default(testing::clone_params(equal), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
-    EXPECT_TRUE(by_default.split());
+    EXPECT_TRUE(Introspection::split(by_default));
     OSS balanced(equal, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g, OSSOptions().split_above_imbalance(0.03));
-    EXPECT_FALSE(balanced.split());
+    EXPECT_FALSE(Introspection::split(balanced));
     EXPECT_NE(balanced.describe().find("whole parameters balance within 0%, under the 3%"), std::string::npos)
         << balanced.describe();
-    EXPECT_DOUBLE_EQ(balanced.imbalance(), 0.0);
+    EXPECT_DOUBLE_EQ(Introspection::imbalance(balanced), 0.0);
     Params dominant = testing::make_dominant_params();
     OSS lopsided(dominant, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g, OSSOptions().split_above_imbalance(0.03));
-    EXPECT_TRUE(lopsided.split());
+    EXPECT_TRUE(Introspection::split(lopsided));
     Params again = testing::make_dominant_params();
     OSS never(again, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g, OSSOptions().split_above_imbalance(100.0));
-    EXPECT_FALSE(never.split());
+    EXPECT_FALSE(Introspection::split(never));
   });
 }
 

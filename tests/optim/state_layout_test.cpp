@@ -18,6 +18,9 @@
 #include <memory>
 #include <string>
 #include <vector>
+#include <shardopt/testing/introspection.h>
+
+using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
@@ -163,7 +166,7 @@ void check_registered(const char* name) {
       oss.step();
       ASSERT_TRUE(testing::matches_reference(params, ref_after[step], *g, 1e-5)) << name << ", step " << step;
     }
-    EXPECT_GE(oss.state_moves(), 1) << name << ": the freeze moved no state\n" << oss.describe();
+    EXPECT_GE(Introspection::state_moves(oss), 1) << name << ": the freeze moved no state\n" << oss.describe();
     oss.consolidate_state_dict(0);
     if (g->rank() != 0) return;
     const auto state = oss.state_dict().toGenericDict().at("state").toGenericDict();
@@ -211,8 +214,8 @@ TEST(StateLayout, RegisteredWholeTensorOptimizerKeepsItsShapesThroughMovesAndChe
     Params params = testing::make_params(7);
     OSS oss(params, optimizer<RowScaled>(DecayOptions()), g, OSSOptions().partition(PartitionMode::kSplit));
     for (size_t i = 0; i < params.size(); ++i) {
-      EXPECT_TRUE(oss.kept_whole(i));
-      EXPECT_EQ(oss.owners(params[i]).size(), 1u) << "parameter " << i;
+      EXPECT_TRUE(Introspection::kept_whole(oss, i));
+      EXPECT_EQ(Introspection::owners(oss, params[i]).size(), 1u) << "parameter " << i;
     }
   });
 }

@@ -253,8 +253,8 @@ class ShardedDDP {
   void collect_params();
   // Buckets, entries and hooks from the optimizers' layouts.
   void build();
-  // Appends the executor's bucket and entries for bucket `index` of `optimizer`'s layout.
-  void add_bucket(OSS& optimizer, size_t index);
+  // Appends the executor's bucket and entries for bucket `index` of optimizer k's layout.
+  void add_bucket(size_t k, size_t index);
   void refresh_owners();
   // The trainable flags of optimizer k's parameters: mask_ for the module's, its own otherwise.
   std::vector<uint8_t> mask_for(size_t k) const;
@@ -296,6 +296,7 @@ class ShardedDDP {
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<torch::nn::AnyModule> callable_;
   std::vector<OSS*> optimizers_;
+  std::vector<detail::ShardStore*> stores_;  // each optimizer's, from its hand_over()
   std::shared_ptr<ProcessGroup> group_;  // the optimizers' shard group (the whole group, or a block)
   ProcessGroup* global_ = nullptr;       // every rank: trainability checks, start-up sync, buffers
   ProcessGroup* replica_ = nullptr;      // hierarchical sharding: this rank's replicas in the other blocks

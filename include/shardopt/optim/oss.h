@@ -50,13 +50,13 @@ struct Introspection;
 }
 
 class OSS;
+class ShardedDDP;
 class ShardedGradScaler;
 namespace detail {
 class ShardStore;
+struct HandOver;
 struct OptimizerCodec;
 struct FusedStepInputs;
-// The store OSS keeps its shard in, which ShardedDDP shares (Note [Owned gradients]).
-ShardStore& store_of(OSS& optimizer);
 // A range of one parameter's elements whose optimizer state one rank holds; `tensor` (on that
 // rank only) is what the wrapped optimizer steps: the parameter itself for the whole range, a
 // view of its elements otherwise.
@@ -146,6 +146,9 @@ struct RebalanceStats {
   int64_t state_bytes_received = 0;
   double imbalance_before = 0.0;  // trainable-work imbalance under the old and the new partition
   double imbalance_after = 0.0;
+  // Counts since construction: moves of state between ranks (either kind), and re-partitions.
+  int64_t moves = 0;
+  int64_t repartitions = 0;
 };
 
 class OSS : public torch::optim::Optimizer {
@@ -183,19 +186,6 @@ class OSS : public torch::optim::Optimizer {
   // that disagree all get an error naming the first differing parameter.
   void refresh_trainable();
 
-  // Re-partitions for the trainable set `trainable` (one flag per parameter, in all_params()
-  // order) if it differs from the set the partition was last decided for and the options ask
-  // for it; returns whether the partition changed. Collective: every rank passes the same mask.
-  // step() calls it after the step when it checks the trainable set itself; ShardedDDP calls it
-  // after its own check.
-  bool rebalance(const std::vector<uint8_t>& trainable);
-
-  // The rank that owns `param`'s optimizer state, or -1 when it is split across several ranks
-  // (owners() lists them) or frozen without state yet.
-  int owner(const torch::Tensor& param) const;
-  // The ranks that hold pieces of `param`'s state, in element order.
-  std::vector<int> owners(const torch::Tensor& param) const;
-
   // Streams every rank's shard to `recipient`, one shard at a time. Collective.
   void consolidate_state_dict(int recipient = 0);
   // PyTorch's layout: {"state": {index: {...}}, "param_groups": [{..., "params": [indices]}]}.
@@ -219,61 +209,41 @@ class OSS : public torch::optim::Optimizer {
   // values (after changing the parameters without the optimizer's state). Local.
   void refresh_master_weights();
 
-  // ---- introspection ----
+  // ---- what a rank holds, and how it is laid out ----
   const OSSOptions& options() const { return options_; }
-  // Bytes of the fp32 master weights this rank holds (mixed precision; 0 otherwise).
-  int64_t local_master_bytes() const;
-  // The group the state is sharded over: the whole group, or this rank's block.
-  ProcessGroup& process_group() const { return *group_; }
-  // The group OSS was given (every rank), and, with shard_group_size, the group of this rank's
-  // replicas (the ranks at its position in every block; null without blocks).
-  ProcessGroup& global_group() const { return *global_group_; }
-  ProcessGroup* replica_group() const { return replica_group_.get(); }
-  const Partition& partition() const;
-  // Where each parameter lives in the flat buffers, and the gradient buckets.
-  const FlatLayout& layout() const;
-  // All parameters, in global order (groups concatenated).
-  const std::vector<torch::Tensor>& all_params() const { return params_; }
-  size_t index_of(const torch::Tensor& param) const;
-  const std::vector<uint8_t>& trainable_mask() const { return trainable_; }
-  // The wrapped optimizer over this rank's holdings: the first, or the k-th of several
-  // (OptimizerGroup), each over its groups' holdings.
-  torch::optim::Optimizer& local_optimizer(size_t k = 0) { return *units_.at(k).local; }
-  size_t num_optimizers() const { return units_.size(); }
   // Bytes of optimizer-state tensors this rank holds.
   int64_t local_state_bytes() const;
-  // Makes every rank's copy of the parameters equal to the owner's. Collective.
-  void sync_params();
-  // Note [Overlapped parameter sync]: under ShardedDDPOptions::overlap_param_sync, step()
-  // starts one broadcast per gradient bucket, the buckets the forward needs first first, and
-  // returns; the parameters are current once finish_param_sync() returned (every rank's copy),
-  // or, for one parameter, finish_param_sync(index). Everything in OSS that reads or lays out the
-  // parameters finishes the sync first; user code that reads parameters between step() and the
-  // next ShardedDDP forward calls finish_param_sync(). Local waits: every rank started the same
-  // broadcasts in step().
-  void finish_param_sync();
-  void finish_param_sync(size_t param);
-  // Whether parameters are split across owners (PartitionMode resolved).
-  bool split() const { return placement_.split; }
+  // Bytes of the fp32 master weights this rank holds (mixed precision; 0 otherwise).
+  int64_t local_master_bytes() const;
+  // What the last move of optimizer state between ranks did on this rank (a re-partition, or
+  // split ranges cut again for a new trainable set), and how many there were.
+  RebalanceStats last_rebalance() const;
   // The partition mode and why, the world size and the imbalance; then one line per rank: its
   // share of the whole-tensor optimizers' cost, the bytes of optimizer state it holds (by the
   // optimizers' declared state sizes), and how many parameters it holds whole and in part.
   std::string describe() const;
-  // Whether parameter `param` (an index in all_params()) stays whole on one owner: its optimizer
-  // needs whole tensors (StateKind::kWholeTensor), or parameters are not split.
-  bool kept_whole(size_t param) const { return placement_.kept_whole(param); }
-  // The trainable elements the busiest rank owns against 1/world_size: max / ideal - 1.
-  double imbalance() const { return layout().imbalance(); }
-  // Counts re-partitions: owner() answers differently after it changed.
-  int64_t partition_version() const { return partition_version_; }
-  // What the last move of optimizer state between ranks did on this rank, and how many moves
-  // there were (a re-partition, or split ranges cut again for a new trainable set).
-  const RebalanceStats& last_rebalance() const { return last_rebalance_; }
-  int64_t state_moves() const { return state_moves_; }
+  // Where each parameter lives in the flat buffers, and the gradient buckets (the planner's view:
+  // layout().options().split() says whether parameters are split across owners, and
+  // layout().imbalance() how far the busiest rank's trainable elements are above 1/world).
+  const FlatLayout& layout() const;
+  // The group the state is sharded over: the whole group, or this rank's block.
+  ProcessGroup& process_group() const { return *group_; }
+  // The group OSS was given (every rank).
+  ProcessGroup& global_group() const { return *global_group_; }
+  // Note [Overlapped parameter sync]: under ShardedDDPOptions::overlap_param_sync, step()
+  // starts one broadcast per gradient bucket, the buckets the forward needs first first, and
+  // returns; the parameters are current once finish_param_sync() returned (every rank's copy).
+  // Everything in OSS that reads or lays out the parameters finishes the sync first; user code
+  // that reads parameters between step() and the next ShardedDDP forward calls it. A local wait:
+  // every rank started the same broadcasts in step().
+  void finish_param_sync();
 
  private:
   friend struct testing::Introspection;
-  friend detail::ShardStore& detail::store_of(OSS& optimizer);
+  // A ShardedDDP receives the store (the layout, the parameter buffers and the owned gradients,
+  // Note [Owned gradients]) from hand_over(), once, in its constructor.
+  friend class ShardedDDP;
+  detail::ShardStore& hand_over(const detail::HandOver& h);
   // The gradient scaler folds its unscale into the fused step (Note [Unscaling in the step]).
   friend class ShardedGradScaler;
   // Whether a step can take the scaler's unscale (the fused step of Adam, AdamW or SGD).
@@ -282,6 +252,30 @@ class OSS : public torch::optim::Optimizer {
   // the step and it is skipped on every rank when any rank finds inf/NaN. Returns whether it
   // stepped. Collective.
   bool step_with(std::optional<double> inv_scale);
+
+  // ---- for ShardedDDP, the checkpoint and testing::Introspection ----
+  // Re-partitions for the trainable set `trainable` (one flag per parameter, in all_params()
+  // order) if it differs from the set the partition was last decided for and the options ask
+  // for it; returns whether the partition changed. Collective: every rank passes the same mask.
+  // step() calls it after the step when it checks the trainable set itself; ShardedDDP calls it
+  // after its own check.
+  bool rebalance(const std::vector<uint8_t>& trainable);
+  // The rank that owns `param`'s optimizer state, or -1 when it is split across several ranks
+  // (owners() lists them) or frozen without state yet.
+  int owner(const torch::Tensor& param) const;
+  // The ranks that hold pieces of `param`'s state, in element order.
+  std::vector<int> owners(const torch::Tensor& param) const;
+  // All parameters, in global order (groups concatenated).
+  const std::vector<torch::Tensor>& all_params() const { return params_; }
+  size_t index_of(const torch::Tensor& param) const;
+  // With shard_group_size, the group of this rank's replicas (the ranks at its position in every
+  // block); null without blocks.
+  ProcessGroup* replica_group() const { return replica_group_.get(); }
+  // Whether parameter `param` (an index in all_params()) stays whole on one owner: its optimizer
+  // needs whole tensors (StateKind::kWholeTensor), or parameters are not split.
+  bool kept_whole(size_t param) const { return placement_.kept_whole(param); }
+  // The parameter sync of one parameter (Note [Overlapped parameter sync]).
+  void finish_param_sync(size_t param);
 
   // One wrapped optimizer over some of the global groups (all of them, or one OptimizerGroup's).
   struct Unit {
@@ -355,7 +349,7 @@ class OSS : public torch::optim::Optimizer {
   std::vector<Unit> units_;
   std::vector<size_t> unit_of_group_, local_group_of_;  // per global group: its unit, its index there
   // The partition, the parameter buffers, the slabs the local optimizer's state lives in, and the
-  // owned gradients (shared with ShardedDDP: detail::store_of).
+  // owned gradients (a ShardedDDP receives it from hand_over()).
   std::unique_ptr<detail::ShardStore> store_;
   std::vector<uint8_t> trainable_;
   std::vector<uint8_t> balanced_for_;   // the trainable set the partition was last decided for

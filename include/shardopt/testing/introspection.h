@@ -16,6 +16,43 @@
 namespace shardopt::testing {
 
 struct Introspection {
+  // ---- OSS's partition and holdings ----
+  // The rank that owns `param`'s optimizer state, or -1 when it is split across several ranks
+  // (owners() lists them) or frozen without state yet.
+  static int owner(const OSS& oss, const at::Tensor& param) { return oss.owner(param); }
+  // The ranks that hold pieces of `param`'s state, in element order.
+  static std::vector<int> owners(const OSS& oss, const at::Tensor& param) { return oss.owners(param); }
+  // All parameters, in global order (groups concatenated), and where one of them is.
+  static const std::vector<at::Tensor>& all_params(const OSS& oss) { return oss.all_params(); }
+  static size_t index_of(const OSS& oss, const at::Tensor& param) { return oss.index_of(param); }
+  // The trainable set OSS last agreed on (one flag per parameter of all_params()).
+  static const std::vector<uint8_t>& trainable_mask(const OSS& oss) { return oss.trainable_; }
+  // Who owns each parameter when parameters stay whole (Note [Split parameters]).
+  static const Partition& partition(const OSS& oss);
+  // Whether parameters are split across owners (PartitionMode resolved).
+  static bool split(const OSS& oss) { return oss.placement_.split; }
+  // Whether parameter `param` stays whole on one owner.
+  static bool kept_whole(const OSS& oss, size_t param) { return oss.kept_whole(param); }
+  // The trainable elements the busiest rank owns against 1/world_size: max / ideal - 1.
+  static double imbalance(const OSS& oss) { return oss.layout().imbalance(); }
+  // Counts re-partitions: owner() answers differently after it changed.
+  static int64_t partition_version(const OSS& oss) { return oss.partition_version_; }
+  // Counts moves of state between ranks (a re-partition, or split ranges cut again).
+  static int64_t state_moves(const OSS& oss) { return oss.state_moves_; }
+  // Re-partitions for `trainable` as ShardedDDP does after an agreed change; returns whether the
+  // partition changed. Collective.
+  static bool rebalance(OSS& oss, const std::vector<uint8_t>& trainable) { return oss.rebalance(trainable); }
+  // With shard_group_size, the group of this rank's replicas; null without blocks.
+  static ProcessGroup* replica_group(const OSS& oss) { return oss.replica_group(); }
+  // The wrapped optimizer over this rank's holdings: the first, or the k-th of several
+  // (OptimizerGroup).
+  static torch::optim::Optimizer& local_optimizer(OSS& oss, size_t k = 0) { return *oss.units_.at(k).local; }
+  static size_t num_optimizers(const OSS& oss) { return oss.units_.size(); }
+  // Makes every rank's copy of the parameters equal to the owner's. Collective.
+  static void sync_params(OSS& oss);
+  // The overlapped sync of one parameter (an index in all_params()).
+  static void finish_param_sync(OSS& oss, size_t param) { oss.finish_param_sync(param); }
+
   // Whether the overlapped parameter sync of the last step() is still in flight.
   static bool param_sync_in_flight(const OSS& oss);
   // Counts OSS's layouts (a trainable set, owners or bucket cuts changed).
