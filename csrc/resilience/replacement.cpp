@@ -4,6 +4,7 @@
 #include <shardopt/check.h>
 #include <shardopt/version.h>
 
+#include "resilience/group_recovery.h"
 #include "resilience/copies.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -123,9 +124,9 @@ std::optional<Admission> Resilient::admit_waiting(int64_t step) {
   ddp_.reset();
   optimizer_.reset();
   std::shared_ptr<ProcessGroup> old = group_;
-  group_ = old->form(generation_store(), members);
-  group_->watch_failures();
-  old->abandon();
+  group_ = detail::GroupRecovery::form(*old, generation_store(), members);
+  detail::GroupRecovery::watch_failures(*group_);
+  detail::GroupRecovery::abandon(*old);
   install(step, {{my_old, &own}});
   a.world_size = group_->size();
   a.seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -157,8 +158,8 @@ void Resilient::join() {
   std::vector<int> members;
   for (size_t i = 3; i < f.size(); ++i) members.push_back(std::stoi(f[i]));
   std::shared_ptr<ProcessGroup> alone = group_;
-  group_ = alone->form(generation_store(), members);
-  group_->watch_failures();
+  group_ = detail::GroupRecovery::form(*alone, generation_store(), members);
+  detail::GroupRecovery::watch_failures(*group_);
   install(start_step_, {});
 }
 

@@ -3,6 +3,7 @@
 #include <shardopt/check.h>
 #include <shardopt/version.h>
 
+#include "resilience/group_recovery.h"
 #include "resilience/copies.h"
 #include "resilience/survivors.h"
 
@@ -125,7 +126,7 @@ Resilient::Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch:
                    all[0][3] ? "passes" : "does not pass", " a grad_scaler, ", group_->describe_rank(r),
                    all[r][3] ? " passes one" : " does not");
   }
-  group_->watch_failures();
+  detail::GroupRecovery::watch_failures(*group_);
   build();
   // Every rank is past init_process_group now: a process that finds this key later replaces one.
   if (group_->rank() == 0) {
@@ -138,7 +139,7 @@ Resilient::Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch:
 Resilient::~Resilient() {
   // Replacements still waiting are told the run has ended rather than left to their timeout.
   try {
-    if (group_ && !group_->broken() && !group_->joining() && group_->rank() == 0 && base_store_) {
+    if (group_ && !detail::GroupRecovery::broken(*group_) && !group_->joining() && group_->rank() == 0 && base_store_) {
       const int64_t requests = base_store_->add("shardopt/join/requests", 0);
       const std::string answer = "refused: the run ended before it could admit it";
       for (int64_t id = handled_requests_ + 1; id <= requests; ++id) {
@@ -310,9 +311,9 @@ StepResult Resilient::run_step(int64_t step, const std::function<void()>& body, 
     }
     return result;
   } catch (const std::exception&) {
-    if (!group_->broken()) throw;  // not a failure of the group: the caller's error
+    if (!detail::GroupRecovery::broken(*group_)) throw;  // not a failure of the group: the caller's error
   }
-  result.recovery = recover(at, group_->failure_phase());
+  result.recovery = recover(at, detail::GroupRecovery::failure_phase(*group_));
   result.next_step = result.recovery->resume_step;
   return result;
 }
@@ -322,9 +323,9 @@ std::optional<Recovery> Resilient::run(int64_t step, const std::function<void()>
     work();
     return std::nullopt;
   } catch (const std::exception&) {
-    if (!group_->broken()) throw;
+    if (!detail::GroupRecovery::broken(*group_)) throw;
   }
-  return recover(step, group_->failure_phase());
+  return recover(step, detail::GroupRecovery::failure_phase(*group_));
 }
 
 Recovery Resilient::recover(int64_t failed_step, const std::string& phase) {
@@ -342,7 +343,7 @@ Recovery Resilient::recover(int64_t failed_step, const std::string& phase) {
 Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) {
   const auto start = Clock::now();
   std::shared_ptr<ProcessGroup> old = group_;
-  old->mark_broken(phase);  // the others leave their phase too (it is marked already when a collective failed)
+  detail::GroupRecovery::mark_broken(*old, phase);  // the others leave their phase too (it is marked already when a collective failed)
   const int old_world = old->size();
   SHARDOPT_CHECK(current_, "global rank ", old->global_rank(), " saw a failure in ", phase,
                  " before the first copy of the shards was made (the copies are made at the first step()); restart ",
@@ -352,7 +353,7 @@ Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) 
   for (int r : who.lost) lost_global.push_back(old->global_ranks()[r]);
   SHARDOPT_CHECK(!who.lost.empty(), "the group failed in ", phase, " but every rank is still there (",
                  "a collective timed out or failed without a rank dying",
-                 old->failure_cause().empty() ? std::string() : "; here: " + old->failure_cause(),
+                 detail::GroupRecovery::failure_cause(*old).empty() ? std::string() : "; here: " + detail::GroupRecovery::failure_cause(*old),
                  "); restart from the last checkpoint");
   const int new_world = static_cast<int>(who.alive.size());
   SHARDOPT_CHECK(new_world >= options_.min_world_size(), "global rank", lost_global.size() == 1 ? " " : "s ",
@@ -386,13 +387,13 @@ Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) 
   CommPhase rebuilding("recovery (rebuilding the group and the shards)");
   ddp_.reset();
   optimizer_.reset();
-  old->abandon();
+  detail::GroupRecovery::abandon(*old);
   ++generation_;
   auto store = generation_store();
   // Each survivor says it is joining, so that a failure to make the new group names who did not.
   store->set("shardopt/joining/" + std::to_string(old->global_rank()), std::vector<uint8_t>{1});
   try {
-    group_ = old->regroup(store, who.alive);
+    group_ = detail::GroupRecovery::regroup(*old, store, who.alive);
   } catch (const c10::Error& e) {
     std::vector<int> missing;
     for (int r : who.alive) {
@@ -407,7 +408,7 @@ Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) 
                    " did not join the new group within ", old->timeout().count(), " ms (died during recovery?)");
     throw;
   }
-  group_->watch_failures();
+  detail::GroupRecovery::watch_failures(*group_);
 
   // Which refresh to go back to: the newest that every survivor holds, with the lost ranks' copies.
   auto held = [](const std::unique_ptr<Copy>& c) {

@@ -35,6 +35,7 @@ namespace shardopt {
 namespace detail {
 struct GroupFailure;  // a group's failure watch (Note [Failure watch] in csrc/comm/failure_watch.cpp)
 struct GroupSetup;    // init_process_group's access to a new group's set-up (csrc/comm/init.cpp)
+struct GroupRecovery; // resilience's access to the failure watch and new groups (csrc/resilience/group_recovery.h)
 }  // namespace detail
 
 struct InitOptions {
@@ -214,7 +215,18 @@ class ProcessGroup {
   // The rendezvous store this group's keys live in (null for a group made from a bare backend).
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 
-  // ---- surviving a dead rank (shardopt/resilience/resilient.h) ----
+  // A process started for a rank of a resilient run that is already going on (its store holds
+  // kResilientRunKey when init_process_group looks): init_process_group gives it a group of one
+  // that is "joining", whose global rank is the one it was started as; shardopt::Resilient then
+  // asks the run to admit it instead of starting a run of its own.
+  bool joining() const { return joining_; }
+  static constexpr const char* kResilientRunKey = "shardopt/resilient/running";
+
+ private:
+  // ---- what surviving a dead rank needs (shardopt/resilience/resilient.h) ----
+  // Reached only through detail::GroupRecovery (csrc/resilience/group_recovery.h), which
+  // resilience/ owns: the collectives above know nothing of it.
+  friend struct detail::GroupRecovery;
   // Note [Failure watch]: from here on, a collective of this group that fails marks the group
   // broken and says so in the store (without the roll call: recovery makes its own), and every
   // rank's collectives in flight or started later on this group end with an error within about a
@@ -239,14 +251,6 @@ class ProcessGroup {
   // one among them) make a new group of this group's kind over `store`, rank i being the i-th.
   // Used when a replacement joins a resilient run.
   std::shared_ptr<ProcessGroup> form(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& global_members);
-  // A process started for a rank of a resilient run that is already going on (its store holds
-  // kResilientRunKey when init_process_group looks): init_process_group gives it a group of one
-  // that is "joining", whose global rank is the one it was started as; shardopt::Resilient then
-  // asks the run to admit it instead of starting a run of its own.
-  bool joining() const { return joining_; }
-  static constexpr const char* kResilientRunKey = "shardopt/resilient/running";
-
- private:
   // Set-up, by init_process_group (through detail::GroupSetup) and by the groups this one makes.
   friend struct detail::GroupSetup;
   // The rendezvous store, for naming dead ranks (a roll call when a collective fails) and for
