@@ -134,6 +134,10 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
                    "their owners (bf16: rounded to bf16, summed in fp32, half the bytes)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))
       ->capture_default_str();
+  train.add_option("--param-wire", o.param_wire, "exact, bf16 or int8: how the owners' updated parameters travel "
+                   "(bf16: fp32 masters on the owners, every rank's parameters rounded to bf16, half the bytes)")
+      ->check(CLI::IsMember({"exact", "bf16", "int8"}))
+      ->capture_default_str();
 }
 
 void add_memory_options(CLI::App& memory, MemoryOptions& o) {
@@ -188,6 +192,10 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
       ->capture_default_str();
   plan.add_option("--gradient-wire", o.gradient_wire, "exact or bf16: how ZeRO-2's gradients travel to their owners "
                                                       "(ShardedDDPOptions::gradient_wire; int8 is not offered yet)")
+      ->check(CLI::IsMember({"exact", "bf16"}))
+      ->capture_default_str();
+  plan.add_option("--param-wire", o.param_wire, "exact or bf16: how ZeRO-1/2's parameter sync travels, bf16 with fp32 "
+                                                "masters on the owners (OSSOptions::param_wire; int8 is not offered yet)")
       ->check(CLI::IsMember({"exact", "bf16"}))
       ->capture_default_str();
   plan.add_option("--intra-node-bandwidth", o.intra_node_gbps, "GB/s each way between ranks of one node (NVLink)")

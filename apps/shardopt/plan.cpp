@@ -194,6 +194,7 @@ nlohmann::json report_json(const std::vector<Row>& rows, const ModelSpec& spec, 
                        {"scenario", row.plan.scenario},
                        {"optimizer", row.config.optimizer},
                        {"gradient_wire", row.config.gradient_wire},
+                       {"param_wire", row.config.param_wire},
                        {"split", row.plan.split},
                        {"buckets", row.plan.buckets},
                        {"trainable", row.plan.trainable},
@@ -267,6 +268,7 @@ int run_plan(const PlanOptions& o) {
       c.bucket_bytes = static_cast<int64_t>(o.bucket_mb * (1 << 20));
       c.freeze_fraction = o.freeze_fraction;
       c.gradient_wire = o.gradient_wire;
+      c.param_wire = o.param_wire;
       for (auto& plan : plan_config(spec, c)) {
         Row row{c, std::move(plan), 0.0, 0.0, 0, {}, 0};
         add_comm_time(o, row);

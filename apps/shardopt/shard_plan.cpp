@@ -87,6 +87,10 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
   // ZeRO-2's gradients within a block travel in bf16 under --gradient-wire bf16 (Note [Gradient
   // wire] in csrc/comm/wire.cpp); the all-reduce across blocks stays exact.
   const double wire = c.gradient_wire == "bf16" ? std::min(low, 2.0) : low;
+  // The parameter sync travels in bf16 under --param-wire bf16, and the owners then keep fp32
+  // masters of what they own (Note [Parameter wire]).
+  const bool param_wire = c.param_wire == "bf16" && c.mode != "ddp";
+  const double sync = param_wire ? std::min(low, 2.0) : low;
   out.ranks.assign(layout.world_size(), RankPlan());
   for (int r = 0; r < layout.world_size(); ++r) out.ranks[r].rank = r;
   double buffers = 0;
@@ -98,7 +102,7 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
     for (const auto& [rank, range] : *held) {
       const auto n = static_cast<double>(range.size());
       out.ranks[rank].state += n * state_per_element[i] * 4.0;  // the state is fp32
-      if (bf16) out.ranks[rank].masters += n * 4.0;
+      if (bf16 || param_wire) out.ranks[rank].masters += n * 4.0;
     }
   }
   int64_t trainable_numel = 0;
@@ -148,9 +152,9 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
   if (c.mode != "ddp") {
     for (const auto& b : layout.buckets()) {
       if (b.rows()) {
-        block.rows(static_cast<double>(b.numel() * layout.world_size()) * low);
+        block.rows(static_cast<double>(b.numel() * layout.world_size()) * sync);
       } else {
-        block.broadcast(static_cast<double>(b.numel()) * low, b.owner);
+        block.broadcast(static_cast<double>(b.numel()) * sync, b.owner);
       }
     }
   }

@@ -31,6 +31,7 @@ struct PlanConfig {
   int64_t bucket_bytes = 8 << 20; // ZeRO-2's reduce buckets (ShardedDDPOptions::reduce_bucket_bytes)
   double freeze_fraction = 0.0;   // leading layers frozen for the second scenario (0: none)
   std::string gradient_wire = "exact";  // ZeRO-2's gradients on the wire: exact or bf16 (ShardedDDPOptions::gradient_wire)
+  std::string param_wire = "exact";     // the parameter sync on the wire: exact or bf16 (OSSOptions::param_wire)
 };
 
 // One rank's bytes and traffic.

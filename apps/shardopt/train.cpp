@@ -245,9 +245,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   // samples of the global step, so a padded last step weighs exactly right.
   auto make_ddp = [this](OSS& opt) {
     return std::make_unique<ShardedDDP>(model_.ptr(), opt, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples).gradient_wire(
-                                                              o_.gradient_wire == "bf16"   ? Wire::kBFloat16
-                                                              : o_.gradient_wire == "int8" ? Wire::kInt8
-                                                                                           : Wire::kExact));
+                                                              wire_from_name(o_.gradient_wire)));
   };
   if (o.survive_failures) {
     resilient_ = std::make_unique<Resilient>(
@@ -272,6 +270,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
 
 std::unique_ptr<OSS> Trainer::make_oss(std::shared_ptr<ProcessGroup> group) const {
   OSSOptions oss_options;
+  oss_options.param_wire(wire_from_name(o_.param_wire));
   if (o_.mixed_precision != "off") {
     oss_options.mixed_precision(MixedPrecision().param_dtype(o_.mixed_precision == "bf16" ? at::kBFloat16 : at::kHalf));
   }
@@ -488,6 +487,7 @@ int Trainer::run() {
                      {"optimizer", o_.optimizer},
                      {"mixed_precision", o_.mixed_precision},
                      {"gradient_wire", o_.gradient_wire},
+                     {"param_wire", o_.param_wire},
                      {"device", o_.device},
                      {"params", model_numel()},
                      {"batch_size", o_.batch_size},

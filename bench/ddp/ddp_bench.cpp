@@ -143,6 +143,9 @@ int main(int argc, char** argv) {
   std::string gradient_wire = "exact";
   app.add_option("--gradient-wire", gradient_wire, "ShardedDDPOptions::gradient_wire (sharded): exact, bf16, int8")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}));
+  std::string param_wire = "exact";
+  app.add_option("--param-wire", param_wire, "OSSOptions::param_wire (sharded): exact, bf16, int8")
+      ->check(CLI::IsMember({"exact", "bf16", "int8"}));
   int transport_nice = shardopt::InitOptions().transport_thread_nice();
   app.add_option("--transport-nice", transport_nice, "InitOptions::transport_thread_nice")->check(CLI::Range(0, 39));
   bool transport_batch = shardopt::InitOptions().transport_thread_batch();
@@ -188,7 +191,8 @@ int main(int argc, char** argv) {
                         : partition == "whole" ? shardopt::PartitionMode::kWholeParameters
                                                : shardopt::PartitionMode::kAuto;
       auto options =
-          shardopt::OSSOptions().rebalance(rebalance).partition(mode).fused_step(fused).shard_group_size(shard_group_size);
+          shardopt::OSSOptions().rebalance(rebalance).partition(mode).fused_step(fused).shard_group_size(shard_group_size).param_wire(
+          shardopt::wire_from_name(param_wire));
       if (mixed != "off") {
         options.mixed_precision(shardopt::MixedPrecision().param_dtype(mixed == "bf16" ? at::kBFloat16 : at::kHalf));
       }
@@ -200,9 +204,7 @@ int main(int argc, char** argv) {
                 : std::make_unique<shardopt::OSS>(module->parameters(), factory, group, options);
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss,
                                                    shardopt::ShardedDDPOptions().overlap_param_sync(overlap).gradient_as_bucket_view(bucket_view).gradient_wire(
-                                                       gradient_wire == "bf16"   ? shardopt::Wire::kBFloat16
-                                                       : gradient_wire == "int8" ? shardopt::Wire::kInt8
-                                                                                 : shardopt::Wire::kExact));
+                                                       shardopt::wire_from_name(gradient_wire)));
       if (auto gpt = std::dynamic_pointer_cast<GPT2Like>(module); gpt && overlap) {
         gpt->before_use = [d = ddp.get()](const std::vector<at::Tensor>& ps) { d->wait_param_sync(ps); };
       }
@@ -382,6 +384,7 @@ int main(int argc, char** argv) {
         {"peak_rss_with_freeze_mb", peak_rss_mb()}, {"split", oss && oss->layout().options().split()}, {"state_bytes", state_bytes},
         {"grad_bytes", grad_bytes}, {"master_bytes", master_bytes}, {"mixed_precision", mixed},
         {"gradient_wire", gradient_wire},
+        {"param_wire", param_wire},
         {"block_bytes_per_step", block_bytes_per_step},
         {"cross_block_bytes_per_step", cross_bytes_per_step}, {"wire_bytes_per_step", wire_bytes_per_step}};
     std::printf("%s\n", row.dump().c_str());

@@ -98,6 +98,17 @@ void PendingWork::wait_one(const c10::intrusive_ptr<c10d::Work>& work) {
   }
 }
 
+void PendingWork::and_then(std::function<void()> next) {
+  if (!then_) {
+    then_ = std::move(next);
+    return;
+  }
+  then_ = [first = std::move(then_), next = std::move(next)] {
+    first();
+    next();
+  };
+}
+
 void PendingWork::wait() {
   if (!work_) return;
   auto work = std::move(work_);
@@ -307,8 +318,17 @@ void ProcessGroup::unstage_after(PendingWork& work, at::Tensor tensor, const at:
   work.set_then([tensor, staged]() mutable { tensor.copy_(staged); });
 }
 
-PendingWork ProcessGroup::broadcast_async(at::Tensor& tensor, int root) {
+PendingWork ProcessGroup::broadcast_async(at::Tensor& tensor, int root, std::optional<at::ScalarType> wire) {
   SHARDOPT_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is outside [0, ", size_, ")");
+  if (wire && *wire != tensor.scalar_type() && size_ > 1) {
+    SHARDOPT_CHECK(tensor.is_contiguous(), "broadcast_async with a wire dtype needs a contiguous tensor");
+    // The root rounds in place; the others widen what arrives (Note [Parameter wire]).
+    at::Tensor packed = rank_ == root ? tensor.to(*wire) : at::empty(tensor.sizes(), tensor.options().dtype(*wire));
+    if (rank_ == root) tensor.copy_(packed);
+    PendingWork work = broadcast_async(packed, root);
+    if (rank_ != root) work.and_then([tensor, packed]() mutable { tensor.copy_(packed); });
+    return work;
+  }
   check_in(CommStats::kBroadcast, nbytes(tensor), root);
   // The root's data goes out and comes back unchanged: only the others' copies are staged back.
   std::vector<at::Tensor> ts{staged(tensor, /*copy_in=*/rank_ == root)};

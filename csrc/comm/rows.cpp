@@ -188,8 +188,20 @@ PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double d
   return work;
 }
 
-PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat) {
+PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat, std::optional<at::ScalarType> wire) {
   check_rows("allgather_rows_async", flat, size_);
+  if (wire && *wire != flat.scalar_type() && size_ > 1) {
+    // This rank's row is rounded in place and travels in `wire`; the others' rows are widened
+    // where they arrive (Note [Parameter wire]).
+    const int64_t row = flat.numel() / size_;
+    at::Tensor own = flat.narrow(0, rank_ * row, row);
+    at::Tensor packed = at::empty({flat.numel()}, flat.options().dtype(*wire));
+    packed.narrow(0, rank_ * row, row).copy_(own);
+    own.copy_(packed.narrow(0, rank_ * row, row));
+    PendingWork work = allgather_rows_async(packed);
+    work.and_then([flat, packed]() mutable { flat.copy_(packed); });
+    return work;
+  }
   constexpr auto kind = CommStats::kAllgather;
   check_in(kind, nbytes(flat), -1);
   const int64_t row = flat.numel() / size_;

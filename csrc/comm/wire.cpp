@@ -18,6 +18,25 @@ namespace shardopt {
 // the owned row across blocks stays exact, so every block receives the same bits. Buckets already
 // in bf16 or fp16 (MixedPrecision::reduce_dtype) travel as they are.
 
+// Note [Parameter wire]
+// OSSOptions::param_wire(kBFloat16) sends the parameter sync after the step in bf16. Quantisation
+// error must not accumulate, so the owners step exact values: every rank keeps an fp32 master of
+// the ranges it owns (the same machinery as mixed precision's masters, Note [Mixed precision]),
+// the wrapped optimizer steps the master, and the owner writes it into its range of the
+// parameters. The sync then rounds: each sender first rounds its own range in place (the row of
+// an all-gather, the segment of a broadcast) to bf16 and widens it back, then sends the bf16
+// bytes, and each receiver widens what arrives. Every rank, the owner included, ends with the
+// master rounded to bf16 in its fp32 parameters, bit for bit; the next forward and backward run
+// on those values, and the next step starts from the exact master again. The master is what
+// state_dict(), state_shard() and checkpoints carry ("master_weights"), so a resumed run goes on
+// from the exact values. Ranges the step did not change (a parameter without a gradient) are
+// rounded by the sync like the others, so the copies stay equal. Only what travels is rounded:
+// before the first step the parameters hold their initial values (rank 0's, as the masters), a
+// parameter frozen from the start is never rounded, and at world size 1 nothing is. Under hierarchical sharding the sync runs within the block; every
+// block's owners hold the same masters, so every block rounds to the same bits. Parameters already
+// in bf16 (mixed precision's param_dtype) travel as they are; fp16 ones are refused with
+// kBFloat16. The stats count the bytes that travel.
+
 std::string wire_name(Wire wire) {
   switch (wire) {
     case Wire::kExact: return "exact";
@@ -25,6 +44,14 @@ std::string wire_name(Wire wire) {
     case Wire::kInt8: return "int8";
   }
   return "unknown";
+}
+
+Wire wire_from_name(const std::string& name) {
+  for (Wire wire : {Wire::kExact, Wire::kBFloat16, Wire::kInt8}) {
+    if (wire_name(wire) == name) return wire;
+  }
+  SHARDOPT_CHECK(false, "unknown wire \"", name, "\"; expected exact, bf16 or int8");
+  return Wire::kExact;
 }
 
 std::optional<at::ScalarType> wire_dtype(Wire wire, at::ScalarType dtype) {

@@ -118,6 +118,13 @@ void ShardedDDP::check_optimizers() {
   }
   SHARDOPT_CHECK(wire != Wire::kInt8, "ShardedDDPOptions::gradient_wire(Wire::kInt8) is not offered yet; use "
                  "Wire::kExact or Wire::kBFloat16");
+  for (OSS* opt : optimizers_) {  // the optimizers' mixed precision is agreed between the ranks
+    const auto& mp = opt->options().mixed_precision();
+    SHARDOPT_CHECK(!(wire == Wire::kBFloat16 && mp.enabled() && mp.reduce_or_param_dtype() == at::kHalf),
+                   "ShardedDDPOptions::gradient_wire(Wire::kBFloat16) with gradients reduced in Half "
+                   "(MixedPrecision::reduce_dtype): rounding them to bf16 would lose precision without saving a "
+                   "byte; use Wire::kExact, or reduce_dtype(kFloat)");
+  }
 }
 
 namespace {

@@ -184,6 +184,16 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
 
   mixed_ = options_.mixed_precision().enabled() || !options_.mixed_precision().problem().empty();
   if (mixed_) master_sources_ = detail::cast_to_param_dtype(*global_group_, params_, options_.mixed_precision());
+  check_param_wire();
+  masters_ = mixed_ || options_.param_wire() != Wire::kExact;
+  if (masters_ && !mixed_ && global_group_->size() > 1) {
+    // The masters start from the same values on every rank (Note [Parameter wire]).
+    at::NoGradGuard no_grad;
+    for (auto& p : params_) {
+      at::Tensor data = p.detach();
+      global_group_->broadcast(data, 0);
+    }
+  }
   trainable_ = detail::trainable_mask(params_);
   balanced_for_ = trainable_;
   placement_ = place_params(param_shapes(), group_->size(), options_.partition(), options_.split_above_imbalance(),
@@ -191,7 +201,8 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
   options_.layout().split(placement_.split);
   Partition partition = placement_.partition;
   holdings_.assign(params_.size(), {});
-  store_ = std::make_unique<detail::ShardStore>(params_, group_, options_.layout(), options_.sync());
+  store_ = std::make_unique<detail::ShardStore>(params_, group_, options_.layout(), options_.sync(),
+                                                options_.param_wire());
   store_->set_partition(std::move(partition));
   store_->set_kept_whole(placement_.whole_kind);
   // Whoever lays the store out (this OSS, or ShardedDDP for its forward's trainable set), the
@@ -301,7 +312,22 @@ void OSS::check_params_across_ranks() {
     agreement.field("parameter " + std::to_string(i), param_descriptor(params_[i], group_of_[i]),
                     [](const std::vector<int64_t>& d) { return descriptor_text(d.data()); });
   }
-  agreement.hint("every rank must pass the same parameters, in the same order and groups").check(*group_);
+  agreement.field("param_wire", static_cast<int64_t>(options_.param_wire()),
+                  [](const std::vector<int64_t>& v) { return wire_name(static_cast<Wire>(v[0])); });
+  agreement.hint("every rank must pass the same parameters, in the same order and groups, and the same "
+                 "OSSOptions::param_wire").check(*group_);
+}
+
+// After the ranks agreed on param_wire (check_params_across_ranks) and on mixed precision.
+void OSS::check_param_wire() const {
+  const Wire wire = options_.param_wire();
+  SHARDOPT_CHECK(wire != Wire::kInt8, "OSSOptions::param_wire(Wire::kInt8) is not offered yet; use Wire::kExact or "
+                 "Wire::kBFloat16");
+  const auto& mp = options_.mixed_precision();
+  SHARDOPT_CHECK(!(wire == Wire::kBFloat16 && mp.enabled() && *mp.param_dtype() == at::kHalf),
+                 "OSSOptions::param_wire(Wire::kBFloat16) with MixedPrecision::param_dtype(kHalf): the parameters are "
+                 "fp16 already, and rounding them to bf16 would lose precision without saving a byte; use "
+                 "param_wire(Wire::kExact), or param_dtype(kBFloat16)");
 }
 
 void OSS::assign_holdings() {
@@ -329,7 +355,7 @@ void OSS::assign_holdings() {
           if (old.rank == rank && old.in_param == h.in_param && old.tensor.defined()) h.tensor = old.tensor;
         }
       }
-      if (mixed_) {  // a master has storage of its own (Note [Mixed precision])
+      if (masters_) {  // a master has storage of its own (Note [Mixed precision])
         if (!h.tensor.defined()) {
           h.tensor = detail::make_master(params_[i], i < master_sources_.size() ? master_sources_[i] : at::Tensor(),
                                          h.in_param);
@@ -364,7 +390,7 @@ void OSS::settle_state() {
         [this](size_t i, const detail::Holding& h) { return owned_grad(i, h); },
         [this](size_t i, const detail::Holding& h, at::Tensor g) { set_owned_grad(i, h, std::move(g)); }};
     detail::migrate_holdings(*group_, [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; }, settled_,
-                             holdings_, grads, stats, /*carry_values=*/mixed_);
+                             holdings_, grads, stats, /*carry_values=*/masters_);
     last_rebalance_ = stats;
     ++state_moves_;
   }
@@ -382,7 +408,7 @@ void OSS::place_state() {
     return unit_of(i).local->state().count(compat::state_key(key)) != 0;
   });
   for (auto& unit : units_) store_->adopt(*unit.local, *unit.codec);
-  if (mixed_) store_->adopt_masters(settled_, group_->rank());
+  if (masters_) store_->adopt_masters(settled_, group_->rank());
 }
 
 at::Tensor OSS::owned_grad(size_t i, const detail::Holding& h) const {
@@ -485,7 +511,7 @@ std::string OSS::describe() const {
         const auto& options = param_groups_[group_of_[i]].options();
         const int64_t numel = all ? unit.codec->state_numel(options, params_[i].sizes())
                                   : unit.codec->state_numel(options, {h.in_param.size()});
-        const int64_t element = mixed_ ? 4 : static_cast<int64_t>(params_[i].element_size());
+        const int64_t element = masters_ ? 4 : static_cast<int64_t>(params_[i].element_size());
         state_bytes[h.rank] += numel * element;
         if (placement_.whole_kind[i] && trainable_[i]) {
           const double c = unit.codec->cost(params_[i].sizes());

@@ -105,7 +105,7 @@ double OSS::clip_grad_norm(double max_norm, double norm_type, bool error_if_nonf
 // ---- master weights ---------------------------------------------------------------------------
 
 void OSS::refresh_master_weights() {
-  if (!mixed_) return;
+  if (!masters_) return;
   finish_param_sync();
   for (size_t i = 0; i < params_.size(); ++i) {
     for (const auto& h : holdings_[i]) {
@@ -118,7 +118,7 @@ int64_t OSS::local_master_bytes() const {
   int64_t bytes = 0;
   for (const auto& list : holdings_) {
     for (const auto& h : list) {
-      if (mixed_ && h.rank == group_->rank()) bytes += static_cast<int64_t>(h.tensor.nbytes());
+      if (masters_ && h.rank == group_->rank()) bytes += static_cast<int64_t>(h.tensor.nbytes());
     }
   }
   return bytes;

@@ -149,11 +149,11 @@ void OSS::consolidate_state_dict(int recipient) {
   Stitcher stitcher(params_);
   for (int r = 0; r < group_->size(); ++r) {
     if (r == recipient) {
-      if (rank == recipient) stitcher.add(own_shard(holdings_, local_of, rank, mixed_));
+      if (rank == recipient) stitcher.add(own_shard(holdings_, local_of, rank, masters_));
       continue;
     }
     if (rank == r) {
-      group_->send_bytes(torch::pickle_save(own_shard(holdings_, local_of, rank, mixed_)), recipient, r);
+      group_->send_bytes(torch::pickle_save(own_shard(holdings_, local_of, rank, masters_)), recipient, r);
     } else if (rank == recipient) {
       stitcher.add(torch::pickle_load(group_->recv_bytes(r, r)).toList());
     }
@@ -184,7 +184,7 @@ torch::IValue OSS::state_shard() {
   settle_state();
   GenericDict d = detail::make_string_dict();
   d.insert("shard", own_shard(holdings_, [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; },
-                              group_->rank(), mixed_));
+                              group_->rank(), masters_));
   d.insert("param_groups", param_groups_value());
   d.insert("rank", static_cast<int64_t>(group_->rank()));
   d.insert("world_size", static_cast<int64_t>(group_->size()));
@@ -281,7 +281,7 @@ void OSS::load_state_dict(const torch::IValue& sd) {
   settled_ = holdings_;
   settled_version_ = store_->layout_version();
   set_local_groups();
-  if (mixed_) load_masters(dict);
+  if (masters_) load_masters(dict);
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& local_state = unit_of(i).local->state();
     const auto& codec = detail::codec_for(*unit_of(i).local);

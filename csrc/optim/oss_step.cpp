@@ -188,7 +188,7 @@ bool OSS::step_shard(std::optional<double> inv_scale) {
       units_[u].local->step();
     }
   }
-  if (mixed_) {
+  if (masters_) {
     for (const auto& [i, h] : stepped) {
       if (in.copies.count(h->tensor.unsafeGetTensorImpl()) == 0) detail::write_back(params_[i], h->tensor, h->in_param);
     }

@@ -43,7 +43,8 @@ at::Tensor bucket_rows(const FlatLayout& layout, std::vector<at::Tensor>& buffer
   return buffers[b.group].narrow(0, r.begin, r.size());
 }
 
-void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::Tensor>& buffers, ParamSync mode) {
+void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::Tensor>& buffers, ParamSync mode,
+                 Wire wire) {
   const int world = group.size();
   if (world == 1) return;
   at::NoGradGuard no_grad;
@@ -52,7 +53,7 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
   for (size_t b = 0; b < layout.buckets().size(); ++b) {
     if (!layout.buckets()[b].rows()) continue;
     at::Tensor rows = bucket_rows(layout, buffers, b);
-    pending.push_back(group.allgather_rows_async(rows));
+    pending.push_back(group.allgather_rows_async(rows, wire_dtype(wire, rows.scalar_type())));
   }
   if (mode == ParamSync::kBroadcast) {
     auto shard = [&](size_t g, int owner) {
@@ -67,7 +68,7 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
         const int64_t used = layout.groups()[g].used[r];
         if (used == 0) continue;
         at::Tensor segment = shard(g, r).narrow(0, 0, used);
-        pending.push_back(group.broadcast_async(segment, r));
+        pending.push_back(group.broadcast_async(segment, r, wire_dtype(wire, segment.scalar_type())));
       }
     }
     for (auto& w : pending) w.wait();
@@ -76,7 +77,7 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
   for (size_t g = 0; g < buffers.size(); ++g) {
     if (layout.groups()[g].split) continue;
     at::Tensor rows = shards_as_rows(layout, buffers, g);
-    if (rows.numel() > 0) pending.push_back(group.allgather_rows_async(rows));
+    if (rows.numel() > 0) pending.push_back(group.allgather_rows_async(rows, wire_dtype(wire, rows.scalar_type())));
   }
   for (auto& w : pending) w.wait();
 }
@@ -89,11 +90,12 @@ at::Tensor shards_as_rows(const FlatLayout& layout, std::vector<at::Tensor>& buf
 }
 
 ShardStore::ShardStore(std::vector<at::Tensor> params, std::shared_ptr<ProcessGroup> group, LayoutOptions options,
-                       ParamSync sync)
+                       ParamSync sync, Wire wire)
     : params_(std::move(params)),
       group_(std::move(group)),
       layout_options_(options),
       sync_(sync),
+      wire_(wire),
       stepped_(params_.size(), 0) {}
 
 FlatLayout ShardStore::plan_layout(const std::vector<uint8_t>& trainable) const {
@@ -169,7 +171,7 @@ void ShardStore::start_param_sync() {
       if (layout_.groups()[g].split) continue;
       at::Tensor rows = shards_as_rows(layout_, buffers_, g);
       if (rows.numel() == 0) continue;  // frozen only
-      group_sync_[g] = group_->allgather_rows_async(rows);
+      group_sync_[g] = group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()));
       ++sync_in_flight_;
     }
   }
@@ -177,13 +179,13 @@ void ShardStore::start_param_sync() {
     const FlatBucket& b = buckets[k];
     if (b.rows()) {  // an all-gather of the bucket's rows (Note [Row buckets])
       at::Tensor rows = bucket_rows(layout_, buffers_, k);
-      bucket_sync_[k] = group_->allgather_rows_async(rows);
+      bucket_sync_[k] = group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()));
     } else if (sync_ == ParamSync::kAllgather) {
       continue;
     } else {
       const int64_t begin = layout_.groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
       at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
-      bucket_sync_[k] = group_->broadcast_async(range, b.owner);
+      bucket_sync_[k] = group_->broadcast_async(range, b.owner, wire_dtype(wire_, range.scalar_type()));
     }
     ++sync_in_flight_;
   }
@@ -200,7 +202,7 @@ void ShardStore::sync_after_step() {
 void ShardStore::sync_params() {
   finish_param_sync();
   CommPhase phase("step (parameter sync)");
-  detail::sync_params(*group_, layout_, buffers_, sync_);
+  detail::sync_params(*group_, layout_, buffers_, sync_, wire_);
 }
 
 void ShardStore::finish_param_sync() {

@@ -63,9 +63,9 @@ struct HandOver {
 class ShardStore {
  public:
   // The store of `params` (in OSS's order; the layout makes them views into its buffers), sharded
-  // over `group`, laid out with `options`, made current after a step by `sync`.
+  // over `group`, laid out with `options`, made current after a step by `sync`, on `wire`.
   ShardStore(std::vector<at::Tensor> params, std::shared_ptr<ProcessGroup> group, LayoutOptions options,
-             ParamSync sync);
+             ParamSync sync, Wire wire = Wire::kExact);
 
   // ---- the partition, and what has state to keep ----
   // Who owns each parameter when parameters stay whole; a split layout cuts the trainable run in
@@ -204,6 +204,7 @@ class ShardStore {
   std::shared_ptr<ProcessGroup> group_;
   LayoutOptions layout_options_;
   ParamSync sync_;
+  Wire wire_;  // the parameter sync's (OSSOptions::param_wire)
   Partition partition_;
   std::vector<uint8_t> kept_whole_;
   std::vector<uint8_t> stepped_;

@@ -435,6 +435,29 @@ class CliTest(unittest.TestCase):
         b = read_checkpoint.load(self.path("bf16/last.ckpt"))["model"]
         self.assertGreater(max_abs_diff(a, b), 0, "the bf16 wire changed nothing")
 
+    def test_bf16_wires_train_and_resume_bit_exact(self):
+        # Gradients and parameters on bf16 wires: fp32 parameters that are the owners' fp32 masters
+        # rounded to bf16, an accuracy beside the exact wires', and a resumed run that goes on from
+        # the exact masters in the checkpoint.
+        args = ["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE]
+        wires = ["--gradient-wire", "bf16", "--param-wire", "bf16"]
+        exact = run([*args, "--checkpoint-dir", self.path("exact")])
+        full = run([*args, *wires, "--checkpoint-dir", self.path("full")])
+        accuracy = lambda p: float(re.findall(r"test accuracy (\d+\.\d+)%", p.stdout)[-1])
+        self.assertLessEqual(abs(accuracy(full) - accuracy(exact)), 1.0, f"{exact.stdout}\n{full.stdout}")
+        part = [*args, *wires, "--checkpoint-dir", self.path("part"), "--checkpoint-every", "40"]
+        run([*part, "--stop-after-steps", "130"])
+        run([*part, "--resume"])
+        a = read_checkpoint.load(self.path("full/last.ckpt"))
+        b = read_checkpoint.load(self.path("part/last.ckpt"))
+        masters = a["optimizer"]["master_weights"]
+        for i, k in enumerate(a["model"]):
+            self.assertEqual(a["model"][k].dtype, torch.float32, k)
+            self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
+            self.assertTrue(torch.equal(masters[i], b["optimizer"]["master_weights"][i]), k)
+            self.assertTrue(torch.equal(masters[i].to(torch.bfloat16).float(), a["model"][k]), k)
+            self.assertFalse(torch.equal(masters[i], a["model"][k]), f"{k}: nothing was rounded")
+
     def test_one_rank_and_four_ranks_end_within_1e_4(self):
         run(["train", *TINY, "--checkpoint-dir", self.path("one")])
         run(["train", *TINY, "-n", "4", "--checkpoint-dir", self.path("four")])
@@ -494,6 +517,10 @@ class CliTest(unittest.TestCase):
         fails(["train", "-n", "2", "--gradient-wire", "int8", *SMALL], "gradient_wire(Wire::kInt8) is not offered yet",
               ranks=2)
         fails(["train", "--gradient-wire", "fp8"], "fp8")
+        fails(["train", "-n", "2", "--param-wire", "int8", *SMALL], "param_wire(Wire::kInt8) is not offered yet",
+              ranks=2)
+        fails(["train", "-n", "2", "--param-wire", "bf16", "--mixed-precision", "fp16", *SMALL],
+              "param_wire(Wire::kBFloat16) with MixedPrecision::param_dtype(kHalf)", ranks=2)
         fails(["train", "--data", EXE], f"--data '{EXE}' is not a folder")
         fails(["train", *SMALL, "--checkpoint-dir", EXE], f"--checkpoint-dir '{EXE}' is not a folder")
 

@@ -229,6 +229,41 @@ class PlanTest(unittest.TestCase):
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("--gradient-wire", p.stderr)
 
+    def test_a_bf16_param_wire_halves_the_sync_and_adds_the_masters(self):
+        """--param-wire bf16: the parameter sync travels in bf16 and the owners keep fp32 masters
+        (4 bytes per owned element, the same as the state's one moment). With row buckets the sync
+        is half of ZeRO-2's bytes, so a rank moves 3/4 of the exact wire's, and 1/2 with both wires;
+        ZeRO-1's all-reduce moves twice the sync's bytes, so it moves about 5/6; DDP does not change."""
+        common = ["plan", "--spec", self.path("spec.json"), "--world-sizes", "2,4,8", "--modes", "ddp,zero1,zero2",
+                  "--partition", "split"]
+        with open(self.path("spec.json"), "w") as f:
+            json.dump(SPEC, f)
+        run([*common, "-o", self.path("exact")])
+        run([*common, "--param-wire", "bf16", "-o", self.path("param")])
+        run([*common, "--param-wire", "bf16", "--gradient-wire", "bf16", "-o", self.path("both")])
+        plans = {}
+        for wire in ("exact", "param", "both"):
+            with open(self.path(f"{wire}/plan.json")) as f:
+                plans[wire] = {(c["mode"], c["world_size"]): c for c in json.load(f)["configs"]}
+        for key, exact in plans["exact"].items():
+            param, both = plans["param"][key], plans["both"][key]
+            self.assertEqual(param["param_wire"], "bf16")
+            ddp = key[0] == "ddp"
+            for field in ("params", "grads", "buckets", "state"):
+                self.assertEqual(param["max_rank"][field], exact["max_rank"][field], key)
+            # The masters: one fp32 value per owned element, half of Adam's fp32 state (8 bytes).
+            want = 0 if ddp else exact["max_rank"]["state"] / 2
+            self.assertAlmostEqual(param["max_rank"]["masters"], want, delta=1e-6 * want + 1e-9, msg=str(key))
+            for field in ("bytes_sent_per_step", "bytes_received_per_step"):
+                e = exact["max_traffic_rank"][field]
+                ratio, delta = {"ddp": (1.0, 1e-6), "zero1": (2.5 / 3, 1e-2), "zero2": (0.75, 1e-6)}[key[0]]
+                self.assertAlmostEqual(param["max_traffic_rank"][field], ratio * e, delta=delta * e + 1e-9, msg=str(key))
+                if key[0] == "zero2":
+                    self.assertAlmostEqual(both["max_traffic_rank"][field], 0.5 * e, delta=1e-6 * e + 1e-9, msg=str(key))
+        p = run(["plan", "--param-wire", "int8"], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("--param-wire", p.stderr)
+
     def test_collectives_and_their_latency_per_step(self):
         """plan.json's collectives per step of the busiest rank, and the latency each adds to the
         communication time, computed here from NCCL's ring/Simple figures (8.4 us a collective, 3.4

@@ -154,7 +154,7 @@ TEST(GradientWire, Bf16WholeParameterBucketsSumTheRoundedGradientsInFp32) {
   }
 }
 
-TEST(GradientWire, AWireThatDiffersBetweenRanksOrInt8IsAnErrorOnEveryRank) {
+TEST(GradientWire, AWireThatDiffersBetweenRanksInt8OrOverFp16IsAnErrorOnEveryRank) {
   auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
     auto net = net_of(7);
     OSS oss(net->parameters(), optimizer<optim::AdamW>(adamw()), g);
@@ -173,6 +173,16 @@ TEST(GradientWire, AWireThatDiffersBetweenRanksOrInt8IsAnErrorOnEveryRank) {
   });
   for (const auto& e : errors) {
     EXPECT_NE(e.find("gradient_wire(Wire::kInt8) is not offered yet"), std::string::npos) << e;
+  }
+  // Gradients reduced in fp16 would lose precision on a bf16 wire without saving a byte.
+  errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = net_of(7);
+    OSS oss(net->parameters(), optimizer<optim::AdamW>(adamw()), g,
+            OSSOptions().mixed_precision(MixedPrecision().param_dtype(at::kHalf)));
+    ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().gradient_wire(Wire::kBFloat16));
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("gradient_wire(Wire::kBFloat16) with gradients reduced in Half"), std::string::npos) << e;
   }
 }
 

@@ -9,6 +9,7 @@
 #include "harness.h"
 #include "model.h"
 #include "named_net.h"
+#include "optim/master_recipe.h"
 
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
@@ -26,68 +27,16 @@ namespace {
 namespace optim = torch::optim;
 using Params = std::vector<at::Tensor>;
 using Net = testing::NamedNet;
+using testing::consolidated_masters;
 
 constexpr double kLr = 1e-2;
 
 OptimizerFactory adam() { return optimizer<optim::Adam>(optim::AdamOptions(kLr)); }
 
-// The reference: every rank's batch run through low-precision copies of fp32 masters, in one
-// process.
-struct Recipe {
-  Recipe(c10::ScalarType dtype, c10::ScalarType reduce, int world)
-      : dtype(dtype), reduce(reduce), world(world), master(testing::clone_params(testing::make_params())),
-        opt(master, optim::AdamOptions(kLr)) {}
-
-  // One step of the global batch; `frozen` parameters get no gradient; loss_scale multiplies
-  // the loss and is divided out in the reduction dtype; `skip` drops the step (non-finite).
-  void step(int step, const std::vector<bool>& frozen, double clip, double loss_scale = 1.0, bool skip = false) {
-    Params low;
-    for (size_t i = 0; i < master.size(); ++i) low.push_back(master[i].detach().to(dtype).requires_grad_(!frozen[i]));
-    Params sum(master.size());
-    for (int r = 0; r < world; ++r) {
-      for (auto& p : low) p.mutable_grad() = at::Tensor();
-      const auto data = testing::rank_data(step, r, 3);
-      (testing::loss_of(testing::output(low, data.x.to(dtype)), data, 3) * loss_scale).backward();
-      for (size_t i = 0; i < low.size(); ++i) {
-        if (!low[i].grad().defined()) continue;
-        const at::Tensor g = low[i].grad().to(reduce);
-        sum[i] = sum[i].defined() ? sum[i] + g : g.clone();
-      }
-    }
-    if (skip) return;
-    at::NoGradGuard no_grad;
-    double squares = 0.0;
-    for (auto& g : sum) {
-      if (!g.defined()) continue;
-      g.div_(world);
-      if (loss_scale != 1.0) g.mul_(1.0 / loss_scale);
-      squares += std::pow(at::linalg_vector_norm(g, 2, c10::nullopt, false, at::kDouble).item<double>(), 2);
-    }
-    const double coef = clip / (std::sqrt(squares) + 1e-6);
-    for (size_t i = 0; i < master.size(); ++i) {
-      if (sum[i].defined() && clip > 0 && coef < 1.0) sum[i].mul_(coef);
-      master[i].mutable_grad() = sum[i].defined() ? sum[i].to(at::kFloat) : at::Tensor();
-    }
-    opt.step();
-  }
-
-  c10::ScalarType dtype, reduce;
-  int world;
-  Params master;
-  optim::Adam opt;
+// The reference: the recipe at kLr.
+struct Recipe : testing::MasterRecipe {
+  Recipe(c10::ScalarType dtype, c10::ScalarType reduce, int world) : MasterRecipe(dtype, reduce, world, kLr) {}
 };
-
-// The consolidated master weights (on rank 0), by parameter position.
-Params consolidated_masters(OSS& oss, size_t n) {
-  oss.consolidate_state_dict(0);
-  Params out;
-  if (oss.process_group().rank() != 0) return out;
-  const auto sd = oss.state_dict().toGenericDict();
-  EXPECT_TRUE(sd.contains("master_weights"));
-  const auto masters = sd.at("master_weights").toGenericDict();
-  for (size_t i = 0; i < n; ++i) out.push_back(masters.at(static_cast<int64_t>(i)).toTensor());
-  return out;
-}
 
 struct Case {
   c10::ScalarType dtype, reduce;

@@ -104,6 +104,8 @@ class PendingWork {
   bool valid() const { return static_cast<bool>(work_); }
   // Work to finish the operation on this rank after the transfer (for example a local sum).
   void set_then(std::function<void()> then) { then_ = std::move(then); }
+  // Runs `next` after what set_then set (if anything).
+  void and_then(std::function<void()> next);
   // More transfers of the same operation, waited for after the first one (several receives).
   void also_wait_for(c10::intrusive_ptr<c10d::Work> work);
   // The group's failure watch (set by the group): a failed wait marks the group broken, and a
@@ -163,7 +165,10 @@ class ProcessGroup {
   PendingWork reduce_mean_async(at::Tensor& tensor, int root, int64_t numel, double divisor,
                                 std::optional<at::ScalarType> wire = std::nullopt);
   PendingWork allreduce_async(at::Tensor& tensor, Reduction op = Reduction::kSum);
-  PendingWork broadcast_async(at::Tensor& tensor, int root);
+  // With `wire` (a dtype other than the tensor's), the root first rounds its tensor through
+  // `wire` in place, and the broadcast moves `wire` bytes: every rank ends with the same rounded
+  // values (Note [Parameter wire] in csrc/comm/wire.cpp).
+  PendingWork broadcast_async(at::Tensor& tensor, int root, std::optional<at::ScalarType> wire = std::nullopt);
   // Rows (Note [Rows]): a 1-D contiguous `flat` whose length is a multiple of size() is cut into
   // size() equal rows, row r owned by rank r. reduce_scatter_rows_async leaves in this rank's
   // row the sum over ranks of their copies of that row, divided by `divisor` (rounded as the sum,
@@ -180,7 +185,9 @@ class ProcessGroup {
   // bucket where they are reduced.
   PendingWork reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor = 1.0,
                                              std::optional<at::ScalarType> wire = std::nullopt);
-  PendingWork allgather_rows_async(at::Tensor& flat);
+  // With `wire`, each rank first rounds its own row through `wire` in place, and the rows
+  // travel in `wire` (Note [Parameter wire]).
+  PendingWork allgather_rows_async(at::Tensor& flat, std::optional<at::ScalarType> wire = std::nullopt);
 
   // Small control messages: every rank's vector of integers (lengths may differ).
   std::vector<std::vector<int64_t>> allgather_ints(const std::vector<int64_t>& values);

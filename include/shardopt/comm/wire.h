@@ -1,5 +1,5 @@
-// How gradients and parameters travel between ranks (Note [Gradient wire] in
-// csrc/comm/wire.cpp): exactly, in their own dtype, or compressed.
+// How gradients and parameters travel between ranks (Note [Gradient wire] and Note [Parameter
+// wire] in csrc/comm/wire.cpp): exactly, in their own dtype, or compressed.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -10,12 +10,14 @@
 namespace shardopt {
 
 // kExact: the tensors' own dtype (fp32 gradients travel as fp32), the default.
-// kBFloat16: each contribution travels rounded to bf16 and is summed in fp32 where it arrives.
+// kBFloat16: each gradient contribution travels rounded to bf16 and is summed in fp32 where it
+// arrives; each parameter range travels rounded to bf16, and every rank holds the rounded values.
 // kInt8: block-quantised int8 (not offered yet: refused with an error naming it).
 enum class Wire { kExact, kBFloat16, kInt8 };
 
-// "exact", "bf16", "int8".
+// "exact", "bf16", "int8", and back (an unknown name is an error naming it).
 std::string wire_name(Wire wire);
+Wire wire_from_name(const std::string& name);
 // The dtype a tensor of `dtype` travels in under `wire`; nullopt where it travels as it is
 // (kExact, or a tensor that already is bf16 or narrower).
 std::optional<at::ScalarType> wire_dtype(Wire wire, at::ScalarType dtype);

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <shardopt/comm/process_group.h>
+#include <shardopt/comm/wire.h>
 #include <shardopt/compat.h>
 #include <shardopt/optim/flat_layout.h>
 #include <shardopt/optim/mixed_precision.h>
@@ -137,6 +138,14 @@ struct OSSOptions {
   // How the flat buffers are laid out (a ShardedDDP cuts the buckets at its reduce_bucket_bytes
   // instead).
   TORCH_ARG(LayoutOptions, layout) = {};
+  // How the parameter sync after the step travels (Note [Parameter wire] in csrc/comm/wire.cpp).
+  // kExact (the default): in the parameters' dtype. kBFloat16: each owner keeps an fp32 master of
+  // what it owns and steps it, and every rank (the owner too) sets its fp32 parameters to the
+  // master rounded to bf16, so the sync moves half the bytes and every copy stays bitwise equal;
+  // as under mixed precision, every parameter takes global rank 0's values at construction. Under
+  // mixed precision with bf16 parameters it changes nothing; with fp16 ones it is refused, as is
+  // kInt8 (not offered yet).
+  TORCH_ARG(Wire, param_wire) = Wire::kExact;
 };
 
 // What the last re-partition did on this rank.
@@ -294,6 +303,7 @@ class OSS : public torch::optim::Optimizer {
   // Whether shardopt knows the state layout of every optimizer (built in or registered).
   bool all_registered() const;
   void check_params_across_ranks();
+  void check_param_wire() const;
   // With shard_group_size: splits the group into blocks and replica groups; group_ becomes the block.
   void form_blocks();
   // What placement needs of each parameter: its shape, dtype, trainability, and its optimizer's
@@ -355,7 +365,8 @@ class OSS : public torch::optim::Optimizer {
   std::vector<uint8_t> balanced_for_;   // the trainable set the partition was last decided for
   int64_t partition_version_ = 0;
   RebalanceStats last_rebalance_;
-  bool mixed_ = false;                      // mixed precision: the holdings' tensors are fp32 masters
+  bool mixed_ = false;    // mixed precision: the parameters are in param_dtype
+  bool masters_ = false;  // the holdings' tensors are fp32 masters: mixed precision, or a param_wire
   std::vector<at::Tensor> master_sources_;  // during construction: the fp32 values masters start from
   std::optional<torch::IValue> consolidated_;
   int last_recipient_ = -1;

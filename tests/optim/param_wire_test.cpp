@@ -1,0 +1,201 @@
+// OSSOptions::param_wire (Note [Parameter wire] in csrc/comm/wire.cpp): with kBFloat16 the
+// owners step fp32 masters and every rank's fp32 parameters are the masters rounded to bf16.
+// Checked against a single-process reference that keeps fp32 masters, steps them with plain
+// torch::optim::Adam, and runs forward and backward on their bf16-rounded copies: through a
+// freeze and clipping, at worlds 2 to 4, with row buckets, whole parameters (broadcasts or
+// all-gathers), hierarchical sharding and the overlapped sync, each rank's data different. The
+// sync moves half the bytes of the exact wire, a resumed run goes on from the exact masters, and
+// bad options are errors on every rank.
+#include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/oss.h>
+
+#include "harness.h"
+#include "model.h"
+#include "named_net.h"
+#include "optim/master_recipe.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+
+#include <string>
+#include <vector>
+
+namespace shardopt {
+namespace {
+
+namespace optim = torch::optim;
+using Params = std::vector<at::Tensor>;
+using Net = testing::NamedNet;
+using testing::consolidated_masters;
+
+constexpr double kLr = 1e-2;
+
+OptimizerFactory adam() { return optimizer<optim::Adam>(optim::AdamOptions(kLr)); }
+
+bool bf16_representable(const at::Tensor& t) { return t.equal(t.to(at::kBFloat16).to(at::kFloat)); }
+
+struct Case {
+  int world;
+  PartitionMode partition;
+  ParamSync sync = ParamSync::kBroadcast;
+  int shard_group_size = 0;
+  bool overlap_sync = false;
+};
+
+std::string describe(const Case& c) {
+  return "world " + std::to_string(c.world) + (c.partition == PartitionMode::kSplit ? ", row buckets" : ", whole") +
+         (c.sync == ParamSync::kAllgather ? ", all-gathered" : "") + ", shard_group_size " +
+         std::to_string(c.shard_group_size) + (c.overlap_sync ? ", overlapped sync" : "");
+}
+
+TEST(ParamWire, Bf16ParametersAreTheRoundedMastersOfTheRecipeThroughAFreeze) {
+  for (const Case& c : {Case{2, PartitionMode::kSplit}, Case{3, PartitionMode::kWholeParameters},
+                        Case{3, PartitionMode::kWholeParameters, ParamSync::kAllgather},
+                        Case{4, PartitionMode::kSplit, ParamSync::kBroadcast, /*shard_group_size=*/2},
+                        Case{2, PartitionMode::kWholeParameters, ParamSync::kBroadcast, 0, /*overlap_sync=*/true}}) {
+    SCOPED_TRACE(describe(c));
+    testing::run_ranks(c.world, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      OSS oss(net->parameters(), adam(), g,
+              OSSOptions().partition(c.partition).sync(c.sync).shard_group_size(c.shard_group_size).param_wire(
+                  Wire::kBFloat16));
+      ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(64).overlap_param_sync(c.overlap_sync));
+      testing::MasterRecipe ref(at::kFloat, at::kFloat, c.world, kLr, at::kBFloat16);
+      for (int step = 0; step < 6; ++step) {
+        const bool freeze = step == 2 || step == 3;
+        net->params[2].requires_grad_(!freeze);
+        net->params[3].requires_grad_(!freeze);
+        const auto data = testing::rank_data(step, g->rank(), 3);
+        if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+        ddp.zero_grad();
+        testing::loss_of(ddp.forward(data.x), data, 3).backward();
+        oss.clip_grad_norm(0.5);
+        oss.step();
+        ddp.finish_param_sync();
+        ref.step(step, {false, false, freeze, freeze, false}, 0.5);
+        for (size_t i = 0; i < ref.master.size(); ++i) {
+          ASSERT_EQ(net->params[i].scalar_type(), at::kFloat) << "the parameters stay fp32";
+          EXPECT_TRUE(bf16_representable(net->params[i])) << "step " << step << " parameter " << i;
+          // The rounded masters, one bf16 step apart at most where fp32 sums differ in their last
+          // bit.
+          EXPECT_LE(testing::rel_diff(net->params[i], ref.copy_of(i)), 1e-2) << "step " << step << " parameter " << i;
+        }
+        ASSERT_TRUE(testing::same_on_all_ranks(net->params, *g)) << "step " << step;
+        const Params masters = consolidated_masters(oss, ref.master.size());
+        for (size_t i = 0; i < masters.size(); ++i) {
+          ASSERT_EQ(masters[i].scalar_type(), at::kFloat);
+          EXPECT_LE(testing::rel_diff(masters[i], ref.master[i]), 1e-4) << "step " << step << " master " << i;
+          // Every rank's parameter is its master rounded, bit for bit.
+          EXPECT_TRUE(net->params[i].equal(masters[i].to(at::kBFloat16).to(at::kFloat))) << "step " << step << " " << i;
+        }
+      }
+      // The masters carry what bf16 cannot hold.
+      const Params masters = consolidated_masters(oss, ref.master.size());
+      if (g->rank() == 0) EXPECT_GT(testing::rel_diff(masters[0], net->params[0]), 1e-5);
+    });
+  }
+}
+
+// The bytes the parameter sync of one step moves on rank 0 (all-gathers and broadcasts).
+int64_t sync_bytes(int world, PartitionMode partition, Wire wire) {
+  int64_t bytes = 0;
+  testing::run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g, OSSOptions().partition(partition).param_wire(wire));
+    ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(64));
+    const auto data = testing::rank_data(0, g->rank(), 3);
+    testing::loss_of(ddp.forward(data.x), data, 3).backward();
+    const CommStats before = g->stats();
+    oss.step();
+    const CommStats& after = g->stats();
+    if (g->rank() == 0) {
+      bytes = after.bytes[CommStats::kAllgather] - before.bytes[CommStats::kAllgather] +
+              after.bytes[CommStats::kBroadcast] - before.bytes[CommStats::kBroadcast];
+    }
+  });
+  return bytes;
+}
+
+TEST(ParamWire, Bf16SyncMovesHalfTheBytes) {
+  for (int world : {2, 3, 4}) {
+    for (PartitionMode partition : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
+      SCOPED_TRACE("world " + std::to_string(world) + (partition == PartitionMode::kSplit ? ", rows" : ", whole"));
+      const int64_t exact = sync_bytes(world, partition, Wire::kExact);
+      EXPECT_GT(exact, 0);
+      EXPECT_EQ(2 * sync_bytes(world, partition, Wire::kBFloat16), exact);
+    }
+  }
+}
+
+// Six steps at world 2, or three, a state dict, a new OSS over the module's (rounded) parameters
+// loading it, and three more: the same bits, because the state dict carries the exact masters.
+TEST(ParamWire, AResumedRunGoesOnFromTheExactMasters) {
+  auto train = [](ProcessGroup& g, const std::shared_ptr<Net>& net, ShardedDDP& ddp, OSS& oss, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      const auto data = testing::rank_data(step, g.rank(), 3);
+      ddp.zero_grad();
+      testing::loss_of(ddp.forward(data.x), data, 3).backward();
+      oss.step();
+    }
+  };
+  Params straight, resumed, saved_params;
+  c10::IValue saved;
+  const auto options = OSSOptions().param_wire(Wire::kBFloat16);
+  testing::run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g, options);
+    ShardedDDP ddp(net, oss);
+    train(*g, net, ddp, oss, 0, 3);
+    oss.consolidate_state_dict(0);
+    if (g->rank() == 0) {
+      saved = oss.state_dict();
+      saved_params = testing::clone_params(net->params);
+    }
+    train(*g, net, ddp, oss, 3, 6);
+    if (g->rank() == 0) straight = testing::clone_params(net->params);
+  });
+  ASSERT_TRUE(saved.toGenericDict().contains("master_weights"));
+  testing::run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < net->params.size(); ++i) net->params[i].copy_(saved_params[i]);
+    }
+    OSS oss(net->parameters(), adam(), g, options);
+    oss.load_state_dict(saved);
+    ShardedDDP ddp(net, oss);
+    train(*g, net, ddp, oss, 3, 6);
+    if (g->rank() == 0) resumed = testing::clone_params(net->params);
+  });
+  ASSERT_EQ(straight.size(), resumed.size());
+  int64_t moved = 0;
+  for (size_t i = 0; i < straight.size(); ++i) {
+    EXPECT_TRUE(straight[i].equal(resumed[i])) << "parameter " << i;
+    moved += straight[i].ne(saved_params[i]).sum().item<int64_t>();
+  }
+  EXPECT_GT(moved, 0) << "the last three steps changed nothing";
+}
+
+TEST(ParamWire, BadOptionsAreErrorsOnEveryRank) {
+  auto errors_of = [](const std::function<OSSOptions(int rank)>& options) {
+    return testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+      OSS oss(testing::make_params(), adam(), g, options(g->rank()));
+    });
+  };
+  for (const auto& e : errors_of([](int) { return OSSOptions().param_wire(Wire::kInt8); })) {
+    EXPECT_NE(e.find("param_wire(Wire::kInt8) is not offered yet"), std::string::npos) << e;
+  }
+  for (const auto& e : errors_of([](int r) { return OSSOptions().param_wire(r == 0 ? Wire::kExact : Wire::kBFloat16); })) {
+    EXPECT_NE(e.find("param_wire"), std::string::npos) << e;
+    EXPECT_NE(e.find("exact"), std::string::npos) << e;
+    EXPECT_NE(e.find("bf16"), std::string::npos) << e;
+  }
+  for (const auto& e : errors_of([](int) {
+         return OSSOptions().param_wire(Wire::kBFloat16).mixed_precision(MixedPrecision().param_dtype(at::kHalf));
+       })) {
+    EXPECT_NE(e.find("param_dtype(kHalf)"), std::string::npos) << e;
+  }
+}
+
+}  // namespace
+}  // namespace shardopt
