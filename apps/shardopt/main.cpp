@@ -134,6 +134,8 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
                    "their owners (bf16: rounded to bf16, summed in fp32, half the bytes)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))
       ->capture_default_str();
+  train.add_flag("--error-feedback", o.error_feedback, "with --gradient-wire bf16: each rank adds what rounding dropped "
+                 "from its gradients to the next step's (ShardedDDPOptions::error_feedback)");
   train.add_option("--param-wire", o.param_wire, "exact, bf16 or int8: how the owners' updated parameters travel "
                    "(bf16: fp32 masters on the owners, every rank's parameters rounded to bf16, half the bytes)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))

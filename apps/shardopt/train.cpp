@@ -245,7 +245,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   // samples of the global step, so a padded last step weighs exactly right.
   auto make_ddp = [this](OSS& opt) {
     return std::make_unique<ShardedDDP>(model_.ptr(), opt, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples).gradient_wire(
-                                                              wire_from_name(o_.gradient_wire)));
+                                                              wire_from_name(o_.gradient_wire)).error_feedback(o_.error_feedback));
   };
   if (o.survive_failures) {
     resilient_ = std::make_unique<Resilient>(
@@ -488,6 +488,7 @@ int Trainer::run() {
                      {"mixed_precision", o_.mixed_precision},
                      {"gradient_wire", o_.gradient_wire},
                      {"param_wire", o_.param_wire},
+                     {"error_feedback", o_.error_feedback},
                      {"device", o_.device},
                      {"params", model_numel()},
                      {"batch_size", o_.batch_size},

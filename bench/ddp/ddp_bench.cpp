@@ -143,6 +143,8 @@ int main(int argc, char** argv) {
   std::string gradient_wire = "exact";
   app.add_option("--gradient-wire", gradient_wire, "ShardedDDPOptions::gradient_wire (sharded): exact, bf16, int8")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}));
+  bool error_feedback = false;
+  app.add_option("--error-feedback", error_feedback, "ShardedDDPOptions::error_feedback (sharded, with a compressed gradient wire)");
   std::string param_wire = "exact";
   app.add_option("--param-wire", param_wire, "OSSOptions::param_wire (sharded): exact, bf16, int8")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}));
@@ -204,7 +206,7 @@ int main(int argc, char** argv) {
                 : std::make_unique<shardopt::OSS>(module->parameters(), factory, group, options);
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss,
                                                    shardopt::ShardedDDPOptions().overlap_param_sync(overlap).gradient_as_bucket_view(bucket_view).gradient_wire(
-                                                       shardopt::wire_from_name(gradient_wire)));
+                                                       shardopt::wire_from_name(gradient_wire)).error_feedback(error_feedback));
       if (auto gpt = std::dynamic_pointer_cast<GPT2Like>(module); gpt && overlap) {
         gpt->before_use = [d = ddp.get()](const std::vector<at::Tensor>& ps) { d->wait_param_sync(ps); };
       }
@@ -385,6 +387,8 @@ int main(int argc, char** argv) {
         {"grad_bytes", grad_bytes}, {"master_bytes", master_bytes}, {"mixed_precision", mixed},
         {"gradient_wire", gradient_wire},
         {"param_wire", param_wire},
+        {"error_feedback", error_feedback},
+        {"error_feedback_bytes", ddp ? ddp->error_feedback_bytes() : int64_t{0}},
         {"block_bytes_per_step", block_bytes_per_step},
         {"cross_block_bytes_per_step", cross_bytes_per_step}, {"wire_bytes_per_step", wire_bytes_per_step}};
     std::printf("%s\n", row.dump().c_str());

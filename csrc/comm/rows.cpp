@@ -199,7 +199,11 @@ PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat, std::optional<a
     packed.narrow(0, rank_ * row, row).copy_(own);
     own.copy_(packed.narrow(0, rank_ * row, row));
     PendingWork work = allgather_rows_async(packed);
-    work.and_then([flat, packed]() mutable { flat.copy_(packed); });
+    work.and_then([flat, packed, rank = rank_, size = size_, row]() mutable {
+      for (int r = 0; r < size; ++r) {  // this rank's row is current already
+        if (r != rank) flat.narrow(0, r * row, row).copy_(packed.narrow(0, r * row, row));
+      }
+    });
     return work;
   }
   constexpr auto kind = CommStats::kAllgather;

@@ -123,6 +123,10 @@ struct ShardedDDP::Bucket {
   bool divided = false;
   size_t pending = 0;  // entries not yet copied in
   PendingWork work;
+  // Error feedback (Note [Error feedback]): what rounding to the wire dropped from this rank's
+  // contribution at the last reduction, in the wire's dtype: one row of `numel` per rank (a row
+  // bucket), or `numel` (one owner). Kept until the buckets are built again.
+  at::Tensor residual;
 };
 
 }  // namespace shardopt

@@ -291,6 +291,7 @@ void ShardedDDP::launch_ready_buckets() {
     b.divided = !replica_ && divisor != 1.0;
     // The dtype the bucket travels in, where not its own (Note [Gradient wire]).
     const auto wire = wire_dtype(options_.gradient_wire(), b.options.dtype().toScalarType());
+    if (wire && options_.error_feedback()) feed_back_error(b, *wire);
     if (b.rows()) {  // each row's flags are divided too: a flag is only ever compared with zero
       // This rank's row is `out` (where its gradients were copied or accumulated): the others
       // are summed into it.
@@ -303,6 +304,37 @@ void ShardedDDP::launch_ready_buckets() {
       b.work = b.divided ? group_->reduce_mean_async(b.buffer, b.owner, b.numel, divisor)
                          : group_->reduce_async(b.buffer, b.owner);
     }
+  }
+}
+
+// Note [Error feedback]
+// ShardedDDPOptions::error_feedback keeps, per bucket, what rounding to the wire dropped from this
+// rank's contribution, and adds it to the next contribution before rounding again, as 1-bit
+// Adam's and PowerSGD's error feedback do: the gradient each rank sends over k reductions sums to
+// its true gradients' sum minus one residual, so the rounding errors cancel over steps instead of
+// biasing every one of them. The contribution is rounded here, and the residual taken, before the
+// collective starts; the wire then moves the rounded values unchanged, and the owner sums and
+// divides as without it (Note [Gradient wire]): the division by the world size follows the sum,
+// after rounding. The residual is kept in the wire's dtype (bf16: 2 bytes per element this rank
+// sends, that is per trainable element of the buckets, the whole model's on every rank, not 1/W
+// of it; error_feedback_bytes()); a residual held in bf16 is itself rounded, by at most 2^-9 of
+// its own size, which is 2^-17 of the gradient's. Only the gradient elements carry residuals, not
+// the flags (0 or 1: exact on the wire). A new layout (a freeze, a re-partition) builds the
+// buckets anew and starts their residuals at zero; so does a backward under no_sync (its
+// gradients are reduced by the next reduction, which feeds back then).
+void ShardedDDP::feed_back_error(Bucket& b, at::ScalarType wire) {
+  at::NoGradGuard no_grad;
+  const int64_t rows = b.rows() ? group_->size() : 1;
+  if (!b.residual.defined()) b.residual = at::zeros({rows * b.numel}, b.options.dtype(wire));
+  for (int64_t r = 0; r < rows; ++r) {
+    // This rank's own row of a row bucket is in `out` when it has one (Note [Row buckets]).
+    at::Tensor mine = b.rows() && r == group_->rank() && b.out.defined() ? b.out.narrow(0, 0, b.numel)
+                                                                        : b.buffer.narrow(0, r * b.stride, b.numel);
+    at::Tensor residual = b.residual.narrow(0, r * b.numel, b.numel);
+    mine.add_(residual);
+    const at::Tensor sent = mine.to(wire);
+    residual.copy_(mine.sub_(sent));  // what the rounding drops, in fp32, then held in the wire's dtype
+    mine.copy_(sent);                 // travels unchanged
   }
 }
 

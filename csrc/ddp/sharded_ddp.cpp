@@ -110,12 +110,17 @@ void ShardedDDP::check_optimizers() {
   // transfers of other sizes with everyone's.
   const Wire wire = options_.gradient_wire();
   ProcessGroup& global = optimizers_[0]->global_group();
-  const auto all = global.allgather_ints({static_cast<int64_t>(wire)});
+  const auto all = global.allgather_ints({static_cast<int64_t>(wire), int64_t{options_.error_feedback()}});
   for (size_t r = 1; r < all.size(); ++r) {
     SHARDOPT_CHECK(all[r][0] == all[0][0], "ShardedDDPOptions::gradient_wire differs between ranks: ",
                    global.describe_rank(0), " has ", wire_name(static_cast<Wire>(all[0][0])), ", ",
                    global.describe_rank(static_cast<int>(r)), " has ", wire_name(static_cast<Wire>(all[r][0])));
+    SHARDOPT_CHECK(all[r][1] == all[0][1], "ShardedDDPOptions::error_feedback differs between ranks: ",
+                   global.describe_rank(0), " has ", all[0][1] ? "true" : "false", ", ",
+                   global.describe_rank(static_cast<int>(r)), " has ", all[r][1] ? "true" : "false");
   }
+  SHARDOPT_CHECK(!options_.error_feedback() || wire != Wire::kExact, "ShardedDDPOptions::error_feedback(true) needs a "
+                 "compressed gradient_wire (Wire::kBFloat16): the exact wire drops nothing to feed back");
   SHARDOPT_CHECK(wire != Wire::kInt8, "ShardedDDPOptions::gradient_wire(Wire::kInt8) is not offered yet; use "
                  "Wire::kExact or Wire::kBFloat16");
   for (OSS* opt : optimizers_) {  // the optimizers' mixed precision is agreed between the ranks
@@ -501,6 +506,12 @@ int64_t ShardedDDP::local_grad_bytes() const {
   for (const auto& e : entries_) {  // pieces of split parameters this rank owns
     if (!e.whole && e.owned && e.grad().defined()) bytes += static_cast<int64_t>(e.grad().nbytes());
   }
+  return bytes;
+}
+
+int64_t ShardedDDP::error_feedback_bytes() const {
+  int64_t bytes = 0;
+  for (const Bucket& b : buckets_) bytes += b.residual.defined() ? static_cast<int64_t>(b.residual.nbytes()) : 0;
   return bytes;
 }
 

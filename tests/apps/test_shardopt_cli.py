@@ -521,6 +521,8 @@ class CliTest(unittest.TestCase):
               ranks=2)
         fails(["train", "-n", "2", "--param-wire", "bf16", "--mixed-precision", "fp16", *SMALL],
               "param_wire(Wire::kBFloat16) with MixedPrecision::param_dtype(kHalf)", ranks=2)
+        fails(["train", "-n", "2", "--error-feedback", *SMALL], "error_feedback(true) needs a compressed gradient_wire",
+              ranks=2)
         fails(["train", "--data", EXE], f"--data '{EXE}' is not a folder")
         fails(["train", *SMALL, "--checkpoint-dir", EXE], f"--checkpoint-dir '{EXE}' is not a folder")
 

@@ -154,6 +154,83 @@ TEST(GradientWire, Bf16WholeParameterBucketsSumTheRoundedGradientsInFp32) {
   }
 }
 
+// Error feedback (Note [Error feedback]): eight backward passes over the same data, no step. On a
+// plain bf16 wire every pass gives the owner the same rounded reduction; with error feedback the
+// first pass gives that too (nothing to feed back yet), and the mean of the eight passes comes
+// within a fraction of the plain wire's error of the exact mean, because each rank's roundings
+// cancel over the passes. The residuals are bf16, one per element each rank sends.
+TEST(GradientWire, ErrorFeedbackCancelsTheRoundingOverReductions) {
+  constexpr int kPasses = 8;
+  for (int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      const auto data = testing::rank_data(0, g->rank(), 2);
+      ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+      auto local = net_of(7);
+      testing::loss_of(local->forward(data.x), data, 1).backward();
+      const auto all = all_local_grads(local->parameters(), *g);
+      // Per feedback setting: the owned gradients of the first pass, and the mean of all passes.
+      std::vector<at::Tensor> first[2], mean[2], exact;
+      for (int feedback : {0, 1}) {
+        auto net = net_of(7);
+        OSS oss(net->parameters(), optimizer<optim::AdamW>(adamw()), g);
+        ShardedDDP ddp(net.ptr(), oss,
+                       ShardedDDPOptions().gradient_wire(Wire::kBFloat16).error_feedback(feedback != 0).reduce_bucket_bytes(1024));
+        EXPECT_EQ(ddp.error_feedback_bytes(), 0);
+        for (int pass = 0; pass < kPasses; ++pass) {
+          ddp.zero_grad();
+          testing::loss_of(ddp.forward(data.x), data, 1).backward();
+          const auto owned = oss.grads(/*owned_only=*/true);
+          for (size_t k = 0; k < owned.size(); ++k) {
+            const at::Tensor got = owned[k].reshape(-1).clone();
+            if (pass == 0) {
+              first[feedback].push_back(got);
+              mean[feedback].push_back(got / kPasses);
+            } else {
+              mean[feedback][k] += got / kPasses;
+            }
+          }
+        }
+        const int64_t trainable = 795;
+        if (feedback) {
+          // bf16: two bytes per element sent, at least the model's, never fp32's four.
+          EXPECT_GE(ddp.error_feedback_bytes(), 2 * trainable);
+          EXPECT_LT(ddp.error_feedback_bytes(), 4 * trainable);
+        } else {
+          EXPECT_EQ(ddp.error_feedback_bytes(), 0);
+          size_t next = 0;
+          for (size_t i = 0; i < net->parameters().size(); ++i) {
+            for (const auto& h : testing::Introspection::holdings(oss, i)) {
+              if (h.rank != g->rank()) continue;
+              at::Tensor sum = at::zeros({h.in_param.size()});
+              for (const auto& t : all[i]) sum += t.narrow(0, h.in_param.begin, h.in_param.size());
+              exact.push_back(sum / static_cast<double>(world));
+              ++next;
+            }
+          }
+          ASSERT_EQ(next, first[0].size());
+        }
+      }
+      ASSERT_EQ(first[0].size(), first[1].size());
+      double plain = 0, fed = 0;
+      for (size_t k = 0; k < exact.size(); ++k) {
+        EXPECT_TRUE(at::equal(first[0][k], first[1][k])) << "range " << k << ": the first pass has nothing to feed back";
+        plain = std::max(plain, (mean[0][k] - exact[k]).abs().max().item<double>());
+        fed = std::max(fed, (mean[1][k] - exact[k]).abs().max().item<double>());
+      }
+      const auto plains = g->allgather_ints({static_cast<int64_t>(plain * 1e12)});
+      const auto feds = g->allgather_ints({static_cast<int64_t>(fed * 1e12)});
+      int64_t plain_all = 0, fed_all = 0;
+      for (size_t r = 0; r < plains.size(); ++r) {
+        plain_all = std::max(plain_all, plains[r][0]);
+        fed_all = std::max(fed_all, feds[r][0]);
+      }
+      EXPECT_GT(plain_all, 0) << "the plain bf16 wire rounded nothing";
+      EXPECT_LT(4 * fed_all, plain_all) << "error feedback: " << fed_all << ", plain: " << plain_all << " (1e-12)";
+    });
+  }
+}
+
 TEST(GradientWire, AWireThatDiffersBetweenRanksInt8OrOverFp16IsAnErrorOnEveryRank) {
   auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
     auto net = net_of(7);
@@ -183,6 +260,23 @@ TEST(GradientWire, AWireThatDiffersBetweenRanksInt8OrOverFp16IsAnErrorOnEveryRan
   });
   for (const auto& e : errors) {
     EXPECT_NE(e.find("gradient_wire(Wire::kBFloat16) with gradients reduced in Half"), std::string::npos) << e;
+  }
+  // Error feedback on the exact wire, and on some ranks only.
+  errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = net_of(7);
+    OSS oss(net->parameters(), optimizer<optim::AdamW>(adamw()), g);
+    ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().error_feedback(true));
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("error_feedback(true) needs a compressed gradient_wire"), std::string::npos) << e;
+  }
+  errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = net_of(7);
+    OSS oss(net->parameters(), optimizer<optim::AdamW>(adamw()), g);
+    ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().gradient_wire(Wire::kBFloat16).error_feedback(g->rank() == 1));
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("error_feedback differs between ranks: rank 0 has false, rank 1 has true"), std::string::npos) << e;
   }
 }
 

@@ -4,6 +4,7 @@
 
 impl: ddp_zero = DistributedDataParallel + ZeroRedundancyOptimizer(Adam)
       ddp_adam = DistributedDataParallel + Adam
+      ddp_bf16 = DistributedDataParallel with bf16_compress_hook (gradients all-reduced in bf16) + Adam
       fsdp2    = fully_shard (FSDP2) with reshard_after_forward=False (its ZeRO-2 mode) + Adam
       fs_sdp   = fairscale ShardedDataParallel + fairscale OSS(Adam) (ZeRO-2)
       ddp_fsoss = DistributedDataParallel + fairscale OSS(Adam) (ZeRO-1)
@@ -86,7 +87,7 @@ class SmallTensors(nn.Module):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=["ddp_zero", "ddp_adam", "fsdp2", "fs_sdp", "ddp_fsoss"], required=True)
+    parser.add_argument("--impl", choices=["ddp_zero", "ddp_adam", "ddp_bf16", "fsdp2", "fs_sdp", "ddp_fsoss"], required=True)
     parser.add_argument("--model", choices=["gpt2", "small"], default="gpt2")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
@@ -130,6 +131,10 @@ def main() -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         wrapped = DDP(model)
+        if args.impl == "ddp_bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            wrapped.register_comm_hook(None, bf16_compress_hook)
         if args.impl == "ddp_zero":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 

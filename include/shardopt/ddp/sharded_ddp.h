@@ -99,6 +99,12 @@ struct ShardedDDPOptions {
   // in fp32 by the owner on Gloo, half the bytes). kInt8 is not offered yet. Every rank must pass
   // the same.
   TORCH_ARG(Wire, gradient_wire) = Wire::kExact;
+  // With a compressed gradient_wire: each rank keeps what rounding dropped from its own
+  // contribution to every bucket (a bf16 residual per element it sends, outside the 1/W of
+  // local_grad_bytes(): error_feedback_bytes()) and adds it to the next reduction's contribution,
+  // so over many steps the rounding errors cancel instead of adding up (Note [Error feedback] in
+  // csrc/ddp/reduction.cpp). Needs a compressed wire; every rank must pass the same.
+  TORCH_ARG(bool, error_feedback) = false;
 };
 
 class ShardedDDP;
@@ -199,6 +205,9 @@ class ShardedDDP {
   int64_t local_bucket_bytes() const;
   size_t num_buckets() const;
   int64_t rebuild_count() const { return rebuilds_; }
+  // Bytes of error feedback's residuals this rank keeps (0 without error_feedback, or before the
+  // first reduction).
+  int64_t error_feedback_bytes() const;
 
  private:
   friend class NoSync;
@@ -272,6 +281,9 @@ class ShardedDDP {
   at::Tensor bucket_buffer(Bucket& bucket);  // allocated (or reused) at its first gradient
   at::Tensor owned_memory(Bucket& bucket);   // where the owner's reduced gradients live
   void write_flags(Bucket& bucket);          // this rank's flags, before the reduction
+  // Error feedback: this rank's contribution plus the last residual, rounded to `wire`; the new
+  // residual is what the rounding dropped.
+  void feed_back_error(Bucket& bucket, at::ScalarType wire);
   // Sets aside an owner's gradient that the last reduction handed over (a hook of hooked_[h]).
   void before_accumulation(size_t hooked);
   // At the first gradient of a backward: which owned buckets it accumulates into in place.
