@@ -131,13 +131,14 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
       ->check(CLI::IsMember({"off", "bf16", "fp16"}))
       ->capture_default_str();
   train.add_option("--gradient-wire", o.gradient_wire, "exact, bf16 or int8: how each rank's gradients travel to "
-                   "their owners (bf16: rounded to bf16, summed in fp32, half the bytes)")
+                   "their owners (bf16: rounded to bf16, summed in fp32, half the bytes; int8: blocks of 256 with a "
+                   "scale each, a quarter)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))
       ->capture_default_str();
   train.add_flag("--error-feedback", o.error_feedback, "with --gradient-wire bf16: each rank adds what rounding dropped "
                  "from its gradients to the next step's (ShardedDDPOptions::error_feedback)");
   train.add_option("--param-wire", o.param_wire, "exact, bf16 or int8: how the owners' updated parameters travel "
-                   "(bf16: fp32 masters on the owners, every rank's parameters rounded to bf16, half the bytes)")
+                   "(compressed: fp32 masters on the owners, every rank's parameters the rounded masters)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))
       ->capture_default_str();
 }
@@ -192,13 +193,13 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
                                                           "second scenario (0: none)")
       ->check(number_in(0, 0.999999, "in [0, 1)"))
       ->capture_default_str();
-  plan.add_option("--gradient-wire", o.gradient_wire, "exact or bf16: how ZeRO-2's gradients travel to their owners "
-                                                      "(ShardedDDPOptions::gradient_wire; int8 is not offered yet)")
-      ->check(CLI::IsMember({"exact", "bf16"}))
+  plan.add_option("--gradient-wire", o.gradient_wire, "exact, bf16 or int8: how ZeRO-2's gradients travel to their "
+                                                      "owners (ShardedDDPOptions::gradient_wire)")
+      ->check(CLI::IsMember({"exact", "bf16", "int8"}))
       ->capture_default_str();
-  plan.add_option("--param-wire", o.param_wire, "exact or bf16: how ZeRO-1/2's parameter sync travels, bf16 with fp32 "
-                                                "masters on the owners (OSSOptions::param_wire; int8 is not offered yet)")
-      ->check(CLI::IsMember({"exact", "bf16"}))
+  plan.add_option("--param-wire", o.param_wire, "exact, bf16 or int8: how ZeRO-1/2's parameter sync travels, "
+                                                "compressed with fp32 masters on the owners (OSSOptions::param_wire)")
+      ->check(CLI::IsMember({"exact", "bf16", "int8"}))
       ->capture_default_str();
   plan.add_option("--intra-node-bandwidth", o.intra_node_gbps, "GB/s each way between ranks of one node (NVLink)")
       ->check(kPositive)

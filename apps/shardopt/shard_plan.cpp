@@ -86,11 +86,15 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
   const double low = bf16 ? 2.0 : 4.0;
   // ZeRO-2's gradients within a block travel in bf16 under --gradient-wire bf16 (Note [Gradient
   // wire] in csrc/comm/wire.cpp); the all-reduce across blocks stays exact.
-  const double wire = c.gradient_wire == "bf16" ? std::min(low, 2.0) : low;
-  // The parameter sync travels in bf16 under --param-wire bf16, and the owners then keep fp32
+  // int8: a byte an element and a 4-byte scale a block of 256 (Note [Int8 wire]).
+  auto on_wire = [low](const std::string& wire) {
+    return wire == "bf16" ? std::min(low, 2.0) : wire == "int8" ? std::min(low, 1.0 + 4.0 / 256) : low;
+  };
+  const double wire = on_wire(c.gradient_wire);
+  // The parameter sync travels in bf16 or int8 under --param-wire, and the owners then keep fp32
   // masters of what they own (Note [Parameter wire]).
-  const bool param_wire = c.param_wire == "bf16" && c.mode != "ddp";
-  const double sync = param_wire ? std::min(low, 2.0) : low;
+  const bool param_wire = c.param_wire != "exact" && c.mode != "ddp";
+  const double sync = param_wire ? on_wire(c.param_wire) : low;
   out.ranks.assign(layout.world_size(), RankPlan());
   for (int r = 0; r < layout.world_size(); ++r) out.ranks[r].rank = r;
   double buffers = 0;

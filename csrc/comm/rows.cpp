@@ -4,6 +4,7 @@
 #include <shardopt/comm/process_group.h>
 
 #include "comm/sum_into.h"
+#include "comm/wire_codec.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -43,18 +44,18 @@ void check_rows(const char* what, const at::Tensor& flat, int size) {
 }  // namespace
 
 PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double divisor, at::Tensor out,
-                                                    std::optional<at::ScalarType> wire) {
-  return reduce_scatter_rows(flat, divisor, std::move(out), false, wire);
+                                                    std::optional<at::ScalarType> wire, int64_t exact_tail) {
+  return reduce_scatter_rows(flat, divisor, std::move(out), false, wire, exact_tail);
 }
 
 PendingWork ProcessGroup::reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor,
-                                                         std::optional<at::ScalarType> wire) {
+                                                         std::optional<at::ScalarType> wire, int64_t exact_tail) {
   SHARDOPT_CHECK(out.defined(), "reduce_scatter_rows_into_async: needs an output row");
-  return reduce_scatter_rows(flat, divisor, out, true, wire);
+  return reduce_scatter_rows(flat, divisor, out, true, wire, exact_tail);
 }
 
 PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, at::Tensor out, bool own_in_out,
-                                              std::optional<at::ScalarType> wire) {
+                                              std::optional<at::ScalarType> wire, int64_t exact_tail) {
   check_rows("reduce_scatter_rows_async", flat, size_);
   SHARDOPT_CHECK(divisor > 0, "reduce_scatter_rows_async: divisor must be positive, got ", divisor);
   const int64_t row = flat.numel() / size_;
@@ -69,7 +70,7 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
   at::Tensor mine = out.defined() ? out : flat.narrow(0, rank_ * row, row);
   if (wire && *wire != flat.scalar_type() && size_ > 1) {
     return reduce_scatter_rows_on_wire(flat, divisor, mine, own_in_out ? out : flat.narrow(0, rank_ * row, row),
-                                       *wire);
+                                       *wire, exact_tail);
   }
   check_in(kind, nbytes(flat), -1);
   if (size_ == 1) {  // the one row is this rank's: nothing to send
@@ -136,14 +137,15 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
 // (Note [Gradient wire] in wire.cpp). `own` (which may be `mine`) is read once the transfers are
 // done; a CUDA one is copied to the host at once.
 PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double divisor, const at::Tensor& mine,
-                                                      const at::Tensor& own, at::ScalarType wire) {
+                                                      const at::Tensor& own, at::ScalarType wire, int64_t exact_tail) {
   constexpr auto kind = CommStats::kReduceScatter;
   const int64_t row = flat.numel() / size_;
-  const int64_t bytes = flat.numel() * static_cast<int64_t>(c10::elementSize(wire));
+  const detail::WireCodec codec(wire, exact_tail);
+  const int64_t bytes = codec.packed_bytes(row) * size_;
   check_in(kind, bytes, -1);
   if (backend_name_ == "gloo") {
     const int tag = next_p2p_tag();
-    const auto on_host = at::TensorOptions().device(at::kCPU).dtype(wire);
+    const auto on_host = at::TensorOptions().device(at::kCPU).dtype(codec.packed_dtype());
     // This rank's contribution stays here: on the host in its own dtype (a CUDA row copied out).
     const at::Tensor own_here = own.is_cpu() ? own : own.to(at::kCPU);
     std::vector<at::Tensor> incoming;
@@ -151,14 +153,15 @@ PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double d
     std::vector<at::Tensor> outgoing(static_cast<size_t>(size_));
     for (int k = 1; k < size_; ++k) {
       const int dst = (rank_ + k) % size_;
-      outgoing[static_cast<size_t>(dst)] = flat.narrow(0, dst * row, row).to(on_host);  // each row sent, cast once
+      at::Tensor sent = flat.narrow(0, dst * row, row);
+      outgoing[static_cast<size_t>(dst)] = codec.encode(sent.is_cpu() ? sent : sent.to(at::kCPU));  // each row encoded once
     }
     std::vector<at::Tensor> by_rank(static_cast<size_t>(size_));
     for (int k = 1; k < size_; ++k) {
       const int dst = (rank_ + k) % size_, src = (rank_ - k + size_) % size_;
       std::vector<at::Tensor> out{outgoing[static_cast<size_t>(dst)]};
       transfers.push_back(start(kind, [&] { return backend_->send(out, dst, tag); }));
-      std::vector<at::Tensor> in{at::empty({row}, on_host)};
+      std::vector<at::Tensor> in{at::empty({codec.packed_numel(row)}, on_host)};
       by_rank[static_cast<size_t>(src)] = in[0];
       transfers.push_back(start(kind, [&] { return backend_->recv(in, src, tag); }));
     }
@@ -166,13 +169,14 @@ PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double d
       if (r != rank_) incoming.push_back(by_rank[static_cast<size_t>(r)]);
     }
     PendingWork work = track_all(kind, bytes, std::move(transfers));
-    work.set_then([mine, outgoing, own_here, incoming, row, divisor]() mutable {
+    work.set_then([mine, outgoing, own_here, incoming, row, divisor, codec]() mutable {
       at::Tensor sum = mine.is_cpu() && mine.is_contiguous() ? mine : at::empty({row}, own_here.options());
-      detail::sum_widened(sum, own_here, incoming, divisor != 1.0 ? row : 0, divisor);
+      detail::sum_decoded(sum, own_here, incoming, codec, divisor != 1.0 ? row : 0, divisor);
       if (!sum.is_same(mine)) mine.copy_(sum);
     });
     return work;
   }
+  SHARDOPT_CHECK(!codec.int8(), "the int8 wire is not offered on ", backend_name_, " (Gloo only)");
   // NCCL sums in the wire's dtype, in place in this rank's row of the packed buffer.
   at::Tensor packed = staged(flat.to(wire));
   packed.narrow(0, rank_ * row, row).copy_(own);
@@ -194,14 +198,16 @@ PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat, std::optional<a
     // This rank's row is rounded in place and travels in `wire`; the others' rows are widened
     // where they arrive (Note [Parameter wire]).
     const int64_t row = flat.numel() / size_;
+    const detail::WireCodec codec(*wire);
+    const int64_t packed_row = codec.packed_numel(row);
     at::Tensor own = flat.narrow(0, rank_ * row, row);
-    at::Tensor packed = at::empty({flat.numel()}, flat.options().dtype(*wire));
-    packed.narrow(0, rank_ * row, row).copy_(own);
-    own.copy_(packed.narrow(0, rank_ * row, row));
+    at::Tensor packed = at::empty({packed_row * size_}, flat.options().dtype(codec.packed_dtype()));
+    packed.narrow(0, rank_ * packed_row, packed_row).copy_(codec.encode(own));
+    codec.decode_into(packed.narrow(0, rank_ * packed_row, packed_row), own);
     PendingWork work = allgather_rows_async(packed);
-    work.and_then([flat, packed, rank = rank_, size = size_, row]() mutable {
+    work.and_then([flat, packed, rank = rank_, size = size_, row, packed_row, codec]() mutable {
       for (int r = 0; r < size; ++r) {  // this rank's row is current already
-        if (r != rank) flat.narrow(0, r * row, row).copy_(packed.narrow(0, r * row, row));
+        if (r != rank) codec.decode_into(packed.narrow(0, r * packed_row, packed_row), flat.narrow(0, r * row, row));
       }
     });
     return work;

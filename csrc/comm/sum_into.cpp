@@ -1,6 +1,7 @@
 // The sums a rank computes of what others sent it (comm/sum_into.h): the reduce to one owner and
 // the rows' reduce-scatter, exact or from a narrower wire.
 #include "comm/sum_into.h"
+#include "comm/wire_codec.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -116,6 +117,20 @@ void sum_widened(at::Tensor& out, const at::Tensor& own, const std::vector<at::T
   });
 }
 
-}  // namespace detail
+void sum_decoded(at::Tensor& out, const at::Tensor& own, const std::vector<at::Tensor>& incoming,
+                 const WireCodec& codec, int64_t numel, double divisor) {
+  if (!codec.int8()) {
+    sum_widened(out, own, incoming, numel, divisor);
+    return;
+  }
+  std::vector<at::Tensor> decoded;
+  for (const auto& packed : incoming) {
+    at::Tensor values = at::empty({out.numel()}, out.options());
+    codec.decode_into(packed, values);
+    decoded.push_back(values);
+  }
+  sum_to(out, codec.round_trip(own.reshape(-1)), decoded, numel, divisor);
+}
 
+}  // namespace detail
 }  // namespace shardopt

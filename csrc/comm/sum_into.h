@@ -23,4 +23,10 @@ void sum_to(at::Tensor& out, const at::Tensor& first, const std::vector<at::Tens
 void sum_widened(at::Tensor& out, const at::Tensor& own, const std::vector<at::Tensor>& incoming, int64_t numel,
                  double divisor);
 
+class WireCodec;
+// The same for contributions packed by `codec` (bf16: sum_widened; int8: each decoded, `own`
+// through the codec too, summed in out's dtype in order; Note [Int8 wire]).
+void sum_decoded(at::Tensor& out, const at::Tensor& own, const std::vector<at::Tensor>& incoming,
+                 const WireCodec& codec, int64_t numel, double divisor);
+
 }  // namespace shardopt::detail

@@ -4,6 +4,7 @@
 #include <shardopt/check.h>
 
 #include "ddp/executor.h"
+#include "comm/wire_codec.h"
 
 #include <cstring>
 
@@ -292,14 +293,16 @@ void ShardedDDP::launch_ready_buckets() {
     // The dtype the bucket travels in, where not its own (Note [Gradient wire]).
     const auto wire = wire_dtype(options_.gradient_wire(), b.options.dtype().toScalarType());
     if (wire && options_.error_feedback()) feed_back_error(b, *wire);
+    const int64_t flags = b.stride - b.numel;  // after each row's gradients: exact on an int8 wire
     if (b.rows()) {  // each row's flags are divided too: a flag is only ever compared with zero
       // This rank's row is `out` (where its gradients were copied or accumulated): the others
       // are summed into it.
       b.work = b.out.defined()
-                   ? group_->reduce_scatter_rows_into_async(b.buffer, b.out, b.divided ? divisor : 1.0, wire)
-                   : group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0, {}, wire);
+                   ? group_->reduce_scatter_rows_into_async(b.buffer, b.out, b.divided ? divisor : 1.0, wire, flags)
+                   : group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0, {}, wire, flags);
     } else if (wire) {
-      b.work = group_->reduce_mean_async(b.buffer, b.owner, b.divided ? b.numel : 0, b.divided ? divisor : 1.0, wire);
+      b.work = group_->reduce_mean_async(b.buffer, b.owner, b.divided ? b.numel : 0, b.divided ? divisor : 1.0, wire,
+                                         flags);
     } else {
       b.work = b.divided ? group_->reduce_mean_async(b.buffer, b.owner, b.numel, divisor)
                          : group_->reduce_async(b.buffer, b.owner);
@@ -315,26 +318,29 @@ void ShardedDDP::launch_ready_buckets() {
 // biasing every one of them. The contribution is rounded here, and the residual taken, before the
 // collective starts; the wire then moves the rounded values unchanged, and the owner sums and
 // divides as without it (Note [Gradient wire]): the division by the world size follows the sum,
-// after rounding. The residual is kept in the wire's dtype (bf16: 2 bytes per element this rank
-// sends, that is per trainable element of the buckets, the whole model's on every rank, not 1/W
-// of it; error_feedback_bytes()); a residual held in bf16 is itself rounded, by at most 2^-9 of
-// its own size, which is 2^-17 of the gradient's. Only the gradient elements carry residuals, not
+// after rounding. The residual is kept in bf16 (2 bytes per element this rank sends, that is per
+// trainable element of the buckets, the whole model's on every rank, not 1/W of it;
+// error_feedback_bytes()); a residual held in bf16 is itself rounded, by at most 2^-9 of its own
+// size. On the int8 wire (Note [Int8 wire]) the rounded contribution is quantised again by the
+// wire: the same int8 values, and a scale that may differ in its last bit, so what arrives may
+// differ from what the residual assumed by that last bit. Only the gradient elements carry residuals, not
 // the flags (0 or 1: exact on the wire). A new layout (a freeze, a re-partition) builds the
 // buckets anew and starts their residuals at zero; so does a backward under no_sync (its
 // gradients are reduced by the next reduction, which feeds back then).
 void ShardedDDP::feed_back_error(Bucket& b, at::ScalarType wire) {
   at::NoGradGuard no_grad;
   const int64_t rows = b.rows() ? group_->size() : 1;
-  if (!b.residual.defined()) b.residual = at::zeros({rows * b.numel}, b.options.dtype(wire));
+  const detail::WireCodec codec(wire);
+  if (!b.residual.defined()) b.residual = at::zeros({rows * b.numel}, b.options.dtype(at::kBFloat16));
   for (int64_t r = 0; r < rows; ++r) {
     // This rank's own row of a row bucket is in `out` when it has one (Note [Row buckets]).
     at::Tensor mine = b.rows() && r == group_->rank() && b.out.defined() ? b.out.narrow(0, 0, b.numel)
                                                                         : b.buffer.narrow(0, r * b.stride, b.numel);
     at::Tensor residual = b.residual.narrow(0, r * b.numel, b.numel);
     mine.add_(residual);
-    const at::Tensor sent = mine.to(wire);
-    residual.copy_(mine.sub_(sent));  // what the rounding drops, in fp32, then held in the wire's dtype
-    mine.copy_(sent);                 // travels unchanged
+    const at::Tensor sent = codec.round_trip(mine);  // what arrives
+    residual.copy_(mine.sub_(sent));  // what the rounding drops, in fp32, then held in bf16
+    mine.copy_(sent);                 // travels unchanged (int8: up to a last bit of its scale)
   }
 }
 

@@ -424,16 +424,19 @@ class CliTest(unittest.TestCase):
         for line in lines:
             self.assertIn("--metrics '/nonexistent/m.jsonl': the folder '/nonexistent' does not exist", line)
 
-    def test_bf16_gradient_wire_trains_like_the_exact_wire(self):
-        # The same seed and schedule; only the way gradients travel differs.
+    def test_compressed_wires_train_like_the_exact_wire(self):
+        # The same seed and schedule; only the way gradients (and, with int8, parameters) travel
+        # differs.
         args = ["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE]
         exact = run([*args, "--checkpoint-dir", self.path("exact")])
-        bf16 = run([*args, "--checkpoint-dir", self.path("bf16"), "--gradient-wire", "bf16"])
         accuracy = lambda p: float(re.findall(r"test accuracy (\d+\.\d+)%", p.stdout)[-1])
-        self.assertLessEqual(abs(accuracy(bf16) - accuracy(exact)), 1.0, f"{exact.stdout}\n{bf16.stdout}")
         a = read_checkpoint.load(self.path("exact/last.ckpt"))["model"]
-        b = read_checkpoint.load(self.path("bf16/last.ckpt"))["model"]
-        self.assertGreater(max_abs_diff(a, b), 0, "the bf16 wire changed nothing")
+        for name, wires in (("bf16", ["--gradient-wire", "bf16"]),
+                            ("int8", ["--gradient-wire", "int8", "--param-wire", "int8", "--error-feedback"])):
+            got = run([*args, "--checkpoint-dir", self.path(name), *wires])
+            self.assertLessEqual(abs(accuracy(got) - accuracy(exact)), 1.0, f"{exact.stdout}\n{got.stdout}")
+            b = read_checkpoint.load(self.path(f"{name}/last.ckpt"))["model"]
+            self.assertGreater(max_abs_diff(a, b), 0, f"the {name} wire changed nothing")
 
     def test_bf16_wires_train_and_resume_bit_exact(self):
         # Gradients and parameters on bf16 wires: fp32 parameters that are the owners' fp32 masters
@@ -514,11 +517,8 @@ class CliTest(unittest.TestCase):
                                       ("--checkpoint-every", "5", "--checkpoint-every requires --checkpoint-dir")]:
             fails(["train", option, value], needle)
         fails(["train", "--sharded-checkpoint"], "--sharded-checkpoint requires --checkpoint-dir")
-        fails(["train", "-n", "2", "--gradient-wire", "int8", *SMALL], "gradient_wire(Wire::kInt8) is not offered yet",
-              ranks=2)
         fails(["train", "--gradient-wire", "fp8"], "fp8")
-        fails(["train", "-n", "2", "--param-wire", "int8", *SMALL], "param_wire(Wire::kInt8) is not offered yet",
-              ranks=2)
+        fails(["train", "--param-wire", "fp8"], "fp8")
         fails(["train", "-n", "2", "--param-wire", "bf16", "--mixed-precision", "fp16", *SMALL],
               "param_wire(Wire::kBFloat16) with MixedPrecision::param_dtype(kHalf)", ranks=2)
         fails(["train", "-n", "2", "--error-feedback", *SMALL], "error_feedback(true) needs a compressed gradient_wire",

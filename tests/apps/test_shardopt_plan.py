@@ -225,7 +225,7 @@ class PlanTest(unittest.TestCase):
                 self.assertAlmostEqual(bf16["max_traffic_rank"][field], want, delta=1e-6 * want + 1e-9, msg=str(key))
             if key[0] == "zero2":
                 self.assertLess(bf16["comm_seconds_per_step"], exact["comm_seconds_per_step"], key)
-        p = run(["plan", "--gradient-wire", "int8"], check=False)
+        p = run(["plan", "--gradient-wire", "fp8"], check=False)
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("--gradient-wire", p.stderr)
 
@@ -260,7 +260,20 @@ class PlanTest(unittest.TestCase):
                 self.assertAlmostEqual(param["max_traffic_rank"][field], ratio * e, delta=delta * e + 1e-9, msg=str(key))
                 if key[0] == "zero2":
                     self.assertAlmostEqual(both["max_traffic_rank"][field], 0.5 * e, delta=1e-6 * e + 1e-9, msg=str(key))
-        p = run(["plan", "--param-wire", "int8"], check=False)
+        # int8 on both wires: a byte an element and a 4-byte scale a block of 256, ZeRO-2's bytes
+        # at (1 + 4/256) / 4 of the exact wires'.
+        run([*common, "--param-wire", "int8", "--gradient-wire", "int8", "-o", self.path("int8")])
+        with open(self.path("int8/plan.json")) as f:
+            int8 = {(c["mode"], c["world_size"]): c for c in json.load(f)["configs"]}
+        for key, exact in plans["exact"].items():
+            if key[0] != "zero2":
+                continue
+            self.assertEqual(int8[key]["param_wire"], "int8")
+            for field in ("bytes_sent_per_step", "bytes_received_per_step"):
+                e = exact["max_traffic_rank"][field]
+                self.assertAlmostEqual(int8[key]["max_traffic_rank"][field], (1 + 4 / 256) / 4 * e, delta=1e-6 * e + 1e-9,
+                                       msg=str(key))
+        p = run(["plan", "--param-wire", "fp8"], check=False)
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("--param-wire", p.stderr)
 

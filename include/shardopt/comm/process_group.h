@@ -161,9 +161,11 @@ class ProcessGroup {
   // the leading elements; the ones after them, counts for example, stay sums). On Gloo the
   // division is in the same pass over memory as the sum, with the rounding of sum then div_.
   // With `wire` (a dtype other than the tensor's), every contribution travels in that dtype and
-  // the root sums them in the tensor's (Note [Gradient wire] in csrc/comm/wire.cpp).
+  // the root sums them in the tensor's (Note [Gradient wire] in csrc/comm/wire.cpp). A kChar
+  // wire is int8 in blocks with fp32 scales (Note [Int8 wire]), whose last `exact_tail` elements
+  // (counts, flags) travel exactly; Gloo only.
   PendingWork reduce_mean_async(at::Tensor& tensor, int root, int64_t numel, double divisor,
-                                std::optional<at::ScalarType> wire = std::nullopt);
+                                std::optional<at::ScalarType> wire = std::nullopt, int64_t exact_tail = 0);
   PendingWork allreduce_async(at::Tensor& tensor, Reduction op = Reduction::kSum);
   // With `wire` (a dtype other than the tensor's), the root first rounds its tensor through
   // `wire` in place, and the broadcast moves `wire` bytes: every rank ends with the same rounded
@@ -177,14 +179,16 @@ class ProcessGroup {
   // collective in stats() (kReduceScatter, kAllgather) counting the bytes of `flat`, and each
   // rank sends (size - 1) / size of `flat`. With `out` (one row, of flat's dtype and device) the
   // sum goes there instead, and this rank's row of `flat` is left unspecified too.
-  // With `wire`, each row travels in that dtype (Note [Gradient wire]).
+  // With `wire`, each row travels in that dtype (Note [Gradient wire]; kChar: int8 blocks, each
+  // row's last `exact_tail` elements exact, Note [Int8 wire]).
   PendingWork reduce_scatter_rows_async(at::Tensor& flat, double divisor = 1.0, at::Tensor out = {},
-                                        std::optional<at::ScalarType> wire = std::nullopt);
+                                        std::optional<at::ScalarType> wire = std::nullopt, int64_t exact_tail = 0);
   // The same with this rank's own contribution in `out` (not in its row of `flat`, which is left
   // alone), summed into there with the others: ShardedDDP keeps a rank's own gradients of a row
   // bucket where they are reduced.
   PendingWork reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor = 1.0,
-                                             std::optional<at::ScalarType> wire = std::nullopt);
+                                             std::optional<at::ScalarType> wire = std::nullopt,
+                                             int64_t exact_tail = 0);
   // With `wire`, each rank first rounds its own row through `wire` in place, and the rows
   // travel in `wire` (Note [Parameter wire]).
   PendingWork allgather_rows_async(at::Tensor& flat, std::optional<at::ScalarType> wire = std::nullopt);
@@ -281,10 +285,10 @@ class ProcessGroup {
   // `what` with the phase and, in a sub-group, its global ranks: how errors name an operation.
   std::string label(std::string what) const;
   PendingWork reduce_scatter_rows(at::Tensor& flat, double divisor, at::Tensor out, bool own_in_out,
-                                  std::optional<at::ScalarType> wire);
-  // The rows travelling in `wire` (Note [Gradient wire]).
+                                  std::optional<at::ScalarType> wire, int64_t exact_tail);
+  // The rows travelling in `wire` (Note [Gradient wire], Note [Int8 wire]).
   PendingWork reduce_scatter_rows_on_wire(at::Tensor& flat, double divisor, const at::Tensor& mine,
-                                          const at::Tensor& own, at::ScalarType wire);
+                                          const at::Tensor& own, at::ScalarType wire, int64_t exact_tail);
   // The desync check before a collective (when on): every rank's (sequence, kind, bytes, root).
   void check_in(CommStats::Kind kind, int64_t bytes, int root);
   // A group over `backend` whose rank i is this group's rank members[i] (split, regroup); with
@@ -294,7 +298,7 @@ class ProcessGroup {
                                              std::shared_ptr<detail::GroupFailure> failure = nullptr) const;
   // reduce_async and reduce_mean_async (numel 0: no division).
   PendingWork reduce_to(at::Tensor& tensor, int root, Reduction op, int64_t numel, double divisor,
-                        std::optional<at::ScalarType> wire = std::nullopt);
+                        std::optional<at::ScalarType> wire = std::nullopt, int64_t exact_tail = 0);
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::string backend_name_;

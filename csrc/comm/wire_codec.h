@@ -1,0 +1,39 @@
+// How a tensor travels on a compressed wire: encoded into a packed tensor that is sent as it is,
+// decoded where it arrives (Note [Gradient wire], Note [Int8 wire] in wire.cpp). Internal.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace shardopt::detail {
+
+// The elements of one int8 block, each block with one fp32 scale (Note [Int8 wire]).
+inline constexpr int64_t kInt8Block = 256;
+
+class WireCodec {
+ public:
+  // `wire`: kBFloat16 (a cast), or kChar (int8 in blocks of kInt8Block with fp32 scales), as
+  // wire_dtype() gives it.
+  // Under int8 the last `exact_tail` elements travel as they are, in fp32 after the blocks (a
+  // row's flags, which must stay 0 or 1).
+  explicit WireCodec(at::ScalarType wire, int64_t exact_tail = 0) : wire_(wire), tail_(int8() ? exact_tail : 0) {}
+  bool int8() const { return wire_ == at::kChar; }
+  // The packed form of `numel` elements: its dtype and element count, and its bytes.
+  at::ScalarType packed_dtype() const { return int8() ? at::kByte : wire_; }
+  int64_t packed_numel(int64_t numel) const;
+  int64_t packed_bytes(int64_t numel) const;
+  // `x` (1-D, contiguous, floating, any device) packed, on x's device.
+  at::Tensor encode(const at::Tensor& x) const;
+  // `packed` (of `numel` elements) decoded into `out` (1-D, `numel` elements, floating).
+  void decode_into(const at::Tensor& packed, at::Tensor out) const;
+  // x as it arrives after the wire: decode(encode(x)), in x's dtype.
+  at::Tensor round_trip(const at::Tensor& x) const;
+
+ private:
+  at::ScalarType wire_;
+  int64_t tail_ = 0;
+};
+
+}  // namespace shardopt::detail

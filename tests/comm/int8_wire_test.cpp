@@ -1,0 +1,128 @@
+// The int8 wire (Note [Int8 wire] in csrc/comm/wire.cpp) at the process group: rows reduce-
+// scattered, reduced to one owner, all-gathered and broadcast as int8 blocks of 256 elements with
+// one fp32 scale each, against a quantisation written here from its definition (scale = max |x| /
+// 127 per block, q = round(x / scale), x' = q * scale) over every rank's data: the owners' sums,
+// bit for bit, of every contribution dequantised (its own too), its own first then the others by
+// rank, divided after the sum; a row's exact tail (ShardedDDP's flags) arrives unchanged; every
+// rank ends with the same dequantised parameters; the stats count the packed bytes.
+#include <shardopt/comm/process_group.h>
+
+#include "harness.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace shardopt {
+namespace {
+
+using testing::run_ranks;
+
+constexpr int64_t kBlock = 256;
+
+// x (1-D fp32) as the int8 wire delivers it, its last `tail` elements exact.
+at::Tensor quantised(const at::Tensor& x, int64_t tail = 0) {
+  const int64_t n = x.numel() - tail;
+  at::Tensor out = x.clone();
+  for (int64_t b = 0; b < n; b += kBlock) {
+    at::Tensor block = x.narrow(0, b, std::min(kBlock, n - b));
+    float scale = block.abs().max().item<float>() / 127.0f;
+    if (scale == 0) scale = 1;
+    const at::Tensor s = at::full({1}, scale, at::kFloat);
+    out.narrow(0, b, block.numel()).copy_(at::round(block / s).clamp(-127, 127) * s);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> everyones(ProcessGroup& g, const at::Tensor& mine) {
+  std::vector<at::Tensor> all;
+  for (int k = 0; k < g.size(); ++k) all.push_back(at::empty_like(mine));
+  g.allgather(all, mine);
+  for (int k = 1; k < g.size(); ++k) EXPECT_FALSE(all[k].equal(all[0])) << "ranks need different data";
+  return all;
+}
+
+int64_t packed_bytes(int64_t n, int64_t tail = 0) { return (n - tail) + 4 * ((n - tail + kBlock - 1) / kBlock) + 4 * tail; }
+
+TEST(Int8Wire, RowsReduceScatterSumsTheDequantisedBlocksInFp32) {
+  for (int world : {2, 3, 4}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank();
+      const int64_t row = 1000, tail = 3;  // 997 values (not a multiple of 256) then 3 exact flags
+      at::manual_seed(500 + r);
+      at::Tensor flat = at::randn({row * world}) * (r + 1);
+      for (int k = 0; k < world; ++k) flat.narrow(0, k * row + row - tail, tail).fill_(1.0 + r);
+      const auto all = everyones(*g, flat);
+      for (bool into : {false, true}) {
+        at::Tensor buf = flat.clone();
+        at::Tensor out = at::empty({row});
+        const CommStats before = g->stats();
+        if (into) {
+          out.copy_(buf.narrow(0, r * row, row));
+          g->reduce_scatter_rows_into_async(buf, out, world, at::kChar, tail).wait();
+        } else {
+          g->reduce_scatter_rows_async(buf, world, {}, at::kChar, tail).wait();
+          out = buf.narrow(0, r * row, row);
+        }
+        EXPECT_EQ(g->stats().bytes[CommStats::kReduceScatter] - before.bytes[CommStats::kReduceScatter],
+                  world * packed_bytes(row, tail));
+        at::Tensor want = quantised(all[r].narrow(0, r * row, row), tail);
+        for (int k = 0; k < world; ++k) {
+          if (k != r) want = want + quantised(all[k].narrow(0, r * row, row), tail);
+        }
+        want = want / static_cast<double>(world);
+        ASSERT_TRUE(out.equal(want)) << (into ? "into: " : "") << "max diff " << (out - want).abs().max().item<double>();
+        // The flags are sums of exact values: (1 + 2 + ... + world) / world.
+        EXPECT_TRUE(out.narrow(0, row - tail, tail).eq((world + 1) / 2.0).all().item<bool>());
+        at::Tensor exact = at::zeros({row});
+        for (int k = 0; k < world; ++k) exact += all[k].narrow(0, r * row, row);
+        EXPECT_FALSE(out.equal(exact / static_cast<double>(world))) << "int8 rounded nothing";
+      }
+    });
+  }
+}
+
+TEST(Int8Wire, ReduceToOneOwnerSumsTheDequantisedBlocks) {
+  run_ranks(3, [](std::shared_ptr<ProcessGroup> g) {
+    const int r = g->rank();
+    const int64_t n = 700, tail = 2;
+    at::manual_seed(600 + r);
+    at::Tensor t = at::randn({n});
+    const auto all = everyones(*g, t);
+    const CommStats before = g->stats();
+    g->reduce_mean_async(t, 1, n - tail, 3.0, at::kChar, tail).wait();
+    EXPECT_EQ(g->stats().bytes[CommStats::kReduce] - before.bytes[CommStats::kReduce], packed_bytes(n, tail));
+    if (r != 1) return;
+    at::Tensor want = quantised(all[1], tail) + quantised(all[0], tail) + quantised(all[2], tail);
+    want.narrow(0, 0, n - tail).div_(3.0);
+    ASSERT_TRUE(t.equal(want)) << "max diff " << (t - want).abs().max().item<double>();
+  });
+}
+
+TEST(Int8Wire, AllGatherAndBroadcastLeaveEveryRankTheDequantisedValues) {
+  for (int world : {2, 3}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank();
+      const int64_t row = 600;
+      at::manual_seed(700 + r);
+      at::Tensor flat = at::randn({row * world});
+      const auto all = everyones(*g, flat);
+      const CommStats before = g->stats();
+      g->allgather_rows_async(flat, at::kChar).wait();
+      EXPECT_EQ(g->stats().bytes[CommStats::kAllgather] - before.bytes[CommStats::kAllgather], world * packed_bytes(row));
+      for (int k = 0; k < world; ++k) {
+        const at::Tensor want = quantised(all[k].narrow(0, k * row, row));
+        ASSERT_TRUE(flat.narrow(0, k * row, row).equal(want)) << "row " << k << ", this rank's own too";
+      }
+      at::Tensor t = all[r].narrow(0, 0, 333).clone();
+      g->broadcast_async(t, world - 1, at::kChar).wait();
+      ASSERT_TRUE(t.equal(quantised(all[world - 1].narrow(0, 0, 333)))) << "the root's own too";
+    });
+  }
+}
+
+}  // namespace
+}  // namespace shardopt
