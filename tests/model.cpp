@@ -95,11 +95,15 @@ bool same_on_all_ranks(const std::vector<at::Tensor>& params, ProcessGroup& grou
   return true;
 }
 
-bool differs_across_ranks(const at::Tensor& t, ProcessGroup& group) {
-  at::Tensor mine = t.detach().reshape(-1).contiguous();
+std::vector<at::Tensor> everyones(ProcessGroup& group, const at::Tensor& mine) {
   std::vector<at::Tensor> all;
   for (int r = 0; r < group.size(); ++r) all.push_back(at::empty_like(mine));
   group.allgather(all, mine);
+  return all;
+}
+
+bool differs_across_ranks(const at::Tensor& t, ProcessGroup& group) {
+  const auto all = everyones(group, t.detach().reshape(-1).contiguous());
   for (int a = 0; a < group.size(); ++a) {
     for (int b = a + 1; b < group.size(); ++b) {
       if (all[a].equal(all[b])) return false;

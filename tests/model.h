@@ -46,5 +46,7 @@ bool same_on_all_ranks(const std::vector<at::Tensor>& params, ProcessGroup& grou
 
 // True when every rank's `t` differs from every other rank's.
 bool differs_across_ranks(const at::Tensor& t, ProcessGroup& group);
+// Every rank's copy of `mine` (contiguous), in rank order.
+std::vector<at::Tensor> everyones(ProcessGroup& group, const at::Tensor& mine);
 
 }  // namespace shardopt::testing

@@ -4,7 +4,6 @@
 #include "comm/failure_watch.h"
 #include "comm/heartbeat.h"
 #include "comm/sum_into.h"
-#include "comm/wire_codec.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -321,18 +320,7 @@ void ProcessGroup::unstage_after(PendingWork& work, at::Tensor tensor, const at:
 
 PendingWork ProcessGroup::broadcast_async(at::Tensor& tensor, int root, std::optional<at::ScalarType> wire) {
   SHARDOPT_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is outside [0, ", size_, ")");
-  if (wire && *wire != tensor.scalar_type() && size_ > 1) {
-    SHARDOPT_CHECK(tensor.is_contiguous(), "broadcast_async with a wire dtype needs a contiguous tensor");
-    // The root rounds in place; the others decode what arrives (Note [Parameter wire]).
-    const detail::WireCodec codec(*wire);
-    at::Tensor flat = tensor.view(-1);
-    at::Tensor packed = rank_ == root ? codec.encode(flat)
-                                      : at::empty({codec.packed_numel(flat.numel())}, tensor.options().dtype(codec.packed_dtype()));
-    if (rank_ == root) codec.decode_into(packed, flat);
-    PendingWork work = broadcast_async(packed, root);
-    if (rank_ != root) work.and_then([flat, packed, codec]() mutable { codec.decode_into(packed, flat); });
-    return work;
-  }
+  if (wire && *wire != tensor.scalar_type() && size_ > 1) return broadcast_on_wire(tensor, root, *wire);
   check_in(CommStats::kBroadcast, nbytes(tensor), root);
   // The root's data goes out and comes back unchanged: only the others' copies are staged back.
   std::vector<at::Tensor> ts{staged(tensor, /*copy_in=*/rank_ == root)};
@@ -406,51 +394,9 @@ PendingWork ProcessGroup::reduce_to(at::Tensor& tensor, int root, Reduction op, 
                                     std::optional<at::ScalarType> wire, int64_t exact_tail) {
   SHARDOPT_CHECK(root >= 0 && root < size_, "reduce root ", root, " is outside [0, ", size_, ")");
   if (wire && *wire != tensor.scalar_type() && size_ >= 2) {
-    // Every contribution travels in `wire`; the root widens and sums in the tensor's dtype, its
-    // own rounded through `wire` too (Note [Gradient wire] in wire.cpp).
     SHARDOPT_CHECK(op == Reduction::kSum && tensor.is_contiguous(), "reduce on a wire of ", *wire,
                    ": needs a contiguous tensor and a sum");
-    const detail::WireCodec codec(*wire, exact_tail);
-    const int64_t bytes = codec.packed_bytes(tensor.numel());
-    check_in(CommStats::kReduce, bytes, root);
-    if (backend_name_ == "gloo") {
-      const int tag = next_p2p_tag();
-      const auto on_host = at::TensorOptions().device(at::kCPU).dtype(codec.packed_dtype());
-      if (rank_ != root) {
-        std::vector<at::Tensor> ts{codec.encode(tensor.is_cpu() ? tensor.view(-1) : tensor.view(-1).to(at::kCPU))};
-        return track(CommStats::kReduce, bytes, [&] { return backend_->send(ts, root, tag); });
-      }
-      std::vector<at::Tensor> incoming;
-      std::vector<c10::intrusive_ptr<c10d::Work>> recvs;
-      for (int r = 0; r < size_; ++r) {
-        if (r == rank_) continue;
-        std::vector<at::Tensor> ts{at::empty({codec.packed_numel(tensor.numel())}, on_host)};
-        incoming.push_back(ts[0]);
-        recvs.push_back(start(CommStats::kReduce, [&] { return backend_->recv(ts, r, tag); }));
-      }
-      PendingWork work = track_all(CommStats::kReduce, bytes, std::move(recvs));
-      const at::Tensor own = tensor.is_cpu() ? tensor : tensor.to(at::kCPU);
-      work.set_then([tensor, own, incoming, numel, divisor, codec]() mutable {
-        at::Tensor sum = tensor.is_cpu() && tensor.is_contiguous() ? tensor : at::empty_like(own);
-        detail::sum_decoded(sum, own, incoming, codec, numel, divisor);
-        if (!sum.is_same(tensor)) tensor.copy_(sum);
-      });
-      return work;
-    }
-    SHARDOPT_CHECK(!codec.int8(), "the int8 wire is not offered on ", backend_name_, " (Gloo only)");
-    std::vector<at::Tensor> ts{staged(tensor.to(*wire))};
-    c10d::ReduceOptions opts;
-    opts.rootRank = root;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    opts.timeout = timeout_;
-    auto work = track(CommStats::kReduce, bytes, [&] { return backend_->reduce(ts, opts); });
-    if (rank_ == root) {
-      work.set_then([tensor, packed = ts[0], numel, divisor]() mutable {
-        tensor.copy_(packed);
-        if (divisor != 1.0 && numel > 0) tensor.narrow(0, 0, numel).div_(divisor);
-      });
-    }
-    return work;
+    return reduce_on_wire(tensor, root, numel, divisor, *wire, exact_tail);
   }
   check_in(CommStats::kReduce, nbytes(tensor), root);
   if (size_ >= 2 && backend_name_ == "gloo" && op == Reduction::kSum && tensor.is_contiguous()) {

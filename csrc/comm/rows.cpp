@@ -4,7 +4,6 @@
 #include <shardopt/comm/process_group.h>
 
 #include "comm/sum_into.h"
-#include "comm/wire_codec.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -132,86 +131,9 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
   return work;
 }
 
-// Every rank's contribution travels in `wire`; the owner widens what it receives and sums in the
-// rows' own dtype, its own contribution rounded through `wire` first, in the exact path's order
-// (Note [Gradient wire] in wire.cpp). `own` (which may be `mine`) is read once the transfers are
-// done; a CUDA one is copied to the host at once.
-PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double divisor, const at::Tensor& mine,
-                                                      const at::Tensor& own, at::ScalarType wire, int64_t exact_tail) {
-  constexpr auto kind = CommStats::kReduceScatter;
-  const int64_t row = flat.numel() / size_;
-  const detail::WireCodec codec(wire, exact_tail);
-  const int64_t bytes = codec.packed_bytes(row) * size_;
-  check_in(kind, bytes, -1);
-  if (backend_name_ == "gloo") {
-    const int tag = next_p2p_tag();
-    const auto on_host = at::TensorOptions().device(at::kCPU).dtype(codec.packed_dtype());
-    // This rank's contribution stays here: on the host in its own dtype (a CUDA row copied out).
-    const at::Tensor own_here = own.is_cpu() ? own : own.to(at::kCPU);
-    std::vector<at::Tensor> incoming;
-    std::vector<c10::intrusive_ptr<c10d::Work>> transfers;
-    std::vector<at::Tensor> outgoing(static_cast<size_t>(size_));
-    for (int k = 1; k < size_; ++k) {
-      const int dst = (rank_ + k) % size_;
-      at::Tensor sent = flat.narrow(0, dst * row, row);
-      outgoing[static_cast<size_t>(dst)] = codec.encode(sent.is_cpu() ? sent : sent.to(at::kCPU));  // each row encoded once
-    }
-    std::vector<at::Tensor> by_rank(static_cast<size_t>(size_));
-    for (int k = 1; k < size_; ++k) {
-      const int dst = (rank_ + k) % size_, src = (rank_ - k + size_) % size_;
-      std::vector<at::Tensor> out{outgoing[static_cast<size_t>(dst)]};
-      transfers.push_back(start(kind, [&] { return backend_->send(out, dst, tag); }));
-      std::vector<at::Tensor> in{at::empty({codec.packed_numel(row)}, on_host)};
-      by_rank[static_cast<size_t>(src)] = in[0];
-      transfers.push_back(start(kind, [&] { return backend_->recv(in, src, tag); }));
-    }
-    for (int r = 0; r < size_; ++r) {
-      if (r != rank_) incoming.push_back(by_rank[static_cast<size_t>(r)]);
-    }
-    PendingWork work = track_all(kind, bytes, std::move(transfers));
-    work.set_then([mine, outgoing, own_here, incoming, row, divisor, codec]() mutable {
-      at::Tensor sum = mine.is_cpu() && mine.is_contiguous() ? mine : at::empty({row}, own_here.options());
-      detail::sum_decoded(sum, own_here, incoming, codec, divisor != 1.0 ? row : 0, divisor);
-      if (!sum.is_same(mine)) mine.copy_(sum);
-    });
-    return work;
-  }
-  SHARDOPT_CHECK(!codec.int8(), "the int8 wire is not offered on ", backend_name_, " (Gloo only)");
-  // NCCL sums in the wire's dtype, in place in this rank's row of the packed buffer.
-  at::Tensor packed = staged(flat.to(wire));
-  packed.narrow(0, rank_ * row, row).copy_(own);
-  at::Tensor result = packed.narrow(0, rank_ * row, row);
-  c10d::ReduceScatterOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  opts.timeout = timeout_;
-  auto work = track(kind, bytes, [&] { return backend_->_reduce_scatter_base(result, packed, opts); });
-  work.set_then([mine, result, divisor]() mutable {
-    mine.copy_(result);
-    if (divisor != 1.0) mine.div_(divisor);
-  });
-  return work;
-}
-
 PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat, std::optional<at::ScalarType> wire) {
   check_rows("allgather_rows_async", flat, size_);
-  if (wire && *wire != flat.scalar_type() && size_ > 1) {
-    // This rank's row is rounded in place and travels in `wire`; the others' rows are widened
-    // where they arrive (Note [Parameter wire]).
-    const int64_t row = flat.numel() / size_;
-    const detail::WireCodec codec(*wire);
-    const int64_t packed_row = codec.packed_numel(row);
-    at::Tensor own = flat.narrow(0, rank_ * row, row);
-    at::Tensor packed = at::empty({packed_row * size_}, flat.options().dtype(codec.packed_dtype()));
-    packed.narrow(0, rank_ * packed_row, packed_row).copy_(codec.encode(own));
-    codec.decode_into(packed.narrow(0, rank_ * packed_row, packed_row), own);
-    PendingWork work = allgather_rows_async(packed);
-    work.and_then([flat, packed, rank = rank_, size = size_, row, packed_row, codec]() mutable {
-      for (int r = 0; r < size; ++r) {  // this rank's row is current already
-        if (r != rank) codec.decode_into(packed.narrow(0, r * packed_row, packed_row), flat.narrow(0, r * row, row));
-      }
-    });
-    return work;
-  }
+  if (wire && *wire != flat.scalar_type() && size_ > 1) return allgather_rows_on_wire(flat, *wire);
   constexpr auto kind = CommStats::kAllgather;
   check_in(kind, nbytes(flat), -1);
   const int64_t row = flat.numel() / size_;

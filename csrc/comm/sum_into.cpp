@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 namespace shardopt {
@@ -121,6 +122,49 @@ void sum_decoded(at::Tensor& out, const at::Tensor& own, const std::vector<at::T
                  const WireCodec& codec, int64_t numel, double divisor) {
   if (!codec.int8()) {
     sum_widened(out, own, incoming, numel, divisor);
+    return;
+  }
+  const bool fused = out.is_cpu() && out.is_contiguous() && out.scalar_type() == at::kFloat && own.is_cpu() &&
+                     own.is_contiguous() && own.scalar_type() == at::kFloat && own.numel() == out.numel();
+  if (fused) {  // one pass: each block of its own round trip, then every incoming block added
+    const int64_t total = out.numel(), tail = codec.exact_tail(), body = total - tail;
+    const int64_t blocks = (body + kInt8Block - 1) / kInt8Block;
+    const float* mine = own.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    std::vector<const uint8_t*> in;
+    for (const auto& t : incoming) in.push_back(t.data_ptr<uint8_t>());
+    const auto d = static_cast<float>(divisor);
+    auto finish = [&](int64_t i, float acc) { dst[i] = i < numel ? acc / d : acc; };
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+      float acc[kInt8Block];
+      int8_t own_q[kInt8Block];
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t first = b * kInt8Block, len = std::min(kInt8Block, body - first);
+        const float scale = int8_block_scale(mine + first, len);
+        int8_quantise_block(mine + first, len, scale, own_q);
+        for (int64_t j = 0; j < len; ++j) acc[j] = static_cast<float>(own_q[j]) * scale;
+        // (each product below rounded apart from its sum: the unfused path's bits)
+        for (const uint8_t* src : in) {
+          float s;
+          std::memcpy(&s, src + body + 4 * b, 4);
+          const auto* q = reinterpret_cast<const int8_t*>(src + first);
+          for (int64_t j = 0; j < len; ++j) {
+            const float v = static_cast<float>(q[j]) * s;  // rounded apart: no fused multiply-add
+            acc[j] += v;
+          }
+        }
+        for (int64_t j = 0; j < len; ++j) finish(first + j, acc[j]);
+      }
+    });
+    for (int64_t t = 0; t < tail; ++t) {
+      float acc = mine[body + t];
+      for (const uint8_t* src : in) {
+        float v;
+        std::memcpy(&v, src + body + 4 * blocks + 4 * t, 4);
+        acc += v;
+      }
+      finish(body + t, acc);
+    }
     return;
   }
   std::vector<at::Tensor> decoded;

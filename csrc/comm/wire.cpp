@@ -5,6 +5,12 @@
 #include "comm/wire_codec.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
 
 namespace shardopt {
 
@@ -46,7 +52,9 @@ namespace shardopt {
 // scale per block, as ZeRO++'s qgZ and qwZ do: scale = max |x| / 127 over the block (1 for a
 // block of zeros), q = round(x / scale) (half to even), and the receiver takes q * scale. A
 // 256-element block costs 256 + 4 bytes: 0.254x the bytes of fp32. The error of one element is at
-// most half a step, scale / 2, so a block's largest element sets the precision of all of it.
+// most half a step, scale / 2, so a block's largest element sets the precision of all of it. A
+// block holding inf or NaN arrives as NaN in every element, so the gradient scaler's found-inf
+// check, which runs on the reduced gradients, sees the overflow.
 // Gradients: every contribution, the owner's own too, is quantised and dequantised; the owner sums
 // the dequantised rows in fp32 in the exact path's order (its own, then the others by rank) and
 // divides after the sum, so the division by the world size follows the quantisation. The
@@ -56,6 +64,48 @@ namespace shardopt {
 // dequantised values and sends the packed bytes; every receiver dequantises, so every rank holds
 // the same values (the owners step fp32 masters: Note [Parameter wire]). On NCCL, int8 is refused:
 // NCCL cannot sum int8 blocks with their scales, and an all-to-all path has not run on a GPU here.
+
+namespace detail {
+
+// The loops below are written for the compiler to vectorise at the baseline instruction set: the
+// largest |x| as the largest bit pattern with the sign cleared (an integer maximum; a NaN's
+// pattern is above inf's), and rounding half to even by adding and subtracting 1.5 * 2^23, which
+// is exact for |v| < 2^22 (here |v| <= 127) in the default rounding mode.
+float int8_block_scale(const float* x, int64_t n) {
+  int32_t largest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t bits;
+    std::memcpy(&bits, x + i, 4);
+    bits &= 0x7fffffff;
+    largest = bits > largest ? bits : largest;
+  }
+  if (largest > 0x7f800000) return std::numeric_limits<float>::quiet_NaN();
+  float m;
+  std::memcpy(&m, &largest, 4);
+  const float scale = m / 127.0f;  // inf for a block holding inf
+  return scale == 0.0f ? 1.0f : scale;
+}
+
+void int8_quantise_block(const float* x, int64_t n, float scale, int8_t* q) {
+  if (!std::isfinite(scale)) {
+    std::memset(q, 0, static_cast<size_t>(n));
+    return;
+  }
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  for (int64_t j = 0; j < n; ++j) {
+    float v = x[j] / scale;
+    v = (v + kRound) - kRound;
+    v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+    q[j] = static_cast<int8_t>(static_cast<int32_t>(v));
+  }
+}
+
+namespace {
+
+bool cpu_float(const at::Tensor& t) { return t.is_cpu() && t.is_contiguous() && t.scalar_type() == at::kFloat; }
+
+}  // namespace
+}  // namespace detail
 
 int64_t detail::WireCodec::packed_numel(int64_t numel) const {
   if (!int8()) return numel;
@@ -71,12 +121,31 @@ at::Tensor detail::WireCodec::encode(const at::Tensor& x) const {
   if (!int8()) return x.to(wire_);
   SHARDOPT_CHECK(x.numel() >= tail_, "int8 wire: ", x.numel(), " elements with an exact tail of ", tail_);
   const int64_t n = x.numel() - tail_, blocks = (n + kInt8Block - 1) / kInt8Block;
+  if (cpu_float(x)) {  // one pass over each block, in cache
+    at::Tensor packed = at::empty({packed_numel(x.numel())}, x.options().dtype(at::kByte));
+    const float* src = x.data_ptr<float>();
+    uint8_t* dst = packed.data_ptr<uint8_t>();
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t first = b * kInt8Block, len = std::min(kInt8Block, n - first);
+        const float scale = int8_block_scale(src + first, len);
+        int8_quantise_block(src + first, len, scale, reinterpret_cast<int8_t*>(dst + first));
+        std::memcpy(dst + n + 4 * b, &scale, 4);
+      }
+    });
+    if (tail_ > 0) std::memcpy(dst + n + 4 * blocks, src + n, 4 * tail_);
+    return packed;
+  }
   at::Tensor wide = x.narrow(0, 0, n).to(at::kFloat);
   if (blocks * kInt8Block != n) wide = at::constant_pad_nd(wide, {0, blocks * kInt8Block - n}, 0.0);
   wide = wide.view({blocks, kInt8Block});
   at::Tensor scale = wide.abs().amax(1, /*keepdim=*/true).div_(127.0);
   scale.masked_fill_(scale.eq(0), 1.0);
-  at::Tensor q = at::round(wide / scale).clamp_(-127, 127).to(at::kChar).view(-1).narrow(0, 0, n);
+  // A block holding inf or NaN has a non-finite scale: its q are 0 and every element decodes to
+  // NaN (0 * inf, 0 * NaN), so a found-inf check after the wire still sees it.
+  at::Tensor q = at::nan_to_num(at::round(wide / scale).clamp_(-127, 127), 0.0, 0.0, 0.0);
+  q.masked_fill_(scale.isfinite().logical_not().expand_as(q), 0.0);
+  q = q.to(at::kChar).view(-1).narrow(0, 0, n);
   at::Tensor packed = at::empty({packed_numel(x.numel())}, x.options().dtype(at::kByte));
   packed.narrow(0, 0, n).copy_(q.view(at::kByte));
   packed.narrow(0, n, 4 * blocks).copy_(scale.view(-1).view(at::kByte));
@@ -90,6 +159,21 @@ void detail::WireCodec::decode_into(const at::Tensor& packed, at::Tensor out) co
     return;
   }
   const int64_t n = out.numel() - tail_, blocks = (n + kInt8Block - 1) / kInt8Block;
+  if (cpu_float(out) && packed.is_cpu() && packed.is_contiguous()) {
+    const uint8_t* src = packed.data_ptr<uint8_t>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t first = b * kInt8Block, len = std::min(kInt8Block, n - first);
+        float scale;
+        std::memcpy(&scale, src + n + 4 * b, 4);
+        const auto* q = reinterpret_cast<const int8_t*>(src + first);
+        for (int64_t j = 0; j < len; ++j) dst[first + j] = static_cast<float>(q[j]) * scale;
+      }
+    });
+    if (tail_ > 0) std::memcpy(dst + n, src + n + 4 * blocks, 4 * tail_);
+    return;
+  }
   if (tail_ > 0) out.narrow(0, n, tail_).copy_(packed.narrow(0, n + 4 * blocks, 4 * tail_).clone().view(at::kFloat));
   out = out.narrow(0, 0, n);
   at::Tensor q = packed.narrow(0, 0, n).view(at::kChar).to(at::kFloat);

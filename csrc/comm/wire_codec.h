@@ -12,6 +12,12 @@ namespace shardopt::detail {
 // The elements of one int8 block, each block with one fp32 scale (Note [Int8 wire]).
 inline constexpr int64_t kInt8Block = 256;
 
+// One int8 block's scale, max |x| / 127 (1 for a block of zeros, NaN for one holding NaN, inf for
+// one holding inf), and the block's n elements quantised with it into q: round(x / scale) half to
+// even, within [-127, 127]; all 0 under a non-finite scale.
+float int8_block_scale(const float* x, int64_t n);
+void int8_quantise_block(const float* x, int64_t n, float scale, int8_t* q);
+
 class WireCodec {
  public:
   // `wire`: kBFloat16 (a cast), or kChar (int8 in blocks of kInt8Block with fp32 scales), as
@@ -20,6 +26,7 @@ class WireCodec {
   // row's flags, which must stay 0 or 1).
   explicit WireCodec(at::ScalarType wire, int64_t exact_tail = 0) : wire_(wire), tail_(int8() ? exact_tail : 0) {}
   bool int8() const { return wire_ == at::kChar; }
+  int64_t exact_tail() const { return tail_; }
   // The packed form of `numel` elements: its dtype and element count, and its bytes.
   at::ScalarType packed_dtype() const { return int8() ? at::kByte : wire_; }
   int64_t packed_numel(int64_t numel) const;

@@ -8,10 +8,12 @@
 #include <shardopt/comm/process_group.h>
 
 #include "harness.h"
+#include "model.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -36,10 +38,9 @@ at::Tensor quantised(const at::Tensor& x, int64_t tail = 0) {
   return out;
 }
 
+// Every rank's copy of `mine`; each rank's data differs (asserted).
 std::vector<at::Tensor> everyones(ProcessGroup& g, const at::Tensor& mine) {
-  std::vector<at::Tensor> all;
-  for (int k = 0; k < g.size(); ++k) all.push_back(at::empty_like(mine));
-  g.allgather(all, mine);
+  auto all = testing::everyones(g, mine);
   for (int k = 1; k < g.size(); ++k) EXPECT_FALSE(all[k].equal(all[0])) << "ranks need different data";
   return all;
 }
@@ -83,6 +84,28 @@ TEST(Int8Wire, RowsReduceScatterSumsTheDequantisedBlocksInFp32) {
       }
     });
   }
+}
+
+// A block with inf or NaN arrives all NaN (the gradient scaler must see it); the other blocks
+// arrive within half a step of their scale.
+TEST(Int8Wire, ABlockWithInfOrNanArrivesNonFinite) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    for (double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+      at::manual_seed(800 + g->rank());
+      at::Tensor flat = at::randn({2 * 600});
+      const auto all = everyones(*g, flat);
+      flat[10] = bad;  // in rank 0's row, block 0, on every rank
+      g->reduce_scatter_rows_async(flat, 2.0, {}, at::kChar).wait();
+      if (g->rank() != 0) continue;
+      const at::Tensor row = flat.narrow(0, 0, 600);
+      EXPECT_TRUE(row.narrow(0, 0, kBlock).isnan().all().item<bool>()) << bad;
+      const at::Tensor rest = row.narrow(0, kBlock, 600 - kBlock);
+      EXPECT_TRUE(rest.isfinite().all().item<bool>()) << bad;
+      const at::Tensor exact = (all[0].narrow(0, kBlock, 600 - kBlock) + all[1].narrow(0, kBlock, 600 - kBlock)) / 2.0;
+      const double largest = std::max(all[0].abs().max().item<double>(), all[1].abs().max().item<double>());
+      EXPECT_LE((rest - exact).abs().max().item<double>(), largest / 254 * 1.0001) << bad;
+    }
+  });
 }
 
 TEST(Int8Wire, ReduceToOneOwnerSumsTheDequantisedBlocks) {

@@ -3,6 +3,7 @@
 #include <shardopt/comm/process_group.h>
 
 #include "harness.h"
+#include "model.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -15,11 +16,9 @@ namespace {
 
 using testing::run_ranks;
 
-// Every rank's copy of `mine` (each rank's data differs: asserted).
+// Every rank's copy of `mine`; each rank's data differs (asserted).
 std::vector<at::Tensor> everyones(ProcessGroup& g, const at::Tensor& mine) {
-  std::vector<at::Tensor> all;
-  for (int k = 0; k < g.size(); ++k) all.push_back(at::empty_like(mine));
-  g.allgather(all, mine);
+  auto all = testing::everyones(g, mine);
   for (int k = 1; k < g.size(); ++k) EXPECT_FALSE(all[k].equal(all[0])) << "ranks need different data";
   return all;
 }

@@ -6,6 +6,7 @@
 // reduce-scatters move are half of the exact wire's, every rank's parameters stay bitwise equal
 // after the step, and a wire that differs between ranks, or kInt8, is an error on every rank.
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/grad_scaler.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/testing/introspection.h>
 
@@ -18,6 +19,7 @@
 #include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -208,6 +210,43 @@ TEST(GradientWire, Int8StaysWithinHalfAStepOfTheExactMeanAtAQuarterOfTheBytes) {
       EXPECT_LT(bytes[1], bytes[0] * 0.3) << bytes[1] << " of " << bytes[0];
     }
   }
+}
+
+// An inf in one rank's gradient survives the int8 wire (its block arrives NaN, Note [Int8 wire]):
+// the gradient scaler finds it after the reduction and every rank skips the step.
+TEST(GradientWire, Int8KeepsAnOverflowVisibleToTheGradScaler) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = net_of(7);
+    Params params = net->parameters();
+    OSS oss(params, optimizer<optim::AdamW>(adamw()), g,
+            OSSOptions().mixed_precision(MixedPrecision().param_dtype(at::kHalf).reduce_dtype(at::kFloat)));
+    ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().gradient_wire(Wire::kInt8).reduce_bucket_bytes(1024));
+    ShardedGradScaler scaler(GradScalerOptions().init_scale(1024));
+    for (int step = 0; step < 3; ++step) {
+      const bool overflow = step == 1;
+      const auto data = testing::rank_data(step, g->rank(), 2);
+      unsigned hook = 0;
+      if (overflow && g->rank() == 1) {
+        hook = params[0].register_hook(
+            [](const at::Tensor& grad) { return at::full_like(grad, std::numeric_limits<float>::infinity()); });
+      }
+      const Params before = testing::clone_params(params);
+      ddp.zero_grad();
+      scaler.scale(testing::loss_of(ddp.forward(data.x), data, 1)).backward();
+      if (overflow && g->rank() == 1) params[0].remove_hook(hook);
+      const bool stepped = scaler.step(oss);
+      scaler.update();
+      EXPECT_EQ(stepped, !overflow) << "step " << step << " on rank " << g->rank();
+      int64_t changed = 0;
+      for (size_t i = 0; i < params.size(); ++i) changed += params[i].ne(before[i]).sum().item<int64_t>();
+      if (overflow) {
+        EXPECT_EQ(changed, 0) << "the skipped step changed parameters on rank " << g->rank();
+      } else {
+        EXPECT_GT(changed, 0) << "step " << step;
+      }
+      ASSERT_TRUE(testing::same_on_all_ranks(params, *g));
+    }
+  });
 }
 
 // Error feedback (Note [Error feedback]): eight backward passes over the same data, no step. On a

@@ -286,9 +286,14 @@ class ProcessGroup {
   std::string label(std::string what) const;
   PendingWork reduce_scatter_rows(at::Tensor& flat, double divisor, at::Tensor out, bool own_in_out,
                                   std::optional<at::ScalarType> wire, int64_t exact_tail);
-  // The rows travelling in `wire` (Note [Gradient wire], Note [Int8 wire]).
+  // The collectives on a compressed wire (csrc/comm/on_wire.cpp; Note [Gradient wire], Note
+  // [Parameter wire], Note [Int8 wire]).
   PendingWork reduce_scatter_rows_on_wire(at::Tensor& flat, double divisor, const at::Tensor& mine,
                                           const at::Tensor& own, at::ScalarType wire, int64_t exact_tail);
+  PendingWork allgather_rows_on_wire(at::Tensor& flat, at::ScalarType wire);
+  PendingWork broadcast_on_wire(at::Tensor& tensor, int root, at::ScalarType wire);
+  PendingWork reduce_on_wire(at::Tensor& tensor, int root, int64_t numel, double divisor, at::ScalarType wire,
+                             int64_t exact_tail);
   // The desync check before a collective (when on): every rank's (sequence, kind, bytes, root).
   void check_in(CommStats::Kind kind, int64_t bytes, int root);
   // A group over `backend` whose rank i is this group's rank members[i] (split, regroup); with
