@@ -325,8 +325,9 @@ void ShardedDDP::launch_ready_buckets() {
 // wire: the same int8 values, and a scale that may differ in its last bit, so what arrives may
 // differ from what the residual assumed by that last bit. Only the gradient elements carry residuals, not
 // the flags (0 or 1: exact on the wire). A new layout (a freeze, a re-partition) builds the
-// buckets anew and starts their residuals at zero; so does a backward under no_sync (its
-// gradients are reduced by the next reduction, which feeds back then).
+// buckets anew and starts their residuals at zero; checkpoints do not carry them, so a resumed
+// run starts them at zero too. A backward under no_sync feeds back nothing (its gradients are
+// reduced by the next reduction, which feeds back then).
 void ShardedDDP::feed_back_error(Bucket& b, at::ScalarType wire) {
   at::NoGradGuard no_grad;
   const int64_t rows = b.rows() ? group_->size() : 1;
