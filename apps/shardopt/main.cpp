@@ -157,6 +157,12 @@ void add_memory_options(CLI::App& memory, MemoryOptions& o) {
       ->check(CLI::IsMember({"adam", "muon"}))
       ->capture_default_str();
   memory.add_option("--steps", o.steps, "steps before each measurement")->capture_default_str();
+  memory.add_option("--gradient-wire", o.gradient_wire, "exact, bf16 or int8: how ZeRO-2's gradients travel to their "
+                                                        "owners (ShardedDDPOptions::gradient_wire)")
+      ->check(CLI::IsMember({"exact", "bf16", "int8"}))
+      ->capture_default_str();
+  memory.add_flag("--error-feedback", o.error_feedback, "with a compressed --gradient-wire, ZeRO-2 keeps each rank's "
+                  "residuals (bf16, the whole trainable model's): measured apart, as feedback");
   memory.add_option("--freeze-fraction", o.freeze_fraction, "fraction of the parameters (leading layers) frozen for "
                                                             "the second measurement")->capture_default_str();
   memory.add_option("-o,--out", o.out_dir, "folder for memory.json, memory.csv and memory.png")->capture_default_str();
@@ -197,6 +203,8 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
                                                       "owners (ShardedDDPOptions::gradient_wire)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))
       ->capture_default_str();
+  plan.add_flag("--error-feedback", o.error_feedback, "with a compressed --gradient-wire: each rank's residuals (bf16, "
+                 "the whole trainable model's on every rank; ShardedDDPOptions::error_feedback)");
   plan.add_option("--param-wire", o.param_wire, "exact, bf16 or int8: how ZeRO-1/2's parameter sync travels, "
                                                 "compressed with fp32 masters on the owners (OSSOptions::param_wire)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))

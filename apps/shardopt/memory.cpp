@@ -40,8 +40,9 @@ std::vector<std::string> worker_args(const MemoryOptions& o, char** argv, const 
   } else {
     a.insert(a.end(), {"--preset", o.preset});
   }
+  if (o.error_feedback) a.push_back("--error-feedback");
   a.insert(a.end(), {"--optimizer", o.optimizer, "--steps", std::to_string(o.steps), "--freeze-fraction",
-                     fmt::format("{}", o.freeze_fraction),
+                     fmt::format("{}", o.freeze_fraction), "--gradient-wire", o.gradient_wire,
                      "--worker-mode", mode, "--worker-out", out});
   return a;
 }
@@ -60,15 +61,15 @@ void print_table(const nlohmann::json& rows, const nlohmann::json& skipped, cons
                  const std::string& optimizer) {
   std::printf("\nmemory per rank, %s (%s parameters, %s; fp32, or bf16 with fp32 masters counted as state): the "
               "largest rank of each run; every rank is in the JSON and CSV files. model state = params + grads + "
-              "state + buckets; formula = the ZeRO paper's params + grads + state\n",
+              "state + buckets + feedback (error feedback's residuals); formula = the ZeRO paper's params + grads + state\n",
               spec.name.c_str(), count_text(spec.numel()).c_str(),
               optimizer == "muon" ? "Muon on the matrices, Adam on the rest" : "Adam");
   double runtime = 0;
   for (const auto& r : rows) runtime = std::max(runtime, r["runtime"].get<double>());
   std::printf("the runtime's fixed cost (LibTorch and Gloo, before the model exists), the most any rank had: %s\n",
               bytes_text(runtime).c_str());
-  std::printf("%-10s %5s  %-14s %10s %10s %10s %10s %11s | %10s %10s | %10s\n", "mode", "world", "scenario", "params",
-              "grads", "state", "buckets", "model state", "transient", "peak RSS", "formula");
+  std::printf("%-10s %5s  %-14s %10s %10s %10s %10s %10s %11s | %10s %10s | %10s\n", "mode", "world", "scenario",
+              "params", "grads", "state", "buckets", "feedback", "model state", "transient", "peak RSS", "formula");
   std::vector<std::string> scenarios;
   for (const auto& r : rows) {
     if (std::find(scenarios.begin(), scenarios.end(), r["scenario"]) == scenarios.end()) scenarios.push_back(r["scenario"]);
@@ -82,12 +83,13 @@ void print_table(const nlohmann::json& rows, const nlohmann::json& skipped, cons
       const auto* b = largest(rows, key.first, key.second, scenario);
       if (!b) continue;
       const double counted = (*b)["params"].get<double>() + (*b)["grads"].get<double>() + (*b)["state"].get<double>() +
-                             (*b)["buckets"].get<double>();
+                             (*b)["buckets"].get<double>() + (*b)["feedback"].get<double>();
       const auto& f = (*b)["formula"];
       const double transient = (*b)["peak_rss"].get<double>() - (*b)["runtime"].get<double>() - counted;
-      std::printf("%-10s %5d  %-14s %10s %10s %10s %10s %11s | %10s %10s | %10s\n", key.second.c_str(), key.first,
+      std::printf("%-10s %5d  %-14s %10s %10s %10s %10s %10s %11s | %10s %10s | %10s\n", key.second.c_str(), key.first,
                   scenario.c_str(), bytes_text((*b)["params"]).c_str(), bytes_text((*b)["grads"]).c_str(),
-                  bytes_text((*b)["state"]).c_str(), bytes_text((*b)["buckets"]).c_str(), bytes_text(counted).c_str(),
+                  bytes_text((*b)["state"]).c_str(), bytes_text((*b)["buckets"]).c_str(),
+                  bytes_text((*b)["feedback"]).c_str(), bytes_text(counted).c_str(),
                   bytes_text(std::max(0.0, transient)).c_str(), bytes_text((*b)["peak_rss"]).c_str(),
                   bytes_text(f["params"].get<double>() + f["grads"].get<double>() + f["state"].get<double>()).c_str());
     }
@@ -126,11 +128,13 @@ void print_state_per_rank(const nlohmann::json& rows) {
 void write_csv(const nlohmann::json& rows, const std::string& path) {
   std::ofstream f(path);
   SHARDOPT_CHECK(f, "cannot write '", path, "'");
-  f << "mode,world,scenario,rank,params,grads,state,buckets,peak_rss,runtime,formula_params,formula_grads,formula_state\n";
+  f << "mode,world,scenario,rank,params,grads,state,buckets,feedback,peak_rss,runtime,formula_params,formula_grads,"
+       "formula_state\n";
   for (const auto& r : rows) {
-    f << fmt::format("{},{},{},{},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f}\n", r["mode"].get<std::string>(),
-                     r["world"].get<int>(), r["scenario"].get<std::string>(), r["rank"].get<int>(), r["params"].get<double>(),
-                     r["grads"].get<double>(), r["state"].get<double>(), r["buckets"].get<double>(),
+    f << fmt::format("{},{},{},{},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f}\n",
+                     r["mode"].get<std::string>(), r["world"].get<int>(), r["scenario"].get<std::string>(),
+                     r["rank"].get<int>(), r["params"].get<double>(), r["grads"].get<double>(), r["state"].get<double>(),
+                     r["buckets"].get<double>(), r["feedback"].get<double>(),
                      r["peak_rss"].get<double>(), r["runtime"].get<double>(), r["formula"]["params"].get<double>(),
                      r["formula"]["grads"].get<double>(), r["formula"]["state"].get<double>());
   }
@@ -141,12 +145,14 @@ void write_csv(const nlohmann::json& rows, const std::string& path) {
 int run_memory(const MemoryOptions& o, char** argv) {
   const ModelSpec spec = model_spec(o.preset, o.spec);
   if (!o.worker_mode.empty()) {
-    run_memory_worker(spec, o.worker_mode, o.optimizer, o.steps, o.freeze_fraction, o.worker_out);
+    run_memory_worker(spec, o);
     return 0;
   }
   SHARDOPT_CHECK(!under_a_launcher(), "shardopt memory starts its own ranks for each world size; run it without a launcher");
   SHARDOPT_CHECK(o.steps > 0, "--steps must be positive, got ", o.steps);
   SHARDOPT_CHECK(o.freeze_fraction >= 0 && o.freeze_fraction < 1, "--freeze-fraction must be in [0, 1), got ", o.freeze_fraction);
+  SHARDOPT_CHECK(!o.error_feedback || o.gradient_wire != "exact", "--error-feedback needs a compressed --gradient-wire "
+                 "(bf16 or int8), got exact");
   for (int w : o.world_sizes) SHARDOPT_CHECK(w >= 1, "--world-sizes: ", w, " is not a positive world size");
   const std::string python = chart_python(o.python, o.out_dir);
   nlohmann::json rows = nlohmann::json::array(), skipped = nlohmann::json::array();

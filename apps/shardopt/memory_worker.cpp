@@ -122,8 +122,12 @@ nlohmann::json zero_formula(const std::string& mode, int world, int64_t numel, i
   return f;
 }
 
-void run_memory_worker(const ModelSpec& spec, const std::string& mode, const std::string& optimizer_name, int steps,
-                       double freeze_fraction, const std::string& out) {
+void run_memory_worker(const ModelSpec& spec, const MemoryOptions& o) {
+  const std::string& mode = o.worker_mode;
+  const std::string& optimizer_name = o.optimizer;
+  const int steps = o.steps;
+  const double freeze_fraction = o.freeze_fraction;
+  const std::string& out = o.worker_out;
   SHARDOPT_CHECK(mode == "ddp" || mode == "zero1" || mode == "zero2" || mode == "zero1-bf16" || mode == "zero2-bf16",
                  "mode '", mode, "' is not one of ddp, zero1, zero2, zero1-bf16, zero2-bf16");
   const bool bf16 = mode.find("-bf16") != std::string::npos;
@@ -162,7 +166,11 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, const std
                            : std::make_unique<OSS>(std::vector<OptimizerGroup>{{matrices, optimizer<Muon>(muon_options)},
                                                                                {others, adam}},
                                                    group, options);
-    if (mode.rfind("zero2", 0) == 0) ddp = std::make_unique<ShardedDDP>(model, *oss);
+    if (mode.rfind("zero2", 0) == 0) {
+      const auto ddp_options =
+          ShardedDDPOptions().gradient_wire(wire_from_name(o.gradient_wire)).error_feedback(o.error_feedback);
+      ddp = std::make_unique<ShardedDDP>(model, *oss, ddp_options);
+    }
   }
   auto step = [&] {
     if (ddp) {
@@ -194,7 +202,8 @@ void run_memory_worker(const ModelSpec& spec, const std::string& mode, const std
                                 // in them (counts, alignment); else the all-reduce's bucket.
                                 static_cast<double>(ddp ? ddp->local_bucket_bytes() - ddp->local_grad_bytes()
                                                         : allreduce.bucket.defined() ? allreduce.bucket.nbytes() : 0),
-                                static_cast<double>(peak_rss_bytes()), runtime};
+                                static_cast<double>(peak_rss_bytes()), runtime,
+                                static_cast<double>(ddp ? ddp->error_feedback_bytes() : 0)};
     const int64_t fields = static_cast<int64_t>(mine.size());
     at::Tensor all = at::zeros({group->size() * fields}, at::kDouble);
     all.narrow(0, group->rank() * fields, fields).copy_(at::tensor(mine, at::kDouble));

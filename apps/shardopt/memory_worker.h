@@ -2,6 +2,7 @@
 // counts what it holds, freezes part of the model, runs and counts again.
 #pragma once
 
+#include "memory.h"
 #include "model_spec.h"
 
 #include <nlohmann/json.hpp>
@@ -12,14 +13,15 @@ namespace shardopt::app {
 
 // Fields of one measurement, in the order the ranks exchange them.
 // runtime: the process's resident memory once LibTorch and the group are up, before the model
-// exists: the runtime's fixed cost, the same whatever the model.
-constexpr const char* kMeasured[] = {"params", "grads", "state", "buckets", "peak_rss", "runtime"};
+// exists: the runtime's fixed cost, the same whatever the model. feedback: error feedback's
+// residuals (ShardedDDP::error_feedback_bytes()), apart from the gradients.
+constexpr const char* kMeasured[] = {"params", "grads", "state", "buckets", "peak_rss", "runtime", "feedback"};
 
-// Runs mode `mode` ("ddp", "zero1", "zero2", "zero1-bf16", "zero2-bf16") on the group from the environment; rank 0 writes
-// every rank's rows to `out` (JSON). Collective.
-// `optimizer`: "adam", or "muon" (Muon on the matrices that are not embeddings, Adam on the rest).
-void run_memory_worker(const ModelSpec& spec, const std::string& mode, const std::string& optimizer, int steps,
-                       double freeze_fraction, const std::string& out);
+// Runs mode o.worker_mode ("ddp", "zero1", "zero2", "zero1-bf16", "zero2-bf16") on the group from
+// the environment, with o's optimizer ("adam", or "muon": Muon on the matrices that are not
+// embeddings, Adam on the rest), steps, freeze fraction and ZeRO-2's gradient wire; rank 0 writes
+// every rank's rows to o.worker_out (JSON). Collective.
+void run_memory_worker(const ModelSpec& spec, const MemoryOptions& o);
 
 // A "key: N kB" value of a /proc file ("/proc/self/status", "VmHWM:"); 0 when absent.
 int64_t proc_kib(const std::string& file, const std::string& key);

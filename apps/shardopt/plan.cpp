@@ -127,6 +127,7 @@ nlohmann::json rank_json(const RankPlan& r) {
           {"grads", r.grads},
           {"buckets", r.buckets},
           {"masters", r.masters},
+          {"feedback", r.feedback},
           {"state", r.state},
           {"total", r.total()},
           {"bytes_sent_per_step", r.sent()},
@@ -152,6 +153,7 @@ std::string differences(const Row& row) {
   add(grads, "gradients (owned ranges)");
   add(b.buckets, "buckets");
   add(state, "state (imbalance, padding)");
+  add(b.feedback, "error-feedback residuals");
   return out.empty() ? "equal" : out;
 }
 
@@ -167,17 +169,19 @@ void print_table(const std::vector<Row>& rows, const ModelSpec& spec, const Plan
               "time (bytes at the bandwidths, plus %.1f us per collective and %.1f us per step of its algorithm, %.1f "
               "us across nodes)\n",
               o.collective_latency_us, o.hop_latency_us, o.network_hop_latency_us);
-  std::printf("%-10s %5s %5s  %-14s %9s %9s %9s %9s %9s %9s | %9s %6s | %9s %9s %6s %9s | %s\n", "mode", "world",
-              "block", "scenario", "params", "grads", "buckets", "masters", "state", "total", "least", "imbal", "sent",
+  std::printf("%-10s %5s %5s  %-14s %9s %9s %9s %9s %9s %9s %9s | %9s %6s | %9s %9s %6s %9s | %s\n", "mode", "world",
+              "block", "scenario", "params", "grads", "buckets", "masters", "feedback", "state", "total", "least", "imbal",
+              "sent",
               "received", "colls", "comm", "against the ZeRO formula");
   for (const auto& row : rows) {
     const RankPlan& b = busiest(row.plan);
     const int block = row.config.mode == "ddp" || row.config.shard_group_size == 0 ? row.config.world_size
                                                                                    : row.config.shard_group_size;
-    std::printf("%-10s %5d %5d  %-14s %9s %9s %9s %9s %9s %9s | %9s %5.1f%% | %9s %9s %6lld %7.2fms | %s\n",
+    std::printf("%-10s %5d %5d  %-14s %9s %9s %9s %9s %9s %9s %9s | %9s %5.1f%% | %9s %9s %6lld %7.2fms | %s\n",
                 row.config.mode.c_str(), row.config.world_size, block, row.plan.scenario.c_str(),
                 bytes_text(b.params).c_str(), bytes_text(b.grads).c_str(), bytes_text(b.buckets).c_str(),
-                bytes_text(b.masters).c_str(), bytes_text(b.state).c_str(), bytes_text(b.total()).c_str(),
+                bytes_text(b.masters).c_str(), bytes_text(b.feedback).c_str(), bytes_text(b.state).c_str(),
+                bytes_text(b.total()).c_str(),
                 bytes_text(least(row.plan).total()).c_str(), 100.0 * state_imbalance(row.plan),
                 bytes_text(most_traffic(row.plan).sent()).c_str(), bytes_text(most_traffic(row.plan).received()).c_str(),
                 static_cast<long long>(row.collectives), row.comm_seconds * 1e3,
@@ -195,6 +199,7 @@ nlohmann::json report_json(const std::vector<Row>& rows, const ModelSpec& spec, 
                        {"optimizer", row.config.optimizer},
                        {"gradient_wire", row.config.gradient_wire},
                        {"param_wire", row.config.param_wire},
+                       {"error_feedback", row.config.error_feedback},
                        {"split", row.plan.split},
                        {"buckets", row.plan.buckets},
                        {"trainable", row.plan.trainable},
@@ -220,13 +225,13 @@ nlohmann::json report_json(const std::vector<Row>& rows, const ModelSpec& spec, 
 void write_csv(const std::vector<Row>& rows, const std::string& path) {
   std::ofstream f(path);
   SHARDOPT_CHECK(f, "cannot write '", path, "'");
-  f << "mode,world,shard_group_size,scenario,rank,params,grads,buckets,masters,state,total,sent_within_block,"
+  f << "mode,world,shard_group_size,scenario,rank,params,grads,buckets,masters,feedback,state,total,sent_within_block,"
        "received_within_block,sent_across_blocks,received_across_blocks\n";
   for (const auto& row : rows) {
     for (const auto& r : row.plan.ranks) {
-      f << fmt::format("{},{},{},{},{},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f}\n",
+      f << fmt::format("{},{},{},{},{},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f}\n",
                        row.config.mode, row.config.world_size, row.config.shard_group_size, row.plan.scenario, r.rank,
-                       r.params, r.grads, r.buckets, r.masters, r.state, r.total(), r.sent_block, r.received_block,
+                       r.params, r.grads, r.buckets, r.masters, r.feedback, r.state, r.total(), r.sent_block, r.received_block,
                        r.sent_across, r.received_across);
     }
   }
@@ -269,6 +274,7 @@ int run_plan(const PlanOptions& o) {
       c.freeze_fraction = o.freeze_fraction;
       c.gradient_wire = o.gradient_wire;
       c.param_wire = o.param_wire;
+      c.error_feedback = o.error_feedback;
       for (auto& plan : plan_config(spec, c)) {
         Row row{c, std::move(plan), 0.0, 0.0, 0, {}, 0};
         add_comm_time(o, row);

@@ -25,6 +25,7 @@ struct PlanOptions {
   double bucket_mb = 8;           // ZeRO-2's reduce buckets, MiB
   double freeze_fraction = 0.0;
   std::string gradient_wire = "exact";  // exact or bf16: how ZeRO-2's gradients travel
+  bool error_feedback = false;          // ZeRO-2 on a compressed gradient wire: residuals per rank
   std::string param_wire = "exact";     // exact or bf16: how ZeRO-1/2's parameter sync travels
   double intra_node_gbps = 450;   // GB/s each way inside a node (NVLink)
   double inter_node_gbps = 50;    // GB/s each way across nodes (InfiniBand, 400 Gb/s per GPU)

@@ -19,8 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 PARTS = [("params", "parameters"), ("grads", "gradients"), ("state", "optimizer state (+ fp32 masters)"),
-         ("buckets", "buckets")]
-COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
+         ("buckets", "buckets"), ("feedback", "error-feedback residuals")]
+COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#937860"]
 MODE_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero1-bf16": "ZeRO-1\nbf16",
               "zero2-bf16": "ZeRO-2\nbf16"}
 MIB = 2.0 ** 20
@@ -59,9 +59,9 @@ def main():
                 for r in ranks:
                     bottom = 0.0
                     for (key, name), color in zip(PARTS, COLORS):
-                        ax.bar(x, r[key] / MIB, 0.85, bottom=bottom / MIB, color=color,
+                        ax.bar(x, r.get(key, 0) / MIB, 0.85, bottom=bottom / MIB, color=color,
                                label=name if (x == 0 and row == 0) else None)
-                        bottom += r[key]
+                        bottom += r.get(key, 0)
                     top = max(top, bottom / MIB)
                     x += 1
                 formula = sum(ranks[0]["formula"][k] for k in ("params", "grads", "state"))
@@ -71,7 +71,7 @@ def main():
                 ticks.append((start + x - 1) / 2)
                 labels.append(MODE_NAMES[mode])
                 largest = max(ranks, key=lambda r: r["peak_rss"])
-                counted = sum(largest[k] for k, _ in PARTS)
+                counted = sum(largest.get(k, 0) for k, _ in PARTS)
                 transient.append((f"{MODE_NAMES[mode].replace(chr(10), ' ')} @{world}",
                                   max(0.0, largest["peak_rss"] - largest["runtime"] - counted)))
                 x += max(0.8, 3.0 - len(ranks))  # room for the label under a group of few bars

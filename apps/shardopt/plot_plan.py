@@ -4,7 +4,8 @@
     plot_plan.py plan.json plan.png
 
 Per scenario, two panels. Above: the busiest rank's memory per configuration (mode at each world
-size), stacked: parameters, gradients, buckets, fp32 masters, optimizer state, in GiB; a black
+size), stacked: parameters, gradients, buckets, fp32 masters, error-feedback residuals, optimizer
+state, in GiB; a black
 tick marks the least loaded rank's total, so an imbalance shows as a gap. Below: the bytes the
 rank that moves the most sends per step, within its block and across blocks, and the communication time
 they imply at the report's link bandwidths.
@@ -18,8 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 PARTS = [("params", "parameters"), ("grads", "gradients"), ("buckets", "buckets"), ("masters", "fp32 masters"),
-         ("state", "optimizer state")]
-COLORS = ["#4C72B0", "#DD8452", "#C44E52", "#8172B3", "#55A868"]
+         ("feedback", "error-feedback residuals"), ("state", "optimizer state")]
+COLORS = ["#4C72B0", "#DD8452", "#C44E52", "#8172B3", "#937860", "#55A868"]
 GIB = 2.0 ** 30
 
 
@@ -41,7 +42,7 @@ def main(src, dst):
         ax = axes[2 * row][0]
         bottom = [0.0] * len(cs)
         for (key, name), color in zip(PARTS, COLORS):
-            values = [c["max_rank"][key] / GIB for c in cs]
+            values = [c["max_rank"].get(key, 0) / GIB for c in cs]
             ax.bar(xs, values, bottom=bottom, color=color, label=name, width=0.7)
             bottom = [b + v for b, v in zip(bottom, values)]
         ax.scatter(xs, [c["min_rank"]["total"] / GIB for c in cs], marker="_", s=300, color="black",

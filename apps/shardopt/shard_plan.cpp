@@ -131,6 +131,13 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
       block.reduce(static_cast<double>(b.numel()) * wire, b.owner);
     }
     for (auto& r : out.ranks) r.buckets -= r.grads;  // the slabs' bytes beyond the gradients
+    // Error feedback: a bf16 residual per element this rank sends, its own row's included (Note
+    // [Error feedback] in csrc/ddp/reduction.cpp): the buckets' gradient elements, gaps too.
+    if (c.error_feedback && c.gradient_wire != "exact" && layout.world_size() > 1) {  // one rank sends nothing
+      double sent = 0;
+      for (const auto& b : layout.buckets()) sent += static_cast<double>(b.rows() ? b.numel() * layout.world_size() : b.numel());
+      for (auto& r : out.ranks) r.feedback = sent * 2.0;
+    }
     // The replica groups all-reduce each owned, block-reduced bucket.
     if (blocks > 1) {
       for (size_t r = 0; r < owned.size(); ++r) {

@@ -32,12 +32,16 @@ struct PlanConfig {
   double freeze_fraction = 0.0;   // leading layers frozen for the second scenario (0: none)
   std::string gradient_wire = "exact";  // ZeRO-2's gradients on the wire: exact or bf16 (ShardedDDPOptions::gradient_wire)
   std::string param_wire = "exact";     // the parameter sync on the wire: exact or bf16 (OSSOptions::param_wire)
+  bool error_feedback = false;          // ZeRO-2 on a compressed gradient wire: residuals (ShardedDDPOptions::error_feedback)
 };
 
 // One rank's bytes and traffic.
 struct RankPlan {
   int rank = 0;  // within its block (every block is alike)
   double params = 0, grads = 0, buckets = 0, masters = 0, state = 0;
+  // Error feedback's residuals: bf16, one per element of the buckets it sends into (every
+  // trainable element, on every rank: outside the 1/N of the gradients).
+  double feedback = 0;
   double sent_block = 0, received_block = 0, sent_across = 0, received_across = 0;
   // Collectives per step it takes part in (Note [Plan latency] in plan.cpp): chains (a reduce to
   // an owner, a broadcast from one, or a ring reduce-scatter or all-gather of a row bucket: k - 1
@@ -45,7 +49,7 @@ struct RankPlan {
   // (the replica group, or the whole group when it spans blocks).
   int64_t chains_block = 0, allreduces_block = 0, allreduces_across = 0;
   int64_t collectives() const { return chains_block + allreduces_block + allreduces_across; }
-  double total() const { return params + grads + buckets + masters + state; }
+  double total() const { return params + grads + buckets + masters + state + feedback; }
   double sent() const { return sent_block + sent_across; }
   double received() const { return received_block + received_across; }
 };

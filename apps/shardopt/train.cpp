@@ -324,7 +324,7 @@ void check_resume_options(const std::string& path, const TrainOptions& o, int64_
 void Trainer::restore() {
   const std::string path = o_.checkpoint_dir + "/last.ckpt";
   check_resume_options(path, o_, data_.train_images.size(0));
-  const TrainingState state = load_checkpoint(path, *model_, *oss_);
+  const TrainingState state = load_checkpoint(path, *ddp_, *oss_);
   SHARDOPT_CHECK(state.sampler.has_value(), "checkpoint '", o_.checkpoint_dir, "/last.ckpt' has no sampler position");
   sampler_->restore(*state.sampler);
   if (scaler_ && state.scalars.count("loss_scale")) {
@@ -621,9 +621,9 @@ void Trainer::save(int64_t next_epoch_step) {
   // Under --survive-failures synchronously: a recovery rebuilds the optimizer, and a write in
   // flight would wait on the dead rank.
   if (o_.sync_checkpoint || resilient_) {
-    save_checkpoint(o_.checkpoint_dir + "/last.ckpt", *model_, *oss_, state, options);
+    save_checkpoint(o_.checkpoint_dir + "/last.ckpt", *ddp_, *oss_, state, options);
   } else {
-    pending_save_ = save_checkpoint_async(o_.checkpoint_dir + "/last.ckpt", *model_, *oss_, state, options);
+    pending_save_ = save_checkpoint_async(o_.checkpoint_dir + "/last.ckpt", *ddp_, *oss_, state, options);
   }
 }
 

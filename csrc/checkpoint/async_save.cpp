@@ -91,7 +91,7 @@ std::string write_in_background(const CheckpointSnapshot& snap, const c10::intru
                                 int world, std::chrono::milliseconds timeout, const std::atomic<bool>& cancelled) {
   std::string error;
   try {
-    if (!snap.part_path.empty()) write_checkpoint_file(snap.part_path, snap.part);
+    write_parts(snap);
   } catch (const std::exception& e) {
     error = strip_prefix(e.what());
   }
@@ -141,8 +141,8 @@ std::string write_in_background(const CheckpointSnapshot& snap, const c10::intru
   }
   if (committed) {
     remove_parts_except(snap.path, snap.sharded ? snap.id : -1);
-  } else if (known_uncommitted && !snap.part_path.empty()) {
-    ::unlink(snap.part_path.c_str());  // no main file names it
+  } else if (known_uncommitted) {
+    unlink_parts(snap);  // no main file names them
   }
   // (Unsure whether rank 0 committed, the part stays: the main file may name it. The next
   // committed save removes it.)
@@ -198,8 +198,10 @@ const std::string& PendingCheckpoint::path() const {
   return save_ ? save_->path : none;
 }
 
-PendingCheckpoint save_checkpoint_async(const std::string& path, torch::nn::Module& module, OSS& optimizer,
-                                        const TrainingState& state, CheckpointOptions options) {
+namespace {
+
+PendingCheckpoint save_async(const std::string& path, torch::nn::Module& module, OSS& optimizer, const ShardedDDP* ddp,
+                             const TrainingState& state, const CheckpointOptions& options) {
   detail::settle_pending_save(optimizer);  // at most one in flight
   ProcessGroup& group = optimizer.global_group();
   SHARDOPT_CHECK(group.store() || group.size() == 1, "save_checkpoint_async('", path,
@@ -208,7 +210,7 @@ PendingCheckpoint save_checkpoint_async(const std::string& path, torch::nn::Modu
   detail::CheckpointSnapshot snap;
   {
     CommPhase phase("saving a checkpoint (snapshot)");
-    snap = detail::take_snapshot(path, module, optimizer, state, options, /*own_copies=*/true);
+    snap = detail::take_snapshot(path, module, optimizer, ddp, state, options, /*own_copies=*/true);
   }
   auto save = std::make_shared<detail::AsyncSave>();
   save->optimizer = &optimizer;
@@ -225,17 +227,30 @@ PendingCheckpoint save_checkpoint_async(const std::string& path, torch::nn::Modu
       s->error = detail::write_in_background(snap, store, rank, world, timeout, s->cancelled);
     } else {  // a world of one without a store: nobody to wait for
       try {
-        if (!snap.part_path.empty()) write_checkpoint_file(snap.part_path, snap.part);
+        detail::write_parts(snap);
         write_checkpoint_file(snap.path, snap.main);
         detail::remove_parts_except(snap.path, snap.sharded ? snap.id : -1);
       } catch (const std::exception& e) {
-        if (!snap.part_path.empty()) ::unlink(snap.part_path.c_str());
+        detail::unlink_parts(snap);
         s->error = detail::strip_prefix(e.what());
       }
     }
     s->finished.store(true);
   });
   return PendingCheckpoint(std::move(save));
+}
+
+}  // namespace
+
+PendingCheckpoint save_checkpoint_async(const std::string& path, torch::nn::Module& module, OSS& optimizer,
+                                        const TrainingState& state, CheckpointOptions options) {
+  return save_async(path, module, optimizer, nullptr, state, options);
+}
+
+PendingCheckpoint save_checkpoint_async(const std::string& path, ShardedDDP& ddp, OSS& optimizer,
+                                        const TrainingState& state, CheckpointOptions options) {
+  detail::check_ddp_saves(path, ddp, optimizer);
+  return save_async(path, *ddp.module(), optimizer, &ddp, state, options);
 }
 
 }  // namespace shardopt

@@ -3,6 +3,7 @@
 #include <shardopt/check.h>
 
 #include "checkpoint/snapshot.h"
+#include "ddp/error_feedback_state.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -24,6 +25,7 @@ namespace shardopt {
 
 namespace {
 using detail::agree_on_failure;
+using detail::ErrorFeedbackState;
 using detail::remove_parts_except;
 using detail::strip_prefix;
 
@@ -108,13 +110,20 @@ std::string shard_path(const std::string& path, int64_t rank, int64_t world, int
   return path + ".optim-" + std::to_string(rank) + "-of-" + std::to_string(world) + "." + id_text(id);
 }
 
+// Where a sharded save keeps a rank's error-feedback residuals (Note [Error feedback in
+// checkpoints] in csrc/ddp/error_feedback_state.cpp).
+std::string feedback_path(const std::string& path, int64_t rank, int64_t world, int64_t id) {
+  return path + ".feedback-" + std::to_string(rank) + "-of-" + std::to_string(world) + "." + id_text(id);
+}
+
 // The name parts had before they carried the id (checkpoints of shardopt 0.4 and earlier).
 std::string legacy_shard_path(const std::string& path, int64_t rank, int64_t world) {
   return path + ".optim-" + std::to_string(rank) + "-of-" + std::to_string(world);
 }
 
-// Removes the part files beside `path` whose save is not `keep_id` (all of them for -1): parts of
-// earlier saves, whatever their number, and parts without an id. Other files beside it stay.
+// Removes the part files (optimizer parts and residuals) beside `path` whose save is not
+// `keep_id` (all of them for -1): parts of earlier saves, whatever their number, and parts
+// without an id. Other files beside it stay.
 // Errors are ignored: a part the main file does not name is never read.
 }  // namespace
 
@@ -122,7 +131,7 @@ namespace detail {
 void remove_parts_except(const std::string& path, int64_t keep_id) {
   const size_t slash = path.rfind('/');
   const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash);
-  const std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".optim-";
+  const std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
   const auto digits = [](const std::string& t) {
     return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos;
   };
@@ -131,6 +140,8 @@ void remove_parts_except(const std::string& path, int64_t keep_id) {
   if (!d) return;
   while (const dirent* entry = ::readdir(d)) {
     const std::string name = entry->d_name;
+    std::string prefix = base + ".optim-";
+    if (name.rfind(prefix, 0) != 0) prefix = base + ".feedback-";
     if (name.rfind(prefix, 0) != 0) continue;
     const size_t of = name.find("-of-", prefix.size());
     if (of == std::string::npos) continue;
@@ -376,12 +387,13 @@ std::vector<torch::IValue> gather_rng_states(ProcessGroup& group) {
 // What the main file holds: the model, the training state, the optimizer (consolidated) or the
 // count of its shard files, every rank's RNG state, and the id the shard files carry too.
 Dict main_file_value(torch::nn::Module& module, int world, int shard_world, int64_t id, bool sharded,
-                     const torch::IValue& optimizer_value, const std::vector<torch::IValue>& rng_states,
+                     bool feedback, const torch::IValue& optimizer_value, const std::vector<torch::IValue>& rng_states,
                      const TrainingState& state) {
   Dict d = string_dict();
   d.insert("format", std::string("shardopt-checkpoint"));
   d.insert("world_size", static_cast<int64_t>(world));
   d.insert("optimizer_shards", static_cast<int64_t>(shard_world));
+  if (feedback) d.insert("feedback_parts", static_cast<int64_t>(world));  // one file of residuals per rank
   d.insert("checkpoint_id", id);
   d.insert("model", module_value(module));
   d.insert("trainable", trainable_value(module));
@@ -449,8 +461,22 @@ c10::IValue own_copy(const c10::IValue& value) {
 
 }  // namespace
 
+void check_ddp_saves(const std::string& path, const ShardedDDP& ddp, const OSS& optimizer) {
+  SHARDOPT_CHECK(ErrorFeedbackState::reduces_for(ddp, optimizer), "checkpoint '", path,
+                 "': the ShardedDDP given does not reduce gradients for the OSS given");
+}
+
+void write_parts(const CheckpointSnapshot& snap) {
+  for (const auto& part : snap.parts) write_checkpoint_file(part.path, part.value);
+}
+
+void unlink_parts(const CheckpointSnapshot& snap) {
+  for (const auto& part : snap.parts) ::unlink(part.path.c_str());
+}
+
 CheckpointSnapshot take_snapshot(const std::string& path, torch::nn::Module& module, OSS& optimizer,
-                                 const TrainingState& state, const CheckpointOptions& options, bool own_copies) {
+                                 const ShardedDDP* ddp, const TrainingState& state, const CheckpointOptions& options,
+                                 bool own_copies) {
   ProcessGroup& group = optimizer.global_group();
   optimizer.finish_param_sync();  // the module's parameters are read below
   const int rank = group.rank(), world = group.size();
@@ -476,19 +502,27 @@ CheckpointSnapshot take_snapshot(const std::string& path, torch::nn::Module& mod
   const std::vector<torch::IValue> rng_states = gather_rng_states(group);
 
   if (snap.sharded && rank < shard_world) {
-    snap.part_path = shard_path(path, rank, shard_world, snap.id);
     Dict d = string_dict();
     d.insert("checkpoint_id", snap.id);
     d.insert("optimizer_shard", optimizer_value);
-    snap.part = d;
+    snap.parts.push_back({shard_path(path, rank, shard_world, snap.id), d});
+  }
+  // Residuals are every rank's own: in a sharded save only (Note [Error feedback in checkpoints]).
+  const bool feedback = snap.sharded && ddp && ErrorFeedbackState::kept(*ddp);
+  if (feedback) {
+    Dict d = string_dict();
+    d.insert("checkpoint_id", snap.id);
+    d.insert("residuals", ErrorFeedbackState::save(*ddp));
+    snap.parts.push_back({feedback_path(path, rank, world, snap.id), d});
   }
   if (rank == 0) {
     snap.writes_main = true;
-    snap.main = main_file_value(module, world, shard_world, snap.id, snap.sharded, optimizer_value, rng_states, state);
+    snap.main = main_file_value(module, world, shard_world, snap.id, snap.sharded, feedback, optimizer_value,
+                                rng_states, state);
   }
   if (own_copies) {
     // (The model's tensors in the main file are copies already: module_value clones them.)
-    snap.part = own_copy(snap.part);
+    for (auto& part : snap.parts) part.value = own_copy(part.value);
     if (snap.writes_main && !snap.sharded) {
       Dict main = snap.main.toGenericDict();
       main.insert_or_assign("optimizer", own_copy(main.at("optimizer")));
@@ -499,15 +533,17 @@ CheckpointSnapshot take_snapshot(const std::string& path, torch::nn::Module& mod
 
 }  // namespace detail
 
-void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer, const TrainingState& state,
-                     CheckpointOptions options) {
+namespace {
+
+void save(const std::string& path, torch::nn::Module& module, OSS& optimizer, const ShardedDDP* ddp,
+          const TrainingState& state, const CheckpointOptions& options) {
   detail::settle_pending_save(optimizer);
   ProcessGroup& group = optimizer.global_group();
   CommPhase phase("saving a checkpoint");
-  const detail::CheckpointSnapshot snap = detail::take_snapshot(path, module, optimizer, state, options, false);
+  const detail::CheckpointSnapshot snap = detail::take_snapshot(path, module, optimizer, ddp, state, options, false);
   std::string error;
   try {
-    if (!snap.part_path.empty()) write_checkpoint_file(snap.part_path, snap.part);
+    detail::write_parts(snap);
   } catch (const std::exception& e) {
     error = strip_prefix(e.what());
   }
@@ -528,14 +564,38 @@ void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& op
   } catch (...) {
     // A part failed, so rank 0 wrote no main file: nothing names this rank's part. (Otherwise it
     // stays: rank 0 may have committed before the agreement failed; the next save removes it.)
-    if (parts_ok.item<int64_t>() != 0 && !snap.part_path.empty()) ::unlink(snap.part_path.c_str());
+    if (parts_ok.item<int64_t>() != 0) detail::unlink_parts(snap);
     throw;
   }
   // Committed: the main file names this save's parts; every earlier part is of no use.
   remove_parts_except(path, snap.sharded ? snap.id : -1);
 }
 
-TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer) {
+// This rank's error-feedback residuals in the checkpoint whose main file is `d`, or None where it
+// holds none for this world size (Note [Error feedback in checkpoints]), saying why on rank 0.
+torch::IValue saved_residuals(const std::string& path, const Dict& d, ProcessGroup& group) {
+  const int64_t parts = d.contains("feedback_parts") ? d.at("feedback_parts").toInt() : 0;
+  if (parts != group.size()) {
+    if (group.rank() == 0) {
+      TORCH_WARN("shardopt: checkpoint '", path, "' holds no error-feedback residuals for ", group.size(), " ranks (",
+                 parts > 0 ? "it was saved at " + std::to_string(parts) + " ranks"
+                 : d.at("optimizer_layout").toStringRef() == "sharded"
+                     ? std::string("it was saved without them")
+                     : std::string("a consolidated checkpoint carries none"),
+                 "): they start at zero");
+    }
+    return torch::IValue();
+  }
+  const std::string file = feedback_path(path, group.rank(), parts, d.at("checkpoint_id").toInt());
+  SHARDOPT_CHECK(::access(file.c_str(), F_OK) == 0, "checkpoint '", path, "': its residuals of rank ",
+                 group.rank(), ", '", file, "', are missing");
+  const Dict f = read_checkpoint_file(file).toGenericDict();
+  SHARDOPT_CHECK(f.at("checkpoint_id").toInt() == d.at("checkpoint_id").toInt(), "checkpoint '", file,
+                 "' belongs to another save than '", path, "'");
+  return f.at("residuals");
+}
+
+TrainingState load(const std::string& path, torch::nn::Module& module, OSS& optimizer, ShardedDDP* ddp) {
   detail::settle_pending_save(optimizer);  // a save in flight finishes first: its files are whole
   ProcessGroup& group = optimizer.global_group();
   optimizer.finish_param_sync();  // nothing in flight may land on the loaded parameters
@@ -584,11 +644,34 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module
     state.epoch = d.at("epoch").toInt();
     if (!d.at("sampler").isNone()) state.sampler = sampler_of(d.at("sampler").toGenericDict());
     for (const auto& kv : d.at("scalars").toGenericDict()) state.scalars[kv.key().toStringRef()] = kv.value().toDouble();
+    if (ddp && ErrorFeedbackState::kept(*ddp)) ErrorFeedbackState::restore(*ddp, saved_residuals(path, d, group));
   } catch (const std::exception& e) {
     error = strip_prefix(e.what());
   }
   agree_on_failure(group, error, "loading", path);
   return state;
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer, const TrainingState& state,
+                     CheckpointOptions options) {
+  save(path, module, optimizer, nullptr, state, options);
+}
+
+void save_checkpoint(const std::string& path, ShardedDDP& ddp, OSS& optimizer, const TrainingState& state,
+                     CheckpointOptions options) {
+  detail::check_ddp_saves(path, ddp, optimizer);
+  save(path, *ddp.module(), optimizer, &ddp, state, options);
+}
+
+TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer) {
+  return load(path, module, optimizer, nullptr);
+}
+
+TrainingState load_checkpoint(const std::string& path, ShardedDDP& ddp, OSS& optimizer) {
+  detail::check_ddp_saves(path, ddp, optimizer);
+  return load(path, *ddp.module(), optimizer, &ddp);
 }
 
 }  // namespace shardopt

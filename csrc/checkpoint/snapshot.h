@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace shardopt::detail {
 
@@ -15,17 +16,33 @@ struct CheckpointSnapshot {
   std::string path;
   int64_t id = 0;            // Note [Parts carry their save's id]
   bool sharded = false;
-  std::string part_path;     // this rank's part of a sharded save ("" when it writes none)
-  c10::IValue part;          // its payload
+  // This rank's files of a sharded save, beside the main file: its part of the optimizer state
+  // (on the ranks of the shard group) and its error-feedback residuals (a ShardedDDP's with
+  // error feedback, every rank: Note [Error feedback in checkpoints]).
+  struct Part {
+    std::string path;
+    c10::IValue value;
+  };
+  std::vector<Part> parts;
   bool writes_main = false;  // rank 0
   c10::IValue main;          // the main file's payload, on rank 0
 };
 
-// Collective over optimizer.global_group(): everything the save writes, as it is now. With
-// `own_copies`, every tensor in it is a copy of its own (in pinned host memory for a CUDA
-// tensor), so that training may change the originals while the files are written.
+// Collective over optimizer.global_group(): everything the save writes, as it is now, with the
+// error-feedback residuals of `ddp` (may be null). With `own_copies`, every tensor in it is a
+// copy of its own (in pinned host memory for a CUDA tensor), so that training may change the
+// originals while the files are written.
 CheckpointSnapshot take_snapshot(const std::string& path, torch::nn::Module& module, OSS& optimizer,
-                                 const TrainingState& state, const CheckpointOptions& options, bool own_copies);
+                                 const ShardedDDP* ddp, const TrainingState& state, const CheckpointOptions& options,
+                                 bool own_copies);
+
+// Throws unless `optimizer` is one of those `ddp` reduces gradients for (save_checkpoint's
+// ShardedDDP forms).
+void check_ddp_saves(const std::string& path, const ShardedDDP& ddp, const OSS& optimizer);
+
+// Writes this rank's parts; removes them (errors ignored: nothing names them).
+void write_parts(const CheckpointSnapshot& snap);
+void unlink_parts(const CheckpointSnapshot& snap);
 
 // Removes the part files beside `path` whose save is not `keep_id` (all of them for -1).
 void remove_parts_except(const std::string& path, int64_t keep_id);

@@ -325,13 +325,15 @@ void ShardedDDP::launch_ready_buckets() {
 // wire: the same int8 values, and a scale that may differ in its last bit, so what arrives may
 // differ from what the residual assumed by that last bit. Only the gradient elements carry residuals, not
 // the flags (0 or 1: exact on the wire). A new layout (a freeze, a re-partition) builds the
-// buckets anew and starts their residuals at zero; checkpoints do not carry them, so a resumed
-// run starts them at zero too. A backward under no_sync feeds back nothing (its gradients are
+// buckets anew and starts their residuals at zero: the residuals of parameters that were frozen
+// are dropped, and an unfrozen parameter starts from zero. Sharded checkpoints carry them (Note
+// [Error feedback in checkpoints] in error_feedback_state.cpp). A backward under no_sync feeds back nothing (its gradients are
 // reduced by the next reduction, which feeds back then).
 void ShardedDDP::feed_back_error(Bucket& b, at::ScalarType wire) {
   at::NoGradGuard no_grad;
   const int64_t rows = b.rows() ? group_->size() : 1;
   const detail::WireCodec codec(wire);
+  if (!b.residual.defined() && restored_residuals_) adopt_restored_residuals();
   if (!b.residual.defined()) b.residual = at::zeros({rows * b.numel}, b.options.dtype(at::kBFloat16));
   for (int64_t r = 0; r < rows; ++r) {
     // This rank's own row of a row bucket is in `out` when it has one (Note [Row buckets]).

@@ -461,6 +461,23 @@ class CliTest(unittest.TestCase):
             self.assertTrue(torch.equal(masters[i].to(torch.bfloat16).float(), a["model"][k]), k)
             self.assertFalse(torch.equal(masters[i], a["model"][k]), f"{k}: nothing was rounded")
 
+    def test_error_feedback_resumes_bit_exact_from_a_sharded_checkpoint(self):
+        # int8 wires with error feedback: each rank's residuals are saved beside its optimizer
+        # part, and a run stopped during the freeze (the layout the residuals follow) and resumed
+        # ends where the straight run does, bit for bit.
+        args = ["train", "-n", "2", *TINY, "--gradient-wire", "int8", "--param-wire", "int8", "--error-feedback",
+                "--sharded-checkpoint"]
+        run([*args, "--checkpoint-dir", self.path("full")])
+        part = [*args, "--checkpoint-dir", self.path("part"), "--checkpoint-every", "5"]
+        run([*part, "--stop-after-steps", "15"])
+        saved = sorted(f for f in os.listdir(self.path("part")) if ".feedback-" in f)
+        self.assertEqual([f.split(".")[2] for f in saved], ["feedback-0-of-2", "feedback-1-of-2"], saved)
+        run([*part, "--resume"])
+        a = read_checkpoint.load(self.path("full/last.ckpt"))["model"]
+        b = read_checkpoint.load(self.path("part/last.ckpt"))["model"]
+        for k in a:
+            self.assertTrue(torch.equal(a[k], b[k]), k)
+
     def test_one_rank_and_four_ranks_end_within_1e_4(self):
         run(["train", *TINY, "--checkpoint-dir", self.path("one")])
         run(["train", *TINY, "-n", "4", "--checkpoint-dir", self.path("four")])

@@ -73,6 +73,7 @@ class PlanTest(unittest.TestCase):
             self.assertEqual(float(p["buckets"]), m["buckets"], what)
             # memory counts fp32 masters as state, as ZeRO's 12 bytes do
             self.assertEqual(float(p["state"]) + float(p["masters"]), m["state"], what)
+            self.assertEqual(float(p["feedback"]), m["feedback"], what)
         return measured
 
     def test_plan_equals_memory_on_real_ranks(self):
@@ -89,8 +90,18 @@ class PlanTest(unittest.TestCase):
         muon = self.compare(["--spec", spec], "zero1,zero2", "muon")
         states = {r["state"] for r in muon if r["mode"] == "zero2" and r["world"] == 4}
         self.assertGreater(len(states), 1, muon)
-        # The CNN that `shardopt train` trains.
-        self.compare(["--preset", "cnn"], "zero2,zero2-bf16", "adam")
+        # The CNN that `shardopt train` trains, with error feedback on an int8 wire: its residuals,
+        # bf16, one per element each rank sends (every trainable element and the row gaps), on
+        # every rank, apart from the 1/N gradients.
+        cnn = self.compare(["--preset", "cnn", "--gradient-wire", "int8", "--error-feedback"], "zero2,zero2-bf16", "adam")
+        for r in cnn:
+            if r["world"] == 1:  # one rank sends nothing
+                self.assertEqual(r["feedback"], 0, r)
+                continue
+            same = [q for q in cnn if (q["mode"], q["world"], q["scenario"]) == (r["mode"], r["world"], r["scenario"])]
+            trainable = sum(q["grads"] for q in same) / (2 if r["mode"].endswith("bf16") else 4)
+            self.assertGreaterEqual(r["feedback"], 2 * trainable, r)
+            self.assertLessEqual(r["feedback"], 1.25 * 2 * trainable, r)
 
     def test_plan_equals_the_zero_formula_where_the_layout_adds_nothing(self):
         # One rank: no padding, no imbalance, on a real model.

@@ -16,6 +16,7 @@
 #include <ftw.h>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/resource.h>
@@ -39,22 +40,29 @@ using testing::temp_dir;
 using testing::train;
 
 // 6 steps at world w1 uninterrupted; and 3 steps at w1, saved, loaded at w2 into fresh objects,
-// 3 more steps. Returns both final parameter sets (rank 0's).
+// 3 more steps. Returns both final parameter sets (rank 0's). With `ddp_options`, the save and
+// the load are save_checkpoint's and load_checkpoint's ShardedDDP forms.
 std::pair<Params, Params> interrupted_and_not(int w1, int w2, OptimizerStateLayout layout, const std::string& dir,
-                                              OSSOptions options = {}) {
+                                              OSSOptions options = {},
+                                              std::optional<ShardedDDPOptions> ddp_options = std::nullopt) {
   Params straight, resumed;
   std::mutex mu;
   const std::string path = dir + "/run.ckpt";
   run_ranks(w1, [&](std::shared_ptr<ProcessGroup> g) {
     auto net = std::make_shared<Net>();
     OSS oss(net->parameters(), adam(), g, options);
-    ShardedDDP ddp(net, oss);
+    ShardedDDP ddp(net, oss, ddp_options.value_or(ShardedDDPOptions()));
     train(*net, oss, ddp, *g, 0, 3);
     TrainingState state;
     state.step = 3;
     state.epoch = 1;
     state.scalars["lr_scale"] = 0.5;
-    save_checkpoint(path, *net, oss, state, CheckpointOptions().optimizer_state(layout));
+    const auto saving = CheckpointOptions().optimizer_state(layout);
+    if (ddp_options) {
+      save_checkpoint(path, ddp, oss, state, saving);
+    } else {
+      save_checkpoint(path, *net, oss, state, saving);
+    }
     train(*net, oss, ddp, *g, 3, 6);
     std::lock_guard<std::mutex> lock(mu);
     if (g->rank() == 0) straight = testing::clone_params(net->params);
@@ -66,8 +74,8 @@ std::pair<Params, Params> interrupted_and_not(int w1, int w2, OptimizerStateLayo
       for (auto& p : net->params) p.mul_(0.5);  // not the saved values: load must restore them
     }
     OSS oss(net->parameters(), adam(), g, options);
-    ShardedDDP ddp(net, oss);
-    TrainingState state = load_checkpoint(path, *net, oss);
+    ShardedDDP ddp(net, oss, ddp_options.value_or(ShardedDDPOptions()));
+    TrainingState state = ddp_options ? load_checkpoint(path, ddp, oss) : load_checkpoint(path, *net, oss);
     EXPECT_EQ(state.step, 3);
     EXPECT_EQ(state.epoch, 1);
     EXPECT_EQ(state.scalars.at("lr_scale"), 0.5);
@@ -105,6 +113,35 @@ TEST(Checkpoint, MixedPrecisionResumeIsBitExact) {
     }
     remove_tree(dir);
   }
+}
+
+// Error feedback (int8 wires on the gradients and the parameters): a sharded checkpoint carries
+// every rank's residuals and the parameters' masters, so the resumed run is the straight one bit
+// for bit. A consolidated one carries no residuals: the step after the save starts them at zero
+// and the runs part (the freeze at steps 2 and 3 keeps step 3's layout the saved one). Another
+// world size starts them at zero too, and trains on.
+TEST(Checkpoint, ErrorFeedbackResumesBitExactFromAShardedCheckpoint) {
+  const auto options = OSSOptions().param_wire(Wire::kInt8);
+  const auto ddp_options = ShardedDDPOptions().gradient_wire(Wire::kInt8).error_feedback(true);
+  for (auto layout : {OptimizerStateLayout::kSharded, OptimizerStateLayout::kConsolidated}) {
+    const auto dir = temp_dir("feedback");
+    auto [straight, resumed] = interrupted_and_not(2, 2, layout, dir, options, ddp_options);
+    ASSERT_EQ(straight.size(), resumed.size());
+    bool all_equal = true;
+    for (size_t i = 0; i < straight.size(); ++i) all_equal = all_equal && at::equal(straight[i], resumed[i]);
+    if (layout == OptimizerStateLayout::kSharded) {
+      EXPECT_TRUE(all_equal) << "a sharded checkpoint restores the residuals";
+    } else {
+      EXPECT_FALSE(all_equal) << "a consolidated checkpoint carries no residuals, yet the resumed run matched";
+    }
+    remove_tree(dir);
+  }
+  const auto dir = temp_dir("feedback-other");
+  auto [straight, resumed] = interrupted_and_not(2, 3, OptimizerStateLayout::kSharded, dir, options, ddp_options);
+  for (size_t i = 0; i < straight.size(); ++i) {
+    EXPECT_LE(testing::rel_diff(resumed[i], straight[i]), 0.05) << "parameter " << i << ", 2 -> 3 ranks";
+  }
+  remove_tree(dir);
 }
 
 TEST(Checkpoint, ResumeAtAnotherWorldSizeMatchesWithinFloatTolerance) {

@@ -18,6 +18,7 @@
 #include <torch/csrc/api/include/torch/nn/modules/container/sequential.h>
 #include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
 
 #include <limits>
 #include <string>
@@ -323,6 +324,54 @@ TEST(GradientWire, ErrorFeedbackCancelsTheRoundingOverReductions) {
       EXPECT_GT(plain_all, 0) << "the plain bf16 wire rounded nothing";
       EXPECT_LT(4 * fed_all, plain_all) << "error feedback: " << fed_all << ", plain: " << plain_all << " (1e-12)";
     });
+  }
+}
+
+// Error feedback under plain SGD, whose update is linear in the gradient. A loss linear in the
+// parameters, sum(c * (x W^T + b)), gives each rank a fixed gradient of its own (W: c^T x, b: the
+// column sums of c). Over 50 steps the mean update, (p_0 - p_50) / (50 lr), is the exact mean
+// gradient to within one residual / 50 with feedback; without it every step rounds alike, and
+// the mean keeps the whole rounding error.
+TEST(GradientWire, ErrorFeedbackMakesTheMeanSgdUpdateOverFiftyStepsTheExactOne) {
+  constexpr int kSteps = 50;
+  constexpr double kLr = 0.1;
+  for (Wire wire : {Wire::kBFloat16, Wire::kInt8}) {
+    for (int world : {2, 3}) {
+      SCOPED_TRACE(std::string(wire == Wire::kInt8 ? "int8" : "bf16") + ", world " + std::to_string(world));
+      run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + g->rank());
+        const at::Tensor x = at::randn({4, 5}, gen), c = at::randn({4, 24}, gen);
+        ASSERT_TRUE(testing::differs_across_ranks(c, *g));
+        at::Tensor exact_w = at::zeros({24, 5}), exact_b = at::zeros({24});
+        for (const auto& t : testing::everyones(*g, at::cat({c.t().mm(x).reshape(-1), c.sum(0)}))) {
+          exact_w += t.narrow(0, 0, 120).reshape({24, 5}) / world;
+          exact_b += t.narrow(0, 120, 24) / world;
+        }
+        double off[2] = {0, 0};
+        for (int feedback : {0, 1}) {
+          torch::nn::Linear net(5, 24);
+          {
+            at::NoGradGuard no_grad;
+            net->weight.copy_(at::randn({24, 5}, at::make_generator<at::CPUGeneratorImpl>(7)));
+            net->bias.zero_();
+          }
+          const at::Tensor w0 = net->weight.detach().clone(), b0 = net->bias.detach().clone();
+          OSS oss(net->parameters(), optimizer<optim::SGD>(optim::SGDOptions(kLr)), g);
+          ShardedDDP ddp(net, oss, ShardedDDPOptions().gradient_wire(wire).error_feedback(feedback != 0));
+          for (int step = 0; step < kSteps; ++step) {
+            ddp.zero_grad();
+            (ddp.forward(x) * c).sum().backward();
+            oss.step();
+          }
+          const double scale = kLr * kSteps;
+          off[feedback] = std::max(((w0 - net->weight.detach()) / scale - exact_w).abs().max().item<double>(),
+                                   ((b0 - net->bias.detach()) / scale - exact_b).abs().max().item<double>());
+        }
+        EXPECT_GT(off[0], 1e-4) << "the plain wire rounded (almost) nothing";
+        EXPECT_LT(10 * off[1], off[0]) << "mean update off the exact mean gradient by " << off[1]
+                                       << " with error feedback, " << off[0] << " without";
+      });
+    }
   }
 }
 

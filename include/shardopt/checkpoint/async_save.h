@@ -67,5 +67,9 @@ class PendingCheckpoint {
 // Saves as save_checkpoint does, writing in the background (see above). Collective.
 PendingCheckpoint save_checkpoint_async(const std::string& path, torch::nn::Module& module, OSS& optimizer,
                                         const TrainingState& state, CheckpointOptions options = {});
+// The same for a ShardedDDP's module, with its error-feedback residuals (as save_checkpoint's
+// ShardedDDP form).
+PendingCheckpoint save_checkpoint_async(const std::string& path, ShardedDDP& ddp, OSS& optimizer,
+                                        const TrainingState& state, CheckpointOptions options = {});
 
 }  // namespace shardopt

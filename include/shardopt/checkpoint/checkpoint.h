@@ -26,6 +26,7 @@
 #pragma once
 
 #include <shardopt/data/sampler.h>
+#include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/oss.h>
 
 #include <torch/csrc/api/include/torch/nn/module.h>
@@ -61,11 +62,24 @@ struct TrainingState {
 void save_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer, const TrainingState& state,
                      CheckpointOptions options = {});
 
+// The same for a ShardedDDP's module (ddp.module()) and one of its optimizers. A sharded save
+// also writes each rank's error-feedback residuals (ShardedDDPOptions::error_feedback), to
+// "<path>.feedback-<rank>-of-<world>.<id>", so that a run resumed at the same world size is the
+// straight one bit for bit; a consolidated save carries none (Note [Error feedback in
+// checkpoints] in csrc/ddp/error_feedback_state.cpp).
+void save_checkpoint(const std::string& path, ShardedDDP& ddp, OSS& optimizer, const TrainingState& state,
+                     CheckpointOptions options = {});
+
 // Restores what save_checkpoint saved, on any world size: parameters and buffers (copied in
 // place, by name), requires_grad flags, optimizer state, this rank's random-number state (rank
 // 0's when the world size differs), and returns the TrainingState. Collective; every rank throws
 // if any rank failed, naming the file.
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& module, OSS& optimizer);
+
+// The same for a ShardedDDP's module, restoring its error-feedback residuals too where the
+// checkpoint holds them for this world size; otherwise they start at zero, and rank 0 warns once
+// saying why (a consolidated checkpoint, another world size, a save without them).
+TrainingState load_checkpoint(const std::string& path, ShardedDDP& ddp, OSS& optimizer);
 
 // Reads one checkpoint file and checks its header, version and checksum; returns its payload.
 // Local.

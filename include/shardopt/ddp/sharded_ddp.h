@@ -109,6 +109,9 @@ struct ShardedDDPOptions {
 };
 
 class ShardedDDP;
+namespace detail {
+struct ErrorFeedbackState;  // checkpoints' access to the residuals (csrc/ddp/error_feedback_state.h)
+}
 
 // While alive, backward accumulates gradients locally (no communication).
 class NoSync {
@@ -213,6 +216,7 @@ class ShardedDDP {
  private:
   friend class NoSync;
   friend struct testing::Introspection;
+  friend struct detail::ErrorFeedbackState;
   struct Entry;
   struct Bucket;
   struct Hooked;
@@ -285,6 +289,10 @@ class ShardedDDP {
   // Error feedback: this rank's contribution plus the last residual, rounded to `wire`; the new
   // residual is what the rounding dropped.
   void feed_back_error(Bucket& bucket, at::ScalarType wire);
+  // The buckets' layout as the residuals follow it (one number per fact), and taking the
+  // residuals a checkpoint restored where it is the one they were saved for.
+  at::Tensor residual_layout() const;
+  void adopt_restored_residuals();
   // Sets aside an owner's gradient that the last reduction handed over (a hook of hooked_[h]).
   void before_accumulation(size_t hooked);
   // At the first gradient of a backward: which owned buckets it accumulates into in place.
@@ -343,6 +351,13 @@ class ShardedDDP {
   bool has_split_pieces_ = false;  // some bucket holds part of a parameter
   bool uncleared_ = false;         // this backward found a handed-over gradient left exactly as it was
   bool carry_split_ = false;       // split pieces carry their last reduction over (gradients uncleared)
+  // Error feedback's residuals as a checkpoint restored them, until the first reduction takes
+  // them (Note [Error feedback in checkpoints] in csrc/ddp/error_feedback_state.cpp).
+  struct RestoredResiduals {
+    at::Tensor layout;                   // residual_layout() when they were saved
+    std::vector<at::Tensor> residuals;   // per bucket (undefined: none yet)
+  };
+  std::optional<RestoredResiduals> restored_residuals_;
 };
 
 }  // namespace shardopt
