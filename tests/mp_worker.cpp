@@ -13,7 +13,8 @@
 //   mp_worker die_in PHASE R rank R kills itself with SIGKILL in PHASE at step 2
 //   mp_worker soak STEPS DIR  a long run: memory, threads, descriptors and parity (tools/soak.sh)
 //   mp_worker wire_bytes     bytes each rank writes to the network per step: OSS + ShardedDDP
-//                            against an all-reduce of the gradients (DDP's exchange)
+//                            against an all-reduce of the gradients (DDP's exchange), and on
+//                            bf16 and int8 wires against the formula
 #include <shardopt/checkpoint/async_save.h>
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/optim/oss.h>
@@ -33,6 +34,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cmath>
+#include <tuple>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -292,15 +295,22 @@ double written_per_step(const std::function<void()>& step, int steps) {
 void wire_bytes(std::shared_ptr<ProcessGroup> group) {
   const int rank = group->rank(), world = group->size();
   auto data = [&](int step) { return at::randn({4, 512}) * (1 + rank) + step; };
-  auto sharded_net = std::make_shared<WideNet>();
-  OSS oss(sharded_net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), group);
-  ShardedDDP ddp(sharded_net, oss);
   int step = 0;
-  const double sharded = written_per_step([&] {
-    ddp.zero_grad();
-    ddp.forward(data(step++)).pow(2).mean().backward();
-    oss.step();
-  }, 3);
+  // OSS + ShardedDDP with `wire` on the gradients and the parameters.
+  auto sharded_on = [&](Wire wire) {
+    auto sharded_net = std::make_shared<WideNet>();
+    OSS oss(sharded_net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), group,
+            OSSOptions().param_wire(wire));
+    ShardedDDP ddp(sharded_net, oss, ShardedDDPOptions().gradient_wire(wire));
+    return written_per_step([&] {
+      ddp.zero_grad();
+      ddp.forward(data(step++)).pow(2).mean().backward();
+      oss.step();
+    }, 3);
+  };
+  const double sharded = sharded_on(Wire::kExact);
+  const double bf16 = sharded_on(Wire::kBFloat16);
+  const double int8 = sharded_on(Wire::kInt8);
   // DDP's exchange: every gradient all-reduced (in one flat buffer) and averaged on every rank.
   auto plain_net = std::make_shared<WideNet>();
   optim::Adam adam(plain_net->parameters(), optim::AdamOptions(1e-3));
@@ -316,18 +326,28 @@ void wire_bytes(std::shared_ptr<ProcessGroup> group) {
     for (auto& p : plain_net->parameters()) p.mutable_grad().view(-1).copy_(flat.narrow(0, at, p.numel())), at += p.numel();
     adam.step();
   }, 3);
-  at::Tensor all = at::zeros({2 * world}, at::kDouble);
-  all[2 * rank] = sharded;
-  all[2 * rank + 1] = allreduce;
+  at::Tensor all = at::zeros({4 * world}, at::kDouble);
+  all.narrow(0, 4 * rank, 4).copy_(at::tensor({sharded, allreduce, bf16, int8}, at::kDouble));
   group->allreduce(all);
-  double total_sharded = 0, total_allreduce = 0;
+  double total_sharded = 0, total_allreduce = 0, total_bf16 = 0, total_int8 = 0;
   for (int r = 0; r < world; ++r) {
-    total_sharded += all[2 * r].item<double>();
-    total_allreduce += all[2 * r + 1].item<double>();
+    total_sharded += all[4 * r].item<double>();
+    total_allreduce += all[4 * r + 1].item<double>();
+    total_bf16 += all[4 * r + 2].item<double>();
+    total_int8 += all[4 * r + 3].item<double>();
     if (rank == 0) {
-      std::printf("rank %d: %.0f bytes per step sharded, %.0f all-reduce\n", r, all[2 * r].item<double>(),
-                  all[2 * r + 1].item<double>());
+      std::printf("rank %d: %.0f bytes per step sharded (bf16 wires %.0f, int8 wires %.0f), %.0f all-reduce\n", r,
+                  all[4 * r].item<double>(), all[4 * r + 2].item<double>(), all[4 * r + 3].item<double>(),
+                  all[4 * r + 1].item<double>());
     }
+  }
+  // The compressed wires against the formula: every gradient and parameter element the exact
+  // wire sends in 4 bytes travels in 2 (bf16) or in 1 plus a 4-byte scale per block of 256
+  // (int8); control messages and each row's exact flags add far less than 64 KiB.
+  for (const auto& [name, total, bytes] : {std::tuple{"bf16", total_bf16, 2.0}, std::tuple{"int8", total_int8, 1.0 + 4.0 / 256}}) {
+    const double expected = total_sharded * bytes / 4.0;
+    TORCH_CHECK(std::abs(total - expected) <= 0.01 * expected + 65536, "OSS + ShardedDDP on ", name, " wires wrote ",
+                total, " bytes per step on all ranks, not the ", expected, " of ", bytes, " bytes an element");
   }
   const double gradient_bytes = 4.0 * 8 * (512 * 512 + 512);
   // Both move 2(N-1)/N of the gradients per rank; what control messages add is far below 64 KiB.
@@ -335,7 +355,11 @@ void wire_bytes(std::shared_ptr<ProcessGroup> group) {
               " bytes per step on all ranks, less than a ring all-reduce must: is /proc/self/io counting?");
   TORCH_CHECK(total_sharded <= total_allreduce + 65536, "OSS + ShardedDDP wrote ", total_sharded,
               " bytes per step on all ranks, more than the all-reduce's ", total_allreduce);
-  if (rank == 0) std::printf("wire bytes ok at world %d: %.0f sharded <= %.0f all-reduce\n", world, total_sharded, total_allreduce);
+  if (rank == 0) {
+    std::printf("wire bytes ok at world %d: %.0f sharded <= %.0f all-reduce; bf16 wires %.0f (%.3fx), int8 wires %.0f "
+                "(%.3fx)\n", world, total_sharded, total_allreduce, total_bf16, total_bf16 / total_sharded, total_int8,
+                total_int8 / total_sharded);
+  }
 }
 
 int main(int argc, char** argv) {

@@ -57,6 +57,10 @@ const CLI::Validator kPositive = number_in(std::numeric_limits<double>::denorm_m
 
 void add_train_options(CLI::App& train, TrainOptions& o) {
   train.add_option("--data", o.data_dir, "folder with Fashion-MNIST's gzipped IDX files")->capture_default_str();
+  train.add_option("--model", o.model, "cnn (two convolutions, two linear layers: conv1, conv2, fc1, fc2) or vit (a "
+                                       "Vision Transformer on 7x7 patches: embed, block0 .. block3, norm, head)")
+      ->check(CLI::IsMember({"cnn", "vit"}))
+      ->capture_default_str();
   train.add_option("--epochs", o.epochs, "epochs")->capture_default_str();
   train.add_option("-b,--batch-size", o.batch_size, "global batch: samples per step over all ranks")->capture_default_str();
   train.add_option("--optimizer", o.optimizer, "adam, adamw, sgd (momentum 0.9) or muon (Muon on the conv and linear weights, AdamW on the biases)")
@@ -247,7 +251,7 @@ int main(int argc, char** argv) {
   int ranks = 0;
   TrainOptions train_options;
   train_options.data_dir = kDefaultFashionMnistDir;
-  CLI::App* train = app.add_subcommand("train", "train a CNN on Fashion-MNIST with OSS + ShardedDDP, a freeze "
+  CLI::App* train = app.add_subcommand("train", "train a CNN or a ViT on Fashion-MNIST with OSS + ShardedDDP, a freeze "
                                                 "schedule and checkpoints");
   train->add_option("-n,--nproc", ranks, "start N local ranks (without a launcher; default: 1, or the launcher's)")
       ->check(kPositive);

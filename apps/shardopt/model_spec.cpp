@@ -1,6 +1,6 @@
 #include "model_spec.h"
 
-#include "cnn.h"
+#include "models/cnn.h"
 
 #include <shardopt/check.h>
 #include "models/gpt2.h"
@@ -28,7 +28,7 @@ ModelSpec preset_spec(const std::string& name) {
   s.name = name;
   if (name == "cnn") {
     Cnn cnn;
-    for (const auto& p : cnn->named_parameters()) s.layers.push_back({p.key(), p.value().sizes().vec()});
+    for (const auto& p : cnn.named_parameters()) s.layers.push_back({p.key(), p.value().sizes().vec()});
   } else if (name == "gpt2-mini") {
     for (const auto& layer : models::gpt2_shapes(512, 10000, 512, 6)) s.layers.push_back({layer.name, layer.shape});
   } else if (name == "gpt2-small") {

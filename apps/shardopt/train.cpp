@@ -1,6 +1,6 @@
 #include "train.h"
 
-#include "cnn.h"
+#include "models/classifier.h"
 #include "fashion_mnist.h"
 #include "freeze_schedule.h"
 #include "metrics_log.h"
@@ -49,9 +49,13 @@ OptimizerFactory make_optimizer(const TrainOptions& o) {
 // --optimizer muon: Muon on the conv and linear weights (a conv filter bank taken as the matrix
 // (out channels, the rest)), AdamW on the biases; both take --lr, Muon scaled to AdamW's update
 // size ("match_rms_adamw"), as Moonlight trains with one learning rate for both.
-std::vector<OptimizerGroup> muon_groups(const std::vector<at::Tensor>& params, const TrainOptions& o) {
+// Muon on the weights of the convolutions and linear layers; the rest (biases, norms, the ViT's
+// class token and positions) on the chosen element-wise optimizer.
+std::vector<OptimizerGroup> muon_groups(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+                                        const TrainOptions& o) {
   std::vector<at::Tensor> matrices, others;
-  for (const auto& p : params) (p.dim() >= 2 ? matrices : others).push_back(p);
+  const auto weight = [](const std::string& n) { return n.size() > 7 && n.compare(n.size() - 7, 7, ".weight") == 0; };
+  for (size_t i = 0; i < params.size(); ++i) (params[i].dim() >= 2 && weight(names[i]) ? matrices : others).push_back(params[i]);
   return {{matrices, optimizer<Muon>(MuonOptions(o.lr).weight_decay(o.weight_decay).adjust_lr_fn("match_rms_adamw").flatten(true))},
           {others, make_optimizer(o)}};
 }
@@ -139,7 +143,7 @@ class Trainer {
   std::shared_ptr<ProcessGroup> group_;
   int rank_ = 0, world_ = 1;
   FashionMnist data_;
-  Cnn model_;
+  std::shared_ptr<Classifier> model_;  // --model: models/classifier.h
   std::vector<std::string> names_;
   std::vector<at::Tensor> params_;
   at::Device device_ = at::kCPU;
@@ -175,7 +179,7 @@ class Trainer {
   };
 };
 
-Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
+Trainer::Trainer(const TrainOptions& o) : o_(o) {
   SHARDOPT_CHECK(o.epochs > 0, "--epochs must be positive, got ", o.epochs);
   SHARDOPT_CHECK(o.lr > 0, "--lr must be positive, got ", o.lr);
   lr_at(o, 0, 1);  // rejects an unknown schedule before any work
@@ -223,7 +227,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   }
 
   at::manual_seed(o.seed);  // the same initial weights on every rank and at every world size
-  model_ = Cnn();
+  model_ = make_classifier(o.model);
   model_->to(device_);
   for (const auto& p : model_->named_parameters()) {
     names_.push_back(p.key());
@@ -244,12 +248,12 @@ Trainer::Trainer(const TrainOptions& o) : o_(o), model_(nullptr) {
   // Each rank's loss is the sum over its real samples; gradients are divided by the real
   // samples of the global step, so a padded last step weighs exactly right.
   auto make_ddp = [this](OSS& opt) {
-    return std::make_unique<ShardedDDP>(model_.ptr(), opt, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples).gradient_wire(
+    return std::make_unique<ShardedDDP>(model_, opt, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples).gradient_wire(
                                                               wire_from_name(o_.gradient_wire)).error_feedback(o_.error_feedback));
   };
   if (o.survive_failures) {
     resilient_ = std::make_unique<Resilient>(
-        group_, model_.ptr(), [this](std::shared_ptr<ProcessGroup> g) { return make_oss(std::move(g)); }, make_ddp,
+        group_, model_, [this](std::shared_ptr<ProcessGroup> g) { return make_oss(std::move(g)); }, make_ddp,
         ResilienceOptions().refresh_every(o.refresh_every).grad_scaler(scaler_.get()));
     oss_ = &resilient_->optimizer();
     ddp_ = resilient_->ddp();
@@ -274,7 +278,7 @@ std::unique_ptr<OSS> Trainer::make_oss(std::shared_ptr<ProcessGroup> group) cons
   if (o_.mixed_precision != "off") {
     oss_options.mixed_precision(MixedPrecision().param_dtype(o_.mixed_precision == "bf16" ? at::kBFloat16 : at::kHalf));
   }
-  return o_.optimizer == "muon" ? std::make_unique<OSS>(muon_groups(params_, o_), group, oss_options)
+  return o_.optimizer == "muon" ? std::make_unique<OSS>(muon_groups(names_, params_, o_), group, oss_options)
                                 : std::make_unique<OSS>(params_, make_optimizer(o_), group, oss_options);
 }
 
@@ -282,12 +286,13 @@ std::unique_ptr<OSS> Trainer::make_oss(std::shared_ptr<ProcessGroup> group) cons
 // position in each option's list of choices.
 const std::vector<std::pair<const char*, std::vector<std::string>>>& resume_choices() {
   static const std::vector<std::pair<const char*, std::vector<std::string>>> choices = {
-      {"optimizer", {"adam", "adamw", "sgd", "muon"}}, {"mixed-precision", {"off", "bf16", "fp16"}}};
+      {"optimizer", {"adam", "adamw", "sgd", "muon"}}, {"mixed-precision", {"off", "bf16", "fp16"}},
+      {"model", {"cnn", "vit"}}};
   return choices;
 }
 
 const std::string& choice_of(const TrainOptions& o, const std::string& option) {
-  return option == "optimizer" ? o.optimizer : o.mixed_precision;
+  return option == "optimizer" ? o.optimizer : option == "model" ? o.model : o.mixed_precision;
 }
 
 // Before anything is loaded: a checkpoint written with another optimizer, precision, batch or
@@ -471,9 +476,9 @@ int Trainer::run() {
   progress_ = std::make_unique<Progress>(rank_ == 0, total_steps_, o_.batch_size,
                                          std::max<int64_t>(1, steps_per_epoch_ / 4));
   if (rank_ == 0) {
-    progress_->print(fmt::format("training the CNN ({} parameters) on {} Fashion-MNIST images: {} rank{} on {}, global batch {}, "
+    progress_->print(fmt::format("training the {} ({} parameters) on {} Fashion-MNIST images: {} rank{} on {}, global batch {}, "
                                  "{} step{} per epoch, {}; {}",
-                                 count_text(model_numel()),
+                                 o_.model == "vit" ? "ViT" : "CNN", count_text(model_numel()),
                                  count_text(data_.train_images.size(0)), world_, world_ == 1 ? "" : "s",
                                  device_.is_cuda() ? "CUDA (NCCL)" : "CPU (Gloo)", o_.batch_size, steps_per_epoch_,
                                  steps_per_epoch_ == 1 ? "" : "s",
@@ -484,6 +489,7 @@ int Trainer::run() {
     metrics_->write({{"event", resume_ ? "resume" : "start"},
                      {"step", step_},
                      {"world", world_},
+                     {"model", o_.model},
                      {"optimizer", o_.optimizer},
                      {"mixed_precision", o_.mixed_precision},
                      {"gradient_wire", o_.gradient_wire},

@@ -1,4 +1,4 @@
-// `shardopt train`: the CNN of cnn.h on Fashion-MNIST with OSS + ShardedDDP + BalancedSampler,
+// `shardopt train`: a classifier of models/ (the CNN, or the ViT) on Fashion-MNIST with OSS + ShardedDDP + BalancedSampler,
 // a freeze schedule, checkpoints and resume. One rank of the job (the caller starts the group).
 #pragma once
 
@@ -10,6 +10,7 @@ namespace shardopt::app {
 
 struct TrainOptions {
   std::string data_dir;
+  std::string model = "cnn";         // cnn | vit (models/classifier.h)
   int64_t epochs = 5;
   int64_t batch_size = 120;          // global: samples per step over all ranks (divides among 1-6 or 8 ranks)
   std::string optimizer = "adam";    // adam | adamw | sgd

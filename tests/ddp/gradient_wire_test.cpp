@@ -20,6 +20,7 @@
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 
+#include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
@@ -210,6 +211,71 @@ TEST(GradientWire, Int8StaysWithinHalfAStepOfTheExactMeanAtAQuarterOfTheBytes) {
       EXPECT_GT(bytes[1], bytes[0] / 4);
       EXPECT_LT(bytes[1], bytes[0] * 0.3) << bytes[1] << " of " << bytes[0];
     }
+  }
+}
+
+// Gradient accumulation under no_sync() on the int8 wire: the micro-batches' gradients add up
+// locally and are quantised once, by the reduction of the last backward (none before it, and it
+// moves the bytes of one reduction); each owner's gradient is within half a step of the exact
+// mean of the accumulated sums; and clipping sees that reduced gradient: the norm
+// clip_grad_norm() returns is the owners' dequantised gradients' norm.
+TEST(GradientWire, Int8AccumulationQuantisesOncePerReductionAndClippingSeesTheReducedGradient) {
+  auto wire_bytes = [](const CommStats& after, const CommStats& before) {
+    return after.bytes[CommStats::kReduceScatter] - before.bytes[CommStats::kReduceScatter] +
+           after.bytes[CommStats::kReduce] - before.bytes[CommStats::kReduce];
+  };
+  for (int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = net_of(7), local = net_of(7);
+      Params params = net->parameters();
+      OSS oss(params, optimizer<optim::AdamW>(adamw()), g);
+      ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().gradient_wire(Wire::kInt8).reduce_bucket_bytes(1024));
+      const auto a = testing::rank_data(0, g->rank(), 2), b = testing::rank_data(1, g->rank(), 2);
+      ASSERT_TRUE(testing::differs_across_ranks(a.x, *g));
+      // Each rank's accumulated gradient, computed apart.
+      testing::loss_of(local->forward(a.x), a, 1).backward();
+      testing::loss_of(local->forward(b.x), b, 1).backward();
+      const auto all = all_local_grads(local->parameters(), *g);
+      double largest = 0;
+      for (const auto& per_rank : all) {
+        for (const auto& t : per_rank) largest = std::max(largest, t.abs().max().item<double>());
+      }
+      // The bytes of one reduction, without accumulation.
+      CommStats before = g->stats();
+      testing::loss_of(ddp.forward(a.x), a, 1).backward();
+      const int64_t one = wire_bytes(g->stats(), before);
+      ASSERT_GT(one, 0);
+      ddp.zero_grad();
+      {
+        auto accumulating = ddp.no_sync();
+        before = g->stats();
+        testing::loss_of(ddp.forward(a.x), a, 1).backward();
+        EXPECT_EQ(wire_bytes(g->stats(), before), 0) << "a backward under no_sync() reduced something";
+      }
+      before = g->stats();
+      testing::loss_of(ddp.forward(b.x), b, 1).backward();
+      EXPECT_EQ(wire_bytes(g->stats(), before), one) << "the accumulated gradients are reduced once";
+      const auto owned = oss.grads(/*owned_only=*/true);
+      size_t next = 0;
+      double off = 0, squares = 0;
+      for (size_t i = 0; i < params.size(); ++i) {
+        for (const auto& h : testing::Introspection::holdings(oss, i)) {
+          if (h.rank != g->rank()) continue;
+          at::Tensor exact = at::zeros({h.in_param.size()});
+          for (const auto& t : all[i]) exact += t.narrow(0, h.in_param.begin, h.in_param.size());
+          off = std::max(off, (owned[next].reshape(-1) - exact / world).abs().max().item<double>());
+          squares += owned[next++].pow(2).sum().item<double>();
+        }
+      }
+      ASSERT_EQ(next, owned.size());
+      EXPECT_LE(off, largest / 254 * 1.0001);
+      EXPECT_GT(off, 0) << "int8 rounded nothing";
+      at::Tensor total = at::tensor({squares}, at::kDouble);
+      g->allreduce(total);
+      const double norm = oss.clip_grad_norm(1e9);
+      EXPECT_NEAR(norm, std::sqrt(total.item<double>()), 1e-5 * norm);
+    });
   }
 }
 

@@ -1,7 +1,7 @@
 // Several optimizers in one OSS (Muon on the hidden matrices, AdamW on the rest) under ShardedDDP,
 // against a single-process reference built on the same optimizers: parity through freezing and
-// unfreezing a hidden matrix and an embedding, with clipping, at world sizes 2, 3 and 4; and the
-// owners of whole matrices balanced by Newton-Schulz cost, not bytes.
+// unfreezing a hidden matrix and an embedding, with clipping, at world sizes 2, 3 and 4; the
+// owners of whole matrices balanced by Newton-Schulz cost, not bytes; and both on int8 wires.
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/muon.h>
 #include <shardopt/optim/oss.h>
@@ -10,6 +10,7 @@
 
 #include "harness.h"
 #include "model.h"
+#include "optim/master_recipe.h"
 #include "parity.h"
 
 #include <gtest/gtest.h>
@@ -300,6 +301,57 @@ TEST(MixedOptimizers, MuonAndAdamWUnderMixedPrecisionFollowFp32Masters) {
 
 // A LibTorch LR scheduler over the OSS reaches every optimizer group: each local optimizer steps
 // with its group's new rate, as each of torch.optim.Muon and AdamW would.
+// Muon on int8 wires (Note [Int8 wire]): its matrices' gradients are quantised per block on the
+// way to their owners like AdamW's, and the owners' fp32 masters are sent quantised. Through a
+// freeze of a matrix, with error feedback, at worlds 2 and 3: every rank holds the same
+// parameters, each within half a step of its block of the owners' masters, and the run stays
+// within 5% of the same run on exact wires.
+TEST(MixedOptimizers, MuonMatricesTravelOnInt8WiresLikeTheRest) {
+  for (int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = token_net(5), exact_net = token_net(5);
+      Params params = net->parameters(), exact = exact_net->parameters();
+      OSS oss = muon_and_adamw(params, g, OSSOptions().param_wire(Wire::kInt8));
+      ShardedDDP ddp(net.ptr(), oss,
+                     ShardedDDPOptions().reduce_bucket_bytes(512).gradient_wire(Wire::kInt8).error_feedback(true));
+      OSS exact_oss = muon_and_adamw(exact, g);
+      ShardedDDP exact_ddp(exact_net.ptr(), exact_oss, ShardedDDPOptions().reduce_bucket_bytes(512));
+      Params in_oss_order = pick(params, kMatrices);  // the masters' order: Muon's group, then AdamW's
+      for (const auto& p : pick(params, kOthers)) in_oss_order.push_back(p);
+      for (int step = 0; step < 6; ++step) {
+        const bool frozen = step == 2 || step == 3;
+        params[3].requires_grad_(!frozen);
+        exact[3].requires_grad_(!frozen);
+        const auto data = testing::rank_data(step, g->rank(), 4);
+        if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+        for (auto [d, o] : {std::pair{&ddp, &oss}, std::pair{&exact_ddp, &exact_oss}}) {
+          d->zero_grad();
+          testing::loss_of(d->forward(tokens(data.x)), data, 4).backward();
+          o->step();
+        }
+        ASSERT_TRUE(testing::same_on_all_ranks(params, *g)) << "step " << step;
+        // (A block of 256 may hold pieces of several parameters: the largest master bounds its scale.)
+        const Params masters = testing::consolidated_masters(oss, in_oss_order.size());
+        double largest = 0, off = 0;
+        for (size_t i = 0; i < masters.size(); ++i) {
+          largest = std::max(largest, masters[i].abs().max().item<double>());
+          off = std::max(off, (in_oss_order[i] - masters[i]).abs().max().item<double>());
+        }
+        if (g->rank() == 0) {
+          EXPECT_LE(off, largest / 254 * 1.0001) << "step " << step;
+          EXPECT_GT(off, 0) << "step " << step << ": int8 rounded nothing";
+        }
+      }
+      for (size_t i : kMatrices) {
+        EXPECT_GT((params[i] - exact[i]).abs().max().item<double>(), 0) << "matrix " << i << ": int8 rounded nothing";
+        EXPECT_LE(testing::rel_diff(params[i], exact[i]), 0.05) << "matrix " << i;
+      }
+      for (size_t i : kOthers) EXPECT_LE(testing::rel_diff(params[i], exact[i]), 0.05) << "parameter " << i;
+    });
+  }
+}
+
 TEST(MixedOptimizers, AnLrSchedulerReachesEveryOptimizerGroup) {
   run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
     auto net = token_net(3);
