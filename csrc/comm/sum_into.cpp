@@ -1,6 +1,7 @@
 // The sums a rank computes of what others sent it (comm/sum_into.h): the reduce to one owner and
 // the rows' reduce-scatter, exact or from a narrower wire.
 #include "comm/sum_into.h"
+#include "comm/int8_kernels.h"
 #include "comm/wire_codec.h"
 
 #include <ATen/ATen.h>
@@ -135,26 +136,9 @@ void sum_decoded(at::Tensor& out, const at::Tensor& own, const std::vector<at::T
     for (const auto& t : incoming) in.push_back(t.data_ptr<uint8_t>());
     const auto d = static_cast<float>(divisor);
     auto finish = [&](int64_t i, float acc) { dst[i] = i < numel ? acc / d : acc; };
+    // (each product rounded apart from its sum: the unfused path's bits)
     at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-      float acc[kInt8Block];
-      int8_t own_q[kInt8Block];
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t first = b * kInt8Block, len = std::min(kInt8Block, body - first);
-        const float scale = int8_block_scale(mine + first, len);
-        int8_quantise_block(mine + first, len, scale, own_q);
-        for (int64_t j = 0; j < len; ++j) acc[j] = static_cast<float>(own_q[j]) * scale;
-        // (each product below rounded apart from its sum: the unfused path's bits)
-        for (const uint8_t* src : in) {
-          float s;
-          std::memcpy(&s, src + body + 4 * b, 4);
-          const auto* q = reinterpret_cast<const int8_t*>(src + first);
-          for (int64_t j = 0; j < len; ++j) {
-            const float v = static_cast<float>(q[j]) * s;  // rounded apart: no fused multiply-add
-            acc[j] += v;
-          }
-        }
-        for (int64_t j = 0; j < len; ++j) finish(first + j, acc[j]);
-      }
+      int8_sum(mine, in.data(), in.size(), body, begin, end, numel, d, dst);
     });
     for (int64_t t = 0; t < tail; ++t) {
       float acc = mine[body + t];

@@ -2,6 +2,7 @@
 #include <shardopt/comm/wire.h>
 #include <shardopt/check.h>
 
+#include "comm/int8_kernels.h"
 #include "comm/wire_codec.h"
 
 #include <ATen/ATen.h>
@@ -67,39 +68,6 @@ namespace shardopt {
 
 namespace detail {
 
-// The loops below are written for the compiler to vectorise at the baseline instruction set: the
-// largest |x| as the largest bit pattern with the sign cleared (an integer maximum; a NaN's
-// pattern is above inf's), and rounding half to even by adding and subtracting 1.5 * 2^23, which
-// is exact for |v| < 2^22 (here |v| <= 127) in the default rounding mode.
-float int8_block_scale(const float* x, int64_t n) {
-  int32_t largest = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    int32_t bits;
-    std::memcpy(&bits, x + i, 4);
-    bits &= 0x7fffffff;
-    largest = bits > largest ? bits : largest;
-  }
-  if (largest > 0x7f800000) return std::numeric_limits<float>::quiet_NaN();
-  float m;
-  std::memcpy(&m, &largest, 4);
-  const float scale = m / 127.0f;  // inf for a block holding inf
-  return scale == 0.0f ? 1.0f : scale;
-}
-
-void int8_quantise_block(const float* x, int64_t n, float scale, int8_t* q) {
-  if (!std::isfinite(scale)) {
-    std::memset(q, 0, static_cast<size_t>(n));
-    return;
-  }
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
-  for (int64_t j = 0; j < n; ++j) {
-    float v = x[j] / scale;
-    v = (v + kRound) - kRound;
-    v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
-    q[j] = static_cast<int8_t>(static_cast<int32_t>(v));
-  }
-}
-
 namespace {
 
 bool cpu_float(const at::Tensor& t) { return t.is_cpu() && t.is_contiguous() && t.scalar_type() == at::kFloat; }
@@ -125,14 +93,7 @@ at::Tensor detail::WireCodec::encode(const at::Tensor& x) const {
     at::Tensor packed = at::empty({packed_numel(x.numel())}, x.options().dtype(at::kByte));
     const float* src = x.data_ptr<float>();
     uint8_t* dst = packed.data_ptr<uint8_t>();
-    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t first = b * kInt8Block, len = std::min(kInt8Block, n - first);
-        const float scale = int8_block_scale(src + first, len);
-        int8_quantise_block(src + first, len, scale, reinterpret_cast<int8_t*>(dst + first));
-        std::memcpy(dst + n + 4 * b, &scale, 4);
-      }
-    });
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) { int8_encode(src, n, begin, end, dst); });
     if (tail_ > 0) std::memcpy(dst + n + 4 * blocks, src + n, 4 * tail_);
     return packed;
   }
@@ -162,15 +123,7 @@ void detail::WireCodec::decode_into(const at::Tensor& packed, at::Tensor out) co
   if (cpu_float(out) && packed.is_cpu() && packed.is_contiguous()) {
     const uint8_t* src = packed.data_ptr<uint8_t>();
     float* dst = out.data_ptr<float>();
-    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t first = b * kInt8Block, len = std::min(kInt8Block, n - first);
-        float scale;
-        std::memcpy(&scale, src + n + 4 * b, 4);
-        const auto* q = reinterpret_cast<const int8_t*>(src + first);
-        for (int64_t j = 0; j < len; ++j) dst[first + j] = static_cast<float>(q[j]) * scale;
-      }
-    });
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) { int8_decode(src, n, begin, end, dst); });
     if (tail_ > 0) std::memcpy(dst + n, src + n + 4 * blocks, 4 * tail_);
     return;
   }

@@ -12,11 +12,9 @@ namespace shardopt::detail {
 // The elements of one int8 block, each block with one fp32 scale (Note [Int8 wire]).
 inline constexpr int64_t kInt8Block = 256;
 
-// One int8 block's scale, max |x| / 127 (1 for a block of zeros, NaN for one holding NaN, inf for
-// one holding inf), and the block's n elements quantised with it into q: round(x / scale) half to
-// even, within [-127, 127]; all 0 under a non-finite scale.
-float int8_block_scale(const float* x, int64_t n);
-void int8_quantise_block(const float* x, int64_t n, float scale, int8_t* q);
+// (Its loops on the CPU: int8_kernels.h. A block's scale is max |x| / 127: 1 for a block of
+// zeros, NaN for one holding NaN, inf for one holding inf; its elements round(x / scale), half to
+// even, within [-127, 127]; all 0 under a non-finite scale.)
 
 class WireCodec {
  public:

@@ -1,0 +1,37 @@
+// The int8 wire's loops over blocks (Note [Int8 wire] in wire.cpp), built for any x86-64 CPU, for
+// AVX2 and for AVX-512, and chosen at run time as the fused step's are (cpu_kernel_level()).
+// Every build gives the same bits: a maximum, a division, a rounding by adding and subtracting
+// 1.5 * 2^23 and products summed one at a time are exactly rounded whatever the vector width, and
+// no build has fused multiply-adds. Internal.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace shardopt::detail {
+
+// Over blocks [begin, end) of n elements (the packed layout of Note [Int8 wire]: n int8 values,
+// then one fp32 scale per block):
+// - int8_encode: x's blocks quantised into `packed`;
+// - int8_decode: `packed`'s blocks dequantised into `out`;
+// - int8_sum: out = decode(encode(own)) + decode(incoming[0]) + ..., each product rounded then
+//   added in that order, out[i] divided by `divisor` where i < numel.
+#define SHARDOPT_INT8_KERNELS(ns)                                                                                 \
+  namespace ns {                                                                                                  \
+  void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed);                       \
+  void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out);                     \
+  void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin,         \
+                int64_t end, int64_t numel, float divisor, float* out);                                           \
+  }
+SHARDOPT_INT8_KERNELS(int8_default)
+SHARDOPT_INT8_KERNELS(int8_avx2)
+SHARDOPT_INT8_KERNELS(int8_avx512)
+#undef SHARDOPT_INT8_KERNELS
+
+// The build this CPU runs (kernels_default, _avx2 or _avx512 by cpu_kernel_level()), then the call.
+void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed);
+void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out);
+void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin, int64_t end,
+              int64_t numel, float divisor, float* out);
+
+}  // namespace shardopt::detail

@@ -1,0 +1,34 @@
+// The int8 wire's block loops for any x86-64 CPU, and the choice of the build this CPU runs.
+#define SHARDOPT_INT8_NS int8_default
+#include "comm/int8_kernels.inc"
+
+#include "optim/fused_kernels.h"
+
+namespace shardopt::detail {
+
+void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed) {
+  switch (cpu_kernel_level()) {
+    case 2: return int8_avx512::int8_encode(x, n, begin, end, packed);
+    case 1: return int8_avx2::int8_encode(x, n, begin, end, packed);
+    default: return int8_default::int8_encode(x, n, begin, end, packed);
+  }
+}
+
+void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out) {
+  switch (cpu_kernel_level()) {
+    case 2: return int8_avx512::int8_decode(packed, n, begin, end, out);
+    case 1: return int8_avx2::int8_decode(packed, n, begin, end, out);
+    default: return int8_default::int8_decode(packed, n, begin, end, out);
+  }
+}
+
+void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin, int64_t end,
+              int64_t numel, float divisor, float* out) {
+  switch (cpu_kernel_level()) {
+    case 2: return int8_avx512::int8_sum(own, incoming, count, n, begin, end, numel, divisor, out);
+    case 1: return int8_avx2::int8_sum(own, incoming, count, n, begin, end, numel, divisor, out);
+    default: return int8_default::int8_sum(own, incoming, count, n, begin, end, numel, divisor, out);
+  }
+}
+
+}  // namespace shardopt::detail
