@@ -147,6 +147,16 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
       ->capture_default_str();
 }
 
+// ZeRO-2's gradient wire and error feedback, as `memory` and `plan` take them.
+void add_gradient_wire_options(CLI::App& app, std::string& wire, bool& feedback) {
+  app.add_option("--gradient-wire", wire, "exact, bf16 or int8: how ZeRO-2's gradients travel to their owners "
+                                          "(ShardedDDPOptions::gradient_wire)")
+      ->check(CLI::IsMember({"exact", "bf16", "int8"}))
+      ->capture_default_str();
+  app.add_flag("--error-feedback", feedback, "with a compressed --gradient-wire: each rank's residuals (bf16, the "
+               "whole trainable model's on every rank; ShardedDDPOptions::error_feedback), apart as feedback");
+}
+
 void add_memory_options(CLI::App& memory, MemoryOptions& o) {
   memory.add_option("--preset", o.preset, "cnn, gpt2-mini, gpt2-small, many-small, llama-7b or llama-70b")->capture_default_str();
   memory.add_option("--spec", o.spec, "a JSON file {\"layers\": [{\"name\": ..., \"shape\": [...]}, ...]} instead of a preset");
@@ -161,12 +171,7 @@ void add_memory_options(CLI::App& memory, MemoryOptions& o) {
       ->check(CLI::IsMember({"adam", "muon"}))
       ->capture_default_str();
   memory.add_option("--steps", o.steps, "steps before each measurement")->capture_default_str();
-  memory.add_option("--gradient-wire", o.gradient_wire, "exact, bf16 or int8: how ZeRO-2's gradients travel to their "
-                                                        "owners (ShardedDDPOptions::gradient_wire)")
-      ->check(CLI::IsMember({"exact", "bf16", "int8"}))
-      ->capture_default_str();
-  memory.add_flag("--error-feedback", o.error_feedback, "with a compressed --gradient-wire, ZeRO-2 keeps each rank's "
-                  "residuals (bf16, the whole trainable model's): measured apart, as feedback");
+  add_gradient_wire_options(memory, o.gradient_wire, o.error_feedback);
   memory.add_option("--freeze-fraction", o.freeze_fraction, "fraction of the parameters (leading layers) frozen for "
                                                             "the second measurement")->capture_default_str();
   memory.add_option("-o,--out", o.out_dir, "folder for memory.json, memory.csv and memory.png")->capture_default_str();
@@ -203,12 +208,7 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
                                                           "second scenario (0: none)")
       ->check(number_in(0, 0.999999, "in [0, 1)"))
       ->capture_default_str();
-  plan.add_option("--gradient-wire", o.gradient_wire, "exact, bf16 or int8: how ZeRO-2's gradients travel to their "
-                                                      "owners (ShardedDDPOptions::gradient_wire)")
-      ->check(CLI::IsMember({"exact", "bf16", "int8"}))
-      ->capture_default_str();
-  plan.add_flag("--error-feedback", o.error_feedback, "with a compressed --gradient-wire: each rank's residuals (bf16, "
-                 "the whole trainable model's on every rank; ShardedDDPOptions::error_feedback)");
+  add_gradient_wire_options(plan, o.gradient_wire, o.error_feedback);
   plan.add_option("--param-wire", o.param_wire, "exact, bf16 or int8: how ZeRO-1/2's parameter sync travels, "
                                                 "compressed with fp32 masters on the owners (OSSOptions::param_wire)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))

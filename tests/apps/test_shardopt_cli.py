@@ -574,6 +574,8 @@ class CliTest(unittest.TestCase):
                              (tiny() + ["--optimizer", "sgd", "--mixed-precision", "bf16"],
                               f"{ckpt} --mixed-precision off"),
                              (tiny(batch="32") + ["--optimizer", "sgd"], f"{ckpt} --batch-size 64; this run has 32"),
+                             (tiny() + ["--optimizer", "sgd", "--model", "vit"],
+                              f"{ckpt} --model cnn; resume it with --model cnn (this run has vit)"),
                              (tiny(samples="320") + ["--optimizer", "sgd"], "written for 256 training images")]:
             p = run(["train", *args, "--checkpoint-dir", self.dir, "--resume"], check=False)
             self.assertNotEqual(p.returncode, 0, args)
