@@ -21,8 +21,9 @@ namespace shardopt {
 // where the world size is the one they were saved at; the first reduction takes them if its
 // buckets have that layout (the same trainable set, partition and bucket sizes: a resumed run
 // has them), so a resumed run is the straight one bit for bit. Anything else starts the residuals
-// at zero, as a new layout does: a consolidated checkpoint, another world size, other bucket
-// sizes or another trainable set (load_checkpoint says which, once, on rank 0), and a checkpoint
+// at zero, as a new layout does: a consolidated checkpoint or another world size (load_checkpoint
+// says which, once, on rank 0), other bucket sizes or another trainable set (the first reduction
+// says so, on rank 0), and a checkpoint
 // without residuals loaded into a run with error feedback (one saved without it, or by the
 // module-and-optimizer form). A run without error feedback ignores the residuals a checkpoint
 // holds; resuming with another gradient wire is not refused, and keeps the residuals (they
