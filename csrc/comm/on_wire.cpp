@@ -143,7 +143,7 @@ PendingWork ProcessGroup::allgather_rows_on_wire(at::Tensor& flat, at::ScalarTyp
   const int64_t packed_row = codec.packed_numel(row);
   at::Tensor own = flat.narrow(0, rank_ * row, row);
   at::Tensor packed = at::empty({packed_row * size_}, flat.options().dtype(codec.packed_dtype()));
-  packed.narrow(0, rank_ * packed_row, packed_row).copy_(codec.encode(own));
+  codec.encode_into(own, packed.narrow(0, rank_ * packed_row, packed_row));
   codec.decode_into(packed.narrow(0, rank_ * packed_row, packed_row), own);
   PendingWork work = allgather_rows_async(packed);
   work.and_then([flat, packed, rank = rank_, size = size_, row, packed_row, codec]() mutable {

@@ -87,15 +87,27 @@ int64_t detail::WireCodec::packed_bytes(int64_t numel) const {
 
 at::Tensor detail::WireCodec::encode(const at::Tensor& x) const {
   if (!int8()) return x.to(wire_);
+  at::Tensor packed = at::empty({packed_numel(x.numel())}, x.options().dtype(at::kByte));
+  encode_into(x, packed);
+  return packed;
+}
+
+void detail::WireCodec::encode_into(const at::Tensor& x, at::Tensor packed) const {
+  SHARDOPT_CHECK(packed.numel() == packed_numel(x.numel()) && packed.scalar_type() == packed_dtype(),
+                 "wire encode: ", packed.numel(), " packed elements of ", packed.scalar_type(), " for ", x.numel(),
+                 " elements");
+  if (!int8()) {
+    packed.copy_(x);
+    return;
+  }
   SHARDOPT_CHECK(x.numel() >= tail_, "int8 wire: ", x.numel(), " elements with an exact tail of ", tail_);
   const int64_t n = x.numel() - tail_, blocks = (n + kInt8Block - 1) / kInt8Block;
-  if (cpu_float(x)) {  // one pass over each block, in cache
-    at::Tensor packed = at::empty({packed_numel(x.numel())}, x.options().dtype(at::kByte));
+  if (cpu_float(x) && packed.is_cpu() && packed.is_contiguous()) {  // one pass over each block, in cache
     const float* src = x.data_ptr<float>();
     uint8_t* dst = packed.data_ptr<uint8_t>();
     at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) { int8_encode(src, n, begin, end, dst); });
     if (tail_ > 0) std::memcpy(dst + n + 4 * blocks, src + n, 4 * tail_);
-    return packed;
+    return;
   }
   at::Tensor wide = x.narrow(0, 0, n).to(at::kFloat);
   if (blocks * kInt8Block != n) wide = at::constant_pad_nd(wide, {0, blocks * kInt8Block - n}, 0.0);
@@ -107,11 +119,9 @@ at::Tensor detail::WireCodec::encode(const at::Tensor& x) const {
   at::Tensor q = at::nan_to_num(at::round(wide / scale).clamp_(-127, 127), 0.0, 0.0, 0.0);
   q.masked_fill_(scale.isfinite().logical_not().expand_as(q), 0.0);
   q = q.to(at::kChar).view(-1).narrow(0, 0, n);
-  at::Tensor packed = at::empty({packed_numel(x.numel())}, x.options().dtype(at::kByte));
   packed.narrow(0, 0, n).copy_(q.view(at::kByte));
   packed.narrow(0, n, 4 * blocks).copy_(scale.view(-1).view(at::kByte));
   if (tail_ > 0) packed.narrow(0, n + 4 * blocks, 4 * tail_).copy_(x.narrow(0, n, tail_).to(at::kFloat).view(at::kByte));
-  return packed;
 }
 
 void detail::WireCodec::decode_into(const at::Tensor& packed, at::Tensor out) const {

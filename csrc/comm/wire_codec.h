@@ -31,6 +31,8 @@ class WireCodec {
   int64_t packed_bytes(int64_t numel) const;
   // `x` (1-D, contiguous, floating, any device) packed, on x's device.
   at::Tensor encode(const at::Tensor& x) const;
+  // The same into `packed` (packed_numel(x.numel()) elements of packed_dtype(), contiguous).
+  void encode_into(const at::Tensor& x, at::Tensor packed) const;
   // `packed` (of `numel` elements) decoded into `out` (1-D, `numel` elements, floating).
   void decode_into(const at::Tensor& packed, at::Tensor out) const;
   // x as it arrives after the wire: decode(encode(x)), in x's dtype.
