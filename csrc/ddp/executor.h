@@ -108,6 +108,8 @@ struct ShardedDDP::Bucket {
   // refers to that; any other (and a row bucket's) is allocated at its first gradient and
   // released after the reduction.
   at::Tensor buffer;
+  // While `buffer` is reduce scratch (Note [Reduce scratch]): the memory it is carved from.
+  at::Tensor scratch;
   // After the reduction, on a rank that owns entries: the memory its reduced gradients live in,
   // `numel` of them then their flags. One owner's: `buffer`. A row bucket's: the store's memory
   // of this rank's row, which holds its own gradients from the first one on (copied, or

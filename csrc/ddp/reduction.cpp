@@ -6,6 +6,7 @@
 #include "ddp/executor.h"
 #include "comm/wire_codec.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <ATen/ATen.h>
@@ -138,17 +139,88 @@ at::Tensor ShardedDDP::bucket_buffer(Bucket& b) {
   if (b.rows()) {
     // The other ranks' rows; this rank's own lives in the memory its gradients live in (`out`),
     // where the reduce-scatter sums the others into it.
-    const int64_t elements = b.stride * group_->size();
-    b.buffer = b.zero_fill ? at::zeros({elements}, b.options) : at::empty({elements}, b.options);
+    b.buffer = take_scratch(b, b.stride * group_->size());
+    if (b.zero_fill) b.buffer.zero_();
     if (!b.owned.empty() && !b.out.defined()) b.out = owned_memory(b);
     return b.buffer;
   }
   if (b.owner != group_->rank()) {
-    b.buffer = at::empty({b.stride}, b.options);
+    b.buffer = take_scratch(b, b.stride);
     return b.buffer;
   }
   b.buffer = owned_memory(b);
   return b.buffer;
+}
+
+// Note [Reduce scratch]
+// A bucket this rank sends to other owners (a row bucket's other rows, a whole-parameter bucket
+// another rank owns) needs memory only while its reduction is in flight. Allocating it afresh
+// for every bucket of every backward puts the whole model's gradients in flight at once, and
+// glibc hands such large blocks back to the system between steps, so every step faults them in
+// again, page by page, zeroed by the kernel (docs/benchmarks.md, "Where the rows' cost on the
+// GPT-2 shape goes"). So at most kScratchBuckets buckets hold scratch at once: a bucket that
+// needs it while that many do waits for the oldest launched one (its reduction, and the sum
+// its owner does, finish there, in the backward's hook, as DeepSpeed's ZeRO-2 waits for its
+// previous bucket), which gives its memory back. Scratch given back is kept for the next buckets
+// and the next backward, at most kScratchBuckets pieces, the smallest dropped first: between steps
+// a rank keeps at most that many buckets of scratch (reduce_scratch_bytes()), and during the
+// backward it holds no more. Only launched buckets are waited for, in launch order, which is the
+// same on every rank, so a wait never needs a collective some rank has not started. Where no
+// launched bucket holds scratch (gradients that fill many buckets at once), the bucket takes new
+// memory. The receive memory of ranks past the second (the reduce-scatter's other incoming rows,
+// ProcessGroup's) is not kept.
+namespace {
+constexpr size_t kScratchBuckets = 4;
+}
+
+at::Tensor ShardedDDP::take_scratch(Bucket& b, int64_t elements) {
+  while (scratch_held_ >= kScratchBuckets && recycle_oldest_launched()) {
+  }
+  auto best = scratch_.end();
+  for (auto it = scratch_.begin(); it != scratch_.end(); ++it) {
+    if (it->numel() >= elements && it->dtype() == b.options.dtype() && it->device() == b.options.device() &&
+        (best == scratch_.end() || it->numel() < best->numel())) {
+      best = it;
+    }
+  }
+  if (best != scratch_.end()) {
+    b.scratch = std::move(*best);
+    scratch_.erase(best);
+  } else {
+    b.scratch = at::empty({elements}, b.options);
+  }
+  most_scratch_held_ = std::max(most_scratch_held_, ++scratch_held_);
+  return b.scratch.numel() == elements ? b.scratch : b.scratch.narrow(0, 0, elements);
+}
+
+bool ShardedDDP::recycle_oldest_launched() {
+  for (; next_recycle_ < next_launch_; ++next_recycle_) {
+    Bucket& b = buckets_[next_recycle_];
+    if (!b.scratch.defined()) continue;
+    b.work.wait();
+    give_back_scratch(b);
+    ++next_recycle_;
+    return true;
+  }
+  return false;
+}
+
+void ShardedDDP::give_back_scratch(Bucket& b) {
+  if (!b.scratch.defined()) return;
+  b.buffer = at::Tensor();
+  --scratch_held_;
+  scratch_.push_back(std::move(b.scratch));
+  b.scratch = at::Tensor();
+  if (scratch_.size() > kScratchBuckets) {
+    scratch_.erase(std::min_element(scratch_.begin(), scratch_.end(),
+                                    [](const at::Tensor& x, const at::Tensor& y) { return x.numel() < y.numel(); }));
+  }
+}
+
+int64_t ShardedDDP::reduce_scratch_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& t : scratch_) bytes += static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+  return bytes;
 }
 
 // The owner's gradients live in the store's memory of the bucket (a row bucket: of its row); where
@@ -403,6 +475,7 @@ void ShardedDDP::finish_reduction() {
   for (auto& b : buckets_) {
     b.work.wait();
     if (!b.rows() && !b.owned.empty()) b.out = b.buffer;
+    give_back_scratch(b);
   }
   // Whether gradients were left uncleared, for the split pieces (Note [Accumulating across
   // reductions]): one small all-reduce, with split parameters only.
@@ -449,6 +522,7 @@ std::string ShardedDDP::reduction_error(bool ambiguous) const {
 void ShardedDDP::reset_executor() {
   for (auto& b : buckets_) {
     b.buffer = at::Tensor();
+    b.scratch = at::Tensor();  // (a reduction that failed: its scratch is not kept)
     b.out = at::Tensor();
     b.in_place = false;
     b.divided = false;
@@ -464,6 +538,8 @@ void ShardedDDP::reset_executor() {
     entry.carried = at::Tensor();
   }
   next_launch_ = 0;
+  scratch_held_ = 0;
+  next_recycle_ = 0;
   global_samples_ = -1;
 }
 

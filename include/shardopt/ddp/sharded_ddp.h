@@ -207,6 +207,10 @@ class ShardedDDP {
   // Bytes of the gradient memory this rank keeps between backward passes: one slab per layout
   // group, carved into the buckets it owns (their gradients, one count per piece, alignment).
   int64_t local_bucket_bytes() const;
+  // Bytes of reduce scratch this rank keeps between backward passes for the next one: at most
+  // four buckets' worth, whatever the model's size (Note [Reduce scratch] in
+  // csrc/ddp/reduction.cpp).
+  int64_t reduce_scratch_bytes() const;
   size_t num_buckets() const;
   int64_t rebuild_count() const { return rebuilds_; }
   // Bytes of error feedback's residuals this rank keeps (0 without error_feedback, or before the
@@ -285,6 +289,11 @@ class ShardedDDP {
   void release_local_grad(Hooked& hooked, const Entry* owned);
   at::Tensor bucket_buffer(Bucket& bucket);  // allocated (or reused) at its first gradient
   at::Tensor owned_memory(Bucket& bucket);   // where the owner's reduced gradients live
+  // Reduce scratch (Note [Reduce scratch] in csrc/ddp/reduction.cpp): memory for a bucket that
+  // this rank sends from and receives into, taken from what earlier buckets gave back.
+  at::Tensor take_scratch(Bucket& bucket, int64_t elements);
+  bool recycle_oldest_launched();  // waits for it; false when no launched bucket holds scratch
+  void give_back_scratch(Bucket& bucket);
   void write_flags(Bucket& bucket);          // this rank's flags, before the reduction
   // Error feedback: this rank's contribution plus the last residual, rounded to `wire`; the new
   // residual is what the rounding dropped.
@@ -337,6 +346,10 @@ class ShardedDDP {
   std::vector<Entry> entries_;      // trainable parameters, in bucket order
   std::vector<Bucket> buckets_;
   size_t next_launch_ = 0;
+  std::vector<at::Tensor> scratch_;  // reduce scratch given back, kept for the next buckets
+  size_t scratch_held_ = 0;          // buckets holding reduce scratch now
+  size_t most_scratch_held_ = 0;     // ... at most, over this object's life
+  size_t next_recycle_ = 0;          // launched buckets below it hold none
   // Where the reduction stands (Note [Reduction phases] in csrc/ddp/reduction.cpp).
   enum class Phase : uint8_t { kIdle, kAccumulating, kViews, kReducing };
   Phase phase_ = Phase::kIdle;

@@ -65,6 +65,8 @@ struct Introspection {
   // Bytes of gradients the last reduction copied into buckets: gradients autograd accumulated
   // where their bucket is (gradient_as_bucket_view) are not copied.
   static int64_t copied_grad_bytes(const ShardedDDP& ddp) { return ddp.copied_bytes_; }
+  // The most buckets that held reduce scratch at once (Note [Reduce scratch]), over its life.
+  static size_t most_scratch_held(const ShardedDDP& ddp) { return ddp.most_scratch_held_; }
 
   // One range of a parameter whose optimizer state one rank holds, and, on that rank, the tensor
   // the wrapped optimizer steps for it (its state key).
