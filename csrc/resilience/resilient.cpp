@@ -217,9 +217,11 @@ void Resilient::refresh(int64_t step) {
 // Note [Installing the state on a new group]
 // Recovery and admission end alike, over the new group: every member says which old ranks'
 // shards it offers (survivors their own, and a lost buddy's; a joiner none); each old rank's shard
-// goes to every member from the first member that offers it; the parameters and buffers go from
-// the first member that offers a shard (they are the same on every survivor; a joiner has only
-// its fresh initialisation); then the optimizer and ShardedDDP are built anew over the new group,
+// goes to every member from the first member that offers it; where some member offers nothing (a
+// joiner, with only its fresh initialisation), the parameters and buffers go from the first member
+// that offers a shard, and where every member offers one (a recovery), nothing is sent for them:
+// each survivor put them back from its own copy of the same refresh, the same bits on every
+// survivor (Note [Parameter wire]); then the optimizer and ShardedDDP are built anew over the new group,
 // the stitched state is loaded at the new world size, and the copies are refreshed.
 void Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const FlatCopy*>>& offers) {
   std::vector<int64_t> mine;
@@ -232,7 +234,8 @@ void Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const
     for (int64_t d : all[i]) old_world = std::max(old_world, d + 1);
   }
   SHARDOPT_CHECK(root >= 0, "no member of the new group holds any shard");
-  {
+  const bool every_member_holds = std::none_of(all.begin(), all.end(), [](const auto& o) { return o.empty(); });
+  if (!every_member_holds) {
     at::NoGradGuard no_grad;
     // The root's dtypes first: under mixed precision the members' parameters are in param_dtype
     // (their optimizer made them so), a joiner's are still as its model was built.
@@ -255,7 +258,7 @@ void Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const
     }
     for (auto& b : buffers) group_->broadcast(b, root);
   }
-  if (auto* scaler = options_.grad_scaler()) {  // the loss scale, as the root holds it
+  if (auto* scaler = options_.grad_scaler(); scaler && !every_member_holds) {  // the loss scale, as the root holds it
     at::Tensor v = at::tensor({scaler->get_scale(), static_cast<double>(scaler->growth_tracker())}, at::kDouble);
     group_->broadcast(v, root);
     scaler->load(v[0].item<double>(), static_cast<int64_t>(v[1].item<double>()));
