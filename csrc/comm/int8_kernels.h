@@ -15,9 +15,13 @@ namespace shardopt::detail {
 // - int8_encode: x's blocks quantised into `packed`;
 // - int8_decode: `packed`'s blocks dequantised into `out`;
 // - int8_sum: out = decode(encode(own)) + decode(incoming[0]) + ..., each product rounded then
-//   added in that order, out[i] divided by `divisor` where i < numel.
+//   added in that order, out[i] divided by `divisor` where i < numel;
+// - int8_feed_back: error feedback in one pass (Note [Error feedback] in csrc/ddp/reduction.cpp):
+//   v = x + residual (bf16 bits widened), x = decode(encode(v)), residual = v - x rounded to bf16
+//   (to nearest, ties to even), the bits of ATen's add_, round trip, sub_ and copies.
 #define SHARDOPT_INT8_KERNELS(ns)                                                                                 \
   namespace ns {                                                                                                  \
+  void int8_feed_back(float* x, uint16_t* residual, int64_t n, int64_t begin, int64_t end);                       \
   void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed);                       \
   void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out);                     \
   void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin,         \
@@ -31,6 +35,7 @@ SHARDOPT_INT8_KERNELS(int8_avx512)
 // The build this CPU runs (kernels_default, _avx2 or _avx512 by cpu_kernel_level()), then the call.
 void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed);
 void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out);
+void int8_feed_back(float* x, uint16_t* residual, int64_t n, int64_t begin, int64_t end);
 void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin, int64_t end,
               int64_t numel, float divisor, float* out);
 

@@ -22,6 +22,14 @@ void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, f
   }
 }
 
+void int8_feed_back(float* x, uint16_t* residual, int64_t n, int64_t begin, int64_t end) {
+  switch (cpu_kernel_level()) {
+    case 2: return int8_avx512::int8_feed_back(x, residual, n, begin, end);
+    case 1: return int8_avx2::int8_feed_back(x, residual, n, begin, end);
+    default: return int8_default::int8_feed_back(x, residual, n, begin, end);
+  }
+}
+
 void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin, int64_t end,
               int64_t numel, float divisor, float* out) {
   switch (cpu_kernel_level()) {

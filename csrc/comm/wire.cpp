@@ -152,6 +152,21 @@ at::Tensor detail::WireCodec::round_trip(const at::Tensor& x) const {
   return out;
 }
 
+void detail::WireCodec::feed_back(at::Tensor x, at::Tensor residual) const {
+  if (int8() && x.is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() &&
+      residual.scalar_type() == at::kBFloat16 && residual.is_contiguous() && residual.numel() == x.numel()) {
+    float* values = x.data_ptr<float>();
+    auto* kept = reinterpret_cast<uint16_t*>(residual.data_ptr<at::BFloat16>());
+    const int64_t n = x.numel(), blocks = (n + kInt8Block - 1) / kInt8Block;
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) { int8_feed_back(values, kept, n, begin, end); });
+    return;
+  }
+  x.add_(residual);
+  const at::Tensor sent = round_trip(x);  // what arrives
+  residual.copy_(x.sub_(sent));           // what the rounding drops, in fp32, then held in bf16
+  x.copy_(sent);
+}
+
 std::string wire_name(Wire wire) {
   switch (wire) {
     case Wire::kExact: return "exact";

@@ -37,6 +37,10 @@ class WireCodec {
   void decode_into(const at::Tensor& packed, at::Tensor out) const;
   // x as it arrives after the wire: decode(encode(x)), in x's dtype.
   at::Tensor round_trip(const at::Tensor& x) const;
+  // Error feedback (Note [Error feedback] in csrc/ddp/reduction.cpp), in place: x += residual,
+  // x = round_trip(x), residual = what that dropped (held in residual's dtype, bf16). On the CPU
+  // under int8 (fp32 x, bf16 residual) one pass over memory (int8_feed_back), the same bits.
+  void feed_back(at::Tensor x, at::Tensor residual) const;
 
  private:
   at::ScalarType wire_;

@@ -395,8 +395,9 @@ void ShardedDDP::launch_ready_buckets() {
 // error_feedback_bytes()); a residual held in bf16 is itself rounded, by at most 2^-9 of its own
 // size. On the int8 wire (Note [Int8 wire]) the rounded contribution is quantised again by the
 // wire: the same int8 values, and a scale that may differ in its last bit, so what arrives may
-// differ from what the residual assumed by that last bit. Only the gradient elements carry residuals, not
-// the flags (0 or 1: exact on the wire). A new layout (a freeze, a re-partition) builds the
+// differ from what the residual assumed by that last bit. On the CPU the int8 step is one pass
+// over memory (WireCodec::feed_back), with the bits of the separate operations. Only the gradient
+// elements carry residuals, not the flags (0 or 1: exact on the wire). A new layout (a freeze, a re-partition) builds the
 // buckets anew and starts their residuals at zero: the residuals of parameters that were frozen
 // are dropped, and an unfrozen parameter starts from zero. Sharded checkpoints carry them (Note
 // [Error feedback in checkpoints] in error_feedback_state.cpp). A backward under no_sync feeds back nothing (its gradients are
@@ -411,11 +412,8 @@ void ShardedDDP::feed_back_error(Bucket& b, at::ScalarType wire) {
     // This rank's own row of a row bucket is in `out` when it has one (Note [Row buckets]).
     at::Tensor mine = b.rows() && r == group_->rank() && b.out.defined() ? b.out.narrow(0, 0, b.numel)
                                                                         : b.buffer.narrow(0, r * b.stride, b.numel);
-    at::Tensor residual = b.residual.narrow(0, r * b.numel, b.numel);
-    mine.add_(residual);
-    const at::Tensor sent = codec.round_trip(mine);  // what arrives
-    residual.copy_(mine.sub_(sent));  // what the rounding drops, in fp32, then held in bf16
-    mine.copy_(sent);                 // travels unchanged (int8: up to a last bit of its scale)
+    // It then travels unchanged (int8: up to a last bit of its scale).
+    codec.feed_back(mine, b.residual.narrow(0, r * b.numel, b.numel));
   }
 }
 

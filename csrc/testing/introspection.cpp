@@ -1,9 +1,19 @@
 #include <shardopt/testing/introspection.h>
 
+#include "comm/wire_codec.h"
 #include "optim/fused_kernels.h"
 #include "optim/shard_store.h"
 
+#include <shardopt/check.h>
+
+#include <utility>
+
 namespace shardopt::testing {
+
+void Introspection::feed_back(Wire wire, at::Tensor x, at::Tensor residual) {
+  SHARDOPT_CHECK(wire != Wire::kExact, "feed_back: the exact wire drops nothing");
+  detail::WireCodec(wire == Wire::kInt8 ? at::kChar : at::kBFloat16).feed_back(std::move(x), std::move(residual));
+}
 
 std::vector<Introspection::Holding> Introspection::holdings(const OSS& oss, size_t param) {
   std::vector<Holding> out;

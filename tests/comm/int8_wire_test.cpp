@@ -6,6 +6,7 @@
 // rank, divided after the sum; a row's exact tail (ShardedDDP's flags) arrives unchanged; every
 // rank ends with the same dequantised parameters; the stats count the packed bytes.
 #include <shardopt/comm/process_group.h>
+#include <shardopt/testing/introspection.h>
 
 #include "harness.h"
 #include "model.h"
@@ -46,6 +47,31 @@ std::vector<at::Tensor> everyones(ProcessGroup& g, const at::Tensor& mine) {
 }
 
 int64_t packed_bytes(int64_t n, int64_t tail = 0) { return (n - tail) + 4 * ((n - tail + kBlock - 1) / kBlock) + 4 * tail; }
+
+// Error feedback's step on one row (Note [Error feedback]), against its definition: v = x plus the
+// bf16 residual, x' = v as the int8 wire delivers it, residual' = v - x' rounded to bf16. On the
+// CPU the int8 step is one pass over memory; it must give these bits exactly, over full blocks, a
+// block of zeros, a block of tiny values, and a short last block. The bf16 wire's step too.
+TEST(Int8Wire, ErrorFeedbackInOnePassGivesTheBitsOfItsDefinition) {
+  const int64_t n = 4 * kBlock + 97;
+  at::manual_seed(5);
+  at::Tensor x = at::randn({n}, at::kFloat);
+  x.narrow(0, kBlock, kBlock).zero_();
+  x.narrow(0, 2 * kBlock, kBlock).mul_(1e-30);
+  x.narrow(0, 3 * kBlock, kBlock).mul_(1e4);
+  const at::Tensor residual = (at::randn({n}, at::kFloat) * 1e-2).to(at::kBFloat16);
+  for (Wire wire : {Wire::kInt8, Wire::kBFloat16}) {
+    SCOPED_TRACE(wire == Wire::kInt8 ? "int8" : "bf16");
+    const at::Tensor v = x + residual.to(at::kFloat);
+    const at::Tensor sent = wire == Wire::kInt8 ? quantised(v) : v.to(at::kBFloat16).to(at::kFloat);
+    const at::Tensor dropped = (v - sent).to(at::kBFloat16);
+    at::Tensor got = x.clone(), kept = residual.clone();
+    testing::Introspection::feed_back(wire, got, kept);
+    EXPECT_TRUE(got.equal(sent));
+    EXPECT_TRUE(kept.view(at::kShort).equal(dropped.view(at::kShort)));
+    EXPECT_FALSE(kept.view(at::kShort).equal(residual.view(at::kShort)));  // (something was dropped)
+  }
+}
 
 TEST(Int8Wire, RowsReduceScatterSumsTheDequantisedBlocksInFp32) {
   for (int world : {2, 3, 4}) {

@@ -2,6 +2,7 @@
 // for any of it, and none of it is part of the API (docs/api.md).
 #pragma once
 
+#include <shardopt/comm/wire.h>
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/flat_layout.h>
 #include <shardopt/optim/oss.h>
@@ -65,6 +66,10 @@ struct Introspection {
   // Bytes of gradients the last reduction copied into buckets: gradients autograd accumulated
   // where their bucket is (gradient_as_bucket_view) are not copied.
   static int64_t copied_grad_bytes(const ShardedDDP& ddp) { return ddp.copied_bytes_; }
+  // Error feedback's step for one row on `wire` (kBFloat16 or kInt8), in place, as ShardedDDP
+  // takes it before sending (Note [Error feedback]): x += residual, x = x as the wire delivers it,
+  // residual = what that dropped, in bf16.
+  static void feed_back(Wire wire, at::Tensor x, at::Tensor residual);
   // The most buckets that held reduce scratch at once (Note [Reduce scratch]), over its life.
   static size_t most_scratch_held(const ShardedDDP& ddp) { return ddp.most_scratch_held_; }
 
