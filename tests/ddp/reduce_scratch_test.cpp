@@ -1,4 +1,4 @@
-// Reduce scratch (Note [Reduce scratch] in csrc/ddp/reduction.cpp): a backward over many buckets
+// Reduce scratch (Note [Reduce scratch] in csrc/ddp/reduce_scratch.cpp): a backward over many buckets
 // holds the memory of at most four of them at once, keeps at most four between steps, and still
 // gives the all-reduce reference's parameters, on row buckets and whole-parameter buckets.
 #include <shardopt/ddp/sharded_ddp.h>

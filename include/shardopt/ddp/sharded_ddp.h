@@ -209,7 +209,7 @@ class ShardedDDP {
   int64_t local_bucket_bytes() const;
   // Bytes of reduce scratch this rank keeps between backward passes for the next one: at most
   // four buckets' worth, whatever the model's size (Note [Reduce scratch] in
-  // csrc/ddp/reduction.cpp).
+  // csrc/ddp/reduce_scratch.cpp).
   int64_t reduce_scratch_bytes() const;
   size_t num_buckets() const;
   int64_t rebuild_count() const { return rebuilds_; }
@@ -289,7 +289,7 @@ class ShardedDDP {
   void release_local_grad(Hooked& hooked, const Entry* owned);
   at::Tensor bucket_buffer(Bucket& bucket);  // allocated (or reused) at its first gradient
   at::Tensor owned_memory(Bucket& bucket);   // where the owner's reduced gradients live
-  // Reduce scratch (Note [Reduce scratch] in csrc/ddp/reduction.cpp): memory for a bucket that
+  // Reduce scratch (Note [Reduce scratch] in csrc/ddp/reduce_scratch.cpp): memory for a bucket that
   // this rank sends from and receives into, taken from what earlier buckets gave back.
   at::Tensor take_scratch(Bucket& bucket, int64_t elements);
   bool recycle_oldest_launched();  // waits for it; false when no launched bucket holds scratch
