@@ -152,13 +152,49 @@ at::Tensor detail::WireCodec::round_trip(const at::Tensor& x) const {
   return out;
 }
 
+namespace {
+
+// To bf16, to nearest with ties to even (a NaN stays a NaN): c10::BFloat16's rounding.
+inline uint16_t to_bf16_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline float from_bf16_bits(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+// The bf16 wire's feedback step over [begin, end): v = x + residual, x = v rounded to bf16,
+// residual = v - x rounded to bf16.
+void bf16_feed_back(float* x, uint16_t* residual, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float v = x[i] + from_bf16_bits(residual[i]);
+    const float sent = from_bf16_bits(to_bf16_bits(v));
+    residual[i] = to_bf16_bits(v - sent);
+    x[i] = sent;
+  }
+}
+
+}  // namespace
+
 void detail::WireCodec::feed_back(at::Tensor x, at::Tensor residual) const {
-  if (int8() && x.is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() &&
-      residual.scalar_type() == at::kBFloat16 && residual.is_contiguous() && residual.numel() == x.numel()) {
+  if (x.is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() &&
+      residual.scalar_type() == at::kBFloat16 && residual.is_contiguous() && residual.numel() == x.numel() &&
+      (int8() || wire_ == at::kBFloat16)) {
     float* values = x.data_ptr<float>();
     auto* kept = reinterpret_cast<uint16_t*>(residual.data_ptr<at::BFloat16>());
-    const int64_t n = x.numel(), blocks = (n + kInt8Block - 1) / kInt8Block;
-    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) { int8_feed_back(values, kept, n, begin, end); });
+    const int64_t n = x.numel();
+    if (int8()) {
+      const int64_t blocks = (n + kInt8Block - 1) / kInt8Block;
+      at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) { int8_feed_back(values, kept, n, begin, end); });
+    } else {
+      at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) { bf16_feed_back(values, kept, begin, end); });
+    }
     return;
   }
   x.add_(residual);

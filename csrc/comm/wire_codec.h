@@ -39,7 +39,8 @@ class WireCodec {
   at::Tensor round_trip(const at::Tensor& x) const;
   // Error feedback (Note [Error feedback] in csrc/ddp/reduction.cpp), in place: x += residual,
   // x = round_trip(x), residual = what that dropped (held in residual's dtype, bf16). On the CPU
-  // under int8 (fp32 x, bf16 residual) one pass over memory (int8_feed_back), the same bits.
+  // (fp32 x, bf16 residual) one pass over memory (int8_feed_back, or the bf16 wire's loop), with
+  // the bits of those operations.
   void feed_back(at::Tensor x, at::Tensor residual) const;
 
  private:

@@ -324,8 +324,8 @@ void ShardedDDP::launch_ready_buckets() {
 // error_feedback_bytes()); a residual held in bf16 is itself rounded, by at most 2^-9 of its own
 // size. On the int8 wire (Note [Int8 wire]) the rounded contribution is quantised again by the
 // wire: the same int8 values, and a scale that may differ in its last bit, so what arrives may
-// differ from what the residual assumed by that last bit. On the CPU the int8 step is one pass
-// over memory (WireCodec::feed_back), with the bits of the separate operations. Only the gradient
+// differ from what the residual assumed by that last bit. On the CPU the step is one pass over
+// memory (WireCodec::feed_back), with the bits of the separate operations. Only the gradient
 // elements carry residuals, not the flags (0 or 1: exact on the wire). A new layout (a freeze, a re-partition) builds the
 // buckets anew and starts their residuals at zero: the residuals of parameters that were frozen
 // are dropped, and an unfrozen parameter starts from zero. Sharded checkpoints carry them (Note

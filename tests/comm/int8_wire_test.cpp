@@ -49,9 +49,9 @@ std::vector<at::Tensor> everyones(ProcessGroup& g, const at::Tensor& mine) {
 int64_t packed_bytes(int64_t n, int64_t tail = 0) { return (n - tail) + 4 * ((n - tail + kBlock - 1) / kBlock) + 4 * tail; }
 
 // Error feedback's step on one row (Note [Error feedback]), against its definition: v = x plus the
-// bf16 residual, x' = v as the int8 wire delivers it, residual' = v - x' rounded to bf16. On the
-// CPU the int8 step is one pass over memory; it must give these bits exactly, over full blocks, a
-// block of zeros, a block of tiny values, and a short last block. The bf16 wire's step too.
+// bf16 residual, x' = v as the wire delivers it, residual' = v - x' rounded to bf16. On the CPU
+// the step is one pass over memory; it must give these bits exactly, over full blocks, a block of
+// zeros, a block of tiny values, and a short last block, on the int8 wire and on the bf16 wire.
 TEST(Int8Wire, ErrorFeedbackInOnePassGivesTheBitsOfItsDefinition) {
   const int64_t n = 4 * kBlock + 97;
   at::manual_seed(5);
