@@ -302,6 +302,60 @@ void OSS::load_state_dict(const torch::IValue& sd) {
   place_state();
 }
 
+RebalanceStats OSS::load_state_shards(const std::vector<torch::IValue>& held, const torch::IValue& param_groups) {
+  CommPhase phase("optimizer state moving to new owners");
+  finish_param_sync();
+  // Every member's ranges, as five numbers each: param, begin, end, has state, has a master.
+  std::vector<int64_t> words;
+  std::vector<GenericDict> mine;
+  for (const auto& shard : held) {
+    SHARDOPT_CHECK(shard.isGenericDict() && shard.toGenericDict().contains("shard"),
+                   "load_state_shards: a shard is not a state_shard() value");
+    for (const c10::IValue& item : shard.toGenericDict().at("shard").toListRef()) {
+      GenericDict d = item.toGenericDict();
+      words.insert(words.end(), {d.at("param").toInt(), d.at("begin").toInt(), d.at("end").toInt(),
+                                 d.contains("state") ? 1 : 0, d.contains("master") ? 1 : 0});
+      mine.push_back(std::move(d));
+    }
+  }
+  const auto all = global_group_->allgather_ints(words);
+  std::vector<detail::ShardRange> ranges;
+  for (int m = 0; m < global_group_->size(); ++m) {
+    const auto& w = all[static_cast<size_t>(m)];
+    for (size_t k = 0; k + 4 < w.size(); k += 5) {
+      ranges.push_back({m, static_cast<size_t>(w[k]), w[k + 1], w[k + 2], w[k + 3] != 0, w[k + 4] != 0});
+    }
+  }
+  // A parameter with saved state has state from now on; a frozen one's is kept, spread over the
+  // ranks (Note [Kept state]). Every rank reads the same table, so all lay out alike.
+  bool kept_changed = false;
+  for (const auto& r : ranges) {
+    SHARDOPT_CHECK(r.param < params_.size(), "load_state_shards: an old shard names parameter ", r.param, " of ",
+                   params_.size());
+    if (!r.state) continue;
+    kept_changed |= !store_->stepped()[r.param] && !store_->laid_out_for()[r.param];
+    store_->stepped()[r.param] = 1;
+  }
+  if (kept_changed && placement_.split) store_->lay_out(store_->laid_out_for());
+  const auto saved_groups = param_groups.toListRef();
+  SHARDOPT_CHECK(saved_groups.size() == param_groups_.size(), "load_state_shards: the shards have ",
+                 saved_groups.size(), " param groups, this optimizer has ", param_groups_.size());
+  for (size_t g = 0; g < saved_groups.size(); ++g) {
+    const auto& codec = detail::codec_for(*units_[unit_of_group_[g]].local);
+    param_groups_[g].set_options(codec.decode_options(saved_groups[g].toGenericDict(), param_groups_[g].options()));
+  }
+  sync_options_to_local();
+  settle_state();
+  const int block = group_->size();
+  const bool blocks = replica_group_ != nullptr;
+  RebalanceStats stats;
+  detail::scatter_shard_ranges(
+      *global_group_, [&](int member) { return blocks ? member % block : member; },
+      [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; }, ranges, mine, holdings_, stats, masters_);
+  place_state();
+  return stats;
+}
+
 // The masters of this rank's ranges from the state's "master_weights" (by parameter position),
 // or from the parameters where it has none (a state saved without mixed precision).
 void OSS::load_masters(const GenericDict& dict) {

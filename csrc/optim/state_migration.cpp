@@ -359,4 +359,80 @@ void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Opt
   }
 }
 
+void scatter_shard_ranges(ProcessGroup& members, const std::function<int(int member)>& rank_of,
+                          const std::function<torch::optim::Optimizer&(size_t param)>& local_of,
+                          const std::vector<ShardRange>& ranges, const std::vector<GenericDict>& mine,
+                          const std::vector<std::vector<Holding>>& to, RebalanceStats& stats, bool carry_values) {
+  at::NoGradGuard no_grad;
+  const int me = members.rank(), world = members.size();
+  const int my_rank = rank_of(me);
+  at::Device device(at::kCPU);  // where this member's payloads are made: its holdings' device
+  for (const auto& list : to) {
+    for (const Holding& h : list) {
+      if (h.rank == my_rank && h.tensor.defined()) device = h.tensor.device();
+    }
+  }
+  std::vector<int> shard_rank(static_cast<size_t>(world));
+  for (int m = 0; m < world; ++m) shard_rank[static_cast<size_t>(m)] = rank_of(m);
+  // moving[s][d]: does any range go from member s to another member d?
+  std::vector<std::vector<uint8_t>> moving(world, std::vector<uint8_t>(world, 0));
+  std::vector<WireWriter> outgoing(static_cast<size_t>(world));
+  Incoming incoming;
+  size_t next_mine = 0;
+  for (const ShardRange& r : ranges) {
+    SHARDOPT_CHECK(r.param < to.size() && r.begin >= 0 && r.begin <= r.end, "an old shard names range [", r.begin,
+                   ", ", r.end, ") of parameter ", r.param, ", but the optimizer has ", to.size(), " parameters");
+    const GenericDict* entry = nullptr;
+    if (r.member == me) {
+      TORCH_INTERNAL_ASSERT(next_mine < mine.size(), "fewer entries than this member's ranges");
+      entry = &mine[next_mine++];
+    }
+    if (!r.state && !(carry_values && r.master)) continue;
+    for (size_t k = 0; k < to[r.param].size(); ++k) {
+      const Holding& h = to[r.param][k];
+      const int64_t begin = std::max(h.in_param.begin, r.begin), end = std::min(h.in_param.end, r.end);
+      if (begin >= end && !(h.in_param.size() == 0 && r.begin == r.end)) continue;
+      for (int d = 0; d < world; ++d) {
+        if (shard_rank[static_cast<size_t>(d)] != h.rank) continue;
+        if (d != r.member) moving[r.member][d] = 1;
+        if (entry == nullptr) continue;
+        Slice slice{begin, end, std::nullopt, at::Tensor(), at::Tensor()};
+        const int64_t from = begin - r.begin;
+        if (r.state) slice.state = slice_state(entry->at("state").toGenericDict(), from, end - r.begin, r.end - r.begin);
+        if (carry_values && r.master) {
+          slice.values = entry->at("master").toTensor().reshape(-1).narrow(0, from, end - begin);
+        }
+        if (d == me) {
+          incoming[{r.param, k}].push_back(std::move(slice));
+        } else {
+          stats.state_bytes_sent += slice_bytes(slice);
+          outgoing[static_cast<size_t>(d)].slice(r.param, slice);
+        }
+      }
+    }
+  }
+  TORCH_INTERNAL_ASSERT(next_mine == mine.size(), "more entries than this member's ranges");
+  for (int s = 0; s < world; ++s) {
+    for (int d = 0; d < world; ++d) {
+      if (!moving[s][d]) continue;
+      if (me == s) outgoing[static_cast<size_t>(d)].send(members, d, s, device);
+      if (me != d) continue;
+      for (auto& [i, slice] : receive_slices(members, s, s, [&](size_t) { return device; })) {
+        stats.state_bytes_received += slice_bytes(slice);
+        for (size_t k = 0; k < to[i].size(); ++k) {
+          const Holding& h = to[i][k];
+          if (h.rank == my_rank && h.in_param.begin <= slice.begin && slice.end <= h.in_param.end) {
+            incoming[{i, k}].push_back(slice);
+          }
+        }
+      }
+    }
+  }
+  const HoldingGrads no_grads{[](size_t, const Holding&) { return at::Tensor(); }, [](size_t, const Holding&, at::Tensor) {}};
+  for (auto& [where, slices] : incoming) {
+    torch::optim::Optimizer& local = local_of(where.first);
+    install(codec_for(local), local, where.first, to[where.first][where.second], no_grads, std::move(slices));
+  }
+}
+
 }  // namespace shardopt::detail

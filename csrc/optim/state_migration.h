@@ -49,4 +49,27 @@ void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Opt
                       const std::vector<std::vector<Holding>>& to, const HoldingGrads& grads, RebalanceStats& stats,
                       bool carry_values = false);
 
+// One range of an old shard (an entry of OSS::state_shard()'s "shard" list) and the member of the
+// group that sends it.
+struct ShardRange {
+  int member = 0;
+  size_t param = 0;
+  int64_t begin = 0, end = 0;  // parameter frame
+  bool state = false, master = false;
+};
+
+// Note [Each rank receives its own ranges]
+// Loads old shards' ranges into the new holdings `to` (where the state of a new OSS lives): each
+// range goes only to the members whose holdings overlap it, and there only the overlap, the way
+// migrate_holdings moves state (the same messages, one pair of members at a time in the same order
+// everywhere). `ranges` lists every member's ranges (the same table on every member); `mine` holds
+// this member's entries, in the order its rows appear in `ranges`. `rank_of(member)` is the rank
+// a member's holdings carry (its rank in the shard group). With `carry_values` the entries'
+// "master" (mixed precision's fp32 masters) moves too, into the holdings' tensors. Counts what
+// this member received in `stats`. Collective over `members`.
+void scatter_shard_ranges(ProcessGroup& members, const std::function<int(int member)>& rank_of,
+                          const std::function<torch::optim::Optimizer&(size_t param)>& local_of,
+                          const std::vector<ShardRange>& ranges, const std::vector<GenericDict>& mine,
+                          const std::vector<std::vector<Holding>>& to, RebalanceStats& stats, bool carry_values);
+
 }  // namespace shardopt::detail

@@ -46,11 +46,10 @@ namespace shardopt {
 // Recovery: the survivors agree on who is gone (Note [Who is gone]), make a new group over the
 // store (under a prefix of this generation), put the parameters and buffers back as at the
 // chosen refresh (into fresh storage: a transfer of the broken group still in flight can only
-// write into the old), pass every old rank's shard to every survivor (the lost ones from their
-// buddies), and build a new optimizer over the new group that loads the stitched state: that is
-// OSS's load on any world size, so the partition is the new world's. Then a refresh over the new
-// group, so that a second failure is survived too. Every survivor holds the whole optimizer state
-// once, briefly, while the new optimizer loads it.
+// write into the old), build a new optimizer over the new group, whose partition is the new
+// world's, and give each survivor the ranges of the old shards it holds in it (the lost ones' from
+// their buddies). Then a refresh over the new group, so that a second failure is survived too.
+// A survivor receives only its share of the optimizer state, never the whole.
 
 namespace {
 using Clock = std::chrono::steady_clock;
@@ -216,14 +215,15 @@ void Resilient::refresh(int64_t step) {
 
 // Note [Installing the state on a new group]
 // Recovery and admission end alike, over the new group: every member says which old ranks'
-// shards it offers (survivors their own, and a lost buddy's; a joiner none); each old rank's shard
-// goes to every member from the first member that offers it; where some member offers nothing (a
-// joiner, with only its fresh initialisation), the parameters and buffers go from the first member
-// that offers a shard, and where every member offers one (a recovery), nothing is sent for them:
-// each survivor put them back from its own copy of the same refresh, the same bits on every
-// survivor (Note [Parameter wire]); then the optimizer and ShardedDDP are built anew over the new group,
-// the stitched state is loaded at the new world size, and the copies are refreshed.
-void Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const FlatCopy*>>& offers) {
+// shards it offers (survivors their own, and a lost buddy's; a joiner none), and the first member
+// that offers an old rank's shard sends it. Where some member offers nothing (a joiner, with only
+// its fresh initialisation), the parameters and buffers go from the first member that offers a
+// shard; where every member offers one (a recovery), nothing is sent for them: each survivor put
+// them back from its own copy of the same refresh, the same bits on every survivor (Note
+// [Parameter wire]). Then the optimizer and ShardedDDP are built anew over the new group, and
+// each member receives, of every old shard, only the ranges its new holdings overlap (Note [Each
+// rank receives its own ranges] in csrc/optim/state_migration.cpp), and the copies are refreshed.
+int64_t Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const FlatCopy*>>& offers) {
   std::vector<int64_t> mine;
   for (const auto& o : offers) mine.push_back(o.first);
   const auto all = group_->allgather_ints(mine);
@@ -263,28 +263,32 @@ void Resilient::install(int64_t step, const std::vector<std::pair<int64_t, const
     group_->broadcast(v, root);
     scaler->load(v[0].item<double>(), static_cast<int64_t>(v[1].item<double>()));
   }
-  std::vector<c10::IValue> shards(old_world);
+  // Each old rank's shard is sent from the first member that offers it, and only in the ranges
+  // each member holds under the new partition.
+  std::vector<c10::IValue> held;
   for (int64_t d = 0; d < old_world; ++d) {
     int holder = -1;
     for (int i = 0; i < group_->size() && holder < 0; ++i) {
       if (std::find(all[i].begin(), all[i].end(), d) != all[i].end()) holder = i;
     }
     SHARDOPT_CHECK(holder >= 0, "no member of the new group holds the shard of old rank ", d);
-    FlatCopy copy;
-    if (holder == group_->rank()) {
-      for (const auto& o : offers) {
-        if (o.first == d) copy = *o.second;
-      }
+    if (holder != group_->rank()) continue;
+    for (const auto& o : offers) {
+      if (o.first == d) held.push_back(detail::unflatten(*o.second));
     }
-    detail::broadcast_copy(*group_, copy, holder);
-    shards[d] = detail::unflatten(copy);
   }
+  // The options (learning rates a schedule changed, say) as the root's shards hold them: every
+  // member's are the same refresh's, and a joiner has none.
+  FlatCopy param_groups;
+  if (group_->rank() == root) param_groups = detail::flatten(held.front().toGenericDict().at("param_groups"));
+  detail::broadcast_copy(*group_, param_groups, root);
   build();
-  optimizer_->load_state_dict(optimizer_->state_dict_from_shards(shards));
-  shards.clear();
+  const int64_t received = optimizer_->load_state_shards(held, detail::unflatten(param_groups)).state_bytes_received;
+  held.clear();
   current_.reset();
   previous_.reset();
   refresh(step);
+  return received;
 }
 
 c10::intrusive_ptr<c10d::Store> Resilient::generation_store() const {
@@ -462,7 +466,7 @@ Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) 
   const int my_old = who.alive[group_->rank()], buddy_old = (my_old + old_world - 1) % old_world;
   std::vector<std::pair<int64_t, const FlatCopy*>> offers{{replicated_ ? my_old % block : my_old, &use->own}};
   if (!replicated_ && is_lost(buddy_old)) offers.emplace_back(buddy_old, &use->buddy);
-  install(chosen, offers);
+  const int64_t received = install(chosen, offers);
 
   Recovery event;
   event.lost = lost_global;
@@ -474,6 +478,7 @@ Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) 
   event.failed_step = failed_step;
   event.resume_step = chosen;
   event.steps_rolled_back = failed_step - chosen;
+  event.state_bytes_received = received;
   event.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   recoveries_.push_back(event);
   for (const auto& callback : callbacks_) callback(event);

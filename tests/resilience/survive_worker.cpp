@@ -155,6 +155,14 @@ int main(int argc, char** argv) {
       std::cout << "joined: global rank " << run.group().global_rank() << " at step " << run.start_step()
                 << ", world size " << run.world_size() << std::endl;
     }
+    // Each survivor receives only the ranges it holds now: never more state than it holds.
+    auto report = [&](const Recovery& rec) {
+      const int64_t holds = run.optimizer().local_state_bytes() + run.optimizer().local_master_bytes();
+      TORCH_CHECK(rec.state_bytes_received <= holds, "global rank ", run.group().global_rank(), " received ",
+                  rec.state_bytes_received, " bytes of optimizer state in the recovery but holds ", holds);
+      std::cout << "recovered: " << rec.to_string() << std::endl;
+      std::cout << "state received: " << rec.state_bytes_received << " bytes, holds " << holds << std::endl;
+    };
     bool awaited = false;
     for (int64_t t = run.start_step(); t < args.steps;) {
       if (t == args.await_joiner_at && !awaited) {
@@ -175,7 +183,7 @@ int main(int argc, char** argv) {
         ((out - y.slice(0, lo, hi)).pow(2).sum() / static_cast<double>(kGlobalBatch)).backward();
       });
       if (r.recovery) {
-        std::cout << "recovered: " << r.recovery->to_string() << std::endl;
+        report(*r.recovery);
         std::cout << "recovered at " << std::chrono::steady_clock::now().time_since_epoch().count() << std::endl;
       }
       if (r.admission) std::cout << "admission: " << r.admission->to_string() << std::endl;
@@ -183,7 +191,7 @@ int main(int argc, char** argv) {
       if (r.recovery) continue;
       if (args.consolidate_every > 0 && t % args.consolidate_every == 0) {
         if (auto rec = run.run(t, [&] { run.optimizer().consolidate_state_dict(0); })) {
-          std::cout << "recovered: " << rec->to_string() << std::endl;
+          report(*rec);
           t = rec->resume_step;
         }
       }
@@ -193,7 +201,7 @@ int main(int argc, char** argv) {
               state.step = t;
               save_checkpoint(args.dir + "/step.ckpt", *model, run.optimizer(), state);
             })) {
-          std::cout << "recovered: " << rec->to_string() << std::endl;
+          report(*rec);
           t = rec->resume_step;
         }
       }

@@ -256,6 +256,14 @@ class OSS : public torch::optim::Optimizer {
   detail::ShardStore& hand_over(const detail::HandOver& h);
   // The gradient scaler folds its unscale into the fused step (Note [Unscaling in the step]).
   friend class ShardedGradScaler;
+  // A recovery (or an admission) loads the old shards that survived, each rank receiving only the
+  // ranges it holds now (Note [Each rank receives its own ranges] in csrc/optim/state_migration.cpp).
+  friend class Resilient;
+  // Loads the state of old state_shard() values (any world size) split over the ranks of the
+  // whole group: each rank passes the ones it sends (`held`: their ranges together cover every
+  // parameter's state once), and every rank the same `param_groups` (a state_shard()'s). Returns
+  // what this rank sent and received. Collective over global_group().
+  RebalanceStats load_state_shards(const std::vector<torch::IValue>& held, const torch::IValue& param_groups);
   // Whether a step can take the scaler's unscale (the fused step of Adam, AdamW or SGD).
   bool folds_unscaling() const;
   // step() without a closure; with `inv_scale`, the scaler's step: the gradients are unscaled in

@@ -83,6 +83,9 @@ struct Recovery {
   int64_t resume_step = 0;        // the step training runs next (the last refresh)
   int64_t steps_rolled_back = 0;  // completed steps run again: failed_step - resume_step
   double seconds = 0.0;           // from leaving the failed phase to ready
+  // Optimizer state (and fp32 masters) this rank received from the others: only the ranges it
+  // holds in the new partition that it did not hold itself.
+  int64_t state_bytes_received = 0;
   // "rank 2 died in backward (gradient reductions) at step 17; rolled back 2 steps to step 15;
   // world size 4 -> 3; recovered in 3.4 s"
   std::string to_string() const;
@@ -158,7 +161,8 @@ class Resilient {
  private:
   void refresh(int64_t step);
   StepResult run_step(int64_t step, const std::function<void()>& body, bool steps_itself);
-  void install(int64_t step, const std::vector<std::pair<int64_t, const detail::FlatCopy*>>& offers);
+  // Returns the optimizer-state bytes this rank received.
+  int64_t install(int64_t step, const std::vector<std::pair<int64_t, const detail::FlatCopy*>>& offers);
   std::optional<Admission> admit_waiting(int64_t step);
   void join();
   c10::intrusive_ptr<c10d::Store> generation_store() const;
