@@ -2,6 +2,7 @@
 #include <shardopt/comm/wire.h>
 #include <shardopt/check.h>
 
+#include "comm/bf16_bits.h"
 #include "comm/int8_kernels.h"
 #include "comm/wire_codec.h"
 
@@ -154,20 +155,8 @@ at::Tensor detail::WireCodec::round_trip(const at::Tensor& x) const {
 
 namespace {
 
-// To bf16, to nearest with ties to even (a NaN stays a NaN): c10::BFloat16's rounding.
-inline uint16_t to_bf16_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-inline float from_bf16_bits(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float v;
-  std::memcpy(&v, &bits, 4);
-  return v;
-}
+using detail::from_bf16_bits;
+using detail::to_bf16_bits;
 
 // The bf16 wire's feedback step over [begin, end): v = x + residual, x = v rounded to bf16,
 // residual = v - x rounded to bf16.
