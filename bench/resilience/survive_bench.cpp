@@ -161,6 +161,7 @@ int main(int argc, char** argv) {
                              {"kill_to_first_step_s", ms_between(Clock::time_point(Clock::duration(killed)), t1) / 1e3},
                              {"recovery_s", rec.seconds},
                              {"recovery_bytes", recovery_bytes},
+                             {"state_bytes_received", rec.state_bytes_received},
                              {"steps_rolled_back", rec.steps_rolled_back},
                              {"failed_step", rec.failed_step}};
             std::cout << j.dump() << std::endl;
