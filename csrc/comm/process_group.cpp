@@ -476,20 +476,28 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& i
   if (!out[0].is_same(output)) output.copy_(out[0]);
 }
 
-void ProcessGroup::send(at::Tensor& tensor, int dst, int tag) {
+PendingWork ProcessGroup::send_async(at::Tensor& tensor, int dst, int tag) {
   SHARDOPT_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send to rank ", dst,
               " from rank ", rank_, " of ", size_, " is invalid");
   std::vector<at::Tensor> ts{staged(tensor)};
-  track(CommStats::kSend, nbytes(tensor), [&] { return backend_->send(ts, dst, tag); }).wait();
+  return track(CommStats::kSend, nbytes(tensor), [&] { return backend_->send(ts, dst, tag); });
 }
 
-void ProcessGroup::recv(at::Tensor& tensor, int src, int tag) {
+PendingWork ProcessGroup::recv_async(at::Tensor& tensor, int src, int tag) {
   SHARDOPT_CHECK(src >= 0 && src < size_ && src != rank_, "recv from rank ", src,
               " on rank ", rank_, " of ", size_, " is invalid");
   std::vector<at::Tensor> ts{staged(tensor, /*copy_in=*/false)};
   auto work = track(CommStats::kRecv, nbytes(tensor), [&] { return backend_->recv(ts, src, tag); });
   unstage_after(work, tensor, ts[0]);
-  work.wait();
+  return work;
+}
+
+void ProcessGroup::send(at::Tensor& tensor, int dst, int tag) {
+  send_async(tensor, dst, tag).wait();
+}
+
+void ProcessGroup::recv(at::Tensor& tensor, int src, int tag) {
+  recv_async(tensor, src, tag).wait();
 }
 
 void ProcessGroup::send_bytes(const std::vector<char>& bytes, int dst, int tag) {

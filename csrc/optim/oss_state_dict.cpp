@@ -28,7 +28,8 @@ namespace {
 // "master"?}, ...] (masters with `masters`: the holdings' tensors are mixed precision's).
 // `local_of(i)` is the optimizer of parameter i.
 c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>& holdings,
-                                 const std::function<optim::Optimizer&(size_t)>& local_of, int rank, bool masters) {
+                                 const std::function<optim::Optimizer&(size_t)>& local_of, int rank, bool masters,
+                                 bool own_storage = true) {
   c10::impl::GenericList shard(c10::AnyType::get());
   for (size_t i = 0; i < holdings.size(); ++i) {
     optim::Optimizer& local = local_of(i);
@@ -41,7 +42,10 @@ c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>
       d.insert("param", static_cast<int64_t>(i));
       d.insert("begin", h.in_param.begin);
       d.insert("end", h.in_param.end);
-      if (has_state) d.insert("state", detail::with_own_storage(detail::codec_for(local).encode_state(*it->second)));
+      if (has_state) {
+        GenericDict state = detail::codec_for(local).encode_state(*it->second);
+        d.insert("state", own_storage ? detail::with_own_storage(state) : state);
+      }
       if (masters) d.insert("master", h.tensor.detach().reshape(-1));
       shard.push_back(d);
     }
@@ -178,13 +182,13 @@ c10::impl::GenericList OSS::param_groups_value() const {
   return groups;
 }
 
-torch::IValue OSS::state_shard() {
+torch::IValue OSS::state_shard(bool own_storage) {
   SHARDOPT_CHECK(!holdings_.empty() || params_.empty(), "OSS::state_shard before the first layout");
   for (const auto& unit : units_) detail::codec_for(*unit.local);
   settle_state();
   GenericDict d = detail::make_string_dict();
   d.insert("shard", own_shard(holdings_, [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; },
-                              group_->rank(), masters_));
+                              group_->rank(), masters_, own_storage));
   d.insert("param_groups", param_groups_value());
   d.insert("rank", static_cast<int64_t>(group_->rank()));
   d.insert("world_size", static_cast<int64_t>(group_->size()));

@@ -8,7 +8,16 @@
 
 namespace shardopt::detail {
 
-std::vector<at::Tensor> host_copies(const std::vector<at::Tensor>& tensors) {
+std::vector<at::Tensor> host_copies(const std::vector<at::Tensor>& tensors, std::vector<at::Tensor> reuse) {
+  bool fits = reuse.size() == tensors.size();
+  for (size_t i = 0; i < tensors.size() && fits; ++i) {
+    fits = reuse[i].sizes() == tensors[i].sizes() && reuse[i].scalar_type() == tensors[i].scalar_type() &&
+           reuse[i].is_contiguous();
+  }
+  if (fits) {
+    for (size_t i = 0; i < tensors.size(); ++i) reuse[i].copy_(tensors[i].detach());
+    return reuse;
+  }
   std::vector<at::Tensor> out;
   out.reserve(tensors.size());
   for (const auto& t : tensors) out.push_back(t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
@@ -60,7 +69,7 @@ constexpr int64_t kAlign = 64;
 
 }  // namespace
 
-FlatCopy flatten(const c10::IValue& value) {
+FlatCopy flatten(const c10::IValue& value, at::Tensor reuse) {
   std::vector<at::Tensor> tensors;
   c10::List<int64_t> offsets;
   c10::List<c10::List<int64_t>> sizes;
@@ -73,7 +82,7 @@ FlatCopy flatten(const c10::IValue& value) {
     return at::empty({0}, t.options().device(at::kCPU).requires_grad(false));
   });
   FlatCopy copy;
-  copy.bytes = at::empty({total}, at::kByte);
+  copy.bytes = reuse.defined() && reuse.numel() == total ? std::move(reuse) : at::empty({total}, at::kByte);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     if (t.numel() == 0) continue;
@@ -100,36 +109,29 @@ c10::IValue unflatten(const FlatCopy& copy) {
   });
 }
 
-// Sends `mine` to rank `to` and returns what rank `from` sent: the structure's length, the data's
-// length, the structure, the data (each an owned tensor: a transfer aborted by a failure may still
-// be read by the transport). Even ranks send first and odd ranks receive first, so no ring of
-// senders waits on itself.
-FlatCopy pass_along(ProcessGroup& group, const FlatCopy& mine, int to, int from) {
+// Sends `mine` to rank `to` and returns what rank `from` sent: the two lengths, then the
+// structure and the data (each an owned tensor: a transfer aborted by a failure may still be read
+// by the transport). The sends and the receives are in flight together, so that the bytes move
+// both ways at once, and no ring of senders waits on itself.
+FlatCopy pass_along(ProcessGroup& group, const FlatCopy& mine, int to, int from, at::Tensor reuse) {
   at::Tensor out_sizes = at::tensor({static_cast<int64_t>(mine.structure.size()), mine.bytes.numel()}, at::kLong);
   at::Tensor out_structure = bytes_tensor(mine.structure);
   at::Tensor out_bytes = mine.bytes;
   at::Tensor in_sizes = at::empty({2}, at::kLong);
+  std::vector<PendingWork> sent;
+  sent.push_back(group.send_async(out_sizes, to, 7));
+  if (out_structure.numel() > 0) sent.push_back(group.send_async(out_structure, to, 7));
+  if (out_bytes.numel() > 0) sent.push_back(group.send_async(out_bytes, to, 7));
+  group.recv(in_sizes, from, 7);
+  const int64_t structure_bytes = in_sizes[0].item<int64_t>(), data_bytes = in_sizes[1].item<int64_t>();
   FlatCopy in;
-  at::Tensor in_structure;
-  auto send = [&] {
-    group.send(out_sizes, to, 7);
-    if (out_structure.numel() > 0) group.send(out_structure, to, 7);
-    if (out_bytes.numel() > 0) group.send(out_bytes, to, 7);
-  };
-  auto recv = [&] {
-    group.recv(in_sizes, from, 7);
-    in_structure = at::empty({in_sizes[0].item<int64_t>()}, at::kByte);
-    in.bytes = at::empty({in_sizes[1].item<int64_t>()}, at::kByte);
-    if (in_structure.numel() > 0) group.recv(in_structure, from, 7);
-    if (in.bytes.numel() > 0) group.recv(in.bytes, from, 7);
-  };
-  if (group.rank() % 2 == 0) {
-    send();
-    recv();
-  } else {
-    recv();
-    send();
-  }
+  at::Tensor in_structure = at::empty({structure_bytes}, at::kByte);
+  in.bytes = reuse.defined() && reuse.numel() == data_bytes ? std::move(reuse) : at::empty({data_bytes}, at::kByte);
+  std::vector<PendingWork> received;
+  if (in_structure.numel() > 0) received.push_back(group.recv_async(in_structure, from, 7));
+  if (in.bytes.numel() > 0) received.push_back(group.recv_async(in.bytes, from, 7));
+  for (auto& w : received) w.wait();
+  for (auto& w : sent) w.wait();
   in.structure = tensor_bytes(in_structure);
   return in;
 }

@@ -15,8 +15,9 @@ namespace shardopt {
 
 namespace detail {
 
-// Host copies of `tensors`.
-std::vector<at::Tensor> host_copies(const std::vector<at::Tensor>& tensors);
+// Host copies of `tensors`, into `reuse`'s tensors where they match in number, shape and dtype
+// (an older copy's memory: its pages are already in place).
+std::vector<at::Tensor> host_copies(const std::vector<at::Tensor>& tensors, std::vector<at::Tensor> reuse = {});
 // Bytes as an owned byte tensor, and back.
 at::Tensor bytes_tensor(const std::vector<char>& bytes);
 std::vector<char> tensor_bytes(const at::Tensor& t);
@@ -33,10 +34,12 @@ struct FlatCopy {
   at::Tensor bytes;  // kByte, on the host
   int64_t nbytes() const { return static_cast<int64_t>(structure.size()) + (bytes.defined() ? bytes.numel() : 0); }
 };
-FlatCopy flatten(const c10::IValue& value);
+// `reuse`: a byte tensor the bytes go into when it has their size exactly.
+FlatCopy flatten(const c10::IValue& value, at::Tensor reuse = {});
 c10::IValue unflatten(const FlatCopy& copy);
-// Sends `mine` to rank `to` and returns what rank `from` sent (even ranks send first).
-FlatCopy pass_along(ProcessGroup& group, const FlatCopy& mine, int to, int from);
+// Sends `mine` to rank `to` and returns what rank `from` sent, both ways at once; the bytes that
+// come go into `reuse` when it has their size exactly.
+FlatCopy pass_along(ProcessGroup& group, const FlatCopy& mine, int to, int from, at::Tensor reuse = {});
 // Sends `copy` from `root` to every rank of `group` (the others' `copy` is replaced).
 void broadcast_copy(ProcessGroup& group, FlatCopy& copy, int root);
 // "1", "1 and 3", "0, 1 and 3".

@@ -189,14 +189,19 @@ void Resilient::refresh(int64_t step) {
   CommPhase phase("refreshing the copies");
   if (ddp_) ddp_->finish_param_sync();
   optimizer_->finish_param_sync();
+  // The copies of two refreshes ago are needed no longer: once any rank refreshes again, every
+  // rank holds the last refresh complete (each rank's refresh ends with its buddy's part, and the
+  // steps since then had every rank in their collectives). Their memory takes the new copies.
+  const std::unique_ptr<Copy> spare = std::move(previous_);
   auto copy = std::make_unique<Copy>();
   copy->step = step;
   {
     at::NoGradGuard no_grad;
-    copy->params = host_copies(module_->parameters());
-    copy->buffers = host_copies(module_->buffers());
+    copy->params = host_copies(module_->parameters(), spare ? std::move(spare->params) : std::vector<at::Tensor>{});
+    copy->buffers = host_copies(module_->buffers(), spare ? std::move(spare->buffers) : std::vector<at::Tensor>{});
   }
-  copy->own = detail::flatten(optimizer_->state_shard());
+  // The shard's state as views of the slabs: flatten() copies them once, into the copy's bytes.
+  copy->own = detail::flatten(optimizer_->state_shard(/*own_storage=*/false), spare ? spare->own.bytes : at::Tensor());
   if (auto* scaler = options_.grad_scaler()) {
     copy->loss_scale = scaler->get_scale();
     copy->growth_tracker = scaler->growth_tracker();
@@ -207,7 +212,9 @@ void Resilient::refresh(int64_t step) {
   previous_ = std::move(current_);
   current_ = std::move(fresh);
   // Under replica blocks every shard is already held in every block (Note [Replica blocks]).
-  if (!replicated_) current_->buddy = pass_along(*group_, current_->own, (r + 1) % w, (r + w - 1) % w);
+  if (!replicated_) {
+    current_->buddy = pass_along(*group_, current_->own, (r + 1) % w, (r + w - 1) % w, spare ? spare->buddy.bytes : at::Tensor());
+  }
   current_->has_buddy = true;
   // Both generations are complete on this rank: the older one is needed only while another rank
   // may still lack the newer; it goes at the next refresh.

@@ -204,9 +204,10 @@ class OSS : public torch::optim::Optimizer {
   // Loads a full state dict (from any world size) on this rank: every rank calls it.
   void load_state_dict(const torch::IValue& state);
   // This rank's part of the state: {"shard": [{"param", "begin", "end", "state"}, ...],
-  // "param_groups", "rank", "world_size"}, each range in its parameter's elements. Collective
-  // (state still owed to this rank after a re-partition moves first).
-  torch::IValue state_shard();
+  // "param_groups", "rank", "world_size"}, each range in its parameter's elements, each tensor
+  // with storage of its own. Collective (state still owed to this rank after a re-partition
+  // moves first).
+  torch::IValue state_shard() { return state_shard(/*own_storage=*/true); }
   // The full state dict (PyTorch's layout) stitched from every rank's state_shard(), from an OSS
   // of any world size over the same parameters. Local; an incomplete set is an error.
   torch::IValue state_dict_from_shards(const std::vector<torch::IValue>& shards) const;
@@ -264,6 +265,9 @@ class OSS : public torch::optim::Optimizer {
   // parameter's state once), and every rank the same `param_groups` (a state_shard()'s). Returns
   // what this rank sent and received. Collective over global_group().
   RebalanceStats load_state_shards(const std::vector<torch::IValue>& held, const torch::IValue& param_groups);
+  // state_shard(); without `own_storage`, the state tensors are views of the slabs, valid until
+  // the next step (for a copy made at once).
+  torch::IValue state_shard(bool own_storage);
   // Whether a step can take the scaler's unscale (the fused step of Adam, AdamW or SGD).
   bool folds_unscaling() const;
   // step() without a closure; with `inv_scale`, the scaler's step: the gradients are unscaled in
