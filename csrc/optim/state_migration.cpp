@@ -359,6 +359,15 @@ void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Opt
   }
 }
 
+// Note [Each rank receives its own ranges]
+// A new OSS (a recovery's, or an admission's) loads the shards of the old one, which some members
+// hold whole (a survivor its own, and a lost buddy's). Each range of an old shard goes only to the
+// members whose new holdings overlap it, and there only the overlap, in the messages and order of
+// migrate_holdings (one pair of members at a time, in the same order everywhere). Every member
+// first learns every member's ranges (one all-gather of five numbers per range), so that all lay
+// out alike for the state they will hold, and know who sends what to whom. No member holds more
+// than its own share of the state, and a recovery at world 8 moves a few MB per survivor where
+// broadcasting every shard to every survivor moved the whole state (docs/benchmarks.md).
 void scatter_shard_ranges(ProcessGroup& members, const std::function<int(int member)>& rank_of,
                           const std::function<torch::optim::Optimizer&(size_t param)>& local_of,
                           const std::vector<ShardRange>& ranges, const std::vector<GenericDict>& mine,

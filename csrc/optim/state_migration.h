@@ -58,11 +58,9 @@ struct ShardRange {
   bool state = false, master = false;
 };
 
-// Note [Each rank receives its own ranges]
-// Loads old shards' ranges into the new holdings `to` (where the state of a new OSS lives): each
-// range goes only to the members whose holdings overlap it, and there only the overlap, the way
-// migrate_holdings moves state (the same messages, one pair of members at a time in the same order
-// everywhere). `ranges` lists every member's ranges (the same table on every member); `mine` holds
+// Loads old shards' ranges into the new holdings `to` (where the state of a new OSS lives), each
+// member receiving only the overlap of each range with its holdings (Note [Each rank receives its
+// own ranges] in state_migration.cpp). `ranges` lists every member's ranges (the same table on every member); `mine` holds
 // this member's entries, in the order its rows appear in `ranges`. `rank_of(member)` is the rank
 // a member's holdings carry (its rank in the shard group). With `carry_values` the entries'
 // "master" (mixed precision's fp32 masters) moves too, into the holdings' tensors. Counts what

@@ -7,6 +7,7 @@
 #include "resilience/group_recovery.h"
 #include "resilience/copies.h"
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
@@ -64,7 +65,10 @@ std::string announced_torch_version() {
 // is a member (the answer says why, and the joiner fails with it), and admits the others: rank 0
 // writes each an answer with the next generation, the step, the requests handled and the member
 // list; every member makes the new group, and the state is installed (Note [Installing the state
-// on a new group]). The joiner starts its loop at start_step().
+// on a new group]). The joiner starts its loop at start_step(). A failure while the new group is
+// made or the state installed is not survived: the copies were made over the group before, the
+// failure is seen on the new one, and a recovery would number one group's shards by the other's
+// ranks. It is an error on every member, and the run's later steps raise it again.
 std::optional<Admission> Resilient::admit_waiting(int64_t step) {
   at::Tensor count = at::tensor({base_store_->add(kJoinRequests, 0)}, at::kLong);
   group_->allreduce(count, Reduction::kMin);
@@ -121,13 +125,26 @@ std::optional<Admission> Resilient::admit_waiting(int64_t step) {
   CommPhase phase("admitting a replacement");
   const detail::FlatCopy own = current_->own;  // (install() refreshes the copies)
   const int my_old = replicated_ ? optimizer_->process_group().rank() : group_->rank();
-  ddp_.reset();
-  optimizer_.reset();
-  std::shared_ptr<ProcessGroup> old = group_;
-  group_ = detail::GroupRecovery::form(*old, generation_store(), members);
-  detail::GroupRecovery::watch_failures(*group_);
-  detail::GroupRecovery::abandon(*old);
-  install(step, {{my_old, &own}});
+  try {
+    ddp_.reset();
+    optimizer_.reset();
+    std::shared_ptr<ProcessGroup> old = group_;
+    group_ = detail::GroupRecovery::form(*old, generation_store(), members);
+    detail::GroupRecovery::watch_failures(*group_);
+    detail::GroupRecovery::abandon(*old);
+    CommPhase installing("admitting a replacement (installing the state)");
+    install(step, {{my_old, &own}});
+  } catch (const c10::Error& e) {
+    // The copies were made over the group before the admission, the failure is seen on the new
+    // one: recovering from it would number the shards of one group by the ranks of the other.
+    admission_failed_ = true;
+    const std::string cause = e.what_without_backtrace();
+    const std::string prefix = "shardopt: ";
+    SHARDOPT_CHECK(false, "a failure while admitting global rank", a.joined.size() == 1 ? " " : "s ",
+                   ranks_text(a.joined), " at step ", step, ": ",
+                   cause.rfind(prefix, 0) == 0 ? cause.substr(prefix.size()) : cause,
+                   "; a failure during an admission is not survived: restart from the last checkpoint");
+  }
   a.world_size = group_->size();
   a.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return a;

@@ -309,6 +309,8 @@ StepResult Resilient::step_by(int64_t step, const std::function<void()>& whole_s
 }
 
 StepResult Resilient::run_step(int64_t step, const std::function<void()>& body, bool steps_itself) {
+  SHARDOPT_CHECK(!admission_failed_, "step ", step, ": this resilient run failed while admitting a replacement and ",
+                 "cannot go on; restart from the last checkpoint");
   StepResult result;
   int64_t at = step;  // the step boundary a failure is counted at
   try {
@@ -325,7 +327,8 @@ StepResult Resilient::run_step(int64_t step, const std::function<void()>& body, 
     }
     return result;
   } catch (const std::exception&) {
-    if (!detail::GroupRecovery::broken(*group_)) throw;  // not a failure of the group: the caller's error
+    // Not a failure of the group (the caller's error), or one during an admission: not survived.
+    if (admission_failed_ || !detail::GroupRecovery::broken(*group_)) throw;
   }
   result.recovery = recover(at, detail::GroupRecovery::failure_phase(*group_));
   result.next_step = result.recovery->resume_step;
@@ -333,6 +336,8 @@ StepResult Resilient::run_step(int64_t step, const std::function<void()>& body, 
 }
 
 std::optional<Recovery> Resilient::run(int64_t step, const std::function<void()>& work) {
+  SHARDOPT_CHECK(!admission_failed_, "step ", step, ": this resilient run failed while admitting a replacement and ",
+                 "cannot go on; restart from the last checkpoint");
   try {
     work();
     return std::nullopt;

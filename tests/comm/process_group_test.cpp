@@ -59,6 +59,30 @@ TEST(Comm, CollectivesMoveDataAndCountBytes) {
   });
 }
 
+// send_async and recv_async in flight together: every rank sends to the next and receives from
+// the one before, all started before any is waited for (a ring of blocking sends of 8 MB each
+// would wait on itself), several messages per pair arriving in the order they were started, and
+// each counted once.
+TEST(Comm, SendsAndReceivesInFlightTogetherAroundARing) {
+  for (int world : {2, 3}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank(), to = (r + 1) % world, from = (r + world - 1) % world;
+      const int64_t n = 2 << 20;  // 8 MB of floats
+      std::vector<at::Tensor> out{at::full({n}, static_cast<float>(r)), at::arange(5, at::kFloat) + 100 * r};
+      std::vector<at::Tensor> in{at::empty({n}), at::empty({5})};
+      std::vector<PendingWork> works;
+      for (auto& t : out) works.push_back(g->send_async(t, to, 3));
+      for (auto& t : in) works.push_back(g->recv_async(t, from, 3));
+      for (auto& w : works) w.wait();
+      EXPECT_TRUE(in[0].equal(at::full({n}, static_cast<float>(from)))) << "world " << world;
+      EXPECT_TRUE(in[1].equal(at::arange(5, at::kFloat) + 100 * from)) << "world " << world;
+      EXPECT_EQ(g->stats().calls[CommStats::kSend], 2);
+      EXPECT_EQ(g->stats().calls[CommStats::kRecv], 2);
+      EXPECT_EQ(g->stats().bytes[CommStats::kRecv], 4 * (n + 5));
+    });
+  }
+}
+
 // A sum-reduce is N-1 direct transfers to the root (Note [Reduce to one owner]): several in
 // flight to different roots, waited in any order, each lands in its own tensor; other reductions
 // still go through Gloo.

@@ -239,7 +239,7 @@ class Replacement(Base):
     join, and the run admits it after its next refresh (the survivors wait at step 10 until the
     request is in the store, so that the replacement comes in mid-run, not after the end)."""
 
-    def run_with_replacement(self, replacement_env):
+    def run_with_replacement(self, replacement_env, fault="2:backward (gradient reductions):30", timeout=60):
         import socket
         # Kept (bound, SO_REUSEADDR, not listening) until the run ends: no other process gets the
         # port, and the launcher's store still binds it.
@@ -248,9 +248,9 @@ class Replacement(Base):
         reserved.bind(("127.0.0.1", 0))
         self.addCleanup(reserved.close)
         port = reserved.getsockname()[1]
-        e = dict(os.environ, SHARDOPT_FAULT_IN_PHASE="2:backward (gradient reductions):30")
+        e = dict(os.environ, SHARDOPT_FAULT_IN_PHASE=fault)
         # (a 60 s collective timeout: the replacement starts LibTorch while the others wait)
-        args = ["--steps", "30", "--refresh-every", "5", "--timeout", "60"]
+        args = ["--steps", "30", "--refresh-every", "5", "--timeout", str(timeout)]
         p = subprocess.Popen([sys.executable, LAUNCH, "--port", str(port), "-n", "4", "--keep-going", WORKER, *args,
                               "--await-joiner-at", "10"], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
@@ -278,6 +278,26 @@ class Replacement(Base):
             self.assertRegex(out, rf"\[rank {r}\] admission: global rank 2 joined at step \d+; world size 3 -> 4")
             self.assertRegex(out, rf"\[rank {r}\] survivor global rank {r} \(rank {r} of 4\): 1 recoveries")
         self.assertEqual(ends[2], "was killed by signal 9")
+
+    def test_a_death_during_the_admission_is_an_error_on_every_rank(self):
+        # Rank 0 dies once the new group of four is made, as the state is installed: the copies
+        # were made over the group of three, so the run does not recover; every other member, the
+        # replacement included, ends with an error that says so, and nothing hangs.
+        import time
+        start = time.monotonic()
+        code, out, jcode, jout = self.run_with_replacement(
+            {}, fault="2:backward (gradient reductions):30;0:admitting a replacement (installing the state)")
+        took = time.monotonic() - start
+        ends = exits(out)
+        self.assertEqual(ends[0], "was killed by signal 9", out)
+        self.assertNotEqual(jcode, 0, jout)
+        for r in (1, 3):
+            self.assertEqual(ends[r], "exited with code 1", out)
+            self.assertRegex(out, rf"\[rank {r}\] survive_worker: shardopt: a failure while admitting global rank 2 at "
+                                  r"step \d+: .*; a failure during an admission is not survived: restart from the last "
+                                  r"checkpoint")
+        self.assertNotIn("survivor global rank", out)
+        self.assertLess(took, 60 + 60)  # the collective timeout and start-up: no hang
 
     def test_a_replacement_of_another_version_is_refused(self):
         code, out, jcode, jout = self.run_with_replacement({"SHARDOPT_ANNOUNCE_VERSION": "0.3.9"})

@@ -179,6 +179,7 @@ class Resilient {
   std::unique_ptr<ShardedDDP> ddp_;
   std::vector<std::function<void(const Recovery&)>> callbacks_;
   std::vector<Recovery> recoveries_;
+  bool admission_failed_ = false;  // a failure during an admission: not survived, later steps refuse
   int generation_ = 0;
   c10::intrusive_ptr<c10d::Store> base_store_;  // the rendezvous store; each generation's group lives under a prefix
   int original_world_ = 0;
