@@ -5,7 +5,7 @@
 // batches in one process and checks that its parameters equal that reference.
 //
 //   survive_worker --steps T [--refresh-every N] [--freeze-at S] [--consolidate-every C]
-//                  [--checkpoint-every C --dir D] [--min-world-size M] [--expect-recoveries K]
+//                  [--checkpoint-every C --dir D (each save loaded again at once)] [--min-world-size M] [--expect-recoveries K]
 //                  [--expect-world W] [--refresh-every-rank-1 N] [--await-joiner-at S] [--timeout S]
 //                  [--scaler-on-rank-1 1]
 //                  [--shard-group-size B]
@@ -201,6 +201,13 @@ int main(int argc, char** argv) {
               state.step = t;
               save_checkpoint(args.dir + "/step.ckpt", *model, run.optimizer(), state);
             })) {
+          report(*rec);
+          t = rec->resume_step;
+        } else if (auto rec = run.run(t, [&] {
+                     // Loads what it just saved (the same values): a death in the load is survived.
+                     TORCH_CHECK(load_checkpoint(args.dir + "/step.ckpt", *model, run.optimizer()).step == t,
+                                 "the checkpoint loaded is not the one saved at step ", t);
+                   })) {
           report(*rec);
           t = rec->resume_step;
         }

@@ -24,6 +24,7 @@ PHASES = [
     ("step (parameter sync)", 9),
     ("consolidating the optimizer state", 2),
     ("saving a checkpoint", 2),
+    ("loading a checkpoint", 2),
     ("optimizer state moving to new owners", 2),
 ]
 
