@@ -307,7 +307,7 @@ void OSS::load_state_dict(const torch::IValue& sd) {
 }
 
 RebalanceStats OSS::load_state_shards(const std::vector<torch::IValue>& held, const torch::IValue& param_groups) {
-  CommPhase phase("optimizer state moving to new owners");
+  CommPhase phase("loading the copied optimizer state");
   finish_param_sync();
   // Every member's ranges, as five numbers each: param, begin, end, has state, has a master.
   std::vector<int64_t> words;
@@ -334,8 +334,11 @@ RebalanceStats OSS::load_state_shards(const std::vector<torch::IValue>& held, co
   // ranks (Note [Kept state]). Every rank reads the same table, so all lay out alike.
   bool kept_changed = false;
   for (const auto& r : ranges) {
-    SHARDOPT_CHECK(r.param < params_.size(), "load_state_shards: an old shard names parameter ", r.param, " of ",
-                   params_.size());
+    SHARDOPT_CHECK(r.param < params_.size() && r.begin >= 0 && r.begin <= r.end && r.end <= params_[r.param].numel(),
+                   "load_state_shards: an old shard names elements [", r.begin, ", ", r.end, ") of parameter ", r.param,
+                   ", but the optimizer has ", params_.size(), " parameters",
+                   r.param < params_.size() ? ", that one of " + std::to_string(params_[r.param].numel()) + " elements"
+                                            : std::string());
     if (!r.state) continue;
     kept_changed |= !store_->stepped()[r.param] && !store_->laid_out_for()[r.param];
     store_->stepped()[r.param] = 1;

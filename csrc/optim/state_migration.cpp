@@ -412,6 +412,15 @@ void scatter_shard_ranges(ProcessGroup& members, const std::function<int(int mem
           slice.values = entry->at("master").toTensor().reshape(-1).narrow(0, from, end - begin);
         }
         if (d == me) {
+          // On the device of what the others send (a host copy's slices meet CUDA payloads).
+          if (slice.state) {
+            GenericDict moved = make_string_dict();
+            for (const auto& v : *slice.state) {
+              moved.insert(v.key(), is_state_tensor(v) ? c10::IValue(v.value().toTensor().to(device)) : v.value());
+            }
+            slice.state = std::move(moved);
+          }
+          if (slice.values.defined()) slice.values = slice.values.to(device);
           incoming[{r.param, k}].push_back(std::move(slice));
         } else {
           stats.state_bytes_sent += slice_bytes(slice);

@@ -111,26 +111,43 @@ c10::IValue unflatten(const FlatCopy& copy) {
 
 // Sends `mine` to rank `to` and returns what rank `from` sent: the two lengths, then the
 // structure and the data (each an owned tensor: a transfer aborted by a failure may still be read
-// by the transport). The sends and the receives are in flight together, so that the bytes move
-// both ways at once, and no ring of senders waits on itself.
+// by the transport). On Gloo the sends and the receives are in flight together, so that the bytes
+// move both ways at once. NCCL's sends and receives block on the device unless grouped: there even
+// ranks send first and odd ranks receive first. Either way no ring of senders waits on itself.
 FlatCopy pass_along(ProcessGroup& group, const FlatCopy& mine, int to, int from, at::Tensor reuse) {
   at::Tensor out_sizes = at::tensor({static_cast<int64_t>(mine.structure.size()), mine.bytes.numel()}, at::kLong);
   at::Tensor out_structure = bytes_tensor(mine.structure);
   at::Tensor out_bytes = mine.bytes;
   at::Tensor in_sizes = at::empty({2}, at::kLong);
+  const bool both_ways = group.backend() == "gloo";
   std::vector<PendingWork> sent;
-  sent.push_back(group.send_async(out_sizes, to, 7));
-  if (out_structure.numel() > 0) sent.push_back(group.send_async(out_structure, to, 7));
-  if (out_bytes.numel() > 0) sent.push_back(group.send_async(out_bytes, to, 7));
-  group.recv(in_sizes, from, 7);
-  const int64_t structure_bytes = in_sizes[0].item<int64_t>(), data_bytes = in_sizes[1].item<int64_t>();
+  auto send = [&] {
+    sent.push_back(group.send_async(out_sizes, to, 7));
+    if (out_structure.numel() > 0) sent.push_back(group.send_async(out_structure, to, 7));
+    if (out_bytes.numel() > 0) sent.push_back(group.send_async(out_bytes, to, 7));
+    if (!both_ways) {
+      for (auto& w : sent) w.wait();
+    }
+  };
   FlatCopy in;
-  at::Tensor in_structure = at::empty({structure_bytes}, at::kByte);
-  in.bytes = reuse.defined() && reuse.numel() == data_bytes ? std::move(reuse) : at::empty({data_bytes}, at::kByte);
-  std::vector<PendingWork> received;
-  if (in_structure.numel() > 0) received.push_back(group.recv_async(in_structure, from, 7));
-  if (in.bytes.numel() > 0) received.push_back(group.recv_async(in.bytes, from, 7));
-  for (auto& w : received) w.wait();
+  at::Tensor in_structure;
+  auto recv = [&] {
+    group.recv(in_sizes, from, 7);
+    const int64_t structure_bytes = in_sizes[0].item<int64_t>(), data_bytes = in_sizes[1].item<int64_t>();
+    in_structure = at::empty({structure_bytes}, at::kByte);
+    in.bytes = reuse.defined() && reuse.numel() == data_bytes ? std::move(reuse) : at::empty({data_bytes}, at::kByte);
+    std::vector<PendingWork> received;
+    if (in_structure.numel() > 0) received.push_back(group.recv_async(in_structure, from, 7));
+    if (in.bytes.numel() > 0) received.push_back(group.recv_async(in.bytes, from, 7));
+    for (auto& w : received) w.wait();
+  };
+  if (both_ways || group.rank() % 2 == 0) {
+    send();
+    recv();
+  } else {
+    recv();
+    send();
+  }
   for (auto& w : sent) w.wait();
   in.structure = tensor_bytes(in_structure);
   return in;

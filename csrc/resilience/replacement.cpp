@@ -134,6 +134,8 @@ std::optional<Admission> Resilient::admit_waiting(int64_t step) {
     detail::GroupRecovery::abandon(*old);
     CommPhase installing("admitting a replacement (installing the state)");
     install(step, {{my_old, &own}});
+    // A member that failed before here fails this on every other, so that all end alike.
+    group_->barrier();
   } catch (const c10::Error& e) {
     // The copies were made over the group before the admission, the failure is seen on the new
     // one: recovering from it would number the shards of one group by the ranks of the other.
@@ -175,9 +177,19 @@ void Resilient::join() {
   std::vector<int> members;
   for (size_t i = 3; i < f.size(); ++i) members.push_back(std::stoi(f[i]));
   std::shared_ptr<ProcessGroup> alone = group_;
-  group_ = detail::GroupRecovery::form(*alone, generation_store(), members);
-  detail::GroupRecovery::watch_failures(*group_);
-  install(start_step_, {});
+  try {
+    group_ = detail::GroupRecovery::form(*alone, generation_store(), members);
+    detail::GroupRecovery::watch_failures(*group_);
+    CommPhase installing("admitting a replacement (installing the state)");
+    install(start_step_, {});
+    group_->barrier();  // the members' last collective of the admission
+  } catch (const c10::Error& e) {
+    const std::string cause = e.what_without_backtrace();
+    const std::string prefix = "shardopt: ";
+    SHARDOPT_CHECK(false, "a failure while global rank ", global, " was being admitted at step ", start_step_, ": ",
+                   cause.rfind(prefix, 0) == 0 ? cause.substr(prefix.size()) : cause,
+                   "; a failure during an admission is not survived: restart from the last checkpoint");
+  }
 }
 
 }  // namespace shardopt

@@ -191,7 +191,8 @@ void Resilient::refresh(int64_t step) {
   optimizer_->finish_param_sync();
   // The copies of two refreshes ago are needed no longer: once any rank refreshes again, every
   // rank holds the last refresh complete (each rank's refresh ends with its buddy's part, and the
-  // steps since then had every rank in their collectives). Their memory takes the new copies.
+  // all-reduce that looks for replacements after it, and the step since, had every rank in
+  // them). Their memory takes the new copies.
   const std::unique_ptr<Copy> spare = std::move(previous_);
   auto copy = std::make_unique<Copy>();
   copy->step = step;
@@ -212,7 +213,7 @@ void Resilient::refresh(int64_t step) {
   previous_ = std::move(current_);
   current_ = std::move(fresh);
   // Under replica blocks every shard is already held in every block (Note [Replica blocks]).
-  if (!replicated_) {
+  if (!replicated_ && w > 1) {  // (a run left with one rank has no buddy: another failure ends it)
     current_->buddy = pass_along(*group_, current_->own, (r + 1) % w, (r + w - 1) % w, spare ? spare->buddy.bytes : at::Tensor());
   }
   current_->has_buddy = true;

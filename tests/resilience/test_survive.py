@@ -102,6 +102,11 @@ class RankZeroAndTwoFailures(Base):
         out = self.survive(4, "0:backward (gradient reductions):40", [0], "--refresh-every", 5)
         self.assertRegex(out, r"recovered: rank 0 died")
 
+    def test_a_run_of_two_goes_on_alone(self):
+        # World 2 -> 1: the survivor keeps its copies with no buddy to send them to.
+        out = self.survive(2, "1:backward (gradient reductions):40", [1], "--refresh-every", 1)
+        self.assertRegex(out, r"recovered: rank 1 died .* rolled back 0 steps to step \d+; world size 2 -> 1")
+
     def test_two_failures_one_after_the_other(self):
         out = self.survive(4, "1:backward (gradient reductions):30;3:step (parameter sync):15", [1, 3],
                            "--refresh-every", 5, recoveries=2)
@@ -297,6 +302,9 @@ class Replacement(Base):
             self.assertRegex(out, rf"\[rank {r}\] survive_worker: shardopt: a failure while admitting global rank 2 at "
                                   r"step \d+: .*; a failure during an admission is not survived: restart from the last "
                                   r"checkpoint")
+        self.assertRegex(jout, r"survive_worker: shardopt: a failure while global rank 2 was being admitted at step "
+                               r"\d+: .*; a failure during an admission is not survived: restart from the last "
+                               r"checkpoint")
         self.assertNotIn("survivor global rank", out)
         self.assertLess(took, 60 + 60)  # the collective timeout and start-up: no hang
 

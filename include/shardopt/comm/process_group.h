@@ -167,8 +167,9 @@ class ProcessGroup {
   PendingWork reduce_mean_async(at::Tensor& tensor, int root, int64_t numel, double divisor,
                                 std::optional<at::ScalarType> wire = std::nullopt, int64_t exact_tail = 0);
   PendingWork allreduce_async(at::Tensor& tensor, Reduction op = Reduction::kSum);
-  // send() and recv() started: a send and a receive in flight together move both ways at once.
-  // Messages between two ranks with one tag arrive in the order they were started.
+  // send() and recv() started: on Gloo a send and a receive in flight together move both ways at
+  // once (NCCL's block on the device unless grouped, which these are not). Messages between two
+  // ranks with one tag arrive in the order they were started.
   PendingWork send_async(at::Tensor& tensor, int dst, int tag = 0);
   PendingWork recv_async(at::Tensor& tensor, int src, int tag = 0);
   // With `wire` (a dtype other than the tensor's), the root first rounds its tensor through

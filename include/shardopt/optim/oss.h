@@ -204,8 +204,8 @@ class OSS : public torch::optim::Optimizer {
   // Loads a full state dict (from any world size) on this rank: every rank calls it.
   void load_state_dict(const torch::IValue& state);
   // This rank's part of the state: {"shard": [{"param", "begin", "end", "state"}, ...],
-  // "param_groups", "rank", "world_size"}, each range in its parameter's elements, each tensor
-  // with storage of its own. Collective (state still owed to this rank after a re-partition
+  // "param_groups", "rank", "world_size"}, each range in its parameter's elements, each state
+  // tensor with storage of its own. Collective (state still owed to this rank after a re-partition
   // moves first).
   torch::IValue state_shard() { return state_shard(/*own_storage=*/true); }
   // The full state dict (PyTorch's layout) stitched from every rank's state_shard(), from an OSS
