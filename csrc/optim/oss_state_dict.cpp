@@ -14,6 +14,7 @@
 #include <torch/csrc/api/include/torch/serialize.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <algorithm>
 #include <map>
 #include <unordered_map>
 
@@ -328,6 +329,27 @@ RebalanceStats OSS::load_state_shards(const std::vector<torch::IValue>& held, co
     const auto& w = all[static_cast<size_t>(m)];
     for (size_t k = 0; k + 4 < w.size(); k += 5) {
       ranges.push_back({m, static_cast<size_t>(w[k]), w[k + 1], w[k + 2], w[k + 3] != 0, w[k + 4] != 0});
+    }
+  }
+  // The state (and the masters) of a parameter must come whole, each element once: every rank
+  // reads the same table, so a shard missing or given twice is an error on every rank.
+  for (const bool master : {false, true}) {
+    std::map<size_t, std::vector<std::pair<int64_t, int64_t>>> cover;
+    for (const auto& r : ranges) {
+      if (master ? r.master : r.state) cover[r.param].emplace_back(r.begin, r.end);
+    }
+    for (auto& [i, list] : cover) {
+      std::sort(list.begin(), list.end());
+      int64_t at = 0;
+      for (const auto& [begin, end] : list) {
+        SHARDOPT_CHECK(begin == at || (begin == end && end <= at), "load_state_shards: the old shards' ",
+                       master ? "master weight" : "state", " of parameter ", i, " covers elements [0, ", at, ") of ",
+                       params_[i].numel(), ", then starts again at ", begin, " (a shard missing or given twice?)");
+        at = std::max(at, end);
+      }
+      SHARDOPT_CHECK(at == params_[i].numel(), "load_state_shards: the old shards' ", master ? "master weight" : "state",
+                     " of parameter ", i, " covers elements [0, ", at, ") of ", params_[i].numel(),
+                     " (a shard missing or given twice?)");
     }
   }
   // A parameter with saved state has state from now on; a frozen one's is kept, spread over the

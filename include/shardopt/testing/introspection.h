@@ -43,6 +43,12 @@ struct Introspection {
   // Re-partitions for `trainable` as ShardedDDP does after an agreed change; returns whether the
   // partition changed. Collective.
   static bool rebalance(OSS& oss, const std::vector<uint8_t>& trainable) { return oss.rebalance(trainable); }
+  // Loads old state_shard()s split over the ranks, each receiving only its ranges (what a
+  // recovery does). Collective.
+  static RebalanceStats load_state_shards(OSS& oss, const std::vector<torch::IValue>& held,
+                                          const torch::IValue& param_groups) {
+    return oss.load_state_shards(held, param_groups);
+  }
   // With shard_group_size, the group of this rank's replicas; null without blocks.
   static ProcessGroup* replica_group(const OSS& oss) { return oss.replica_group(); }
   // The wrapped optimizer over this rank's holdings: the first, or the k-th of several
