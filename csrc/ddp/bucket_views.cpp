@@ -13,7 +13,7 @@ using detail::alias_at;
 
 // Note [Gradients as bucket views]
 // After a reduction, the owner's gradients are views of its bucket's memory, which the store keeps
-// between steps (ShardStore::bucket_memory, Note [Gradient slab]). When every gradient that refers
+// between steps (GradSlabs::bucket_memory, Note [Gradient slab]). When every gradient that refers
 // to that memory was zeroed in place by the last zero_grad(false) of its OSS (or ShardedDDP's,
 // which calls it) and is unchanged since, and nothing else holds the memory, the next backward uses
 // that very memory as the bucket: those gradients stay in place, autograd adds each new gradient
@@ -64,7 +64,7 @@ void ShardedDDP::decide_bucket_view(Bucket& b) {
   // The memory the owned gradients live in: the store's memory of the bucket, or that of an
   // earlier bucket (before a new layout), where a backward that copied left them (Note
   // [Accumulating across reductions] adds into the gradient as it is).
-  at::Tensor& kept = b.store->bucket_memory(b.index, b.options);
+  at::Tensor& kept = b.slabs->bucket_memory(b.index, b.options);
   const c10::StorageImpl* own = kept.defined() ? kept.storage().unsafeGetStorageImpl() : nullptr;
   c10::Storage memory = kept.defined() ? kept.storage() : c10::Storage();
   bool eligible = true, found = false;

@@ -5,6 +5,7 @@
 
 #include <shardopt/ddp/sharded_ddp.h>
 
+#include "ddp/grad_slabs.h"
 #include "optim/shard_store.h"
 
 #include <ATen/core/Tensor.h>
@@ -88,6 +89,7 @@ struct ShardedDDP::Hooked {
 struct ShardedDDP::Bucket {
   const OSS* optimizer = nullptr;  // whose layout it comes from
   detail::ShardStore* store = nullptr;  // that optimizer's store
+  detail::GradSlabs* slabs = nullptr;   // the memory of that optimizer's buckets this rank owns
   int owner = 0;
   std::vector<size_t> entries;
   // Gradient elements (gaps included) of the reduce buffer, each followed by one flag per entry:
@@ -103,7 +105,7 @@ struct ShardedDDP::Bucket {
   bool zero_fill = false;
   at::TensorOptions options;
   size_t index = 0;    // in its optimizer's layout
-  // During a backward: the memory it reduces in. An owner's is the store's memory of the bucket
+  // During a backward: the memory it reduces in. An owner's is its memory in `slabs`
   // (bucket_memory(): the owner's gradients live there between steps) unless something still
   // refers to that; any other (and a row bucket's) is allocated at its first gradient and
   // released after the reduction.
@@ -111,14 +113,14 @@ struct ShardedDDP::Bucket {
   // While `buffer` is reduce scratch (Note [Reduce scratch]): the memory it is carved from.
   at::Tensor scratch;
   // After the reduction, on a rank that owns entries: the memory its reduced gradients live in,
-  // `numel` of them then their flags. One owner's: `buffer`. A row bucket's: the store's memory
-  // of this rank's row, which holds its own gradients from the first one on (copied, or
+  // `numel` of them then their flags. One owner's: `buffer`. A row bucket's: the memory in
+  // `slabs` of this rank's row, which holds its own gradients from the first one on (copied, or
   // accumulated there by autograd: Note [Gradients as bucket views]) and into which the
   // reduce-scatter sums the other ranks' rows.
   at::Tensor out;
   // Where this rank's owned gradient slots are: `out` for a row bucket, `buffer` otherwise.
   const at::Tensor& owned_slots() const { return rows() ? out : buffer; }
-  // This backward accumulates into the store's memory of the bucket, where the owner's zeroed
+  // This backward accumulates into the bucket's memory in `slabs`, where the owner's zeroed
   // gradients live (Note [Gradients as bucket views]).
   bool in_place = false;
   // Its reduction divided the gradients by grad_divisor() already (the owner's, when it sums).

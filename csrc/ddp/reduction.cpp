@@ -30,8 +30,8 @@ namespace shardopt {
 //     waits for the trainability check of the forward (await_mask_check, sharded_ddp.cpp) and
 //     queues finish_reduction for the backward's end (Note [Reduction phases]).
 //  3. ShardedDDP::fill_param copies the gradient into its slot of each bucket holding it:
-//     bucket_buffer makes the reduce buffer (a row bucket's own row is owned_memory, the store's
-//     ShardStore::bucket_memory, shard_grads.cpp), fill_small_on_host or copy_ writes the slot,
+//     bucket_buffer makes the reduce buffer (a row bucket's own row is owned_memory, the memory
+//     of GradSlabs::bucket_memory, grad_slabs.cpp), fill_small_on_host or copy_ writes the slot,
 //     release_local_grad drops the local gradient (an owner keeps a view of its slot).
 //  4. ShardedDDP::launch_ready_buckets launches each bucket, in bucket order, once all its slots
 //     are written: write_flags, then ProcessGroup::reduce_scatter_rows_into_async for a row bucket
@@ -46,7 +46,7 @@ namespace shardopt {
 //     p.grad() becomes a view of the reduced row (alias_at), a split range's goes to
 //     ShardStore::set_grad (shard_grads.cpp). reset_executor readies the next backward.
 //  6. OSS::step (oss_step.cpp) runs step_with: settle_state (oss.cpp) moves state for a new
-//     layout; step_shard reads each holding's gradient through OSS::holding_grad (oss.cpp: the
+//     plan; step_shard reads each holding's gradient through OSS::holding_grad (oss.cpp: the
 //     whole p.grad(), a range of it, or ShardStore::grad) into detail::FusedStepInputs, and
 //     detail::fused_step (fused_step.cpp) steps it: adam_like_step groups runs, adam_run joins
 //     adjacent tensors (joined_adjacent, adjacent.h), then the CPU loops of fused_kernels.inc
@@ -154,9 +154,9 @@ at::Tensor ShardedDDP::bucket_buffer(Bucket& b) {
 
 // The owner's gradients live in the store's memory of the bucket (a row bucket: of its row); where
 // something still refers to it (gradients not cleared, a view the user keeps), this backward
-// reduces in new memory, which the store keeps from then on (Note [Gradient slab]).
+// reduces in new memory, which ShardedDDP keeps from then on (Note [Gradient slab]).
 at::Tensor ShardedDDP::owned_memory(Bucket& b) {
-  at::Tensor& kept = b.store->bucket_memory(b.index, b.options);
+  at::Tensor& kept = b.slabs->bucket_memory(b.index, b.options);
   if (!kept.defined() || kept.storage().use_count() != 1) kept = at::empty({b.stride}, b.options);
   return kept;
 }
@@ -428,7 +428,7 @@ void ShardedDDP::finish_reduction() {
 // (Note [Accumulating across reductions]), or kGlobalSamples without its count.
 std::string ShardedDDP::reduction_error(bool ambiguous) const {
   for (size_t k = 0; k < params_.size(); ++k) {
-    if (!mask_[k] && params_[k].grad().defined() && params_[k].requires_grad()) {
+    if (!built_trainable(k) && params_[k].grad().defined() && params_[k].requires_grad()) {
       return "parameter '" + names_[k] + "' became trainable after the last rebuild; call refresh_trainable() "
              "(or keep auto_refresh_trainable on and call forward())";
     }

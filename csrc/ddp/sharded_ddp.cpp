@@ -84,10 +84,9 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
     hand_over.bucket_bytes = options_.bucket_bytes_for(opt->global_group().size());
     stores_.push_back(&opt->hand_over(hand_over));
   }
-  mask_ = std::move(mask);
-  lay_out();
+  for (size_t k = 0; k < optimizers_.size(); ++k) grad_slabs_.push_back(std::make_unique<detail::GradSlabs>());
+  lay_out(mask);
   build();
-  balanced_for_ = mask_;
 }
 
 void ShardedDDP::check_optimizers() {
@@ -212,25 +211,35 @@ void ShardedDDP::refresh_owners() {
   for (const auto& [k, i] : place_) owner_.push_back(optimizers_[k]->owner(optimizers_[k]->all_params()[i]));
 }
 
-std::vector<uint8_t> ShardedDDP::mask_for(size_t k) const {
+std::vector<uint8_t> ShardedDDP::mask_for(size_t k, const std::vector<uint8_t>& mask) const {
   // Parameters outside the module: their flags as they are now (they are not in the agreed mask).
-  std::vector<uint8_t> mask = detail::trainable_mask(optimizers_[k]->all_params());
+  std::vector<uint8_t> flags = detail::trainable_mask(optimizers_[k]->all_params());
   for (size_t m = 0; m < params_.size(); ++m) {
-    if (place_[m].first == k) mask[place_[m].second] = mask_[m];
+    if (place_[m].first == k) flags[place_[m].second] = mask[m];
   }
+  return flags;
+}
+
+void ShardedDDP::lay_out(const std::vector<uint8_t>& mask) {
+  for (size_t k = 0; k < optimizers_.size(); ++k) optimizers_[k]->lay_out_for(mask_for(k, mask));
+}
+
+bool ShardedDDP::built_trainable(size_t m) const {
+  const auto& [k, i] = place_[m];
+  return built_plans_[k]->trainable[i] != 0;
+}
+
+std::vector<uint8_t> ShardedDDP::built_mask() const {
+  std::vector<uint8_t> mask(params_.size());
+  for (size_t m = 0; m < params_.size(); ++m) mask[m] = built_trainable(m);
   return mask;
 }
 
-void ShardedDDP::lay_out() {
-  for (size_t k = 0; k < optimizers_.size(); ++k) stores_[k]->lay_out_for(mask_for(k));
-}
-
 // After an agreed change of the trainable set, each optimizer may re-partition (Note [Rebalance
-// after a freeze]), which lays its buffers out again for the new owners.
-void ShardedDDP::follow_partition(bool agreed_mask_changed) {
-  if (!agreed_mask_changed) return;
-  for (size_t k = 0; k < optimizers_.size(); ++k) optimizers_[k]->rebalance(mask_for(k));
-  balanced_for_ = mask_;
+// after a freeze]), which lays its buffers out again for the new owners. Each optimizer knows the
+// set its partition was decided for: an unchanged set costs a comparison.
+void ShardedDDP::follow_partition() {
+  for (OSS* opt : optimizers_) opt->rebalance();
 }
 
 // Rebuilds the buckets when any optimizer has a new layout (its trainable set, owners or bucket
@@ -239,7 +248,7 @@ void ShardedDDP::follow_partition(bool agreed_mask_changed) {
 void ShardedDDP::follow_layouts() {
   bool changed = false;
   for (size_t k = 0; k < optimizers_.size(); ++k) {
-    changed |= stores_[k]->layout_version() != built_versions_[k];
+    changed |= stores_[k]->plan_version() != built_plans_[k]->version;
   }
   if (!changed) return;
   const std::vector<int> before = owner_;
@@ -304,9 +313,16 @@ void ShardedDDP::build() {
   buckets_.clear();
   hooked_index_.clear();
   next_launch_ = 0;
+  // The current plans; a new layout's owned buckets are carved anew at the next backward.
+  built_plans_.resize(stores_.size());
+  for (size_t k = 0; k < stores_.size(); ++k) {
+    if (built_plans_[k] == stores_[k]->plan_ptr()) continue;
+    built_plans_[k] = stores_[k]->plan_ptr();
+    grad_slabs_[k]->reset(built_plans_[k]->layout, group_->rank());
+  }
   std::vector<BucketSource> sources;
   for (size_t k = 0; k < optimizers_.size(); ++k) {
-    const auto& layout = stores_[k]->layout();
+    const auto& layout = built_plans_[k]->layout;
     const auto& ps = optimizers_[k]->all_params();
     for (size_t b = 0; b < layout.buckets().size(); ++b) {
       int64_t position = -1;
@@ -327,21 +343,13 @@ void ShardedDDP::build() {
                                                    std::make_unique<GradReadyHook>([this, h] { on_grad_ready(h); }));
     hooked_[h].pre_hook = hooked_[h].param.register_hook([this, h](const at::Tensor&) { before_accumulation(h); });
   }
-  // The trainable set the buckets hold, per module parameter.
-  for (size_t m = 0; m < params_.size(); ++m) {
-    const auto& [k, i] = place_[m];
-    const auto& layout = stores_[k]->layout();
-    mask_[m] = layout.pieces()[layout.pieces_of(i).front()].bucket >= 0;
-  }
-  built_versions_.clear();
-  for (const detail::ShardStore* store : stores_) built_versions_.push_back(store->layout_version());
   has_split_pieces_ = std::any_of(entries_.begin(), entries_.end(), [](const Entry& e) { return !e.whole; });
   ++rebuilds_;
 }
 
 void ShardedDDP::add_bucket(size_t k_opt, size_t index) {
   OSS& optimizer = *optimizers_[k_opt];
-  const auto& layout = stores_[k_opt]->layout();
+  const auto& layout = built_plans_[k_opt]->layout;
   const auto& ps = optimizer.all_params();
   const FlatBucket& lb = layout.buckets()[index];
   const FlatGroup& group = layout.groups()[lb.group];
@@ -349,6 +357,7 @@ void ShardedDDP::add_bucket(size_t k_opt, size_t index) {
   Bucket b;
   b.optimizer = &optimizer;
   b.store = stores_[k_opt];
+  b.slabs = grad_slabs_[k_opt].get();
   b.index = index;
   b.owner = lb.owner;
   b.numel = lb.numel();
@@ -415,15 +424,13 @@ void ShardedDDP::pre_forward(bool finish_sync) {
                  "checkpoint)");
   drop_bucket_views();  // a backward that ended early took its decision along
   if (options_.auto_refresh_trainable()) {
-    await_mask_check();  // from here on mask_ is known to be the same on every rank
-    follow_partition(mask_ != balanced_for_);
+    await_mask_check();  // from here on the built mask is known to be the same on every rank
+    follow_partition();
     auto mask = detail::trainable_mask(params_);
-    if (mask != mask_) {
-      SHARDOPT_CHECK(phase_ != Phase::kAccumulating, "the trainable set changed while no_sync() gradients are "
-                  "waiting to be reduced; call reduce() (or run a backward outside no_sync) first");
-      mask_ = std::move(mask);
-    }
-    lay_out();  // no-op unless a trainable set changed (the module's or an optimizer's other parameters)
+    SHARDOPT_CHECK(phase_ != Phase::kAccumulating || mask == built_mask(), "the trainable set changed while "
+                   "no_sync() gradients are waiting to be reduced; call reduce() (or run a backward outside no_sync) "
+                   "first");
+    lay_out(mask);  // no-op unless a trainable set changed (the module's or an optimizer's other parameters)
     follow_layouts();
     start_mask_check();
   } else {
@@ -457,8 +464,7 @@ void ShardedDDP::finish_param_sync() {
 void ShardedDDP::start_mask_check() {
   CommPhase phase("forward (trainability check)");
   if (global_->size() == 1) return;
-  checked_mask_ = mask_;
-  const auto v = static_cast<int64_t>(detail::mask_agreement(mask_, [this](size_t i) { return name(i); }).hash() >> 1);
+  const auto v = static_cast<int64_t>(detail::mask_agreement(built_mask(), [this](size_t i) { return name(i); }).hash() >> 1);
   mask_check_buffer_ = at::tensor({v, -v}, at::kLong);
   mask_check_ = global_->allreduce_async(mask_check_buffer_, Reduction::kMax);
 }
@@ -468,7 +474,8 @@ void ShardedDDP::await_mask_check() {
   mask_check_.wait();
   const int64_t* check = mask_check_buffer_.data_ptr<int64_t>();
   if (check[0] == -check[1]) return;
-  detail::agree_on_mask(*global_, checked_mask_, /*exhaustive=*/true, [this](size_t i) { return name(i); });
+  // The buckets are still those the check was started for: they are built again only after it.
+  detail::agree_on_mask(*global_, built_mask(), /*exhaustive=*/true, [this](size_t i) { return name(i); });
 }
 
 void ShardedDDP::refresh_trainable() {
@@ -477,9 +484,8 @@ void ShardedDDP::refresh_trainable() {
               "reduced; call reduce() (or run a backward outside no_sync) first");
   auto mask = detail::trainable_mask(params_);
   detail::agree_on_mask(*global_, mask, /*exhaustive=*/false, [this](size_t i) { return name(i); });
-  mask_ = std::move(mask);
-  lay_out();
-  follow_partition(mask_ != balanced_for_);
+  lay_out(mask);
+  follow_partition();
   follow_layouts();
 }
 
@@ -517,12 +523,7 @@ int64_t ShardedDDP::error_feedback_bytes() const {
 
 int64_t ShardedDDP::local_bucket_bytes() const {
   int64_t bytes = 0;
-  for (const detail::ShardStore* store : stores_) {
-    for (size_t g = 0; g < store->layout().groups().size(); ++g) {
-      const at::Tensor slab = store->grad_slab(g);
-      if (slab.defined()) bytes += static_cast<int64_t>(slab.nbytes());
-    }
-  }
+  for (const auto& slabs : grad_slabs_) bytes += slabs->bytes();
   return bytes;
 }
 

@@ -194,27 +194,21 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
       global_group_->broadcast(data, 0);
     }
   }
-  trainable_ = detail::trainable_mask(params_);
-  balanced_for_ = trainable_;
-  placement_ = place_params(param_shapes(), group_->size(), options_.partition(), options_.split_above_imbalance(),
+  const std::vector<uint8_t> trainable = detail::trainable_mask(params_);  // agreed above
+  placement_ = place_params(param_shapes(trainable), group_->size(), options_.partition(), options_.split_above_imbalance(),
                             all_registered());
   options_.layout().split(placement_.split);
-  Partition partition = placement_.partition;
   holdings_.assign(params_.size(), {});
   store_ = std::make_unique<detail::ShardStore>(params_, group_, options_.layout(), options_.sync(),
-                                                options_.param_wire());
-  store_->set_partition(std::move(partition));
-  store_->set_kept_whole(placement_.whole_kind);
-  // Whoever lays the store out (this OSS, or ShardedDDP for its forward's trainable set), the
-  // holdings follow the new layout at once.
-  store_->on_layout([this] { assign_holdings(); });
+                                                options_.param_wire(), placement_.partition, placement_.whole_kind);
   if (placement_.split) {
     // A parameter frozen from the start keeps its state where it would be if all were trainable.
-    store_->lay_out(std::vector<uint8_t>(params_.size(), 1));
+    lay_out(store_->make_plan(std::vector<uint8_t>(params_.size(), 1), store_->partition()));
   }
-  store_->lay_out_for(trainable_);
+  lay_out_for(trainable);
+  repartition_due_ = false;  // the partition was placed for this set
   settled_ = holdings_;
-  settled_version_ = store_->layout_version();
+  settled_version_ = store_->plan_version();
 
   make_local_on_every_rank();
   master_sources_.clear();
@@ -284,14 +278,14 @@ void OSS::make_local() {
 }
 
 // What placement needs of each parameter (Note [Ownership by kind] in placement.cpp).
-std::vector<ParamShape> OSS::param_shapes() const {
+std::vector<ParamShape> OSS::param_shapes(const std::vector<uint8_t>& trainable) const {
   std::vector<ParamShape> shapes;
   for (size_t i = 0; i < params_.size(); ++i) {
     ParamShape s;
     s.sizes = params_[i].sizes().vec();
     s.dtype = params_[i].scalar_type();
     s.device = params_[i].device();
-    s.trainable = trainable_[i] != 0;
+    s.trainable = trainable[i] != 0;
     const auto* codec = unit_of(i).codec;
     s.registered = codec != nullptr;
     s.whole_tensor = codec && codec->kind == StateKind::kWholeTensor;
@@ -330,12 +324,30 @@ void OSS::check_param_wire() const {
                  "param_wire(Wire::kExact), or param_dtype(kBFloat16)");
 }
 
+bool OSS::lay_out_for(const std::vector<uint8_t>& trainable) {
+  if (!store_->lay_out_for(trainable)) return false;
+  repartition_due_ = true;  // the step runs on the old owners; the re-partition follows it
+  follow_plan();
+  return true;
+}
+
+void OSS::lay_out(detail::PlanPtr plan) {
+  store_->lay_out(std::move(plan));
+  follow_plan();
+}
+
+void OSS::follow_plan() {
+  if (holdings_version_ == store_->plan_version()) return;
+  assign_holdings();
+  holdings_version_ = store_->plan_version();
+}
+
 void OSS::assign_holdings() {
   const int rank = group_->rank();
   std::vector<std::vector<detail::Holding>> next(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto held = held_ranges(store_->layout(), store_->partition(), kept_whole(i),
-                                  store_->laid_out_for()[i] != 0, i, params_[i].numel());
+                                  store_->trainable()[i] != 0, i, params_[i].numel());
     if (held) {
       for (const auto& [owner, range] : *held) next[i].push_back({owner, range, at::Tensor()});
     } else {
@@ -378,7 +390,7 @@ void OSS::assign_holdings() {
 }
 
 void OSS::settle_state() {
-  if (settled_version_ == store_->layout_version()) return;  // nothing laid out since the last settle
+  if (settled_version_ == store_->plan_version()) return;  // nothing laid out since the last settle
   CommPhase phase("optimizer state moving to new owners");
   bool changed = false;
   for (size_t i = 0; i < params_.size() && !changed; ++i) changed = !detail::same_holdings(settled_[i], holdings_[i]);
@@ -396,15 +408,15 @@ void OSS::settle_state() {
   }
   store_->retain_grads(holdings_, group_->rank());
   settled_ = holdings_;
-  settled_version_ = store_->layout_version();
+  settled_version_ = store_->plan_version();
   set_local_groups();
   place_state();
 }
 
 void OSS::place_state() {
   // An optimizer shardopt does not know keeps its own state.
-  if (!all_registered() || settled_version_ != store_->layout_version()) return;
-  store_->plan(group_->rank(), settled_, [this](size_t i, const at::Tensor& key) {
+  if (!all_registered() || settled_version_ != store_->plan_version()) return;
+  store_->plan_slots(group_->rank(), settled_, [this](size_t i, const at::Tensor& key) {
     return unit_of(i).local->state().count(compat::state_key(key)) != 0;
   });
   for (auto& unit : units_) store_->adopt(*unit.local, *unit.codec);
@@ -450,6 +462,7 @@ const FlatLayout& OSS::layout() const { return store_->layout(); }
 
 detail::ShardStore& OSS::hand_over(const detail::HandOver& h) {
   store_->hand_over(h);
+  follow_plan();  // new bucket cuts
   return *store_;
 }
 
@@ -502,7 +515,7 @@ std::string OSS::describe() const {
   double total_cost = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Unit& unit = unit_of(i);
-    const bool held = trainable_[i] || store_->stepped()[i];
+    const bool held = store_->trainable()[i] || store_->stepped()[i];
     for (const auto& h : holdings_[i]) {
       if (h.rank < 0 || !held) continue;
       const bool all = whole_range(params_[i], h.in_param);
@@ -513,7 +526,7 @@ std::string OSS::describe() const {
                                   : unit.codec->state_numel(options, {h.in_param.size()});
         const int64_t element = masters_ ? 4 : static_cast<int64_t>(params_[i].element_size());
         state_bytes[h.rank] += numel * element;
-        if (placement_.whole_kind[i] && trainable_[i]) {
+        if (placement_.whole_kind[i] && store_->trainable()[i]) {
           const double c = unit.codec->cost(params_[i].sizes());
           cost[h.rank] += c;
           total_cost += c;

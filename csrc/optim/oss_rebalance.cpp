@@ -24,11 +24,10 @@ namespace shardopt {
 // partition, the weights, the parameters stepped so far) is the same on every rank, so all
 // ranks decide alike without communicating. The step in which the set changed still runs on the
 // old partition; the re-partition follows it.
-bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
-  SHARDOPT_CHECK(trainable.size() == params_.size(), "OSS::rebalance got ", trainable.size(),
-              " trainable flags for ", params_.size(), " parameters");
-  if (trainable == balanced_for_) return false;
-  balanced_for_ = trainable;
+bool OSS::rebalance() {
+  if (!repartition_due_) return false;
+  repartition_due_ = false;
+  const std::vector<uint8_t> trainable = store_->trainable();  // the plan is replaced below
   if (!options_.rebalance() || group_->size() == 1 || !all_registered()) return false;
   // Split ranges are equal for every trainable set (Note [Split parameters]), kept ones too; the
   // partition places only what stays whole (Note [Ownership by kind]).
@@ -49,9 +48,8 @@ bool OSS::rebalance(const std::vector<uint8_t>& trainable) {
   last_rebalance_ = RebalanceStats();
   last_rebalance_.imbalance_before = before;
   last_rebalance_.imbalance_after = next.imbalance(weights, trainable);
-  store_->set_partition(std::move(next));
   ++partition_version_;
-  store_->lay_out(trainable);
+  lay_out(store_->make_plan(trainable, std::move(next)));
   settle_state();
   return true;
 }

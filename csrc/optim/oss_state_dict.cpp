@@ -264,10 +264,10 @@ void OSS::load_state_dict(const torch::IValue& sd) {
   // ranks (Note [Kept state]).
   bool kept_changed = false;
   for (const auto& entry : entries) {
-    kept_changed |= !store_->stepped()[entry.first] && !store_->laid_out_for()[entry.first];
+    kept_changed |= !store_->stepped()[entry.first] && !store_->trainable()[entry.first];
     store_->stepped()[entry.first] = 1;
   }
-  if (kept_changed && placement_.split) store_->lay_out(store_->laid_out_for());
+  if (kept_changed && placement_.split) lay_out(store_->make_plan(store_->trainable(), store_->partition()));
   for (size_t g = 0; g < saved_groups.size(); ++g) {
     const auto& codec = detail::codec_for(*units_[unit_of_group_[g]].local);
     param_groups_[g].set_options(codec.decode_options(saved_groups[g].toGenericDict(), param_groups_[g].options()));
@@ -284,7 +284,7 @@ void OSS::load_state_dict(const torch::IValue& sd) {
     }
   }
   settled_ = holdings_;
-  settled_version_ = store_->layout_version();
+  settled_version_ = store_->plan_version();
   set_local_groups();
   if (masters_) load_masters(dict);
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -362,10 +362,10 @@ RebalanceStats OSS::load_state_shards(const std::vector<torch::IValue>& held, co
                    r.param < params_.size() ? ", that one of " + std::to_string(params_[r.param].numel()) + " elements"
                                             : std::string());
     if (!r.state) continue;
-    kept_changed |= !store_->stepped()[r.param] && !store_->laid_out_for()[r.param];
+    kept_changed |= !store_->stepped()[r.param] && !store_->trainable()[r.param];
     store_->stepped()[r.param] = 1;
   }
-  if (kept_changed && placement_.split) store_->lay_out(store_->laid_out_for());
+  if (kept_changed && placement_.split) lay_out(store_->make_plan(store_->trainable(), store_->partition()));
   const auto saved_groups = param_groups.toListRef();
   SHARDOPT_CHECK(saved_groups.size() == param_groups_.size(), "load_state_shards: the shards have ",
                  saved_groups.size(), " param groups, this optimizer has ", param_groups_.size());

@@ -32,22 +32,21 @@ void OSS::sync_options_to_local() {
   }
 }
 
-bool OSS::trainable_mask_changed() const {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (static_cast<uint8_t>(params_[i].requires_grad()) != trainable_[i]) return true;
-  }
-  return false;
+bool OSS::steps(size_t param) const {
+  return store_->trainable()[param] != 0 && params_[param].requires_grad();
 }
 
-void OSS::agree_on_trainable(bool force) {
+std::vector<uint8_t> OSS::agreed_trainable(bool force) {
   CommPhase phase("step (trainability check)");
   auto mask = detail::trainable_mask(params_);
   detail::agree_on_mask(*global_group_, mask, force, [](size_t i) { return "parameter " + std::to_string(i); });
-  trainable_ = std::move(mask);
+  return mask;
 }
 
 void OSS::refresh_trainable() {
-  agree_on_trainable(/*force=*/global_group_->size() > 1);
+  auto agreed = agreed_trainable(/*force=*/global_group_->size() > 1);
+  // Under a ShardedDDP, its forward lays the store out: its buckets are built on the current plan.
+  if (!store_->trainable_checked_outside()) lay_out_for(agreed);
 }
 
 torch::Tensor OSS::step(LossClosure closure) {
@@ -77,23 +76,21 @@ bool OSS::step_with(std::optional<double> inv_scale) {
   const bool checked_outside = store_->trainable_checked_outside();
   const bool check = options_.check_trainable_every_step() && !checked_outside;
   if (check) {
-    agree_on_trainable(false);
-    store_->lay_out_for(trainable_);  // agreed: every rank lays out alike
-  } else if (trainable_mask_changed()) {
-    trainable_ = detail::trainable_mask(params_);
-    if (!checked_outside) store_->lay_out_for(trainable_);
+    lay_out_for(agreed_trainable(false));  // agreed: every rank lays out alike
+  } else if (!checked_outside) {
+    lay_out_for(detail::trainable_mask(params_));  // taken as agreed, unchecked
   }
   settle_state();  // the set is agreed by now: every rank moves the same ranges
   sync_options_to_local();
   const bool stepped = step_shard(inv_scale);
   if (stepped) {  // what has state now (a step the scaler skipped made none)
     auto& has_state = store_->stepped();
-    for (size_t i = 0; i < params_.size(); ++i) has_state[i] |= trainable_[i] & store_->laid_out_for()[i];
+    for (size_t i = 0; i < params_.size(); ++i) has_state[i] |= steps(i);
   }
   store_->sync_after_step();
   place_state();  // state the wrapped optimizer's own step made joins its slab
   // The set was just agreed on, so every rank takes the same decision.
-  if (check) rebalance(trainable_);
+  if (check) rebalance();
   return stepped;
 }
 
@@ -141,7 +138,7 @@ bool OSS::step_shard(std::optional<double> inv_scale) {
     mixed_kernel[u] = mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*units_[u].local);
   }
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!trainable_[i] || !store_->laid_out_for()[i]) continue;
+    if (!steps(i)) continue;
     const bool mixed_kernel_here = mixed_kernel[unit_of_group_[group_of_[i]]] != 0;
     for (const auto& h : holdings_[i]) {
       if (h.rank != group_->rank()) continue;

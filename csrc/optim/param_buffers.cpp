@@ -90,15 +90,22 @@ at::Tensor shards_as_rows(const FlatLayout& layout, std::vector<at::Tensor>& buf
 }
 
 ShardStore::ShardStore(std::vector<at::Tensor> params, std::shared_ptr<ProcessGroup> group, LayoutOptions options,
-                       ParamSync sync, Wire wire)
+                       ParamSync sync, Wire wire, Partition partition, std::vector<uint8_t> kept_whole)
     : params_(std::move(params)),
       group_(std::move(group)),
       layout_options_(options),
       sync_(sync),
       wire_(wire),
-      stepped_(params_.size(), 0) {}
+      kept_whole_(std::move(kept_whole)),
+      stepped_(params_.size(), 0) {
+  auto first = std::make_shared<ShardPlan>();
+  first->partition = std::move(partition);
+  plan_ = std::move(first);
+}
 
-FlatLayout ShardStore::plan_layout(const std::vector<uint8_t>& trainable) const {
+PlanPtr ShardStore::make_plan(std::vector<uint8_t> trainable, Partition partition) const {
+  SHARDOPT_CHECK(trainable.size() == params_.size(), "a plan got ", trainable.size(), " trainable flags for ",
+                 params_.size(), " parameters");
   std::vector<ParamShape> shapes;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
@@ -110,26 +117,27 @@ FlatLayout ShardStore::plan_layout(const std::vector<uint8_t>& trainable) const 
     shape.device = p.device();
     shapes.push_back(std::move(shape));
   }
-  return FlatLayout::plan(layout_params(shapes, partition_, trainable, stepped_, kept_whole_), group_->size(),
-                          layout_options_);
+  auto plan = std::make_shared<ShardPlan>();
+  plan->layout = FlatLayout::plan(layout_params(shapes, partition, trainable, stepped_, kept_whole_), group_->size(),
+                                  layout_options_);
+  plan->trainable = std::move(trainable);
+  plan->partition = std::move(partition);
+  plan->version = plan_->version + 1;
+  return plan;
 }
 
 bool ShardStore::lay_out_for(const std::vector<uint8_t>& trainable) {
-  SHARDOPT_CHECK(trainable.size() == params_.size(), "lay_out_for got ", trainable.size(), " trainable flags for ",
-                 params_.size(), " parameters");
-  if (trainable == laid_out_for_) return false;
-  lay_out(trainable);
+  if (trainable == plan_->trainable) return false;
+  lay_out(make_plan(trainable, plan_->partition));
   return true;
 }
 
-void ShardStore::lay_out(const std::vector<uint8_t>& trainable) {
+void ShardStore::lay_out(PlanPtr plan) {
+  TORCH_INTERNAL_ASSERT(plan && plan->version > plan_->version, "a plan older than the current one");
   finish_param_sync();  // the data moves to new buffers: it must be current first
-  layout_ = plan_layout(trainable);
-  laid_out_for_ = trainable;
+  plan_ = std::move(plan);
   buffers_.clear();  // the parameters still hold the old buffers' data until they are copied out
-  buffers_ = lay_out_params(layout_, params_);
-  ++layout_version_;
-  announce_layout();
+  buffers_ = lay_out_params(plan_->layout, params_);
 }
 
 void ShardStore::set_bucket_bytes(int64_t bytes) {
@@ -137,15 +145,13 @@ void ShardStore::set_bucket_bytes(int64_t bytes) {
   if (bytes == layout_options_.bucket_bytes()) return;
   finish_param_sync();  // the in-flight work is indexed by the old buckets
   layout_options_.bucket_bytes(bytes);
-  if (laid_out_for_.empty()) return;  // not laid out yet: the first layout takes the new cuts
-  FlatLayout next = plan_layout(laid_out_for_);
-  if (!next.same_placement(layout_)) {  // new row buckets move the data (Note [Row buckets])
-    lay_out(laid_out_for_);
+  if (plan_->trainable.empty()) return;  // not laid out yet: the first layout takes the new cuts
+  PlanPtr next = make_plan(plan_->trainable, plan_->partition);
+  if (!next->layout.same_placement(plan_->layout)) {  // new row buckets move the data (Note [Row buckets])
+    lay_out(std::move(next));
     return;
   }
-  layout_ = std::move(next);
-  ++layout_version_;
-  announce_layout();
+  plan_ = std::move(next);  // new cuts over the same buffers
 }
 
 // Note [Overlapped parameter sync]
@@ -159,7 +165,7 @@ void ShardStore::set_bucket_bytes(int64_t bytes) {
 // Anything that lays the buffers out again or reads the parameters here finishes it first.
 void ShardStore::start_param_sync() {
   CommPhase phase("step (parameter sync, overlapped)");
-  const auto& buckets = layout_.buckets();
+  const auto& buckets = layout().buckets();
   bucket_sync_.clear();
   group_sync_.clear();
   bucket_sync_.resize(buckets.size());
@@ -168,8 +174,8 @@ void ShardStore::start_param_sync() {
     // in flight: a parameter is current once its buffer's has finished.
     group_sync_.resize(buffers_.size());
     for (size_t g = 0; g < buffers_.size(); ++g) {
-      if (layout_.groups()[g].split) continue;
-      at::Tensor rows = shards_as_rows(layout_, buffers_, g);
+      if (layout().groups()[g].split) continue;
+      at::Tensor rows = shards_as_rows(layout(), buffers_, g);
       if (rows.numel() == 0) continue;  // frozen only
       group_sync_[g] = group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()));
       ++sync_in_flight_;
@@ -178,12 +184,12 @@ void ShardStore::start_param_sync() {
   for (size_t k = buckets.size(); k-- > 0;) {
     const FlatBucket& b = buckets[k];
     if (b.rows()) {  // an all-gather of the bucket's rows (Note [Row buckets])
-      at::Tensor rows = bucket_rows(layout_, buffers_, k);
+      at::Tensor rows = bucket_rows(layout(), buffers_, k);
       bucket_sync_[k] = group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()));
     } else if (sync_ == ParamSync::kAllgather) {
       continue;
     } else {
-      const int64_t begin = layout_.groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
+      const int64_t begin = layout().groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
       at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
       bucket_sync_[k] = group_->broadcast_async(range, b.owner, wire_dtype(wire_, range.scalar_type()));
     }
@@ -202,7 +208,7 @@ void ShardStore::sync_after_step() {
 void ShardStore::sync_params() {
   finish_param_sync();
   CommPhase phase("step (parameter sync)");
-  detail::sync_params(*group_, layout_, buffers_, sync_, wire_);
+  detail::sync_params(*group_, layout(), buffers_, sync_, wire_);
 }
 
 void ShardStore::finish_param_sync() {
@@ -223,16 +229,16 @@ void ShardStore::finish_param_sync(size_t param) {
   if (sync_in_flight_ == 0) return;
   SHARDOPT_CHECK(param < params_.size(), "finish_param_sync: parameter ", param, " of ", params_.size());
   CommPhase phase("parameter sync (finishing)");
-  for (size_t k : layout_.pieces_of(param)) {
-    const size_t g = layout_.pieces()[k].group;
-    if (!group_sync_.empty() && !layout_.groups()[g].split) {
+  for (size_t k : layout().pieces_of(param)) {
+    const size_t g = layout().pieces()[k].group;
+    if (!group_sync_.empty() && !layout().groups()[g].split) {
       PendingWork& w = group_sync_[g];
       if (!w.valid()) continue;
       --sync_in_flight_;
       w.wait();
       continue;
     }
-    const int64_t b = layout_.pieces()[k].bucket;
+    const int64_t b = layout().pieces()[k].bucket;
     if (b < 0 || !bucket_sync_[b].valid()) continue;
     --sync_in_flight_;
     bucket_sync_[b].wait();

@@ -21,16 +21,16 @@ namespace shardopt::detail {
 // State gets into its slot in two ways: the fused step creates new state directly there
 // (fresh_slot), and adopt() copies any state tensor that is elsewhere (made by the wrapped
 // optimizer's own step, loaded from a state dict, or moved from another rank) into its slot and
-// keeps the view. A new layout (a freeze, an unfreeze, a re-partition) makes a new plan; state
-// then moves into new slabs at the next adopt(), and the old slabs are freed with the last view.
+// keeps the view. A new plan (a freeze, an unfreeze, a re-partition: Note [Shard plan]) gives new
+// slots (plan_slots); state then moves into new slabs at the next adopt(), and the old slabs are freed with the last view.
 // Under mixed precision the masters (the fp32 tensors the wrapped optimizer steps, which key the
 // state) move into a slab of their own at the same offsets (adopt_masters), so that a run of
 // pieces has its master, its state and its low-precision parameters each in one range. An
 // optimizer shardopt has no codec for keeps its state, and its masters, as it makes them.
 
-void ShardStore::plan(int rank, const std::vector<std::vector<Holding>>& holdings,
-                      const std::function<bool(size_t param, const at::Tensor& tensor)>& has_state) {
-  const FlatLayout& layout = layout_;
+void ShardStore::plan_slots(int rank, const std::vector<std::vector<Holding>>& holdings,
+                            const std::function<bool(size_t param, const at::Tensor& tensor)>& has_state) {
+  const FlatLayout& layout = plan_->layout;
   const auto& groups = layout.groups();
   std::vector<int64_t> numel(groups.size(), 0);
   for (size_t g = 0; g < groups.size(); ++g) numel[g] = groups[g].used.at(rank);
@@ -147,14 +147,6 @@ int64_t ShardStore::bytes() const {
     for (const auto& [kind, slab] : group) total += static_cast<int64_t>(slab.nbytes());
   }
   return total;
-}
-
-void ShardStore::announce_layout() {
-  // New buckets: their memory is carved anew when a backward asks for it. Gradients that are
-  // views of the old keep it alive until they are cleared.
-  grad_slabs_.clear();
-  bucket_memory_.clear();
-  if (on_layout_) on_layout_();
 }
 
 }  // namespace shardopt::detail

@@ -2,11 +2,11 @@
 // (Note [Shard store] in shard_store.cpp). Internal to shardopt; OSS composes it, and a ShardedDDP
 // receives it from the one call OSS::hand_over.
 //
-// It holds the partition, the flat parameter buffers and the layout they follow, with the
-// trainable set it was made for, and the parameter sync after the step. For each (device, dtype)
+// It holds the current plan (the trainable set, the partition and the layout: Note [Shard plan]),
+// the flat parameter buffers laid out for it, and the parameter sync after the step. For each (device, dtype)
 // group of the layout it holds one flat slab per kind of optimizer state ("exp_avg",
-// "exp_avg_sq", "momentum_buffer", ...), mixed precision's fp32 masters in a slab of their own,
-// and the gradient slab of the buckets this rank owns. The state tensors torch::optim sees are
+// "exp_avg_sq", "momentum_buffer", ...) and mixed precision's fp32 masters in a slab of their
+// own. The state tensors torch::optim sees are
 // views into the slabs, so state_dict(), checkpoints and the codecs see the same tensors as
 // before, and the fused step reads each run of state from one slab. It also holds the reduced
 // gradients of the split ranges this rank owns (ShardedDDP hands them over here; a whole
@@ -18,6 +18,7 @@
 #include <shardopt/optim/oss.h>
 
 #include "optim/codec.h"
+#include "optim/shard_plan.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
@@ -51,8 +52,8 @@ struct Slot {
 };
 
 // What a ShardedDDP takes over from an OSS, in one call (OSS::hand_over): it checks the trainable
-// set at every forward and lays the store out for it (with checks_trainable, OSS's step leaves
-// both to it), cuts the gradient buckets at bucket_bytes, and with overlap_param_sync leaves the
+// set at every forward and has the OSS lay the store out for it (with checks_trainable, OSS's step
+// leaves both to it), cuts the gradient buckets at bucket_bytes, and with overlap_param_sync leaves the
 // step's parameter sync in flight for its forward.
 struct HandOver {
   bool checks_trainable = false;
@@ -63,39 +64,44 @@ struct HandOver {
 class ShardStore {
  public:
   // The store of `params` (in OSS's order; the layout makes them views into its buffers), sharded
-  // over `group`, laid out with `options`, made current after a step by `sync`, on `wire`.
+  // over `group`, laid out with `options`, made current after a step by `sync`, on `wire`. Its
+  // plans start from `partition`; `kept_whole` says, per parameter, whether it stays whole in a
+  // split layout (its optimizer needs whole tensors: Note [Ownership by kind]; empty: none). Not
+  // laid out yet: the first lay_out_for() does it.
   ShardStore(std::vector<at::Tensor> params, std::shared_ptr<ProcessGroup> group, LayoutOptions options,
-             ParamSync sync, Wire wire = Wire::kExact);
+             ParamSync sync, Wire wire, Partition partition, std::vector<uint8_t> kept_whole);
 
-  // ---- the partition, and what has state to keep ----
+  // ---- the plan (Note [Shard plan]) ----
+  const ShardPlan& plan() const { return *plan_; }
+  const PlanPtr& plan_ptr() const { return plan_; }
+  // The plan for `trainable` (one flag per parameter, agreed by every rank) with `partition`: the
+  // next version, from the parameters' shapes and what has state to keep. Every rank that passes
+  // the same set and partition gets the same plan.
+  PlanPtr make_plan(std::vector<uint8_t> trainable, Partition partition) const;
   // Who owns each parameter when parameters stay whole; a split layout cuts the trainable run in
-  // equal ranges instead (Note [Split parameters]).
-  const Partition& partition() const { return partition_; }
-  void set_partition(Partition partition) { partition_ = std::move(partition); }
-  // Per parameter, whether it stays whole in a split layout (its optimizer needs whole tensors:
-  // Note [Ownership by kind]); empty: none.
-  void set_kept_whole(std::vector<uint8_t> whole) { kept_whole_ = std::move(whole); }
+  // equal ranges instead (Note [Row buckets]).
+  const Partition& partition() const { return plan_->partition; }
+  const FlatLayout& layout() const { return plan_->layout; }
+  // The trainable set the plan was made for.
+  const std::vector<uint8_t>& trainable() const { return plan_->trainable; }
+  // The plan's version: whoever built on a plan compares it to know whether it is still current.
+  int64_t plan_version() const { return plan_->version; }
+
+  // ---- what has state to keep ----
   // Parameters stepped (or loaded with state) since construction: the frozen ones among them keep
   // their state, and the layout places it (Note [Kept state]).
   std::vector<uint8_t>& stepped() { return stepped_; }
   const std::vector<uint8_t>& stepped() const { return stepped_; }
 
-  // ---- the parameter buffers and their layout (param_buffers.cpp) ----
-  // Lays the buffers out for `trainable` if it differs from the set the layout was made for;
-  // returns whether it did. Local: every rank must pass the same mask before the next collective
-  // that uses the layout.
+  // ---- the parameter buffers (param_buffers.cpp) ----
+  // Lays the buffers out for a plan for `trainable` with the current partition, if `trainable`
+  // differs from the plan's set; returns whether it did. Local: every rank must pass the same set
+  // before the next collective that uses the layout.
   bool lay_out_for(const std::vector<uint8_t>& trainable);
-  // Lays the buffers out for `trainable` (the partition or the kept state changed): new buffers,
-  // the parameters' values copied in (lay_out_params), the old buffers freed once nothing refers
-  // to them, and the new layout announced.
-  void lay_out(const std::vector<uint8_t>& trainable);
-  const FlatLayout& layout() const { return layout_; }
-  // The trainable set the layout was made for (one flag per parameter, in OSS's order).
-  const std::vector<uint8_t>& laid_out_for() const { return laid_out_for_; }
+  // Makes `plan` current (one of make_plan's): new buffers, the parameters' values copied in
+  // (lay_out_params), the old buffers freed once nothing refers to them.
+  void lay_out(PlanPtr plan);
   std::vector<at::Tensor>& buffers() { return buffers_; }
-  // Counts layouts (lay_out and new bucket cuts): whoever built on a layout compares it to know
-  // whether the layout is still the one it built on.
-  int64_t layout_version() const { return layout_version_; }
 
   // ---- what a ShardedDDP takes over, in one call (OSS::hand_over, HandOver below) ----
   void hand_over(const HandOver& h);
@@ -116,14 +122,14 @@ class ShardStore {
   bool param_sync_in_flight() const { return sync_in_flight_ > 0; }
 
   // ---- optimizer state ----
-  // Plans where this rank's state lives: every holding of `rank` that is a piece of the layout's
+  // Places this rank's state (its slots): every holding of `rank` that is a piece of the layout's
   // trainable run at its place in the rank's shard (the same offsets as the parameter buffer), and
   // each other holding with state in `local` (a frozen parameter's kept state) after it. When the
-  // plan differs from the last one, new slabs are made as state arrives (adopt(), fresh_slot()),
+  // slots differ from the last ones, new slabs are made as state arrives (adopt(), fresh_slot()),
   // and the old ones are freed once no state tensor refers to them.
   // `has_state(param, tensor)` says whether the optimizer of `param` holds state for `tensor`.
-  void plan(int rank, const std::vector<std::vector<Holding>>& holdings,
-            const std::function<bool(size_t param, const at::Tensor& tensor)>& has_state);
+  void plan_slots(int rank, const std::vector<std::vector<Holding>>& holdings,
+                  const std::function<bool(size_t param, const at::Tensor& tensor)>& has_state);
 
   // A zeroed view of `tensor`'s slot (a holding tensor: it keys the state) in the slab of `kind`,
   // shaped like it; undefined when it has no slot or the dtype or device differ from the slab's.
@@ -159,17 +165,6 @@ class ShardStore {
   void retain_grads(const std::vector<std::vector<Holding>>& holdings, int rank);
   int64_t grad_bytes() const;
 
-  // ---- the owned gradient buckets (Note [Gradient slab]) ----
-  // The memory of layout bucket `bucket`, which this rank owns: its gradients, then one count per
-  // piece of the ranks that had a gradient for it, in `options` (the dtype gradients are reduced
-  // in). Kept between backward passes: after a reduction the owner's gradients are views of it.
-  // At the first request after a layout, every bucket of the group this rank owns is carved out
-  // of the group's gradient slab (one allocation), each with a storage of its own. ShardedDDP
-  // replaces a bucket's memory where a backward had to reduce elsewhere.
-  at::Tensor& bucket_memory(size_t bucket, const at::TensorOptions& options);
-  // The gradient slab of layout group `group`; undefined before its buckets were asked for.
-  at::Tensor grad_slab(size_t group) const;
-
   // Which gradients the last zero_grad(false) zeroed in place (Note [Gradients as bucket views]):
   // noted without keeping them alive, with their versions right after.
   void forget_zeroed() { zeroed_.clear(); }
@@ -177,23 +172,11 @@ class ShardStore {
   // Whether `grad` was zeroed so and nothing has written to it since (its version unchanged).
   bool zeroed(const at::Tensor& grad) const;
 
-  // ---- new layouts ----
-  // `fn` runs whenever the shard is laid out anew (a trainable set, owners or bucket cuts
-  // changed), whoever laid it out: OSS's holdings follow at once. (ShardedDDP compares
-  // layout_version() before its forward instead.)
-  void on_layout(std::function<void()> fn) { on_layout_ = std::move(fn); }
-  void announce_layout();
-
  private:
   // The slab of `kind` in `group` for state like `like`, made when missing; undefined when `like`
   // does not fit the group's slabs.
   at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like);
 
-  // Allocates group `group`'s gradient slab and carves this rank's buckets of it out.
-  void carve_grad_slab(size_t group, const at::TensorOptions& options);
-
-  // The layout of the parameters for the partition and `trainable` (one flag per parameter).
-  FlatLayout plan_layout(const std::vector<uint8_t>& trainable) const;
   // Starts the broadcast of every bucket from its owner, in reverse bucket order.
   void start_param_sync();
   // Re-cuts the gradient buckets at `bytes` (0: one per parameter); data moves only when new row
@@ -205,13 +188,10 @@ class ShardStore {
   LayoutOptions layout_options_;
   ParamSync sync_;
   Wire wire_;  // the parameter sync's (OSSOptions::param_wire)
-  Partition partition_;
   std::vector<uint8_t> kept_whole_;
   std::vector<uint8_t> stepped_;
-  FlatLayout layout_;
-  std::vector<uint8_t> laid_out_for_;
+  PlanPtr plan_;                     // never null; version 0 (no trainable set) before the first layout
   std::vector<at::Tensor> buffers_;  // one per layout group; the parameters are views of them
-  int64_t layout_version_ = 0;
   bool trainable_checked_outside_ = false;
   bool overlap_sync_ = false;
   std::vector<PendingWork> bucket_sync_;  // per layout bucket: its broadcast, while in flight (kBroadcast)
@@ -221,14 +201,11 @@ class ShardStore {
   std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region
   std::vector<std::map<std::string, at::Tensor>> slabs_;  // per group: kind -> slab
   std::map<std::tuple<size_t, int64_t, int64_t>, at::Tensor> grads_;  // (param, begin, end) -> gradient
-  std::vector<at::Tensor> grad_slabs_;     // per layout group, once its buckets were asked for
-  std::vector<at::Tensor> bucket_memory_;  // per layout bucket this rank owns
   struct Zeroed {
     c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> grad;
     int64_t version;
   };
   std::unordered_map<const c10::TensorImpl*, Zeroed> zeroed_;
-  std::function<void()> on_layout_;
 };
 
 }  // namespace shardopt::detail

@@ -1,6 +1,7 @@
 #include <shardopt/testing/introspection.h>
 
 #include "comm/wire_codec.h"
+#include "ddp/grad_slabs.h"
 #include "optim/fused_kernels.h"
 #include "optim/shard_store.h"
 
@@ -37,9 +38,11 @@ void Introspection::sync_params(OSS& oss) { oss.store_->sync_params(); }
 
 int64_t Introspection::slab_bytes(const OSS& oss) { return oss.store_->bytes(); }
 
-at::Tensor Introspection::grad_slab(const OSS& oss, size_t group) { return oss.store_->grad_slab(group); }
+at::Tensor Introspection::grad_slab(const ShardedDDP& ddp, size_t optimizer, size_t group) {
+  return ddp.grad_slabs_.at(optimizer)->slab(group);
+}
 
-int64_t Introspection::layout_version(const OSS& oss) { return oss.store_->layout_version(); }
+int64_t Introspection::layout_version(const OSS& oss) { return oss.store_->plan_version(); }
 
 bool Introspection::param_sync_in_flight(const OSS& oss) { return oss.store_->param_sync_in_flight(); }
 

@@ -42,6 +42,8 @@ struct Parity {
   bool with_scheduler = false;
   // Called after each step (and its checks) with this rank's optimizer.
   std::function<void(int step, OSS& oss, ProcessGroup& group)> after_step;
+  // Called right before each OSS step.
+  std::function<void(int step, OSS& oss)> before_step;
   OSSOptions options;
 
   void run() const {
@@ -80,6 +82,7 @@ struct Parity {
           ASSERT_NEAR(got, expected, 1e-6 * std::max(1.0, expected)) << "step " << step;
         }
         ref_opt->step();
+        if (before_step) before_step(step, oss);
         oss.step();
         if (ref_sched) ref_sched->step(), oss_sched->step();
 
@@ -192,6 +195,32 @@ TEST(OSS, FrozenParameterFromTheStart) {
     return q;
   };
   p.run();
+}
+
+// With the step's own check off, refresh_trainable() is where the ranks agree on the trainable
+// set: a parameter unfrozen and refreshed by hand is stepped from that step on, as torch::optim
+// steps it, whole and split.
+TEST(OSS, AnUnfreezeRefreshedByHandIsSteppedWithTheStepsCheckOff) {
+  for (PartitionMode mode : {PartitionMode::kWholeParameters, PartitionMode::kSplit}) {
+    SCOPED_TRACE(mode == PartitionMode::kSplit ? "split" : "whole");
+    Parity p;
+    p.world = 2;
+    p.steps = 5;
+    p.factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
+    p.options = OSSOptions().check_trainable_every_step(false).partition(mode);
+    p.params = [] {
+      Params q = testing::make_params();
+      q[2].requires_grad_(false);
+      return q;
+    };
+    p.before_backward = [](int step, Params& ref, Params& mine) {
+      if (step == 2) ref[2].requires_grad_(true), mine[2].requires_grad_(true);
+    };
+    p.before_step = [](int step, OSS& oss) {
+      if (step == 2) oss.refresh_trainable();
+    };
+    p.run();
+  }
 }
 
 TEST(OSS, FreezeAndUnfreezeBetweenSteps) {

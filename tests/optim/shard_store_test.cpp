@@ -387,7 +387,7 @@ TEST(ShardStore, AdjacentParametersStepAsOneSegmentWithTheSameBits) {
 }
 
 
-// The reduced gradients a rank owns live in the store's gradient slab (Note [Gradient slab]): one
+// The reduced gradients a rank owns live in ShardedDDP's gradient slab (Note [Gradient slab]): one
 // allocation per layout, kept from step to step whether gradients are set to none or zeroed in
 // place, a new one after a freeze lays the model out anew. Whatever the clearing, training follows
 // plain torch::optim::AdamW.
@@ -412,7 +412,7 @@ TEST(ShardStore, OwnedGradientsLiveInOneGradientSlabPerLayout) {
           if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g)) << where;
           ddp.zero_grad(set_to_none);
           testing::loss_of(ddp.forward(data.x), data, 3).backward();
-          const at::Tensor slab = Introspection::grad_slab(oss, 0);
+          const at::Tensor slab = Introspection::grad_slab(ddp, 0, 0);
           ASSERT_TRUE(slab.defined()) << where << ", step " << step;
           const auto* begin = static_cast<const char*>(slab.data_ptr());
           const auto* end = begin + slab.nbytes();

@@ -111,6 +111,7 @@ struct ShardedDDPOptions {
 class ShardedDDP;
 namespace detail {
 struct ErrorFeedbackState;  // checkpoints' access to the residuals (csrc/ddp/error_feedback_state.h)
+class GradSlabs;            // the memory of the owned buckets (csrc/ddp/grad_slabs.h)
 }
 
 // While alive, backward accumulates gradients locally (no communication).
@@ -274,11 +275,17 @@ class ShardedDDP {
   // Appends the executor's bucket and entries for bucket `index` of optimizer k's layout.
   void add_bucket(size_t k, size_t index);
   void refresh_owners();
-  // The trainable flags of optimizer k's parameters: mask_ for the module's, its own otherwise.
-  std::vector<uint8_t> mask_for(size_t k) const;
-  // Has every optimizer lay its buffers out for mask_.
-  void lay_out();
-  void follow_partition(bool agreed_mask_changed);
+  // The trainable flags of optimizer k's parameters: `mask`'s (module order) for the module's,
+  // their own otherwise.
+  std::vector<uint8_t> mask_for(size_t k, const std::vector<uint8_t>& mask) const;
+  // Has every optimizer lay its buffers out for `mask` (module order).
+  void lay_out(const std::vector<uint8_t>& mask);
+  // The trainable set the buckets were built for (module order), read from the plans they were
+  // built on: module parameter m's flag, and all of them.
+  bool built_trainable(size_t m) const;
+  std::vector<uint8_t> built_mask() const;
+  // After an agreed change of the trainable set, each optimizer may re-partition.
+  void follow_partition();
   void follow_layouts();
   void remove_hooks();
   void on_grad_ready(size_t hooked);
@@ -327,6 +334,8 @@ class ShardedDDP {
   std::shared_ptr<torch::nn::AnyModule> callable_;
   std::vector<OSS*> optimizers_;
   std::vector<detail::ShardStore*> stores_;  // each optimizer's, from its hand_over()
+  // Per optimizer: the memory of the buckets this rank owns in its layout (Note [Gradient slab]).
+  std::vector<std::unique_ptr<detail::GradSlabs>> grad_slabs_;
   std::shared_ptr<ProcessGroup> group_;  // the optimizers' shard group (the whole group, or a block)
   ProcessGroup* global_ = nullptr;       // every rank: trainability checks, start-up sync, buffers
   ProcessGroup* replica_ = nullptr;      // hierarchical sharding: this rank's replicas in the other blocks
@@ -338,11 +347,10 @@ class ShardedDDP {
   std::vector<std::pair<size_t, size_t>> place_;  // per module parameter: (optimizer, its position there)
   std::vector<int> owner_;          // per module parameter
   std::unordered_map<const void*, size_t> module_index_;  // TensorImpl -> position in params_
-  std::vector<int64_t> built_versions_;      // per optimizer: the layout version the buckets were built on
+  // Per optimizer: the plan the buckets were built on (Note [Shard plan] in csrc/optim/shard_plan.h).
+  std::vector<std::shared_ptr<const detail::ShardPlan>> built_plans_;
   std::vector<Hooked> hooked_;               // parameters that carry our post-accumulation hook
   std::unordered_map<const void*, size_t> hooked_index_;  // TensorImpl -> position in hooked_
-  std::vector<uint8_t> mask_;       // trainable mask the buckets were built for
-  std::vector<uint8_t> balanced_for_;  // the agreed mask the optimizers last re-partitioned for
   std::vector<Entry> entries_;      // trainable parameters, in bucket order
   std::vector<Bucket> buckets_;
   size_t next_launch_ = 0;
@@ -359,7 +367,6 @@ class ShardedDDP {
   int64_t global_samples_ = -1;
   PendingWork mask_check_;
   at::Tensor mask_check_buffer_;
-  std::vector<uint8_t> checked_mask_;
   int64_t rebuilds_ = 0;
   bool has_split_pieces_ = false;  // some bucket holds part of a parameter
   bool uncleared_ = false;         // this backward found a handed-over gradient left exactly as it was

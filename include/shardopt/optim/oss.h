@@ -56,6 +56,7 @@ class ShardedGradScaler;
 namespace detail {
 class ShardStore;
 struct HandOver;
+struct ShardPlan;
 struct OptimizerCodec;
 struct FusedStepInputs;
 // A range of one parameter's elements whose optimizer state one rank holds; `tensor` (on that
@@ -235,7 +236,9 @@ class OSS : public torch::optim::Optimizer {
   std::string describe() const;
   // Where each parameter lives in the flat buffers, and the gradient buckets (the planner's view:
   // layout().options().split() says whether parameters are split across owners, and
-  // layout().imbalance() how far the busiest rank's trainable elements are above 1/world).
+  // layout().imbalance() how far the busiest rank's trainable elements are above 1/world). The
+  // reference stays valid until the next new layout (a freeze, an unfreeze or a re-partition, at a
+  // step or a ShardedDDP forward); copy the FlatLayout to keep it longer.
   const FlatLayout& layout() const;
   // The group the state is sharded over: the whole group, or this rank's block.
   ProcessGroup& process_group() const { return *group_; }
@@ -276,12 +279,15 @@ class OSS : public torch::optim::Optimizer {
   bool step_with(std::optional<double> inv_scale);
 
   // ---- for ShardedDDP, the checkpoint and testing::Introspection ----
-  // Re-partitions for the trainable set `trainable` (one flag per parameter, in all_params()
-  // order) if it differs from the set the partition was last decided for and the options ask
-  // for it; returns whether the partition changed. Collective: every rank passes the same mask.
-  // step() calls it after the step when it checks the trainable set itself; ShardedDDP calls it
-  // after its own check.
-  bool rebalance(const std::vector<uint8_t>& trainable);
+  // Lays the store out for a plan for the agreed trainable set `trainable` (one flag per
+  // parameter, in all_params() order) with the current owners, if it differs from the current
+  // plan's set, and the holdings follow; returns whether it did (Note [Shard plan]). Every rank
+  // passes the same set. step() calls it when it checks the set itself; ShardedDDP after its check.
+  bool lay_out_for(const std::vector<uint8_t>& trainable);
+  // Re-partitions for the current plan's trainable set if the partition was decided for another
+  // set and the options ask for it; returns whether the partition changed. Collective. step()
+  // calls it after the step when it checks the trainable set itself; ShardedDDP after its check.
+  bool rebalance();
   // The rank that owns `param`'s optimizer state, or -1 when it is split across several ranks
   // (owners() lists them) or frozen without state yet.
   int owner(const torch::Tensor& param) const;
@@ -319,16 +325,23 @@ class OSS : public torch::optim::Optimizer {
   void check_param_wire() const;
   // With shard_group_size: splits the group into blocks and replica groups; group_ becomes the block.
   void form_blocks();
-  // What placement needs of each parameter: its shape, dtype, trainability, and its optimizer's
-  // kind and cost.
-  std::vector<ParamShape> param_shapes() const;
+  // What placement needs of each parameter: its shape, dtype, trainability (`trainable`), and its
+  // optimizer's kind and cost.
+  std::vector<ParamShape> param_shapes(const std::vector<uint8_t>& trainable) const;
   void make_local();
   void sync_options_to_local();
-  bool trainable_mask_changed() const;
-  void agree_on_trainable(bool force);
+  // The trainable set now, agreed by every rank (an error naming the first parameter where two
+  // differ). Collective.
+  std::vector<uint8_t> agreed_trainable(bool force);
   void set_local_groups();
-  // Where each parameter's state lives for the current layout (the layout's pieces for a
-  // trainable parameter; a frozen one keeps its holdings).
+  // Makes `plan` current in the store, and the holdings follow it.
+  void lay_out(std::shared_ptr<const detail::ShardPlan> plan);
+  // Whether the step steps parameter `param`: trainable in the plan and still now (one frozen
+  // since the set was agreed is not).
+  bool steps(size_t param) const;
+  // Where each parameter's state lives for the current plan (the layout's pieces for a trainable
+  // parameter; a frozen one keeps its holdings), after any new plan.
+  void follow_plan();
   void assign_holdings();
   // Moves optimizer state (and owned gradients) from the settled holdings to the current ones.
   // Collective; a no-op when nothing moved.
@@ -374,8 +387,10 @@ class OSS : public torch::optim::Optimizer {
   // The partition, the parameter buffers, the slabs the local optimizer's state lives in, and the
   // owned gradients (a ShardedDDP receives it from hand_over()).
   std::unique_ptr<detail::ShardStore> store_;
-  std::vector<uint8_t> trainable_;
-  std::vector<uint8_t> balanced_for_;   // the trainable set the partition was last decided for
+  // The plan's trainable set changed since the partition was decided (Note [Rebalance after a
+  // freeze]): the next rebalance() decides again.
+  bool repartition_due_ = false;
+  int64_t holdings_version_ = -1;  // the plan version the holdings follow
   int64_t partition_version_ = 0;
   RebalanceStats last_rebalance_;
   bool mixed_ = false;    // mixed precision: the parameters are in param_dtype

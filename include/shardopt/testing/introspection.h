@@ -26,8 +26,6 @@ struct Introspection {
   // All parameters, in global order (groups concatenated), and where one of them is.
   static const std::vector<at::Tensor>& all_params(const OSS& oss) { return oss.all_params(); }
   static size_t index_of(const OSS& oss, const at::Tensor& param) { return oss.index_of(param); }
-  // The trainable set OSS last agreed on (one flag per parameter of all_params()).
-  static const std::vector<uint8_t>& trainable_mask(const OSS& oss) { return oss.trainable_; }
   // Who owns each parameter when parameters stay whole (Note [Split parameters]).
   static const Partition& partition(const OSS& oss);
   // Whether parameters are split across owners (PartitionMode resolved).
@@ -40,9 +38,6 @@ struct Introspection {
   static int64_t partition_version(const OSS& oss) { return oss.partition_version_; }
   // Counts moves of state between ranks (a re-partition, or split ranges cut again).
   static int64_t state_moves(const OSS& oss) { return oss.state_moves_; }
-  // Re-partitions for `trainable` as ShardedDDP does after an agreed change; returns whether the
-  // partition changed. Collective.
-  static bool rebalance(OSS& oss, const std::vector<uint8_t>& trainable) { return oss.rebalance(trainable); }
   // Loads old state_shard()s split over the ranks, each receiving only its ranges (what a
   // recovery does). Collective.
   static RebalanceStats load_state_shards(OSS& oss, const std::vector<torch::IValue>& held,
@@ -62,7 +57,8 @@ struct Introspection {
 
   // Whether the overlapped parameter sync of the last step() is still in flight.
   static bool param_sync_in_flight(const OSS& oss);
-  // Counts OSS's layouts (a trainable set, owners or bucket cuts changed).
+  // Counts OSS's layouts (a trainable set, owners or bucket cuts changed): the version of its
+  // shard plan (Note [Shard plan] in csrc/optim/shard_plan.h).
   static int64_t layout_version(const OSS& oss);
   // Whether the last step() used the fused step.
   static bool stepped_fused(const OSS& oss) { return oss.stepped_fused_; }
@@ -101,9 +97,10 @@ struct Introspection {
   static at::Tensor state_slab(const OSS& oss, size_t group, const std::string& kind);
   // Bytes of all the store's slabs on this rank.
   static int64_t slab_bytes(const OSS& oss);
-  // The gradient slab of layout group `group` (Note [Gradient slab] in csrc/optim/shard_grads.cpp):
-  // the memory of the buckets this rank owns; undefined before a backward asked for them.
-  static at::Tensor grad_slab(const OSS& oss, size_t group);
+  // The gradient slab of layout group `group` of optimizer `optimizer` (Note [Gradient slab] in
+  // csrc/ddp/grad_slabs.cpp): the memory of the buckets this rank owns; undefined before a
+  // backward asked for them.
+  static at::Tensor grad_slab(const ShardedDDP& ddp, size_t optimizer, size_t group);
 
   // The CPU build of the fused step's loops that runs: 2 AVX-512, 1 AVX2 + FMA, 0 portable. Cap
   // it at `level` to compare the builds (-1: as SHARDOPT_FUSED_KERNELS says).
