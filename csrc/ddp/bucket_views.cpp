@@ -12,7 +12,7 @@ namespace shardopt {
 using detail::alias_at;
 
 // Note [Gradients as bucket views]
-// After a reduction, the owner's gradients are views of its bucket's memory, which the store keeps
+// After a reduction, the owner's gradients are views of its bucket's memory, which ShardedDDP keeps
 // between steps (GradSlabs::bucket_memory, Note [Gradient slab]). When every gradient that refers
 // to that memory was zeroed in place by the last zero_grad(false) of its OSS (or ShardedDDP's,
 // which calls it) and is unchanged since, and nothing else holds the memory, the next backward uses
@@ -61,7 +61,7 @@ void ShardedDDP::decide_bucket_views() {
 // Whether this backward accumulates into owned bucket `b` where its zeroed gradients live.
 void ShardedDDP::decide_bucket_view(Bucket& b) {
   const int64_t elements = b.stride;
-  // The memory the owned gradients live in: the store's memory of the bucket, or that of an
+  // The memory the owned gradients live in: the bucket's memory in its GradSlabs, or that of an
   // earlier bucket (before a new layout), where a backward that copied left them (Note
   // [Accumulating across reductions] adds into the gradient as it is).
   at::Tensor& kept = b.slabs->bucket_memory(b.index, b.options);
@@ -102,7 +102,7 @@ void ShardedDDP::decide_bucket_view(Bucket& b) {
   if (!eligible || static_cast<int64_t>(memory.use_count()) != ours + zeroed + 1 /* `memory` */) return;
   if (impl != own) {
     if (kept.defined() && kept.storage().use_count() == 1) {
-      // Zeroed gradients in the memory of an earlier layout move into the store's (each keeps its
+      // Zeroed gradients in the memory of an earlier layout move into the new slab's (each keeps its
       // identity and version): the earlier slab is freed once nothing else is left in it.
       kept.zero_();
       for (size_t k : b.owned) {

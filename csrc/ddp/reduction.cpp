@@ -152,7 +152,7 @@ at::Tensor ShardedDDP::bucket_buffer(Bucket& b) {
   return b.buffer;
 }
 
-// The owner's gradients live in the store's memory of the bucket (a row bucket: of its row); where
+// The owner's gradients live in the bucket's memory in its GradSlabs (a row bucket: its row); where
 // something still refers to it (gradients not cleared, a view the user keeps), this backward
 // reduces in new memory, which ShardedDDP keeps from then on (Note [Gradient slab]).
 at::Tensor ShardedDDP::owned_memory(Bucket& b) {

@@ -236,8 +236,8 @@ std::vector<uint8_t> ShardedDDP::built_mask() const {
 }
 
 // After an agreed change of the trainable set, each optimizer may re-partition (Note [Rebalance
-// after a freeze]), which lays its buffers out again for the new owners. Each optimizer knows the
-// set its partition was decided for: an unchanged set costs a comparison.
+// after a freeze]), which lays its buffers out again for the new owners. Each optimizer knows
+// whether its set changed since its partition was decided: otherwise this costs nothing.
 void ShardedDDP::follow_partition() {
   for (OSS* opt : optimizers_) opt->rebalance();
 }

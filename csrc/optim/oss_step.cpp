@@ -45,8 +45,9 @@ std::vector<uint8_t> OSS::agreed_trainable(bool force) {
 
 void OSS::refresh_trainable() {
   auto agreed = agreed_trainable(/*force=*/global_group_->size() > 1);
-  // Under a ShardedDDP, its forward lays the store out: its buckets are built on the current plan.
-  if (!store_->trainable_checked_outside()) lay_out_for(agreed);
+  // Under a ShardedDDP, its forward (or its refresh_trainable) lays the store out: its buckets and
+  // the gradients it reduced are those of the current plan until then.
+  if (!store_->handed_over()) lay_out_for(agreed);
 }
 
 torch::Tensor OSS::step(LossClosure closure) {

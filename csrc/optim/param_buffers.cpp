@@ -249,11 +249,13 @@ void ShardStore::hand_over(const HandOver& h) {
   if (!h.overlap_param_sync) finish_param_sync();
   overlap_sync_ = h.overlap_param_sync;
   trainable_checked_outside_ = h.checks_trainable;
+  handed_over_ = true;
   set_bucket_bytes(h.bucket_bytes);
 }
 
 void ShardStore::take_back() {
   trainable_checked_outside_ = false;
+  handed_over_ = false;
   overlap_sync_ = false;
   finish_param_sync();
 }

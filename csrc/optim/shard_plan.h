@@ -14,10 +14,11 @@ namespace shardopt::detail {
 // Note [Shard plan]
 // One value says where everything of an OSS lives: the trainable set it was made for, the owners
 // of whole parameters (the partition), and the layout, with its buckets, its rows and the owner of
-// every piece. A plan is made at one agreed point: the ranks agree on the trainable set (OSS's
-// step, or ShardedDDP's forward: Note [Overlapped trainability check]), then ShardStore::make_plan,
-// a pure function of that set, the partition and what has state to keep, gives every rank the
-// same plan. A plan never changes. A freeze, an unfreeze, a re-partition or new bucket cuts make a
+// every piece. A plan is made at one point every rank reaches with the same trainable set (OSS's
+// step after its trainability check, or ShardedDDP's forward, whose overlapped check confirms the
+// set before any gradient is reduced: Note [Overlapped trainability check]), by
+// ShardStore::make_plan, a pure function of that set, the partition and what has state to keep,
+// so every rank makes the same plan. A plan never changes. A freeze, an unfreeze, a re-partition or new bucket cuts make a
 // new one with the next version, and the store lays its buffers out for it. OSS's holdings and
 // state follow the version; ShardedDDP builds its buckets from the plan and rebuilds them when the
 // version moves. The plan's trainable set is the one trainable mask shardopt keeps: OSS's step

@@ -109,6 +109,8 @@ class ShardStore {
   // bucket cuts stay. Finishes the sync in flight.
   void take_back();
   bool trainable_checked_outside() const { return trainable_checked_outside_; }
+  // Whether a ShardedDDP holds the store (between hand_over and take_back).
+  bool handed_over() const { return handed_over_; }
 
   // ---- the parameter sync (Note [Parameter sync], Note [Overlapped parameter sync]) ----
   // Makes every rank's copy of the buffers equal to the owners'. Collective.
@@ -193,6 +195,7 @@ class ShardStore {
   PlanPtr plan_;                     // never null; version 0 (no trainable set) before the first layout
   std::vector<at::Tensor> buffers_;  // one per layout group; the parameters are views of them
   bool trainable_checked_outside_ = false;
+  bool handed_over_ = false;
   bool overlap_sync_ = false;
   std::vector<PendingWork> bucket_sync_;  // per layout bucket: its broadcast, while in flight (kBroadcast)
   std::vector<PendingWork> group_sync_;   // per flat buffer: its all-gather, while in flight (kAllgather)

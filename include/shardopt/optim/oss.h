@@ -193,8 +193,10 @@ class OSS : public torch::optim::Optimizer {
   // torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True) does.
   double clip_grad_norm(double max_norm, double norm_type = 2.0, bool error_if_nonfinite = false);
 
-  // Agrees across ranks on the trainable set now (step() also does this). Collective; ranks
-  // that disagree all get an error naming the first differing parameter.
+  // Agrees across ranks on the trainable set now (step() also does this) and, unless a ShardedDDP
+  // wraps this optimizer (its forward and refresh_trainable() do it there), lays the parameters
+  // out for it. Collective; ranks that disagree all get an error naming the first differing
+  // parameter.
   void refresh_trainable();
 
   // Streams every rank's shard to `recipient`, one shard at a time. Collective.
@@ -237,8 +239,9 @@ class OSS : public torch::optim::Optimizer {
   // Where each parameter lives in the flat buffers, and the gradient buckets (the planner's view:
   // layout().options().split() says whether parameters are split across owners, and
   // layout().imbalance() how far the busiest rank's trainable elements are above 1/world). The
-  // reference stays valid until the next new layout (a freeze, an unfreeze or a re-partition, at a
-  // step or a ShardedDDP forward); copy the FlatLayout to keep it longer.
+  // reference stays valid until the next new layout (after a freeze, an unfreeze or a
+  // re-partition, at a step, a ShardedDDP forward or construction, a refresh_trainable(), or a
+  // loaded state dict); copy the FlatLayout to keep it longer.
   const FlatLayout& layout() const;
   // The group the state is sharded over: the whole group, or this rank's block.
   ProcessGroup& process_group() const { return *group_; }
@@ -279,14 +282,16 @@ class OSS : public torch::optim::Optimizer {
   bool step_with(std::optional<double> inv_scale);
 
   // ---- for ShardedDDP, the checkpoint and testing::Introspection ----
-  // Lays the store out for a plan for the agreed trainable set `trainable` (one flag per
-  // parameter, in all_params() order) with the current owners, if it differs from the current
-  // plan's set, and the holdings follow; returns whether it did (Note [Shard plan]). Every rank
-  // passes the same set. step() calls it when it checks the set itself; ShardedDDP after its check.
+  // Lays the store out for a plan for `trainable` (one flag per parameter, in all_params() order)
+  // with the current owners, if it differs from the current plan's set, and the holdings follow;
+  // returns whether it did (Note [Shard plan]). Every rank must pass the same set: step() passes
+  // the set it agreed on (or, with its check off, the local set, taken as agreed); ShardedDDP's
+  // forward the module's set, which its overlapped check confirms before any gradient is reduced.
   bool lay_out_for(const std::vector<uint8_t>& trainable);
-  // Re-partitions for the current plan's trainable set if the partition was decided for another
-  // set and the options ask for it; returns whether the partition changed. Collective. step()
-  // calls it after the step when it checks the trainable set itself; ShardedDDP after its check.
+  // Re-partitions for the current plan's trainable set if that set changed since the partition
+  // was last decided and the options ask for it; returns whether the partition changed.
+  // Collective. step() calls it after the step when it checks the trainable set itself;
+  // ShardedDDP at the forward after its check confirmed the set.
   bool rebalance();
   // The rank that owns `param`'s optimizer state, or -1 when it is split across several ranks
   // (owners() lists them) or frozen without state yet.
