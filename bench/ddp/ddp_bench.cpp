@@ -135,6 +135,9 @@ int main(int argc, char** argv) {
                  "as a step alone")
       ->check(CLI::IsMember({"back-to-back", "barrier"}));
   app.add_option("--bucket-view", bucket_view, "ShardedDDPOptions::gradient_as_bucket_view (sharded)");
+  int64_t bucket_bytes = shardopt::ShardedDDPOptions().reduce_bucket_bytes();
+  app.add_option("--reduce-bucket-bytes", bucket_bytes, "ShardedDDPOptions::reduce_bucket_bytes (sharded)")
+      ->check(CLI::PositiveNumber);
   std::string mixed = "off";
   app.add_option("--mixed-precision", mixed, "OSSOptions::mixed_precision param_dtype (sharded): off, bf16, fp16")
       ->check(CLI::IsMember({"off", "bf16", "fp16"}));
@@ -205,7 +208,7 @@ int main(int argc, char** argv) {
                       group, options)
                 : std::make_unique<shardopt::OSS>(module->parameters(), factory, group, options);
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss,
-                                                   shardopt::ShardedDDPOptions().overlap_param_sync(overlap).gradient_as_bucket_view(bucket_view).gradient_wire(
+                                                   shardopt::ShardedDDPOptions().overlap_param_sync(overlap).gradient_as_bucket_view(bucket_view).reduce_bucket_bytes(bucket_bytes).gradient_wire(
                                                        shardopt::wire_from_name(gradient_wire)).error_feedback(error_feedback));
       if (auto gpt = std::dynamic_pointer_cast<GPT2Like>(module); gpt && overlap) {
         gpt->before_use = [d = ddp.get()](const std::vector<at::Tensor>& ps) { d->wait_param_sync(ps); };
