@@ -4,6 +4,10 @@
 //
 //   build/bench/many_ranks_bench --world-sizes 2,16,32,64
 //
+// With --optimizer muon, Muon steps the hidden matrices of a deeper model (--layers hidden
+// Linear(8, 8) layers between Linear(5, 8) and Linear(8, 3)), whole on owners balanced by
+// Newton-Schulz cost, and AdamW the rest (one OSS of two optimizer groups).
+//
 // Per world size, one JSON line: the median step time (zero_grad, forward, backward, clipping,
 // step, rank 0's clock, every rank stepping) and the collectives a rank calls per step, and, measured while every rank is alive after the
 // steps, the threads, file descriptors (sockets) and resident memory the ranks added to the
@@ -13,6 +17,7 @@
 #include "median.h"
 
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/muon.h>
 #include <shardopt/optim/oss.h>
 
 #include <ATen/ATen.h>
@@ -31,6 +36,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -80,7 +86,13 @@ int main(int argc, char** argv) {
   app.add_option("--param-sync", sync, "the parameter sync after the step: broadcast (one per owner, the default) or "
                                       "allgather (one per flat buffer)")
       ->check(CLI::IsMember({"broadcast", "allgather"}));
+  std::string optimizer = "adamw";
+  app.add_option("--optimizer", optimizer, "adamw, or muon: Muon on the hidden matrices, AdamW on the rest")
+      ->check(CLI::IsMember({"adamw", "muon"}));
+  int layers = 6;
+  app.add_option("--layers", layers, "with --optimizer muon: hidden Linear(8, 8) layers")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
+  const bool muon = optimizer == "muon";
   for (int world : worlds) {
     auto store = c10::make_intrusive<c10d::HashStore>();
     const Usage before = Usage::now();
@@ -96,10 +108,31 @@ int main(int argc, char** argv) {
         at::set_num_threads(1);
         auto g = shardopt::init_process_group(
             store, shardopt::InitOptions().backend("gloo").rank(r).world_size(world).timeout(std::chrono::minutes(5)));
-        auto net = torch::nn::Sequential(torch::nn::Linear(5, 4), torch::nn::Tanh(), torch::nn::Linear(4, 3));
-        shardopt::OSS oss(net->parameters(), shardopt::optimizer<torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2)), g,
-                          shardopt::OSSOptions().sync(sync == "allgather" ? shardopt::ParamSync::kAllgather
-                                                                          : shardopt::ParamSync::kBroadcast));
+        torch::nn::Sequential net;
+        if (muon) {
+          net->push_back(torch::nn::Linear(5, 8));
+          for (int l = 0; l < layers; ++l) net->push_back(torch::nn::Tanh()), net->push_back(torch::nn::Linear(8, 8));
+          net->push_back(torch::nn::Tanh());
+          net->push_back(torch::nn::Linear(8, 3));
+        } else {
+          net = torch::nn::Sequential(torch::nn::Linear(5, 4), torch::nn::Tanh(), torch::nn::Linear(4, 3));
+        }
+        const auto options = shardopt::OSSOptions().sync(sync == "allgather" ? shardopt::ParamSync::kAllgather
+                                                                              : shardopt::ParamSync::kBroadcast);
+        const auto adamw = shardopt::optimizer<torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2));
+        std::vector<at::Tensor> matrices, others;
+        const auto params = net->parameters();
+        for (size_t i = 0; i < params.size(); ++i) {
+          // The hidden matrices: 2-D, neither the first nor the last layer's.
+          const bool hidden = params[i].dim() == 2 && i > 0 && i + 2 < params.size();
+          (muon && hidden ? matrices : others).push_back(params[i]);
+        }
+        const auto muon_factory =
+            shardopt::optimizer<shardopt::Muon>(shardopt::MuonOptions(0.02).adjust_lr_fn("match_rms_adamw"));
+        auto made = muon ? std::make_unique<shardopt::OSS>(
+                               std::vector<shardopt::OptimizerGroup>{{matrices, muon_factory}, {others, adamw}}, g, options)
+                         : std::make_unique<shardopt::OSS>(params, adamw, g, options);
+        shardopt::OSS& oss = *made;
         shardopt::ShardedDDP ddp(net.ptr(), oss);
         auto gen = at::make_generator<at::CPUGeneratorImpl>(r);
         const at::Tensor x = at::randn({4, 5}, gen), y = at::randn({4, 3}, gen);
@@ -134,6 +167,7 @@ int main(int argc, char** argv) {
     }
     for (auto& t : threads) t.join();
     nlohmann::json line = {{"world", world},
+                           {"optimizer", optimizer},
                            {"param_sync", sync},
                            {"step_ms_median", shardopt::bench::median(step_ms)},
                            {"collectives_per_step", collectives},
