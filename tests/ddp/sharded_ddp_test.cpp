@@ -63,6 +63,8 @@ struct DdpParity {
   OptimizerFactory factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
   // Replaces change_trainability's pattern: sets requires_grad on both models before a step.
   std::function<void(int step, Params& mine, Params& ref)> trainability;
+  // Runs once the optimizers exist, before the ShardedDDP is made (a freeze in between, ...).
+  std::function<void(Params& mine, Params& ref)> before_ddp;
   // Runs after each step's backward (before the optimizer step), and after the step.
   std::function<void(int step, ShardedDDP& ddp, OSS& oss, ProcessGroup& g)> after_backward, after_step;
 
@@ -89,6 +91,7 @@ struct DdpParity {
         oss_a = std::make_unique<OSS>(net->parameters(), factory, g, oss_options);
         opts = {oss_a.get()};
       }
+      if (before_ddp) before_ddp(net->params, ref);
       ShardedDDP ddp(net, opts, ShardedDDPOptions().reduce_bucket_bytes(bucket_bytes).overlap_param_sync(overlap_sync));
       if (change_trainability) {
         net->params[0].requires_grad_(false);
@@ -192,6 +195,33 @@ TEST(ShardedDDP, FreezingRebalancesOwnersAndBuckets) {
       p.run();
       if (::testing::Test::HasFatalFailure()) return;
     }
+  }
+}
+
+// A freeze between making the optimizer and making the ShardedDDP: the partition was decided for
+// every parameter, so the first forward re-partitions for the set the ShardedDDP was made with,
+// each rank then holds its balanced share, and parity with the reference holds.
+TEST(ShardedDDP, AFreezeBeforeItIsMadeIsBalancedAtTheFirstForward) {
+  for (int world : {2, 3}) {
+    DdpParity p;
+    p.world = world;
+    p.steps = 4;
+    p.partition = PartitionMode::kWholeParameters;
+    p.before_ddp = [](Params& mine, Params& ref) {
+      for (Params* q : {&mine, &ref}) (*q)[0].requires_grad_(false), (*q)[2].requires_grad_(false);
+    };
+    p.after_backward = [](int step, ShardedDDP&, OSS& oss, ProcessGroup& g) {
+      ASSERT_EQ(Introspection::partition_version(oss), 1) << "step " << step;
+      std::vector<int64_t> weights;
+      std::vector<uint8_t> mask;
+      for (const auto& q : Introspection::all_params(oss)) weights.push_back(q.numel() * 4), mask.push_back(q.requires_grad());
+      EXPECT_NEAR(Introspection::partition(oss).imbalance(weights, mask), Partition::balance(weights, g.size(), mask).imbalance(),
+                  1e-12)
+          << "step " << step;
+    };
+    SCOPED_TRACE("world " + std::to_string(world));
+    p.run();
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
