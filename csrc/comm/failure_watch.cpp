@@ -1,5 +1,5 @@
-// The failure watch a resilient run puts on its group, and what recovery does with a broken group:
-// abandon it, and make a new one of the survivors.
+// The failure watch a resilient run puts on its group (what detail::GroupRecovery, in
+// csrc/resilience/group_recovery.cpp, turns on), and the joining placeholder group.
 #include <shardopt/comm/process_group.h>
 #include <shardopt/check.h>
 
@@ -10,7 +10,6 @@
 #include "comm/failure_watch.h"
 #include "comm/heartbeat.h"
 
-#include <algorithm>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -111,19 +110,6 @@ void GroupFailure::abort_waits() {
 
 }  // namespace detail
 
-void ProcessGroup::watch_failures() {
-  failure_->store = store_;
-  failure_->watching = true;
-}
-
-bool ProcessGroup::broken() const { return failure_->broken; }
-
-std::string ProcessGroup::failure_phase() const { return failure_->phase(); }
-
-std::string ProcessGroup::failure_cause() const { return failure_->cause(); }
-
-void ProcessGroup::mark_broken(const std::string& why) { failure_->mark(why, ""); }
-
 namespace detail {
 // Kept until the process exits (never destroyed, so exit does not wait either).
 void keep_for_good(c10::intrusive_ptr<c10d::Backend> backend) {
@@ -133,65 +119,6 @@ void keep_for_good(c10::intrusive_ptr<c10d::Backend> backend) {
   kept->push_back(std::move(backend));
 }
 }  // namespace detail
-
-void ProcessGroup::abandon() {
-  failure_->broken = true;
-  if (heartbeat_) {
-    {
-      std::lock_guard<std::mutex> lock(heartbeat_->mu);
-      heartbeat_->stop = true;
-    }
-    heartbeat_->stop_cv.notify_all();
-    heartbeat_->thread.join();
-    heartbeat_.reset();
-  }
-  if (backend_) detail::keep_for_good(std::move(backend_));
-}
-
-std::shared_ptr<ProcessGroup> ProcessGroup::regroup(const c10::intrusive_ptr<c10d::Store>& store,
-                                                    const std::vector<int>& members) {
-  SHARDOPT_CHECK(store && make_backend_, "ProcessGroup::regroup needs a group made by init_process_group");
-  int mine = -1;
-  for (size_t i = 0; i < members.size(); ++i) {
-    SHARDOPT_CHECK(members[i] >= 0 && members[i] < size_, "ProcessGroup::regroup: rank ", members[i],
-                   " is outside [0, ", size_, ")");
-    if (members[i] == rank_) mine = static_cast<int>(i);
-  }
-  SHARDOPT_CHECK(mine >= 0, "ProcessGroup::regroup: ", describe_rank(rank_), " is not among the members");
-  c10::intrusive_ptr<c10d::Backend> backend;
-  try {
-    backend = make_backend_(store, mine, static_cast<int>(members.size()));
-  } catch (const std::exception& e) {
-    std::string list;
-    for (size_t i = 0; i < members.size(); ++i) list += (i ? ", " : "") + std::to_string(global_ranks_[members[i]]);
-    const std::string cause = e.what();
-    SHARDOPT_CHECK(false, "global rank ", global_rank(), " could not connect to the other survivors (global ranks ",
-                   list, ") within ", timeout_.count(), " ms: another rank failed during recovery? ",
-                   cause.substr(0, cause.find('\n')));
-  }
-  return member_group(backend, members, store);
-}
-
-std::shared_ptr<ProcessGroup> ProcessGroup::form(const c10::intrusive_ptr<c10d::Store>& store,
-                                                 const std::vector<int>& global_members) {
-  SHARDOPT_CHECK(store && make_backend_, "ProcessGroup::form needs a group made by init_process_group");
-  const auto it = std::find(global_members.begin(), global_members.end(), global_rank());
-  SHARDOPT_CHECK(it != global_members.end(), "ProcessGroup::form: global rank ", global_rank(), " is not a member");
-  c10::intrusive_ptr<c10d::Backend> backend;
-  try {
-    backend = make_backend_(store, static_cast<int>(it - global_members.begin()), static_cast<int>(global_members.size()));
-  } catch (const std::exception& e) {
-    const std::string cause = e.what();
-    SHARDOPT_CHECK(false, "global rank ", global_rank(), " could not connect to the other members within ",
-                   timeout_.count(), " ms: ", cause.substr(0, cause.find('\n')));
-  }
-  auto group = std::make_shared<ProcessGroup>(std::move(backend), timeout_);
-  group->global_ranks_ = global_members;
-  group->make_backend_ = make_backend_;
-  group->check_desync_ = check_desync_;
-  group->set_store(store);
-  return group;
-}
 
 void ProcessGroup::set_joining(int global_rank, c10::intrusive_ptr<c10d::Store> store) {
   joining_ = true;

@@ -239,34 +239,10 @@ class ProcessGroup {
   static constexpr const char* kResilientRunKey = "shardopt/resilient/running";
 
  private:
-  // ---- what surviving a dead rank needs (shardopt/resilience/resilient.h) ----
-  // Reached only through detail::GroupRecovery (csrc/resilience/group_recovery.h), which
-  // resilience/ owns: the collectives above know nothing of it.
+  // What surviving a dead rank does with a group (the failure watch, leaving a broken group, new
+  // groups of the survivors) is detail::GroupRecovery's, in csrc/resilience/group_recovery.cpp,
+  // which resilience/ owns and which works on this state as a friend.
   friend struct detail::GroupRecovery;
-  // Note [Failure watch]: from here on, a collective of this group that fails marks the group
-  // broken and says so in the store (without the roll call: recovery makes its own), and every
-  // rank's collectives in flight or started later on this group end with an error within about a
-  // second of any rank's failure, instead of at the timeout.
-  void watch_failures();
-  bool broken() const;
-  // Where this rank first saw the group fail ("backward (gradient reductions)"; "" if it did not).
-  std::string failure_phase() const;
-  // The error of the first collective that failed on this rank ("" if it was told by another).
-  std::string failure_cause() const;
-  // Marks the group broken here and tells the other ranks (as a failed collective would).
-  void mark_broken(const std::string& why);
-  // Stops this group for good without waiting for what is in flight: its heartbeat stops, and its
-  // backend, whose threads may still be blocked on a dead peer until the timeout, is kept for the
-  // life of the process rather than destroyed (destroying it would wait for them).
-  void abandon();
-  // Not collective over this group, which may be broken: the listed ranks of this group (this
-  // rank among them) make a new group of the same kind over `store`, in which rank i is
-  // members[i]; it keeps this group's timeout, desync check and global ranks.
-  std::shared_ptr<ProcessGroup> regroup(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& members);
-  // Not collective over this group: the processes with the listed global ranks (ascending; this
-  // one among them) make a new group of this group's kind over `store`, rank i being the i-th.
-  // Used when a replacement joins a resilient run.
-  std::shared_ptr<ProcessGroup> form(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& global_members);
   // Set-up, by init_process_group (through detail::GroupSetup) and by the groups this one makes.
   friend struct detail::GroupSetup;
   // The rendezvous store, for naming dead ranks (a roll call when a collective fails) and for
