@@ -67,6 +67,11 @@ c10::IValue map_tensors(const c10::IValue& value, const std::function<at::Tensor
 
 constexpr int64_t kAlign = 64;
 
+// `bytes` bytes: `reuse` when it has that many, else new memory.
+at::Tensor byte_buffer(int64_t bytes, at::Tensor reuse) {
+  return reuse.defined() && reuse.numel() == bytes ? std::move(reuse) : at::empty({bytes}, at::kByte);
+}
+
 }  // namespace
 
 FlatCopy flatten(const c10::IValue& value, at::Tensor reuse) {
@@ -82,7 +87,7 @@ FlatCopy flatten(const c10::IValue& value, at::Tensor reuse) {
     return at::empty({0}, t.options().device(at::kCPU).requires_grad(false));
   });
   FlatCopy copy;
-  copy.bytes = reuse.defined() && reuse.numel() == total ? std::move(reuse) : at::empty({total}, at::kByte);
+  copy.bytes = byte_buffer(total, std::move(reuse));
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     if (t.numel() == 0) continue;
@@ -135,7 +140,7 @@ FlatCopy pass_along(ProcessGroup& group, const FlatCopy& mine, int to, int from,
     group.recv(in_sizes, from, 7);
     const int64_t structure_bytes = in_sizes[0].item<int64_t>(), data_bytes = in_sizes[1].item<int64_t>();
     in_structure = at::empty({structure_bytes}, at::kByte);
-    in.bytes = reuse.defined() && reuse.numel() == data_bytes ? std::move(reuse) : at::empty({data_bytes}, at::kByte);
+    in.bytes = byte_buffer(data_bytes, std::move(reuse));
     std::vector<PendingWork> received;
     if (in_structure.numel() > 0) received.push_back(group.recv_async(in_structure, from, 7));
     if (in.bytes.numel() > 0) received.push_back(group.recv_async(in.bytes, from, 7));
