@@ -117,10 +117,13 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
     for (const auto& piece : layout.pieces()) {
       if (piece.bucket >= 0) out.ranks[piece.owner].grads += static_cast<double>(piece.in_param.size()) * low;
     }
-    for (const auto& b : layout.buckets()) {
-      if (b.rows()) {  // every rank owns a row (Note [Row buckets])
+    for (size_t k = 0; k < layout.buckets().size(); ++k) {
+      const FlatBucket& b = layout.buckets()[k];
+      if (b.rows()) {  // every rank owns a row (Note [Row buckets]), memory where it holds a piece
         for (size_t r = 0; r < owned.size(); ++r) {
-          out.ranks[r].buckets += static_cast<double>(bucket_memory_numel(b)) * low;
+          if (layout.holds_piece_of(k, static_cast<int>(r))) {
+            out.ranks[r].buckets += static_cast<double>(bucket_memory_numel(b)) * low;
+          }
           owned[r] += static_cast<double>(b.numel()) * low;
         }
         block.rows(static_cast<double>(b.numel() * layout.world_size()) * wire);

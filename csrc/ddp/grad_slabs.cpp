@@ -14,8 +14,8 @@ namespace shardopt::detail {
 // there, and the next backward reuses that memory (or accumulates into it, Note [Gradients as bucket
 // views] in csrc/ddp/bucket_views.cpp). ShardedDDP owns it (a GradSlabs per optimizer), one slab per
 // layout group: the buckets this rank owns, in layout order, each its gradients (the bucket's range of
-// the shard, gaps included; a row bucket's: this rank's row) followed by one count per piece, each
-// starting at a multiple of 16 elements.
+// the shard, gaps included; a row bucket's: this rank's row, where that row holds a piece) followed
+// by one count per piece, each starting at a multiple of 16 elements.
 // It is allocated once per layout, when a backward first asks for one of its buckets, not once per
 // bucket and backward. Each bucket is a view of the slab with a storage of its own (its data pointer
 // keeps the slab alive), so that the executor can still tell, per bucket, whether any tensor besides
@@ -41,8 +41,6 @@ at::Tensor carve_out(const at::Tensor& slab, int64_t offset, int64_t numel) {
   return at::empty({0}, slab.options()).set_(std::move(storage), 0, {numel}, {1});
 }
 
-bool owns(const FlatBucket& bucket, int rank) { return bucket.rows() || bucket.owner == rank; }
-
 }  // namespace
 
 void GradSlabs::reset(const FlatLayout& layout, int rank) {
@@ -55,7 +53,7 @@ void GradSlabs::reset(const FlatLayout& layout, int rank) {
 at::Tensor& GradSlabs::bucket_memory(size_t bucket, const at::TensorOptions& options) {
   TORCH_INTERNAL_ASSERT(layout_ != nullptr, "GradSlabs used before reset()");
   const auto& buckets = layout_->buckets();
-  TORCH_INTERNAL_ASSERT(bucket < buckets.size() && owns(buckets[bucket], rank_), "bucket ", bucket, " of ",
+  TORCH_INTERNAL_ASSERT(bucket < buckets.size() && layout_->holds_piece_of(bucket, rank_), "bucket ", bucket, " of ",
                         buckets.size(), " is not owned by rank ", rank_);
   const size_t group = buckets[bucket].group;
   if (!slabs_[group].defined()) carve(group, options);
@@ -67,7 +65,7 @@ void GradSlabs::carve(size_t group, const at::TensorOptions& options) {
   std::vector<std::pair<size_t, int64_t>> offsets;  // (bucket, first element in the slab)
   int64_t total = 0;
   for (size_t b = 0; b < buckets.size(); ++b) {
-    if (buckets[b].group != group || !owns(buckets[b], rank_)) continue;
+    if (buckets[b].group != group || !layout_->holds_piece_of(b, rank_)) continue;
     offsets.emplace_back(b, total);
     total += bucket_memory_numel(buckets[b]);
   }

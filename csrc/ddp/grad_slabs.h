@@ -18,7 +18,8 @@ class GradSlabs {
   // old memory keep it alive until they are cleared.
   void reset(const FlatLayout& layout, int rank);
 
-  // The memory of layout bucket `bucket`, which this rank owns: its gradients, then one count per
+  // The memory of layout bucket `bucket`, in which this rank holds a piece (FlatLayout::
+  // holds_piece_of): its gradients, then one count per
   // piece of the ranks that had a gradient for it, in `options` (the dtype gradients are reduced
   // in). Kept between backward passes: after a reduction the owner's gradients are views of it. At
   // the first request after a layout, every bucket of the group this rank owns is carved out of

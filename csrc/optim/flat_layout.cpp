@@ -4,6 +4,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <deque>
+#include <limits>
 #include <sstream>
 
 namespace shardopt {
@@ -60,6 +62,7 @@ std::vector<size_t> FlatLayout::make_groups(const std::vector<LayoutParam>& para
       group.device = p.device;
       group.dtype = p.dtype;
       group.split = split;
+      group.rows = options_.split();
       group.world_size = world_size_;
       group.used.assign(world_size_, 0);
       groups_.push_back(std::move(group));
@@ -69,8 +72,9 @@ std::vector<size_t> FlatLayout::make_groups(const std::vector<LayoutParam>& para
   return group_of;
 }
 
-// The trainable run, in reverse parameter order: per owner (whole parameters) or cut into equal
-// ranges (split).
+// The trainable run, in reverse parameter order: per owner (whole parameters), or as row buckets
+// (a split layout): cut into equal rows (split groups), or with each owner's whole parameters in
+// its row (whole-kind groups).
 void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of) {
   pieces_of_.assign(params.size(), {});
   const int64_t align = options_.align();
@@ -87,64 +91,113 @@ void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std:
   };
   // Whole parameters per owner, padded to the longest shard.
   for (size_t i = params.size(); i-- > 0;) {
-    if (!params[i].trainable || groups_[group_of[i]].split) continue;
+    if (!params[i].trainable || groups_[group_of[i]].rows) continue;
     int64_t& used = groups_[group_of[i]].used[params[i].owner];
     const int64_t begin = align_up(used, align);
     add(i, {0, params[i].numel}, params[i].owner, {begin, begin + params[i].numel});
     used = begin + params[i].numel;
   }
   for (auto& group : groups_) {
-    if (group.split) continue;
+    if (group.rows) continue;
     const int64_t longest = *std::max_element(group.used.begin(), group.used.end());
     group.shard_numel = align_up(std::max<int64_t>(1, longest), align);
   }
-  // Split: the trainable run cut into row buckets at parameter boundaries, each cut into one
-  // equal row per rank (Note [Row buckets]).
+  // Row buckets (Note [Row buckets]): the trainable run cut at parameter boundaries into buckets;
+  // a split group's cut into one equal row per rank, a whole-kind group's parameters each in the
+  // row of its owner (Note [Rows of whole parameters]).
   std::vector<int64_t> run(groups_.size(), 0);  // elements of the row buckets so far, per group
   std::vector<int64_t> open(groups_.size(), -1);
   row_buckets_.clear();
   struct Placed {
     size_t param;
     size_t row_bucket;
-    int64_t start;  // in the row bucket's run
+    int64_t start;  // in the row bucket's run (split), or in its owner's row (whole)
   };
   std::vector<Placed> placed;
-  std::vector<int64_t> chunk;  // per row bucket: elements of its run
+  std::vector<int64_t> chunk;              // per row bucket of a split group: elements of its run
+  std::vector<std::vector<int64_t>> fill;  // per row bucket of a whole-kind group: each row's elements
+  auto open_bucket = [&](size_t g) {
+    FlatBucket bucket;
+    bucket.group = g;
+    bucket.owner = -1;
+    row_buckets_.push_back(std::move(bucket));
+    chunk.push_back(0);
+    fill.emplace_back(groups_[g].split ? 0 : world_size_, 0);
+    return static_cast<int64_t>(row_buckets_.size() - 1);
+  };
   for (size_t i = params.size(); i-- > 0;) {
     if (!params[i].trainable || !groups_[group_of[i]].split) continue;
     const size_t g = group_of[i];
     const int64_t element_size = static_cast<int64_t>(c10::elementSize(params[i].dtype));
     int64_t& b = open[g];
-    if (b >= 0) {
+    if (b >= 0 && options_.bucket_bytes() > 0) {
       const int64_t end = align_up(chunk[b], align) + params[i].numel;
-      if (options_.bucket_bytes() > 0 && end * element_size > options_.bucket_bytes()) b = -1;
+      if (end * element_size > options_.bucket_bytes()) b = -1;
     }
-    if (b < 0) {
-      b = static_cast<int64_t>(row_buckets_.size());
-      FlatBucket bucket;
-      bucket.group = g;
-      bucket.owner = -1;
-      row_buckets_.push_back(std::move(bucket));
-      chunk.push_back(0);
-    }
+    if (b < 0) b = open_bucket(g);
     const int64_t start = align_up(chunk[b], align);
     chunk[b] = start + params[i].numel;
     placed.push_back({i, static_cast<size_t>(b), start});
   }
+  // Whole-kind groups: a bucket at a time, each owner's row takes that owner's next parameters (in
+  // reverse order) while they fit in the bucket's share of one rank, or in its longest first
+  // parameter, whichever is larger (Note [Rows of whole parameters]).
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (!groups_[g].rows || groups_[g].split) continue;
+    std::vector<std::deque<size_t>> queue(world_size_);
+    for (size_t i = params.size(); i-- > 0;) {
+      if (params[i].trainable && group_of[i] == g) queue[params[i].owner].push_back(i);
+    }
+    const int64_t element_size = static_cast<int64_t>(c10::elementSize(groups_[g].dtype));
+    const int64_t share = options_.bucket_bytes() > 0 ? options_.bucket_bytes() / (element_size * world_size_)
+                                                      : std::numeric_limits<int64_t>::max();
+    for (;;) {
+      int64_t first = -1;
+      for (const auto& q : queue) {
+        if (!q.empty()) first = std::max(first, params[q.front()].numel);
+      }
+      if (first < 0) break;
+      const int64_t row = std::max(share, first);
+      const int64_t b = open_bucket(g);
+      for (int owner = 0; owner < world_size_; ++owner) {
+        auto& q = queue[owner];
+        int64_t& at = fill[b][owner];
+        for (bool empty = true; !q.empty() && (empty || align_up(at, align) + params[q.front()].numel <= row);
+             empty = false) {
+          const int64_t start = align_up(at, align);
+          at = start + params[q.front()].numel;
+          placed.push_back({q.front(), static_cast<size_t>(b), start});
+          q.pop_front();
+        }
+      }
+    }
+  }
   for (size_t b = 0; b < row_buckets_.size(); ++b) {
-    const int64_t per_rank = (chunk[b] + world_size_ - 1) / world_size_;
-    const int64_t row = align_up(std::max<int64_t>(1, per_rank), align);
     FlatBucket& bucket = row_buckets_[b];
+    const int64_t per_rank = groups_[bucket.group].split ? (chunk[b] + world_size_ - 1) / world_size_
+                                                         : *std::max_element(fill[b].begin(), fill[b].end());
+    const int64_t row = align_up(std::max<int64_t>(1, per_rank), align);
     bucket.in_shard = {run[bucket.group], run[bucket.group] + row};
     run[bucket.group] += row;
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
-    if (groups_[g].split) groups_[g].shard_numel = std::max<int64_t>(run[g], align);
+    if (groups_[g].rows) groups_[g].shard_numel = std::max<int64_t>(run[g], align);
   }
   for (const Placed& at_param : placed) {
     const size_t i = at_param.param;
     FlatBucket& bucket = row_buckets_[at_param.row_bucket];
     const int64_t row = bucket.numel(), base = bucket.in_shard.begin;
+    if (!groups_[bucket.group].split) {  // whole, in its owner's row
+      const int owner = params[i].owner;
+      const Range in_bucket{at_param.start, at_param.start + params[i].numel};
+      add(i, {0, params[i].numel}, owner, {base + in_bucket.begin, base + in_bucket.end});
+      Piece& piece = pieces_.back();
+      piece.bucket = static_cast<int64_t>(at_param.row_bucket);  // renumbered by cut_buckets()
+      piece.in_bucket = in_bucket;
+      int64_t& used = groups_[piece.group].used[owner];
+      used = std::max(used, piece.in_shard.end);
+      continue;
+    }
     const int64_t first = at_param.start, end = first + params[i].numel;
     for (int64_t at = first; at < end || (at == end && at == first);) {
       const int owner = static_cast<int>(std::min<int64_t>(at / row, world_size_ - 1));
@@ -158,11 +211,16 @@ void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std:
       at = cut;
     }
   }
-  // Each row bucket's pieces in row order (row 0's, then row 1's, ...): the order they were placed.
+  // Each row bucket's pieces in row order (row 0's, then row 1's, ...), each row's in its order:
+  // for a split group the order they were placed.
   for (size_t k = 0; k < pieces_.size(); ++k) {
     if (pieces_[k].bucket >= 0) row_buckets_[pieces_[k].bucket].pieces.push_back(k);
   }
   for (auto& bucket : row_buckets_) {
+    std::stable_sort(bucket.pieces.begin(), bucket.pieces.end(), [&](size_t a, size_t b) {
+      const Piece &x = pieces_[a], &y = pieces_[b];
+      return x.owner != y.owner ? x.owner < y.owner : x.in_bucket.begin < y.in_bucket.begin;
+    });
     std::vector<int64_t> per_row(world_size_, 0);
     for (size_t k : bucket.pieces) bucket.row_pieces = std::max(bucket.row_pieces, ++per_row[pieces_[k].owner]);
   }
@@ -197,7 +255,7 @@ void FlatLayout::cut_buckets(const std::vector<LayoutParam>& params) {
     const int64_t element_size = static_cast<int64_t>(c10::elementSize(params[i].dtype));
     for (size_t index : pieces_of_[i]) {
       Piece& piece = pieces_[index];
-      if (groups_[piece.group].split) {
+      if (groups_[piece.group].rows) {
         int64_t& at = row_bucket_at[static_cast<size_t>(piece.bucket)];
         if (at < 0) {
           at = static_cast<int64_t>(buckets_.size());
@@ -274,7 +332,7 @@ void FlatLayout::check_invariants() const {
                           "piece of parameter ", piece.param, " lies outside its shard");
     TORCH_INTERNAL_ASSERT(piece.bucket >= 0, "trainable piece of parameter ", piece.param, " is in no bucket");
     const auto& bucket = buckets_[piece.bucket];
-    TORCH_INTERNAL_ASSERT((bucket.owner == piece.owner || (bucket.rows() && group.split)) && bucket.group == piece.group &&
+    TORCH_INTERNAL_ASSERT((bucket.owner == piece.owner || (bucket.rows() && group.rows)) && bucket.group == piece.group &&
                               piece.in_bucket.begin + bucket.in_shard.begin == piece.in_shard.begin &&
                               piece.in_bucket.end <= bucket.numel(),
                           "piece of parameter ", piece.param, " does not lie in its bucket ", piece.bucket);
@@ -301,7 +359,7 @@ Range FlatLayout::in_buffer(const Piece& piece) const {
     const int64_t base = group.shards_in_buffer().end;
     return {base + piece.in_frozen.begin, base + piece.in_frozen.end};
   }
-  if (group.split) {  // row `owner` of its row bucket (Note [Row buckets])
+  if (group.rows) {  // row `owner` of its row bucket (Note [Row buckets])
     const FlatBucket& bucket = buckets_.at(static_cast<size_t>(piece.bucket));
     const int64_t base = bucket.rows_in_buffer(world_size_).begin + piece.owner * bucket.numel();
     return {base + piece.in_bucket.begin, base + piece.in_bucket.end};
@@ -313,6 +371,12 @@ Range FlatLayout::in_buffer(const Piece& piece) const {
 Range FlatLayout::param_in_buffer(size_t param) const {
   const auto& list = pieces_of_.at(param);
   return {in_buffer(pieces_[list.front()]).begin, in_buffer(pieces_[list.back()]).end};
+}
+
+bool FlatLayout::holds_piece_of(size_t bucket, int rank) const {
+  const FlatBucket& b = buckets_.at(bucket);
+  if (!b.rows()) return b.owner == rank;
+  return std::any_of(b.pieces.begin(), b.pieces.end(), [&](size_t k) { return pieces_[k].owner == rank; });
 }
 
 std::vector<int> FlatLayout::owners_of(size_t param) const {
@@ -343,7 +407,7 @@ bool FlatLayout::same_placement(const FlatLayout& other) const {
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
     const auto &a = groups_[g], &b = other.groups_[g];
-    if (a.device != b.device || a.dtype != b.dtype || a.split != b.split || a.shard_numel != b.shard_numel ||
+    if (a.device != b.device || a.dtype != b.dtype || a.split != b.split || a.rows != b.rows || a.shard_numel != b.shard_numel ||
         a.frozen_numel != b.frozen_numel) {
       return false;
     }
@@ -363,7 +427,7 @@ std::string FlatLayout::describe() const {
   for (size_t g = 0; g < groups_.size(); ++g) {
     const auto& group = groups_[g];
     out << "group " << g << " (" << group.device << ", " << group.dtype << "): " << world_size_
-        << (group.split ? " equal ranges" : " whole-parameter shards") << " of " << group.shard_numel
+        << (group.split ? " equal ranges" : group.rows ? " rows of whole parameters" : " whole-parameter shards") << " of " << group.shard_numel
         << " elements, used";
     for (int64_t u : group.used) out << " " << u;
     out << "; frozen " << group.frozen_numel << "\n";

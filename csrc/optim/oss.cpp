@@ -492,12 +492,17 @@ std::vector<int> OSS::owners(const torch::Tensor& param) const {
 std::string OSS::describe() const {
   std::ostringstream out;
   bool any_whole_kind = false;
-  for (size_t i = 0; i < params_.size(); ++i) any_whole_kind |= placement_.whole_kind[i] && unit_of(i).codec;
+  bool any_element_wise = false;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    any_whole_kind |= placement_.whole_kind[i] && unit_of(i).codec;
+    any_element_wise |= !placement_.whole_kind[i];
+  }
   out << "OSS over " << group_->size() << (group_->size() == 1 ? " rank: " : " ranks: ")
       << (!placement_.split ? "whole parameters per owner"
-                  : any_whole_kind ? "element-wise optimizers' parameters split into equal ranges, whole-tensor "
-                                     "optimizers' parameters whole per owner, balanced by cost"
-                                   : "parameters split into equal ranges (element-wise optimizer)")
+          : !any_whole_kind   ? "parameters split into equal ranges (element-wise optimizer)"
+          : any_element_wise  ? "element-wise optimizers' parameters split into equal ranges, whole-tensor "
+                                "optimizers' parameters whole per owner, balanced by cost, in row buckets"
+                              : "whole-tensor optimizers' parameters whole per owner, balanced by cost, in row buckets")
       << ", trainable imbalance " << layout().imbalance() * 100.0 << "%";
   if (!placement_.split && options_.partition() == PartitionMode::kAuto) {
     if (!all_registered()) {

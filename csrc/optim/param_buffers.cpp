@@ -49,7 +49,7 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
   if (world == 1) return;
   at::NoGradGuard no_grad;
   std::vector<PendingWork> pending;
-  // Split groups: one all-gather per row bucket, whatever `mode` (Note [Row buckets]).
+  // Row groups: one all-gather per row bucket, whatever `mode` (Note [Row buckets]).
   for (size_t b = 0; b < layout.buckets().size(); ++b) {
     if (!layout.buckets()[b].rows()) continue;
     at::Tensor rows = bucket_rows(layout, buffers, b);
@@ -61,7 +61,7 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
       return buffers[g].narrow(0, r.begin, r.size());
     };
     for (size_t g = 0; g < buffers.size(); ++g) {
-      if (layout.groups()[g].split) continue;
+      if (layout.groups()[g].rows) continue;
       for (int r = 0; r < world; ++r) {
         // Only the elements the owner's pieces occupy: a whole-parameter shard's padding up to
         // the longest shard is never sent.
@@ -75,7 +75,7 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
     return;
   }
   for (size_t g = 0; g < buffers.size(); ++g) {
-    if (layout.groups()[g].split) continue;
+    if (layout.groups()[g].rows) continue;
     at::Tensor rows = shards_as_rows(layout, buffers, g);
     if (rows.numel() > 0) pending.push_back(group.allgather_rows_async(rows, wire_dtype(wire, rows.scalar_type())));
   }
@@ -84,7 +84,7 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
 
 at::Tensor shards_as_rows(const FlatLayout& layout, std::vector<at::Tensor>& buffers, size_t g) {
   const FlatGroup& group = layout.groups()[g];
-  TORCH_INTERNAL_ASSERT(!group.split, "a split group's shards are the rows of its row buckets");
+  TORCH_INTERNAL_ASSERT(!group.rows, "a row group's shards are the rows of its row buckets");
   const Range first = group.shard_in_buffer(0);
   return buffers[g].narrow(0, first.begin, first.size() * layout.world_size());
 }
@@ -174,7 +174,7 @@ void ShardStore::start_param_sync() {
     // in flight: a parameter is current once its buffer's has finished.
     group_sync_.resize(buffers_.size());
     for (size_t g = 0; g < buffers_.size(); ++g) {
-      if (layout().groups()[g].split) continue;
+      if (layout().groups()[g].rows) continue;
       at::Tensor rows = shards_as_rows(layout(), buffers_, g);
       if (rows.numel() == 0) continue;  // frozen only
       group_sync_[g] = group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()));
@@ -231,7 +231,7 @@ void ShardStore::finish_param_sync(size_t param) {
   CommPhase phase("parameter sync (finishing)");
   for (size_t k : layout().pieces_of(param)) {
     const size_t g = layout().pieces()[k].group;
-    if (!group_sync_.empty() && !layout().groups()[g].split) {
+    if (!group_sync_.empty() && !layout().groups()[g].rows) {
       PendingWork& w = group_sync_[g];
       if (!w.valid()) continue;
       --sync_in_flight_;

@@ -24,9 +24,10 @@ std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at:
 
 // Note [Parameter sync]
 // After the owners stepped, every rank's copy of each buffer is made equal to the owners', all
-// in flight at once. A split group's: one all-gather per row bucket (Note [Row buckets]). A group
-// of whole parameters: one broadcast per owner shard (kBroadcast), or one all-gather of the equal
-// shards per buffer (kAllgather: the shards are the buffer's rows, Note [Rows]). With `wire`, an
+// in flight at once. A row group's (every group of a split layout): one all-gather per row
+// bucket (Note [Row buckets]). A group of whole parameters per owner: one broadcast per owner
+// shard (kBroadcast), or one all-gather of the equal shards per buffer (kAllgather: the shards
+// are the buffer's rows, Note [Rows]). With `wire`, an
 // fp32 buffer's ranges travel rounded (Note [Parameter wire] in csrc/comm/wire.cpp). Collective.
 void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::Tensor>& buffers, ParamSync mode,
                  Wire wire = Wire::kExact);

@@ -47,7 +47,7 @@ std::vector<int64_t> Placement::partition_weights() const {
 // known to hold the same set; only ranges that change rank move. A frozen parameter's state is
 // kept, cut across the ranks (Note [Kept state]). kAuto splits element-wise optimizers'
 // parameters unless whole parameters balance within split_above_imbalance (default 0: always),
-// and always when a whole-tensor optimizer (Muon) shares the OSS (Note [Ownership by kind]).
+// and always when a whole-tensor optimizer (Muon) is in the OSS (Note [Ownership by kind]).
 // Before row buckets, one contiguous range per owner made a split step slower (on the
 // GPT-2-shaped model at two ranks 125-139 ms in backward against 98-111 ms with whole
 // parameters: for the first half of backward every reduction went to one rank) and kAuto split
@@ -58,9 +58,11 @@ std::vector<int64_t> Placement::partition_weights() const {
 // Each parameter's optimizer says how its state may be cut (shardopt/optim/state_layout.h): an
 // element-wise one's (Adam, SGD, ...) into ranges, a whole-tensor one's (Muon) not at all. In a
 // split layout the element-wise parameters of each (device, dtype) form one flat group cut into
-// equal ranges (Note [Split parameters]) and the whole-tensor ones another, cut as whole
-// parameters per owner (FlatLayout's whole-kind groups), so neither constrains the other's
-// cuts. The partition then places only the whole-tensor parameters, balancing the cost of their
+// equal ranges (Note [Split parameters]) and the whole-tensor ones another, whose row buckets
+// hold each parameter whole in its owner's row (Note [Rows of whole parameters] in
+// shardopt/optim/flat_layout.h), so neither constrains the other's cuts and both take one
+// reduce-scatter and one all-gather per bucket. kAuto lays out a whole-tensor optimizer's
+// parameters this way even with no element-wise optimizer beside it. The partition then places only the whole-tensor parameters, balancing the cost of their
 // updates, not their bytes: Muon's Newton-Schulz iteration costs about m n min(m, n) per matrix
 // (Note [Muon's cost]), so a square matrix costs far more than a flat one of the same bytes.
 // Placement::weights holds each whole-tensor parameter's cost scaled so that all of them sum to their
@@ -109,7 +111,7 @@ Placement place_params(const std::vector<ParamShape>& params, int world_size, Pa
   switch (mode) {
     case PartitionMode::kAuto:
       p.whole_imbalance = whole.imbalance(p.weights, trainable);
-      p.split = all_known && any_element_wise && (any_whole_kind || p.whole_imbalance >= split_above_imbalance);
+      p.split = all_known && (any_whole_kind || (any_element_wise && p.whole_imbalance >= split_above_imbalance));
       break;
     case PartitionMode::kWholeParameters: p.split = false; break;
     case PartitionMode::kSplit:

@@ -2,8 +2,10 @@
 // reduce-scatter and one all-gather per bucket, plus a constant that does not depend on the world
 // size, counted from ProcessGroup::stats() at 2, 4, 16 and 64 ranks (threads of this process over
 // Gloo) on the same model, while the parameters follow the all-reduce reference through a freeze
-// and an unfreeze.
+// and an unfreeze. With AdamW alone, and with Muon on six hidden matrices (rows of whole
+// parameters, Note [Rows of whole parameters]).
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/muon.h>
 #include <shardopt/optim/oss.h>
 
 #include "harness.h"
@@ -29,11 +31,14 @@ namespace optim = torch::optim;
 using testing::run_ranks;
 using Params = std::vector<at::Tensor>;
 
-// 5 -> 16 -> 16 -> 16 -> 3: 691 elements in 8 tensors.
-torch::nn::Sequential net_of(uint64_t seed) {
-  auto made = torch::nn::Sequential(torch::nn::Linear(5, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
-                                    torch::nn::Tanh(), torch::nn::Linear(16, 16), torch::nn::Tanh(),
-                                    torch::nn::Linear(16, 3));
+// 5 -> 16 -> ... -> 16 -> 3 with `hidden` 16 x 16 layers: 691 elements in 8 tensors with two.
+torch::nn::Sequential net_of(uint64_t seed, int hidden = 2) {
+  auto made = torch::nn::Sequential(torch::nn::Linear(5, 16), torch::nn::Tanh());
+  for (int l = 0; l < hidden; ++l) {
+    made->push_back(torch::nn::Linear(16, 16));
+    made->push_back(torch::nn::Tanh());
+  }
+  made->push_back(torch::nn::Linear(16, 3));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   at::NoGradGuard no_grad;
   for (auto& p : made->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.3);
@@ -52,24 +57,49 @@ struct Count {
   }
 };
 
+// With Muon: on the hidden layers' weights (6 of them), AdamW on the rest, in float64. Muon
+// orthogonalises its update in bfloat16 (Note [Muon's step]), which turns the last-bit difference
+// between two orders of summing the ranks' fp32 gradients into differences of 3e-3 in a matrix
+// after six steps at world 4 (measured); summed in float64, the two orders round to the same
+// bfloat16 input, and the update is the reference's to within float64 rounding.
+constexpr int kMuonHidden = 6;
+constexpr double kMuonTolerance = 1e-9;
+MuonOptions muon() { return MuonOptions(0.02).weight_decay(0.01); }
+bool is_hidden_weight(size_t i) { return i >= 2 && i < 2 + 2 * kMuonHidden && i % 2 == 0; }
+Params pick(const Params& all, bool matrices) {
+  Params out;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (is_hidden_weight(i) == matrices) out.push_back(all[i]);
+  }
+  return out;
+}
+
 // Steps 0-1 warm up, 2-3 freeze the first layer, 4-5 unfreeze it; steps 1, 3 and 5 are counted
 // (the first step of each trainable set lays out and rebuilds, which counts apart).
-std::map<int, std::vector<Count>> count_at(const std::vector<int>& worlds, const ShardedDDPOptions& options) {
+std::map<int, std::vector<Count>> count_at(const std::vector<int>& worlds, const ShardedDDPOptions& options,
+                                           bool with_muon = false) {
   std::map<int, std::vector<Count>> out;
   std::mutex mu;
+  const int hidden = with_muon ? kMuonHidden : 2;
   for (int world : worlds) {
     run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
-      auto net = net_of(5), ref_net = net_of(5);
+      auto net = net_of(5, hidden), ref_net = net_of(5, hidden);
+      if (with_muon) net->to(at::kDouble), ref_net->to(at::kDouble);  // see kMuonTolerance
       Params params = net->parameters(), ref = ref_net->parameters();
-      OSS oss(params, optimizer<optim::AdamW>(adamw()), g);
+      std::vector<OptimizerGroup> groups;
+      if (with_muon) groups.push_back({pick(params, true), optimizer<Muon>(muon())});
+      groups.push_back({with_muon ? pick(params, false) : params, optimizer<optim::AdamW>(adamw())});
+      OSS oss(std::move(groups), g);
       ShardedDDP ddp(net.ptr(), oss, options);
-      optim::AdamW ref_opt(ref, adamw());
-      ASSERT_TRUE(oss.layout().groups().at(0).split) << "the default partition splits AdamW's parameters";
+      optim::AdamW ref_opt(with_muon ? pick(ref, false) : ref, adamw());
+      Muon ref_muon(with_muon ? pick(ref, true) : Params{}, muon());
+      for (const auto& group : oss.layout().groups()) EXPECT_TRUE(group.rows) << "the default partition lays out row buckets";
       Count c;
       for (int step = 0; step < 6; ++step) {
         const bool frozen = step == 2 || step == 3;
         params[0].requires_grad_(!frozen), ref[0].requires_grad_(!frozen);
-        const auto data = testing::rank_data(step, g->rank(), 1);
+        auto data = testing::rank_data(step, g->rank(), 1);
+        if (with_muon) data = {data.x.to(at::kDouble), data.y.to(at::kDouble)};
         if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
         const CommStats before = g->stats();
         ddp.zero_grad();
@@ -83,10 +113,19 @@ std::map<int, std::vector<Count>> count_at(const std::vector<int>& worlds, const
           c.buckets += static_cast<int64_t>(ddp.num_buckets());
         }
         ref_opt.zero_grad(true);
+        ref_muon.zero_grad(true);
         testing::loss_of(ref_net->forward(data.x), data, 1).backward();
         testing::allreduce_grads(ref, *g);
         ref_opt.step();
-        ASSERT_TRUE(testing::matches_reference(params, ref, *g, 1e-5)) << "world " << world << ", step " << step;
+        if (with_muon) ref_muon.step();
+        const std::string where = "world " + std::to_string(world) + ", step " + std::to_string(step);
+        if (!with_muon) {
+          ASSERT_TRUE(testing::matches_reference(params, ref, *g, 1e-5)) << where;
+          continue;
+        }
+        ASSERT_TRUE(testing::matches_reference(pick(params, false), pick(ref, false), *g, kMuonTolerance)) << where;
+        ASSERT_TRUE(testing::matches_reference(pick(params, true), pick(ref, true), *g, kMuonTolerance))
+            << where << ", Muon";
       }
       std::lock_guard<std::mutex> lock(mu);
       out[world].push_back(c);
@@ -122,6 +161,30 @@ TEST(CollectivesPerStep, DoNotGrowWithTheWorldSize) {
   const auto by_default = count_at({2, 4, 16, 64}, ShardedDDPOptions());
   if (::testing::Test::HasFatalFailure()) return;
   expect_flat_in_world_size(by_default, 1);
+}
+
+// Muon's six matrices step whole on their owners (balanced by Newton-Schulz cost), in row buckets
+// of whole parameters: two collectives per bucket at every world size, where a bucket per owner
+// cost two per owner holding a matrix (8 at world 4, 12 from world 6 on).
+TEST(CollectivesPerStep, DoNotGrowWithTheWorldSizeWithMuon) {
+  // Buckets of 1 KiB, half a float64 matrix: a rank's row holds one matrix, so the more ranks
+  // share the six, the fewer buckets they take, never more than at world 4, and the same at 16
+  // and 64.
+  const auto fixed = count_at({2, 4, 16, 64}, ShardedDDPOptions().reduce_bucket_bytes(1024).bucket_bytes_per_rank(0),
+                              /*with_muon=*/true);
+  if (::testing::Test::HasFatalFailure()) return;
+  const Count& at_four = fixed.at(4).front();
+  for (const auto& [world, ranks] : fixed) {
+    for (const Count& c : ranks) {
+      EXPECT_EQ(c.rows_per_step, 2 * c.buckets) << "world " << world;
+      EXPECT_LE(c.per_step - c.rows_per_step, 3 * 3) << "world " << world;
+      if (world >= 4) EXPECT_LE(c.per_step, at_four.per_step) << "world " << world;
+    }
+  }
+  EXPECT_EQ(fixed.at(64).front(), fixed.at(16).front());
+  const auto by_default = count_at({2, 4, 64}, ShardedDDPOptions(), /*with_muon=*/true);
+  if (::testing::Test::HasFatalFailure()) return;
+  expect_flat_in_world_size(by_default, 2);  // one bucket of AdamW's rows, one of Muon's
 }
 
 }  // namespace

@@ -231,6 +231,7 @@ TEST(FlatLayout, WholeMarkedParametersStayWholeInAGroupOfTheirOwn) {
   const size_t split_group = layout.groups()[0].split ? 0 : 1;
   EXPECT_TRUE(layout.groups()[split_group].split);
   EXPECT_FALSE(layout.groups()[1 - split_group].split);
+  EXPECT_TRUE(layout.groups()[1 - split_group].rows);  // whole parameters in their owners' rows
   EXPECT_EQ(layout.groups()[split_group].shard_numel, 10);
   EXPECT_EQ(layout.groups()[1 - split_group].shard_numel, 12);  // the longest owner's whole parameters
   EXPECT_EQ(layout.owners_of(1), std::vector<int>{2});
@@ -307,11 +308,12 @@ TEST(FlatLayout, InvariantsHoldForManyConfigurations) {
     const int64_t cap = (rng() % 4 == 0) ? 0 : static_cast<int64_t>(rng() % 400);
     std::vector<LayoutParam> params;
     const int n = 1 + static_cast<int>(rng() % 30);
+    const bool split = rng() % 2 == 0;
     for (int i = 0; i < n; ++i) {
       params.push_back(param(static_cast<int64_t>(rng() % 50), static_cast<int>(rng() % world), rng() % 4 != 0,
                              rng() % 3 == 0 ? c10::kDouble : c10::kFloat));
+      params.back().whole = split && rng() % 3 == 0;  // a whole-tensor optimizer's: rows of whole parameters
     }
-    const bool split = rng() % 2 == 0;
     const auto layout = FlatLayout::plan(params, world, LayoutOptions().bucket_bytes(cap).align(align).split(split));
     std::vector<std::vector<std::vector<int>>> used(layout.groups().size());
     for (size_t g = 0; g < layout.groups().size(); ++g) {
@@ -329,7 +331,8 @@ TEST(FlatLayout, InvariantsHoldForManyConfigurations) {
           ASSERT_EQ(p.owner, -1);
           continue;
         }
-        if (!split) ASSERT_EQ(p.owner, params[i].owner);
+        if (!split || params[i].whole) ASSERT_EQ(p.owner, params[i].owner);
+        if (params[i].whole) ASSERT_TRUE(p.whole());
         for (int64_t e = p.in_shard.begin; e < p.in_shard.end; ++e) ASSERT_EQ(used[p.group][p.owner][e]++, 0);
       }
       ASSERT_EQ(covered, params[i].numel);
@@ -347,7 +350,9 @@ TEST(FlatLayout, InvariantsHoldForManyConfigurations) {
     std::vector<std::vector<int64_t>> last_end(layout.groups().size(), std::vector<int64_t>(world + 1, 0));
     for (size_t b = 0; b < layout.buckets().size(); ++b) {
       const auto& bucket = layout.buckets()[b];
-      ASSERT_EQ(bucket.rows(), layout.groups()[bucket.group].split);
+      const FlatGroup& group = layout.groups()[bucket.group];
+      ASSERT_EQ(bucket.rows(), group.rows);
+      ASSERT_EQ(group.rows, split);
       const size_t slot = bucket.rows() ? static_cast<size_t>(world) : static_cast<size_t>(bucket.owner);
       ASSERT_GE(bucket.in_shard.begin, last_end[bucket.group][slot]);
       last_end[bucket.group][slot] = bucket.in_shard.end;
@@ -364,7 +369,18 @@ TEST(FlatLayout, InvariantsHoldForManyConfigurations) {
         ASSERT_EQ(p.in_bucket.begin + bucket.in_shard.begin, p.in_shard.begin);
         ASSERT_LE(p.in_bucket.end, bucket.numel());
       }
-      if (bucket.rows()) {
+      if (bucket.rows() && !group.split) {
+        // Rows of whole parameters: as long as the longest, which passes the bucket's share of one
+        // rank only where one parameter is longer.
+        int64_t longest = 0, largest = 0;
+        for (size_t k : bucket.pieces) {
+          const Piece& p = layout.pieces()[k];
+          longest = std::max(longest, p.in_bucket.end);
+          largest = std::max(largest, p.in_param.size());
+        }
+        ASSERT_EQ(bucket.numel(), (std::max<int64_t>(1, longest) + align - 1) / align * align);
+        if (cap > 0) ASSERT_LT(bucket.numel(), std::max({cap / (world * element), largest, int64_t{1}}) + align);
+      } else if (bucket.rows()) {
         // Several parameters only within the cap; every rank's row within `align` of its share.
         if (in_bucket.size() > 1 && cap > 0) ASSERT_LE(elements * element, cap);
         for (int r = 0; r < world; ++r) ASSERT_LE(per_rank[r], bucket.numel());

@@ -21,8 +21,9 @@
 //                               1/world_size of every bucket. One reduce-scatter and one
 //                               all-gather per bucket, whatever the world size. Only for
 //                               element-wise optimizers; parameters marked `whole` (a
-//                               whole-tensor optimizer's) form groups of their own, laid out as
-//                               whole parameters per owner.
+//                               whole-tensor optimizer's) form groups of their own, whose row
+//                               buckets hold each parameter whole in its owner's row (Note
+//                               [Rows of whole parameters]).
 //
 // Note [Row buckets]
 // A row bucket b of a split group has rows of R_b elements (R_b = the bucket's elements / world
@@ -37,6 +38,19 @@
 // balance holds for any trainable set without moving owners. A bucket closes before its elements
 // would pass `bucket_bytes` (0: one bucket for the whole run); a parameter larger than that is a
 // bucket of its own.
+//
+// Note [Rows of whole parameters]
+// A whole-tensor optimizer (Muon) steps each matrix on one rank, so its parameters cannot be cut
+// into equal rows; one bucket per owner would cost two collectives per owner and step, a count
+// that grows with the world size. In a split layout they form row buckets too, each parameter
+// whole in the row of its owner (the partition's, balanced by update cost), a bucket at a time:
+// each owner's row takes that owner's next parameters, in reverse parameter order, while they fit
+// in the bucket's row length, the larger of its share of one rank (bucket_bytes / world_size) and
+// the longest parameter any owner has next. Rows are as long as the bucket's longest, so shorter
+// rows carry padding: memory in the parameter buffer, and bytes on the wire, that a bucket per
+// owner does not have (docs/benchmarks.md measures it). In return every bucket is one
+// reduce-scatter and one all-gather, the same executor and sync as the element-wise rows, and
+// the count is bounded by the parameters' bytes over bucket_bytes, never by the world size.
 //
 // Frames. Every offset says what it is relative to, in its name:
 //   in_param   elements of the parameter (its flattened view)
@@ -137,13 +151,16 @@ struct Keeping {
 struct FlatGroup {
   c10::Device device = c10::Device(c10::kCPU);
   c10::ScalarType dtype = c10::kFloat;
-  bool split = false;             // cut into equal ranges; else whole parameters per owner
+  bool split = false;             // cut into equal ranges; else whole parameters
+  bool rows = false;              // cut into row buckets (every group of a split layout: equal
+                                  // rows, or whole parameters in their owners' rows); else one
+                                  // shard per owner, padded to the longest
   int world_size = 1;
   int64_t shard_numel = 1;        // every owner's shard: >= 1, a multiple of `align` (split: the
                                   // sum of its row buckets' rows)
   std::vector<int64_t> used;      // per owner: elements its pieces occupy (gaps included)
   int64_t frozen_numel = 0;       // the frozen region, after the shards
-  // Whole parameters only: a split group's shard is one row of each row bucket.
+  // Groups without rows only: a row group's shard is one row of each row bucket.
   Range shard_in_buffer(int owner) const { return {owner * shard_numel, (owner + 1) * shard_numel}; }
   Range shards_in_buffer() const { return {0, world_size * shard_numel}; }
   int64_t buffer_numel() const { return world_size * shard_numel + frozen_numel; }
@@ -187,6 +204,9 @@ class FlatLayout {
   const std::vector<Keeping>& keepers_of(size_t param) const { return kept_.at(param); }
   // All of a parameter's elements in its group's flat buffer (its pieces are adjacent).
   Range param_in_buffer(size_t param) const;
+  // Whether `rank` holds a piece of bucket `bucket`: its owner, or a rank whose row of a row bucket
+  // is not empty.
+  bool holds_piece_of(size_t bucket, int rank) const;
   // The owners of `param`'s pieces, in parameter order (empty for a frozen parameter).
   std::vector<int> owners_of(size_t param) const;
   // The largest elements any rank owns in any group, against the ideal 1/world_size of the
