@@ -10,6 +10,7 @@
 #include <torch/csrc/api/include/torch/nn/utils/clip_grad.h>
 #include <torch/csrc/api/include/torch/optim.h>
 
+#include <limits>
 #include <mutex>
 #include <shardopt/testing/introspection.h>
 
@@ -75,8 +76,19 @@ struct SplitParity {
         for (auto& p : ref) {
           if (p.requires_grad()) with_grad.push_back(p);
         }
-        const double expected = torch::nn::utils::clip_grad_norm_(with_grad, 0.5);
-        ASSERT_NEAR(oss.clip_grad_norm(0.5), expected, 1e-6 * std::max(1.0, expected)) << "step " << step;
+        // The total norm is torch's (an infinite max_norm measures without clipping); the
+        // reference then clips by the norm OSS found, as clip_grad_norm_ does (max_norm / (norm +
+        // 1e-6) where below 1). Two orders of summing squares differ in the last bit, and with
+        // Adam's weight decay an element whose decayed gradient cancels to eps's size (1e-8) turns
+        // that bit into 7e-6 of the parameter after one step (measured at world 3 on an AVX-512
+        // machine), so the step's parity must not hinge on it.
+        const double expected = torch::nn::utils::clip_grad_norm_(with_grad, std::numeric_limits<double>::infinity());
+        const double norm = oss.clip_grad_norm(0.5);
+        ASSERT_NEAR(norm, expected, 1e-6 * std::max(1.0, expected)) << "step " << step;
+        if (0.5 / (norm + 1e-6) < 1.0) {
+          at::NoGradGuard no_grad;
+          for (auto& p : with_grad) p.mutable_grad().mul_(0.5 / (norm + 1e-6));
+        }
         for (auto& p : ref) {
           if (!p.requires_grad()) p.mutable_grad().reset();  // a frozen parameter never moves
         }
