@@ -62,9 +62,10 @@ std::vector<int64_t> Placement::partition_weights() const {
 // hold each parameter whole in its owner's row (Note [Rows of whole parameters] in
 // shardopt/optim/flat_layout.h), so neither constrains the other's cuts and both take one
 // reduce-scatter and one all-gather per bucket. kAuto lays out a whole-tensor optimizer's
-// parameters this way even with no element-wise optimizer beside it. The partition then places only the whole-tensor parameters, balancing the cost of their
-// updates, not their bytes: Muon's Newton-Schulz iteration costs about m n min(m, n) per matrix
-// (Note [Muon's cost]), so a square matrix costs far more than a flat one of the same bytes.
+// parameters this way even with no element-wise optimizer beside it. The partition then places
+// only the whole-tensor parameters, balancing the cost of their updates, not their bytes: Muon's
+// Newton-Schulz iteration costs about m n min(m, n) per matrix (Note [Muon's cost]), so a square
+// matrix costs far more than a flat one of the same bytes.
 // Placement::weights holds each whole-tensor parameter's cost scaled so that all of them sum to their
 // bytes (the cost's proportions, in the units of the element-wise parameters' bytes), so that in
 // a whole-parameter layout (kWholeParameters) one partition can place both kinds. After a change

@@ -65,8 +65,9 @@
 // parameter order (roughly the order backward produces their gradients); whole-parameter shards
 // keep that order within each owner. Buckets are made walking the pieces of the trainable run in
 // that order, one open bucket per (group, owner), or per group for row buckets; a bucket closes
-// before it would pass `bucket_bytes`. Their order in buckets() is the order every rank launches
-// them in. Each parameter starts at a multiple of `align` elements; the gaps belong to the bucket
+// before it would pass `bucket_bytes` (rows of whole parameters: Note [Rows of whole
+// parameters], each owner's row in that order). Their order in buckets() is the order every rank
+// launches them in. Each parameter starts at a multiple of `align` elements; the gaps belong to the bucket
 // they fall in.
 //
 // Pieces. A parameter is placed as pieces, each a contiguous range of its elements with one
