@@ -182,7 +182,8 @@ int run_local_ranks(int n, char** argv, bool survive_failures) {
       bool running = false;
       try {
         // The ranks' keys live under torch.distributed's prefix for the first attempt.
-        running = c10d::PrefixStore("/worker/attempt_0", store).check({ProcessGroup::kResilientRunKey});
+        c10d::PrefixStore ranks_store("/worker/attempt_0", store);
+        running = rendezvous_closed(ranks_store);
       } catch (const std::exception&) {
       }
       if (running && replaced.insert(rank).second && spawn(rank, true) != 0) {

@@ -1,5 +1,5 @@
-// The failure watch a resilient run puts on its group (what detail::GroupRecovery, in
-// csrc/resilience/group_recovery.cpp, turns on), and the joining placeholder group.
+// The failure watch a group can be put under (Note [Failure watch]; a job that goes on after a
+// rank dies turns it on: detail::GroupRecovery, in csrc/resilience/group_recovery.cpp).
 #include <shardopt/comm/process_group.h>
 #include <shardopt/check.h>
 
@@ -19,8 +19,8 @@ namespace shardopt {
 // Note [Failure watch]
 // A dead peer fails the collectives that talk to it directly (its connections close), but a rank
 // waiting on a live peer that is itself stuck on the dead one waits until the timeout: Gloo's
-// ring, and the point-to-point reductions, pass data along. A resilient run cannot wait minutes
-// for every survivor to notice. Under a failure watch:
+// ring, and the point-to-point reductions, pass data along. A job that goes on after a death
+// cannot wait minutes for every survivor to notice. Under a failure watch:
 // - the first failure a rank sees (a collective that could not start or failed) marks its group
 //   broken and sets one key in the group's store;
 // - every rank's heartbeat thread, which already talks to the store once a second, checks that
@@ -34,8 +34,9 @@ namespace shardopt {
 // backend is kept for the life of the process rather than destroyed with the group (destroying
 // it waits for threads that may be blocked on the dead peer until the timeout).
 // So every rank of the group leaves whatever phase it is in within about a second of the first
-// failure, and recovery (shardopt/resilience/resilient.h) takes it from there. The roll call
-// that names dead ranks in an error is skipped: recovery makes its own, on every survivor alike.
+// failure, and whoever watches the group (a resilient run's recovery) takes it from there. The
+// roll call that names dead ranks in an error is skipped: the watcher makes its own, on every
+// survivor alike.
 
 namespace detail {
 
@@ -119,11 +120,5 @@ void keep_for_good(c10::intrusive_ptr<c10d::Backend> backend) {
   kept->push_back(std::move(backend));
 }
 }  // namespace detail
-
-void ProcessGroup::set_joining(int global_rank, c10::intrusive_ptr<c10d::Store> store) {
-  joining_ = true;
-  global_ranks_ = {global_rank};
-  store_ = std::move(store);
-}
 
 }  // namespace shardopt

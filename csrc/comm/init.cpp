@@ -213,9 +213,9 @@ void ignore_sigpipe_by_default() {
 std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store,
                                          const InitOptions& options, const std::string& host) {
   const std::string backend = resolve_backend(options.backend());
-  // A resilient run is going on in this store: this process replaces a rank it lost, and the run
-  // admits it (shardopt::Resilient) rather than the first rendezvous, which is long over.
-  const bool joining = store->check({ProcessGroup::kResilientRunKey});
+  // Note [Closed rendezvous]: a job is under way in this store; it admits this process rather
+  // than the first rendezvous, which is long over.
+  const bool joining = rendezvous_closed(*store);
   if (!joining) agree_on_init(*store, options, backend);
   check_backend_usable(backend);
   ProcessGroup::BackendFactory factory;
@@ -232,9 +232,9 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
     };
   }
   if (joining) {
-    SHARDOPT_CHECK(backend == "gloo", "rank ", options.rank(), " was started to replace a rank of a resilient run, ",
-                   "which is not supported on NCCL yet");
-    // A group of one over a store of its own until the run admits it.
+    SHARDOPT_CHECK(backend == "gloo", "rank ", options.rank(), " arrived after its job's rendezvous closed (it was ",
+                   "started to replace a rank of a resilient run), which is not supported on NCCL yet");
+    // A group of one over a store of its own until the job admits it.
     auto alone = factory(c10::make_intrusive<c10d::HashStore>(), 0, 1);
     auto group = std::make_shared<ProcessGroup>(alone, options.timeout());
     detail::GroupSetup::backend_factory(*group, factory);
@@ -412,5 +412,20 @@ c10::intrusive_ptr<c10d::Store> serve_store(const std::string& host, int& port, 
     SHARDOPT_CHECK(false, "the launcher could not serve the rendezvous store at ", host, ":", port, ": ", e.what());
   }
 }
+
+namespace {
+// Note [Closed rendezvous]: the mark a job under way leaves in its store.
+constexpr const char* kRendezvousClosedKey = "shardopt/rendezvous/closed";
+}  // namespace
+
+void ProcessGroup::set_joining(int global_rank, c10::intrusive_ptr<c10d::Store> store) {
+  joining_ = true;
+  global_ranks_ = {global_rank};
+  store_ = std::move(store);
+}
+
+void close_rendezvous(c10d::Store& store) { store.set(kRendezvousClosedKey, std::vector<uint8_t>{1}); }
+
+bool rendezvous_closed(c10d::Store& store) { return store.check({kRendezvousClosedKey}); }
 
 }  // namespace shardopt

@@ -57,11 +57,11 @@ std::string announced_torch_version() {
 
 // Note [A replacement joins]
 // A process started for a rank the run lost (by a launcher, or by hand with the same variables)
-// finds kResilientRunKey in the store: init_process_group gives it a group of one that is joining,
-// and its Resilient asks to be admitted: it adds itself to a counter of requests and writes its
-// global rank, shardopt version and options under its number. The run looks at the counter
-// after each refresh of its copies (one all-reduce of the count every rank read, so that all
-// decide on the same requests), refuses a request whose version or options differ or whose rank
+// finds the rendezvous closed (Note [Closed rendezvous]): init_process_group gives it a group of
+// one that is joining, and its Resilient asks to be admitted: it adds itself to a counter of
+// requests and writes its global rank, shardopt version and options under its number. The run
+// looks at the counter after each refresh of its copies (one all-reduce of the count every rank
+// read, so that all decide on the same requests), refuses a request whose version or options differ or whose rank
 // is a member (the answer says why, and the joiner fails with it), and admits the others: rank 0
 // writes each an answer with the next generation, the step, the requests handled and the member
 // list; every member makes the new group, and the state is installed (Note [Installing the state

@@ -127,11 +127,12 @@ Resilient::Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch:
   }
   detail::GroupRecovery::watch_failures(*group_);
   build();
-  // Every rank is past init_process_group now: a process that finds this key later replaces one.
+  // Every rank is past init_process_group now: a process that arrives later replaces one (Note
+  // [Closed rendezvous], Note [A replacement joins]).
   if (group_->rank() == 0) {
     const std::string world = std::to_string(group_->size());
     base_store_->set("shardopt/resilient/world", std::vector<uint8_t>(world.begin(), world.end()));
-    base_store_->set(ProcessGroup::kResilientRunKey, std::vector<uint8_t>{1});
+    close_rendezvous(*base_store_);
   }
 }
 

@@ -231,12 +231,10 @@ class ProcessGroup {
   // The rendezvous store this group's keys live in (null for a group made from a bare backend).
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 
-  // A process started for a rank of a resilient run that is already going on (its store holds
-  // kResilientRunKey when init_process_group looks): init_process_group gives it a group of one
-  // that is "joining", whose global rank is the one it was started as; shardopt::Resilient then
-  // asks the run to admit it instead of starting a run of its own.
+  // A group of one for a process that arrived after its rendezvous closed (Note [Closed
+  // rendezvous], at close_rendezvous below): its global rank is the one it was started as, and
+  // it waits to be admitted by the job that closed the rendezvous.
   bool joining() const { return joining_; }
-  static constexpr const char* kResilientRunKey = "shardopt/resilient/running";
 
  private:
   // What surviving a dead rank does with a group (the failure watch, leaving a broken group, new
@@ -326,5 +324,15 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions options = {});
 // ranks in one process). rank and world_size must be set in `options`.
 std::shared_ptr<ProcessGroup> init_process_group(const c10::intrusive_ptr<c10d::Store>& store,
                                                  InitOptions options);
+
+// Note [Closed rendezvous]
+// A job that goes on past its first rendezvous and takes in processes that arrive later (a
+// resilient run takes in a replacement for a rank it lost: shardopt::Resilient) closes the
+// rendezvous in its store once every rank is past it. A process that then calls
+// init_process_group on that store does not wait for a rendezvous that is over: it gets a group
+// of one that is joining(), and the job that closed the rendezvous admits it (or refuses it).
+// A launcher reads the same mark to tell a job under way from one still starting.
+void close_rendezvous(c10d::Store& store);
+bool rendezvous_closed(c10d::Store& store);
 
 }  // namespace shardopt

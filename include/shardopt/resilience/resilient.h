@@ -117,9 +117,9 @@ class Resilient {
   // Collective. `module` holds the parameters the optimizer steps (their values are what a
   // recovery puts back, with its buffers); make_ddp may be empty (an OSS alone, the loop reduces
   // gradients itself). A world of 1 is refused: there is no other rank to keep a copy. On a
-  // joining group (a process started to replace a lost rank: ProcessGroup::joining()) it waits to
-  // be admitted at the run's next refresh, receives the parameters and the state, and the loop
-  // starts at start_step().
+  // joining group (a process started to replace a lost rank: ProcessGroup::joining(), Note
+  // [Closed rendezvous]) it waits to be admitted at the run's next refresh, receives the
+  // parameters and the state, and the loop starts at start_step().
   Resilient(std::shared_ptr<ProcessGroup> group, std::shared_ptr<torch::nn::Module> module, MakeOptimizer make_optimizer,
             MakeDDP make_ddp, ResilienceOptions options = {});
   ~Resilient();
