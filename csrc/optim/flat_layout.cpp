@@ -72,42 +72,9 @@ std::vector<size_t> FlatLayout::make_groups(const std::vector<LayoutParam>& para
   return group_of;
 }
 
-// The trainable run, in reverse parameter order: per owner (whole parameters), or as row buckets
-// (a split layout): cut into equal rows (split groups), or with each owner's whole parameters in
-// its row (whole-kind groups).
-void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of) {
-  pieces_of_.assign(params.size(), {});
-  const int64_t align = options_.align();
-  auto add = [&](size_t i, Range in_param, int owner, Range in_shard) {
-    Piece piece;
-    piece.param = i;
-    piece.param_numel = params[i].numel;
-    piece.in_param = in_param;
-    piece.group = group_of[i];
-    piece.owner = owner;
-    piece.in_shard = in_shard;
-    pieces_of_[i].push_back(pieces_.size());
-    pieces_.push_back(piece);
-  };
-  // Whole parameters per owner, padded to the longest shard.
-  for (size_t i = params.size(); i-- > 0;) {
-    if (!params[i].trainable || groups_[group_of[i]].rows) continue;
-    int64_t& used = groups_[group_of[i]].used[params[i].owner];
-    const int64_t begin = align_up(used, align);
-    add(i, {0, params[i].numel}, params[i].owner, {begin, begin + params[i].numel});
-    used = begin + params[i].numel;
-  }
-  for (auto& group : groups_) {
-    if (group.rows) continue;
-    const int64_t longest = *std::max_element(group.used.begin(), group.used.end());
-    group.shard_numel = align_up(std::max<int64_t>(1, longest), align);
-  }
-  // Row buckets (Note [Row buckets]): the trainable run cut at parameter boundaries into buckets;
-  // a split group's cut into one equal row per rank, a whole-kind group's parameters each in the
-  // row of its owner (Note [Rows of whole parameters]).
-  std::vector<int64_t> run(groups_.size(), 0);  // elements of the row buckets so far, per group
-  std::vector<int64_t> open(groups_.size(), -1);
-  row_buckets_.clear();
+// The row buckets while plan() fills them: each parameter's place in its bucket, and how much of
+// each bucket is filled, before the buckets' rows are sized and placed in the shards.
+struct FlatLayout::RowDraft {
   struct Placed {
     size_t param;
     size_t row_bucket;
@@ -116,32 +83,93 @@ void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std:
   std::vector<Placed> placed;
   std::vector<int64_t> chunk;              // per row bucket of a split group: elements of its run
   std::vector<std::vector<int64_t>> fill;  // per row bucket of a whole-kind group: each row's elements
-  auto open_bucket = [&](size_t g) {
+
+  // Opens a row bucket of group `g` in `layout`; returns its index.
+  int64_t open(FlatLayout& layout, size_t g) {
     FlatBucket bucket;
     bucket.group = g;
     bucket.owner = -1;
-    row_buckets_.push_back(std::move(bucket));
+    layout.row_buckets_.push_back(std::move(bucket));
     chunk.push_back(0);
-    fill.emplace_back(groups_[g].split ? 0 : world_size_, 0);
-    return static_cast<int64_t>(row_buckets_.size() - 1);
-  };
+    fill.emplace_back(layout.groups_[g].split ? 0 : layout.world_size_, 0);
+    return static_cast<int64_t>(layout.row_buckets_.size() - 1);
+  }
+};
+
+// The trainable run, in reverse parameter order: per owner (whole parameters), or as row buckets
+// (a split layout): cut into equal rows (split groups), or with each owner's whole parameters in
+// its row (whole-kind groups).
+void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of) {
+  pieces_of_.assign(params.size(), {});
+  place_per_owner(params, group_of);
+  // Row buckets (Note [Row buckets]): the trainable run cut at parameter boundaries into buckets;
+  // a split group's cut into one equal row per rank, a whole-kind group's parameters each in the
+  // row of its owner (Note [Rows of whole parameters]).
+  row_buckets_.clear();
+  RowDraft draft;
+  draft_split_rows(params, group_of, draft);
+  draft_whole_rows(params, group_of, draft);
+  place_rows(params, group_of, draft);
+}
+
+void FlatLayout::add_piece(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of, size_t i,
+                           Range in_param, int owner, Range in_shard) {
+  Piece piece;
+  piece.param = i;
+  piece.param_numel = params[i].numel;
+  piece.in_param = in_param;
+  piece.group = group_of[i];
+  piece.owner = owner;
+  piece.in_shard = in_shard;
+  pieces_of_[i].push_back(pieces_.size());
+  pieces_.push_back(piece);
+}
+
+// Whole parameters per owner (groups not in rows), padded to the longest shard.
+void FlatLayout::place_per_owner(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of) {
+  const int64_t align = options_.align();
+  for (size_t i = params.size(); i-- > 0;) {
+    if (!params[i].trainable || groups_[group_of[i]].rows) continue;
+    int64_t& used = groups_[group_of[i]].used[params[i].owner];
+    const int64_t begin = align_up(used, align);
+    add_piece(params, group_of, i, {0, params[i].numel}, params[i].owner, {begin, begin + params[i].numel});
+    used = begin + params[i].numel;
+  }
+  for (auto& group : groups_) {
+    if (group.rows) continue;
+    const int64_t longest = *std::max_element(group.used.begin(), group.used.end());
+    group.shard_numel = align_up(std::max<int64_t>(1, longest), align);
+  }
+}
+
+// Split groups: each parameter at the end of its group's open bucket, a new bucket when it would
+// pass bucket_bytes.
+void FlatLayout::draft_split_rows(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of,
+                                  RowDraft& draft) {
+  const int64_t align = options_.align();
+  std::vector<int64_t> open(groups_.size(), -1);
   for (size_t i = params.size(); i-- > 0;) {
     if (!params[i].trainable || !groups_[group_of[i]].split) continue;
     const size_t g = group_of[i];
     const int64_t element_size = static_cast<int64_t>(c10::elementSize(params[i].dtype));
     int64_t& b = open[g];
     if (b >= 0 && options_.bucket_bytes() > 0) {
-      const int64_t end = align_up(chunk[b], align) + params[i].numel;
+      const int64_t end = align_up(draft.chunk[b], align) + params[i].numel;
       if (end * element_size > options_.bucket_bytes()) b = -1;
     }
-    if (b < 0) b = open_bucket(g);
-    const int64_t start = align_up(chunk[b], align);
-    chunk[b] = start + params[i].numel;
-    placed.push_back({i, static_cast<size_t>(b), start});
+    if (b < 0) b = draft.open(*this, g);
+    const int64_t start = align_up(draft.chunk[b], align);
+    draft.chunk[b] = start + params[i].numel;
+    draft.placed.push_back({i, static_cast<size_t>(b), start});
   }
-  // Whole-kind groups: a bucket at a time, each owner's row takes that owner's next parameters (in
-  // reverse order) while they fit in the bucket's share of one rank, or in its longest first
-  // parameter, whichever is larger (Note [Rows of whole parameters]).
+}
+
+// Whole-kind groups: a bucket at a time, each owner's row takes that owner's next parameters (in
+// reverse order) while they fit in the bucket's share of one rank, or in its longest first
+// parameter, whichever is larger (Note [Rows of whole parameters]).
+void FlatLayout::draft_whole_rows(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of,
+                                  RowDraft& draft) {
+  const int64_t align = options_.align();
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (!groups_[g].rows || groups_[g].split) continue;
     std::vector<std::deque<size_t>> queue(world_size_);
@@ -158,24 +186,32 @@ void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std:
       }
       if (first < 0) break;
       const int64_t row = std::max(share, first);
-      const int64_t b = open_bucket(g);
+      const int64_t b = draft.open(*this, g);
       for (int owner = 0; owner < world_size_; ++owner) {
         auto& q = queue[owner];
-        int64_t& at = fill[b][owner];
+        int64_t& at = draft.fill[b][owner];
         for (bool empty = true; !q.empty() && (empty || align_up(at, align) + params[q.front()].numel <= row);
              empty = false) {
           const int64_t start = align_up(at, align);
           at = start + params[q.front()].numel;
-          placed.push_back({q.front(), static_cast<size_t>(b), start});
+          draft.placed.push_back({q.front(), static_cast<size_t>(b), start});
           q.pop_front();
         }
       }
     }
   }
+}
+
+// Sizes each row bucket's row, places the buckets one after another in their group's shard, and
+// the drafted parameters' pieces in them.
+void FlatLayout::place_rows(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of,
+                            const RowDraft& draft) {
+  const int64_t align = options_.align();
+  std::vector<int64_t> run(groups_.size(), 0);  // elements of the row buckets so far, per group
   for (size_t b = 0; b < row_buckets_.size(); ++b) {
     FlatBucket& bucket = row_buckets_[b];
-    const int64_t per_rank = groups_[bucket.group].split ? (chunk[b] + world_size_ - 1) / world_size_
-                                                         : *std::max_element(fill[b].begin(), fill[b].end());
+    const int64_t per_rank = groups_[bucket.group].split ? (draft.chunk[b] + world_size_ - 1) / world_size_
+                                                         : *std::max_element(draft.fill[b].begin(), draft.fill[b].end());
     const int64_t row = align_up(std::max<int64_t>(1, per_rank), align);
     bucket.in_shard = {run[bucket.group], run[bucket.group] + row};
     run[bucket.group] += row;
@@ -183,14 +219,14 @@ void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std:
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (groups_[g].rows) groups_[g].shard_numel = std::max<int64_t>(run[g], align);
   }
-  for (const Placed& at_param : placed) {
+  for (const RowDraft::Placed& at_param : draft.placed) {
     const size_t i = at_param.param;
     FlatBucket& bucket = row_buckets_[at_param.row_bucket];
     const int64_t row = bucket.numel(), base = bucket.in_shard.begin;
     if (!groups_[bucket.group].split) {  // whole, in its owner's row
       const int owner = params[i].owner;
       const Range in_bucket{at_param.start, at_param.start + params[i].numel};
-      add(i, {0, params[i].numel}, owner, {base + in_bucket.begin, base + in_bucket.end});
+      add_piece(params, group_of, i, {0, params[i].numel}, owner, {base + in_bucket.begin, base + in_bucket.end});
       Piece& piece = pieces_.back();
       piece.bucket = static_cast<int64_t>(at_param.row_bucket);  // renumbered by cut_buckets()
       piece.in_bucket = in_bucket;
@@ -202,7 +238,8 @@ void FlatLayout::place_pieces(const std::vector<LayoutParam>& params, const std:
     for (int64_t at = first; at < end || (at == end && at == first);) {
       const int owner = static_cast<int>(std::min<int64_t>(at / row, world_size_ - 1));
       const int64_t cut = std::min(end, (owner + 1) * row);
-      add(i, {at - first, cut - first}, owner, {base + at - owner * row, base + cut - owner * row});
+      add_piece(params, group_of, i, {at - first, cut - first}, owner,
+                {base + at - owner * row, base + cut - owner * row});
       Piece& piece = pieces_.back();
       piece.bucket = static_cast<int64_t>(at_param.row_bucket);  // renumbered by cut_buckets()
       piece.in_bucket = {at - owner * row, cut - owner * row};

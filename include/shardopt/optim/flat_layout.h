@@ -223,6 +223,15 @@ class FlatLayout {
   // The steps of plan(), in order.
   std::vector<size_t> make_groups(const std::vector<LayoutParam>& params);  // group of each parameter
   void place_pieces(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of);
+  // place_pieces' steps: whole parameters per owner; the row buckets drafted (split groups' runs,
+  // whole-kind groups' rows), then sized and their pieces placed.
+  struct RowDraft;
+  void place_per_owner(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of);
+  void draft_split_rows(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of, RowDraft& draft);
+  void draft_whole_rows(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of, RowDraft& draft);
+  void place_rows(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of, const RowDraft& draft);
+  void add_piece(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of, size_t i, Range in_param,
+                 int owner, Range in_shard);
   void place_frozen(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of);
   void cut_buckets(const std::vector<LayoutParam>& params);
   void cut_kept(const std::vector<LayoutParam>& params, const std::vector<size_t>& group_of);
@@ -232,7 +241,7 @@ class FlatLayout {
   LayoutOptions options_;
   std::vector<FlatGroup> groups_;
   std::vector<FlatBucket> buckets_;
-  std::vector<FlatBucket> row_buckets_;  // during plan(): split groups' buckets, until cut_buckets()
+  std::vector<FlatBucket> row_buckets_;  // during plan(): the row buckets, until cut_buckets()
   std::vector<Piece> pieces_;
   std::vector<std::vector<size_t>> pieces_of_;
   std::vector<std::vector<Keeping>> kept_;  // per parameter
