@@ -5,8 +5,8 @@
 // refresh_every 0 is the same run without shardopt::Resilient. The configurations run one after
 // the other, round by round (each built afresh), so that each is measured beside the others.
 // Rank 0 prints one JSON line per configuration: mean and median step (ms), the mean's ratio to
-// the run without copies, the time of one refresh, the host bytes of the copies and the resident
-// memory of the rank.
+// the run without copies, the time of one refresh, the minor page faults of a step without a
+// refresh, the host bytes of the copies and the resident memory of the rank.
 //
 // The same with replica blocks as the second copy (2 blocks of 2: no copy is sent):
 //   tools/launch -n 4 build/bench/survive_bench --refresh-every 0,1 --shard-group-size 2 --steps 100 --rounds 2
@@ -32,6 +32,7 @@
 #include <torch/csrc/api/include/torch/nn/functional/loss.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -47,6 +48,13 @@ using Clock = std::chrono::steady_clock;
 using shardopt::bench::GPT2Like;
 using shardopt::bench::median;
 
+// This process's minor page faults so far (a page touched for the first time since it was mapped).
+int64_t minor_faults() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_minflt;
+}
+
 double rss_mb() {
   std::ifstream statm("/proc/self/statm");
   long pages = 0, resident = 0;
@@ -60,6 +68,7 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 
 struct Measured {
   std::vector<double> steps, refreshes;
+  int64_t plain_faults = 0;  // minor page faults in the steps without a refresh
   int64_t copy_bytes = 0;
   double rss = 0.0;
 };
@@ -132,6 +141,7 @@ int main(int argc, char** argv) {
             std::raise(stop ? SIGSTOP : SIGKILL);
           }
           const int64_t refreshed_before = run ? run->refreshed_at() : -1;
+          const int64_t faults_before = minor_faults();
           const auto t0 = Clock::now();
           int64_t next = t + 1;
           if (run) {
@@ -168,7 +178,9 @@ int main(int argc, char** argv) {
             recovered_at.reset();
           }
           if (t >= warmup) {
-            (run && run->refreshed_at() != refreshed_before ? m.refreshes : m.steps).push_back(ms_between(t0, t1));
+            const bool refreshed = run && run->refreshed_at() != refreshed_before;
+            (refreshed ? m.refreshes : m.steps).push_back(ms_between(t0, t1));
+            if (!refreshed) m.plain_faults += minor_faults() - faults_before;
           }
           t = next;
         }
@@ -198,6 +210,7 @@ int main(int argc, char** argv) {
                        {"mean_ratio_to_first", mean(all) / base_mean},
                        {"refreshing_step_ms", m.refreshes.empty() ? 0.0 : median(m.refreshes)},
                        {"plain_step_ms", median(m.steps)},
+                       {"plain_step_faults_rank0", m.steps.empty() ? 0.0 : static_cast<double>(m.plain_faults) / static_cast<double>(m.steps.size())},
                        {"copy_bytes_rank0", m.copy_bytes},
                        {"rss_mb_rank0", m.rss}};
       std::cout << j.dump() << std::endl;

@@ -92,7 +92,14 @@ void PendingWork::wait_one(const c10::intrusive_ptr<c10d::Work>& work) {
     try {
       if (work->wait(std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(100))))) return;
     } catch (const std::exception&) {
-      if (work->isCompleted() || std::chrono::steady_clock::now() >= deadline) throw;
+      // A slice that ends as the work completes throws "Operation timed out!" for a work that then
+      // reads as completed: its outcome is its own untimed wait's (at once: it is complete), which
+      // throws only the work's own error.
+      if (work->isCompleted()) {
+        work->wait();
+        return;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) throw;
     }
     TORCH_CHECK(!failure_->broken, "abandoned: a rank saw a failure");
   }

@@ -1,0 +1,104 @@
+"""Gloo's own collectives against the same exchange as direct point-to-point transfers.
+
+A small all-reduce (a few int64, as the trainability check and the clearing evidence are) by
+Gloo's ring against one round of direct transfers (each rank sends its tensor to every other and
+combines them in rank order); and a row bucket's reduce-scatter and all-gather (Note [Rows] in
+csrc/comm/rows.cpp: direct transfers) against Gloo's all-reduce and all-gather of the same
+buffer. What a rank pays for each, at a world size where every transfer is latency:
+
+    $VENV/bin/torchrun --nproc-per-node 16 bench/comm/gloo_latency.py
+
+Rank 0 prints one line per operation and pass: the median of --iters timed calls (ms), each pass
+after --warmup calls; the operations alternate, two passes each.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small-numel", type=int, default=2, help="int64 elements of the small all-reduce")
+    parser.add_argument("--bucket-numel", type=int, default=40960, help="fp32 elements of the bucket")
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    small = torch.tensor([rank] * args.small_numel, dtype=torch.int64)
+    numel = args.bucket_numel - args.bucket_numel % world
+    row = numel // world
+    flat = torch.randn(numel)
+
+    def exchange(send_of, recv_into, tag):
+        works = []
+        for k in range(1, world):
+            dst, src = (rank + k) % world, (rank - k) % world
+            works.append(dist.isend(send_of(dst), dst, tag=tag))
+            works.append(dist.irecv(recv_into(src), src, tag=tag))
+        for w in works:
+            w.wait()
+
+    def small_direct():
+        got = [None] * world
+        got[rank] = small
+
+        def into(src):
+            got[src] = torch.empty_like(small)
+            return got[src]
+
+        exchange(lambda dst: small, into, 1)
+        out = got[0].clone()
+        for t in got[1:]:
+            torch.maximum(out, t, out=out)
+
+    def rows_reduce_scatter():
+        got = []
+
+        def into(src):
+            got.append(torch.empty(row))
+            return got[-1]
+
+        exchange(lambda dst: flat[dst * row:(dst + 1) * row], into, 2)
+        mine = flat[rank * row:(rank + 1) * row].clone()
+        for t in got:
+            mine += t
+
+    def rows_allgather():
+        exchange(lambda dst: flat[rank * row:(rank + 1) * row], lambda src: flat[src * row:(src + 1) * row], 3)
+
+    def gloo_allgather():
+        out = torch.empty(numel)
+        dist.all_gather_into_tensor(out, flat[rank * row:(rank + 1) * row].clone())
+
+    ops = [
+        ("small all-reduce, Gloo's ring", lambda: dist.all_reduce(small, op=dist.ReduceOp.MAX)),
+        ("small all-reduce, direct transfers", small_direct),
+        ("bucket reduce-scatter, Gloo's all-reduce", lambda: dist.all_reduce(flat)),
+        ("bucket reduce-scatter, direct transfers (rows)", rows_reduce_scatter),
+        ("bucket all-gather, Gloo's", gloo_allgather),
+        ("bucket all-gather, direct transfers (rows)", rows_allgather),
+    ]
+    for _ in range(2):
+        for name, op in ops:
+            for _ in range(args.warmup):
+                op()
+            times = []
+            for _ in range(args.iters):
+                dist.barrier()
+                start = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - start)
+            times.sort()
+            if rank == 0:
+                print(f"world {world}: {name}: {times[len(times) // 2] * 1e3:.3f} ms", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
