@@ -34,7 +34,7 @@ namespace shardopt {
 // backend is kept for the life of the process rather than destroyed with the group (destroying
 // it waits for threads that may be blocked on the dead peer until the timeout).
 // So every rank of the group leaves whatever phase it is in within about a second of the first
-// failure, and whoever watches the group (a resilient run's recovery) takes it from there. The
+// failure, and whoever watches the group (the job's recovery) takes it from there. The
 // roll call that names dead ranks in an error is skipped: the watcher makes its own, on every
 // survivor alike.
 

@@ -36,7 +36,7 @@ const std::vector<LaunchVariable> kLaunchVariables = {
     {"SHARDOPT_FUSED_KERNELS", "default|avx2: caps the fused step's instruction set"},
     {"SHARDOPT_ANNOUNCE_VERSION", "replaces the shardopt version a rank announces at join (tests the refusal)"},
     {"SHARDOPT_ANNOUNCE_TORCH_VERSION", "replaces the LibTorch version a rank announces at join and a replacement "
-                                        "announces to a resilient run (tests the refusal)"},
+                                        "announces to the job it joins (tests the refusal)"},
     {"TORCHELASTIC_RESTART_COUNT", "torchrun: how many times the agent has restarted the workers; `shardopt train` "
                                    "then resumes from --checkpoint-dir by itself"},
     {"SHARDOPT_FAULT_AT_STEP", "R:S: `shardopt train`'s rank R kills itself (SIGKILL) before step S, in a run not "
