@@ -1,5 +1,6 @@
 #include <shardopt/testing/introspection.h>
 
+#include "comm/failure_watch.h"
 #include "comm/wire_codec.h"
 #include "ddp/grad_slabs.h"
 #include "optim/fused_kernels.h"
@@ -7,6 +8,8 @@
 
 #include <shardopt/check.h>
 
+#include <exception>
+#include <memory>
 #include <utility>
 
 namespace shardopt::testing {
@@ -52,6 +55,19 @@ int Introspection::cpu_kernel_level() {
 
 void Introspection::cap_cpu_kernels(int level) {
   detail::cap_cpu_kernels(level);
+}
+
+bool Introspection::wait_watched(PendingWork& work, std::string& error) {
+  auto watch = std::make_shared<detail::GroupFailure>();
+  watch->watching = true;
+  work.set_failure_watch(watch);
+  error.clear();
+  try {
+    work.wait();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  return watch->broken;
 }
 
 }  // namespace shardopt::testing

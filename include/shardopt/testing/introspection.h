@@ -106,6 +106,13 @@ struct Introspection {
   // it at `level` to compare the builds (-1: as SHARDOPT_FUSED_KERNELS says).
   static int cpu_kernel_level();
   static void cap_cpu_kernels(int level);
+
+  // ---- a group's waits ----
+  // Waits for `work` under a failure watch of its own, as every wait of a group that goes on
+  // after a death is waited for (Note [Failure watch] in csrc/comm/failure_watch.cpp): a Gloo
+  // collective's wait runs in slices. Returns whether the wait marked the watch broken; what the
+  // wait threw, if anything, goes to `error`.
+  static bool wait_watched(PendingWork& work, std::string& error);
 };
 
 }  // namespace shardopt::testing
