@@ -4,7 +4,9 @@ A small all-reduce (a few int64, as the trainability check and the clearing evid
 Gloo's ring against one round of direct transfers (each rank sends its tensor to every other and
 combines them in rank order); and a row bucket's reduce-scatter and all-gather (Note [Rows] in
 csrc/comm/rows.cpp: direct transfers) against Gloo's all-reduce and all-gather of the same
-buffer. What a rank pays for each, at a world size where every transfer is latency:
+buffer, and both as log2(world) rounds of one peer each (recursive halving and doubling, at a
+power-of-two world size). What a rank pays for each, at a world size where every transfer is
+latency:
 
     $VENV/bin/torchrun --nproc-per-node 16 bench/comm/gloo_latency.py
 
@@ -72,6 +74,34 @@ def main():
     def rows_allgather():
         exchange(lambda dst: flat[rank * row:(rank + 1) * row], lambda src: flat[src * row:(src + 1) * row], 3)
 
+    # The same exchanges in log2(world) rounds of one peer each (world a power of two): each rank
+    # sends and receives the same bytes as by direct transfers, in 2 log2(world) transfers instead
+    # of 2 (world - 1), but each round waits for the one before it.
+    def halving_reduce_scatter():
+        buf = flat.clone()
+        lo, hi, mask = 0, world, world // 2
+        while mask:
+            peer, mid = rank ^ mask, (lo + hi) // 2
+            keep, give = ((lo, mid), (mid, hi)) if rank & mask == 0 else ((mid, hi), (lo, mid))
+            got = torch.empty((keep[1] - keep[0]) * row)
+            works = [dist.isend(buf[give[0] * row:give[1] * row], peer, tag=4), dist.irecv(got, peer, tag=4)]
+            for w in works:
+                w.wait()
+            buf[keep[0] * row:keep[1] * row] += got
+            lo, hi = keep
+            mask //= 2
+
+    def doubling_allgather():
+        lo, hi, mask = rank, rank + 1, 1
+        while mask < world:
+            peer, peer_lo = rank ^ mask, (lo // mask ^ 1) * mask
+            works = [dist.isend(flat[lo * row:hi * row], peer, tag=5),
+                     dist.irecv(flat[peer_lo * row:(peer_lo + mask) * row], peer, tag=5)]
+            for w in works:
+                w.wait()
+            lo, hi = min(lo, peer_lo), max(hi, peer_lo + mask)
+            mask *= 2
+
     def gloo_allgather():
         out = torch.empty(numel)
         dist.all_gather_into_tensor(out, flat[rank * row:(rank + 1) * row].clone())
@@ -84,6 +114,9 @@ def main():
         ("bucket all-gather, Gloo's", gloo_allgather),
         ("bucket all-gather, direct transfers (rows)", rows_allgather),
     ]
+    if world & (world - 1) == 0:
+        ops += [("bucket reduce-scatter, recursive halving", halving_reduce_scatter),
+                ("bucket all-gather, recursive doubling", doubling_allgather)]
     for _ in range(2):
         for name, op in ops:
             for _ in range(args.warmup):
