@@ -3,7 +3,8 @@ mpirun and srun themselves need not be installed), ranks refused at join, and ra
 SIGKILL in each phase of training: the survivors' errors name the dead rank, the collective and
 the phase, within the bound.
 
-Run by ctest; MP_WORKER names tests/mp_worker.
+Run by ctest as two tests that name their cases (tests/CMakeLists.txt: the timed ones run alone);
+a new case is named in one of them. MP_WORKER names tests/mp_worker.
 """
 import os
 import re
