@@ -53,10 +53,12 @@ void GradSlabs::reset(const FlatLayout& layout, int rank) {
 at::Tensor& GradSlabs::bucket_memory(size_t bucket, const at::TensorOptions& options) {
   TORCH_INTERNAL_ASSERT(layout_ != nullptr, "GradSlabs used before reset()");
   const auto& buckets = layout_->buckets();
-  TORCH_INTERNAL_ASSERT(bucket < buckets.size() && layout_->holds_piece_of(bucket, rank_), "bucket ", bucket, " of ",
-                        buckets.size(), " is not owned by rank ", rank_);
+  TORCH_INTERNAL_ASSERT(bucket < buckets.size(), "bucket ", bucket, " of ", buckets.size());
   const size_t group = buckets[bucket].group;
   if (!slabs_[group].defined()) carve(group, options);
+  // (carve gives memory to exactly the buckets this rank holds a piece of)
+  TORCH_INTERNAL_ASSERT(bucket_memory_[bucket].defined(), "bucket ", bucket, " of ", buckets.size(),
+                        " is not owned by rank ", rank_);
   return bucket_memory_[bucket];
 }
 
