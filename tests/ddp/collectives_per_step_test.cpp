@@ -157,8 +157,8 @@ TEST(CollectivesPerStep, DoNotGrowWithTheWorldSize) {
   const auto fixed = count_at({2, 4, 16, 64}, ShardedDDPOptions().reduce_bucket_bytes(1024).bucket_bytes_per_rank(0));
   if (::testing::Test::HasFatalFailure()) return;
   expect_flat_in_world_size(fixed, 2);
-  // The default rule (bucket_bytes_for: at least 8 MiB, 1 MiB more per rank): one bucket (at 64
-  // ranks too, where the 1 KiB buckets above already show the count flat).
+  // The default rule (bucket_bytes_for: at least 8 MiB, 1 MiB more per rank): one bucket. Up to
+  // 16 ranks: the 1 KiB buckets above show the count flat at 64.
   const auto by_default = count_at({2, 4, 16}, ShardedDDPOptions());
   if (::testing::Test::HasFatalFailure()) return;
   expect_flat_in_world_size(by_default, 1);
