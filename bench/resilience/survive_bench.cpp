@@ -210,7 +210,8 @@ int main(int argc, char** argv) {
                        {"mean_ratio_to_first", mean(all) / base_mean},
                        {"refreshing_step_ms", m.refreshes.empty() ? 0.0 : median(m.refreshes)},
                        {"plain_step_ms", median(m.steps)},
-                       {"plain_step_faults_rank0", m.steps.empty() ? 0.0 : static_cast<double>(m.plain_faults) / static_cast<double>(m.steps.size())},
+                       {"plain_step_faults_rank0",
+                        m.steps.empty() ? 0.0 : static_cast<double>(m.plain_faults) / static_cast<double>(m.steps.size())},
                        {"copy_bytes_rank0", m.copy_bytes},
                        {"rss_mb_rank0", m.rss}};
       std::cout << j.dump() << std::endl;

@@ -233,7 +233,8 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
   }
   if (joining) {
     SHARDOPT_CHECK(backend == "gloo", "rank ", options.rank(), " arrived after its job's rendezvous closed (it was ",
-                   "started to replace a rank of a job that went on after a death), which is not supported on NCCL yet");
+                   "started to replace a rank of a job that went on after a death), which is not supported on ",
+                   "NCCL yet");
     // A group of one over a store of its own until the job admits it.
     auto alone = factory(c10::make_intrusive<c10d::HashStore>(), 0, 1);
     auto group = std::make_shared<ProcessGroup>(alone, options.timeout());
