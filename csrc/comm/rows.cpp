@@ -3,6 +3,7 @@
 #include <shardopt/check.h>
 #include <shardopt/comm/process_group.h>
 
+#include "comm/row_rounds.h"
 #include "comm/sum_into.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -26,7 +27,9 @@ namespace shardopt {
 // least any scheme can, and no two ranks send to the same rank at the same step. The owner sums
 // what it received into its row in rank order, its own row first, as the reduce to one owner
 // does: the same bits as that path for the same row. One tag serves every transfer of one
-// collective (each ordered pair of ranks exchanges one message in it).
+// collective (each ordered pair of ranks exchanges one message in it). At a power-of-two size of
+// 8 or more, where each of these transfers is mostly latency, small rows go in log2(size) rounds
+// of one peer each instead (Note [Row rounds] in row_rounds.cpp).
 namespace {
 
 int64_t nbytes(const at::Tensor& t) {
@@ -79,6 +82,12 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
   }
   // NCCL's reduce-scatter reads this rank's contribution from its row of the input.
   if (own_in_out && backend_name_ != "gloo") flat.narrow(0, rank_ * row, row).copy_(out);
+  if (flat.is_cpu() && detail::reduce_scatter_by_rounds(*backend_, size_, row * flat.element_size())) {
+    const detail::RoundsOf group{backend_.get(), failure_, rank_, size_, timeout_, next_p2p_tag()};
+    at::Tensor own = own_in_out ? out : flat.narrow(0, rank_ * row, row);
+    return track(kind, nbytes(flat),
+                 [&] { return detail::start_reduce_scatter_rounds(group, flat, own, mine, divisor); });
+  }
   if (backend_name_ == "gloo") {
     const int tag = next_p2p_tag();
     at::Tensor host = staged(flat);  // a CUDA tensor's pinned copy (Note [Staging])
@@ -138,6 +147,10 @@ PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat, std::optional<a
   check_in(kind, nbytes(flat), -1);
   const int64_t row = flat.numel() / size_;
   if (size_ == 1) return PendingWork();
+  if (flat.is_cpu() && detail::allgather_by_rounds(*backend_, size_)) {
+    const detail::RoundsOf group{backend_.get(), failure_, rank_, size_, timeout_, next_p2p_tag()};
+    return track(kind, nbytes(flat), [&] { return detail::start_allgather_rounds(group, flat); });
+  }
   if (backend_name_ == "gloo") {
     const int tag = next_p2p_tag();
     at::Tensor host = staged(flat);

@@ -115,6 +115,112 @@ TEST(Rows, SeveralInFlightAtOnceKeepTheirData) {
   });
 }
 
+// At a power-of-two size of 8 or more, small rows go in log2(size) rounds (Note [Row rounds]):
+// every rank's row is the sum over ranks, exactly (whole numbers, so any order of summing gives
+// the same bits) and, for random data, to float's rounding; the own contribution may sit in an
+// output row; one collective each in stats(), counting the buffer's bytes.
+TEST(Rows, RoundsAtPowerOfTwoSizesSumEachRowOnItsOwner) {
+  for (int world : {8, 16}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank();
+      const int64_t row = 1001;  // 4 KB of float: rounds
+      for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+        for (double divisor : {1.0, static_cast<double>(world)}) {
+          at::manual_seed(400 + r);
+          at::Tensor flat = at::randint(-8, 9, {row * world}, at::kDouble).to(dtype);
+          const std::vector<at::Tensor> all = everyones(*g, flat);
+          at::Tensor expected = at::zeros({row}, at::kDouble);
+          for (int k = 0; k < world; ++k) expected.add_(all[k].narrow(0, r * row, row).to(at::kDouble));
+          expected = (expected / divisor).to(dtype);
+          g->reset_stats();
+          at::Tensor plain = flat.clone();
+          g->reduce_scatter_rows_async(plain, divisor).wait();
+          EXPECT_TRUE(plain.narrow(0, r * row, row).equal(expected)) << "world " << world << " " << dtype;
+          EXPECT_EQ(g->stats().calls[CommStats::kReduceScatter], 1);
+          EXPECT_EQ(g->stats().bytes[CommStats::kReduceScatter], flat.numel() * flat.element_size());
+          at::Tensor to = at::empty({row}, flat.options());
+          at::Tensor again = flat.clone();
+          g->reduce_scatter_rows_async(again, divisor, to).wait();
+          EXPECT_TRUE(to.equal(expected)) << "to, world " << world << " " << dtype;
+          at::Tensor out = flat.narrow(0, r * row, row).clone();
+          at::Tensor elsewhere = flat.clone();
+          elsewhere.narrow(0, r * row, row).fill_(100);
+          g->reduce_scatter_rows_into_async(elsewhere, out, divisor).wait();
+          EXPECT_TRUE(out.equal(expected)) << "into, world " << world << " " << dtype;
+          EXPECT_TRUE(elsewhere.narrow(0, r * row, row).equal(at::full({row}, 100, flat.options())))
+              << "the own row of the buffer is left alone";
+          // Each owner's row, different on every rank, reaches every rank.
+          at::Tensor owned_row = at::randint(-8, 9, {row}, at::kDouble).to(dtype);
+          plain.narrow(0, r * row, row).copy_(owned_row);
+          const std::vector<at::Tensor> owned = everyones(*g, owned_row);
+          g->reset_stats();
+          g->allgather_rows_async(plain).wait();
+          for (int k = 0; k < world; ++k) {
+            EXPECT_TRUE(plain.narrow(0, k * row, row).equal(owned[k])) << "row " << k << " on rank " << r;
+          }
+          EXPECT_EQ(g->stats().calls[CommStats::kAllgather], 1);
+          EXPECT_EQ(g->stats().bytes[CommStats::kAllgather], flat.numel() * flat.element_size());
+        }
+      }
+      // Random floats: the tree's sum, within float's rounding of the exact one.
+      at::manual_seed(500 + r);
+      at::Tensor flat = at::randn({row * world});
+      const std::vector<at::Tensor> all = everyones(*g, flat);
+      at::Tensor exact = at::zeros({row}, at::kDouble);
+      for (int k = 0; k < world; ++k) exact.add_(all[k].narrow(0, r * row, row).to(at::kDouble));
+      g->reduce_scatter_rows_async(flat).wait();
+      EXPECT_TRUE(at::allclose(flat.narrow(0, r * row, row).to(at::kDouble), exact, 1e-5, 1e-5));
+    });
+  }
+}
+
+// Rounds run on each group's worker thread in the order they were started, so ranks may wait for
+// them in different orders (here half the ranks wait for the all-gather started second first,
+// with one of Gloo's own all-reduces between them) and every rank still gets its data.
+TEST(Rows, RoundsWaitedInDifferentOrdersOnDifferentRanksComplete) {
+  run_ranks(8, [](std::shared_ptr<ProcessGroup> g) {
+    const int r = g->rank();
+    const int64_t row = 64;
+    at::Tensor grads = at::full({row * 8}, static_cast<double>(r + 1));
+    at::Tensor params = at::full({row * 8}, -1.0);
+    params.narrow(0, r * row, row).fill_(10.0 * r);
+    at::Tensor count = at::ones({1});
+    PendingWork reduce = g->reduce_scatter_rows_async(grads);
+    PendingWork total = g->allreduce_async(count);
+    PendingWork gather = g->allgather_rows_async(params);
+    if (r % 2 == 1) {
+      gather.wait();
+      total.wait();
+      reduce.wait();
+    } else {
+      reduce.wait();
+      total.wait();
+      gather.wait();
+    }
+    EXPECT_TRUE(grads.narrow(0, r * row, row).equal(at::full({row}, 36.0)));  // 1 + 2 + .. + 8
+    EXPECT_EQ(count.item<float>(), 8.0f);
+    for (int k = 0; k < 8; ++k) EXPECT_TRUE(params.narrow(0, k * row, row).equal(at::full({row}, 10.0 * k)));
+  });
+}
+
+// A rank that never starts the collective: every other rank's wait ends within its timeout with
+// an error naming the reduce-scatter and the rank, not a hang.
+TEST(Rows, RoundsWithARankMissingFailWithinTheTimeout) {
+  const auto errors = testing::run_ranks_collect_errors(
+      8,
+      [](std::shared_ptr<ProcessGroup> g) {
+        if (g->rank() == 0) return;
+        at::Tensor flat = at::ones({8 * 16});
+        g->reduce_scatter_rows_async(flat).wait();
+      },
+      std::chrono::seconds(2));
+  EXPECT_EQ(errors[0], "");
+  for (int r = 1; r < 8; ++r) {
+    EXPECT_NE(errors[r].find("reduce_scatter"), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("on rank " + std::to_string(r)), std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
 TEST(Rows, AWorldOfOneDividesOnly) {
   run_ranks(1, [](std::shared_ptr<ProcessGroup> g) {
     at::Tensor flat = at::full({5}, 6.0);

@@ -128,6 +128,18 @@ class RankZeroAndTwoFailures(Base):
             self.assertRegex(out, rf"\[rank {r}\] survive_worker: .*3 ranks are left, fewer than min_world_size 4")
 
 
+class EightRanks(Base):
+    """World 8 -> 7: at a power-of-two world of 8 the row buckets' reduce-scatter and all-gather go in
+    rounds on each group's Gloo worker thread (Note [Row rounds]); a death in either is survived
+    like one in the direct transfers."""
+
+    def test_a_death_in_the_rounds_of_backward_and_of_the_parameter_sync(self):
+        for phase, nth in [("backward (gradient reductions)", 40), ("step (parameter sync)", 9)]:
+            with self.subTest(phase=phase):
+                out = self.survive(8, f"5:{phase}:{nth}", [5], "--refresh-every", 1)
+                self.assertRegex(out, r"recovered: rank 5 died .* rolled back 0 steps to step \d+; world size 8 -> 7")
+
+
 class DeathDuringARefresh(Base):
     """A rank dies as it enters a refresh of the copies (refresh_every 1): the survivors that had
     made the new copies keep the previous ones too, and recovery goes back to the newest refresh

@@ -1,0 +1,174 @@
+// Rows in log2(size) rounds of one peer each: recursive halving for the reduce-scatter, recursive
+// doubling for the all-gather, run on Gloo's worker thread (Note [Row rounds]).
+#include "comm/row_rounds.h"
+
+#include <shardopt/check.h>
+
+#include "comm/failure_watch.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <functional>
+#include <utility>
+#include <vector>
+
+namespace shardopt::detail {
+
+// Note [Row rounds]
+// Note [Rows]'s direct transfers cost each rank 2(size - 1) point-to-point operations per
+// collective. Where every transfer is latency (small rows, many ranks) that count is the cost:
+// at 16 ranks a 40,960-float bucket's reduce-scatter took 16-19 ms by direct transfers and 9-11
+// ms in four rounds of one peer each, its all-gather 14-17 against 7-9 (docs/benchmarks.md,
+// "Ranks as processes at world 16"). So at a power-of-two size of at least kRoundsMinSize, on
+// Gloo and for CPU buffers on the exact wire, the rows go in log2(size) rounds:
+// - reduce-scatter, recursive halving: at distance d = size/2, size/4, .., 1, a rank keeps the
+//   half of its range of rows that holds its own row, sends the other half to rank ^ d, and adds
+//   what that rank sends of the kept half. The first round adds into a buffer of half the rows,
+//   so `flat` is only read, as by direct transfers; this rank's contribution to its own row is
+//   read from `own` (ShardedDDP's own gradients of a row bucket stay where they are). The sum is
+//   a tree, this rank's own contribution first, then one partner's partial sum per round: the
+//   same on every run, but not the rank-order chain of the direct transfers and of the reduce
+//   to one owner. It is used only while a row is at most kRoundsRowBytes: on large rows the
+//   halving's passes over memory cost more than the transfers it saves (at 8 ranks a 4 MiB
+//   bucket's reduce-scatter took 13.6-13.9 ms in rounds against 10.2-10.6 direct).
+// - all-gather, recursive doubling: at distance d = 1, 2, .., size/2, a rank sends the d rows it
+//   holds to rank ^ d and receives that rank's d, in place. Rounds were as fast or faster at every
+//   size measured, so it has no row limit.
+// Each rank sends (size - 1) / size of the buffer either way, the least any scheme can (the wire
+// bytes do not change), and each ordered pair of ranks exchanges at most one message per
+// collective, so one tag serves it. A round can start only when the round before it has
+// arrived, so something must drive the rounds while the rank computes: the collective is a work
+// on the Gloo backend's queue, run by its worker thread in the order collectives were started,
+// as Gloo's own collectives are. Every rank starts its collectives in the same order, so the
+// earliest unfinished one is running on every rank and none waits for a peer that is busy with a
+// later one: waiting for them in any order cannot deadlock. The sum of the reduce-scatter is
+// done there too, overlapping the rank's own work. Each transfer is waited for at most the
+// group's timeout, and under the failure watch a group broken elsewhere aborts it
+// (Note [Failure watch]); a failure fails the work, whose wait names the collective.
+namespace {
+
+// ProcessGroupGloo's queue of works for its worker thread (protected: reached through a
+// pointer to the member, named in a derived class).
+struct GlooQueue : c10d::ProcessGroupGloo {
+  static auto entry() { return &GlooQueue::enqueue; }
+};
+
+class Rounds final : public c10d::ProcessGroupGloo::AsyncWork {
+ public:
+  Rounds(std::function<void()> body, c10d::OpType type, std::chrono::milliseconds timeout)
+      : AsyncWork(nullptr, {}, type, 0, timeout), body_(std::move(body)) {}
+  void run() override {
+    body_();
+    body_ = nullptr;  // the tensors it holds
+  }
+  const std::vector<at::Tensor> getInputTensors() override { return {}; }
+  const std::vector<at::Tensor> getOutputTensors() override { return {}; }
+
+ private:
+  std::function<void()> body_;
+};
+
+c10::intrusive_ptr<c10d::Work> start_rounds(const RoundsOf& group, c10d::OpType type, std::function<void()> body) {
+  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(group.backend);
+  SHARDOPT_CHECK(gloo, "rows by rounds need a Gloo backend");
+  auto work = c10::make_intrusive<Rounds>(std::move(body), type, group.timeout);
+  (gloo->*GlooQueue::entry())(work);
+  return work;
+}
+
+void wait_transfer(const RoundsOf& group, const c10::intrusive_ptr<c10d::Work>& work) {
+  GroupFailure& failure = *group.failure;
+  if (!failure.watching) {
+    TORCH_CHECK(work->wait(group.timeout), "not completed");
+    return;
+  }
+  TORCH_CHECK(!failure.broken, "abandoned: a rank saw a failure");
+  failure.waiting(work);
+  bool completed = false;
+  try {
+    completed = work->wait(group.timeout);
+  } catch (...) {
+    failure.done(work);
+    throw;
+  }
+  failure.done(work);
+  TORCH_CHECK(completed, failure.broken ? "aborted: a rank saw a failure" : "not completed");
+}
+
+// Sends `out` to `peer` and receives `in` from it, both in flight together.
+void exchange(const RoundsOf& group, const at::Tensor& out, const at::Tensor& in, int peer) {
+  TORCH_CHECK(!group.failure->broken || !group.failure->watching, "abandoned: a rank saw a failure");
+  std::vector<at::Tensor> outs{out}, ins{in};
+  auto send = group.backend->send(outs, peer, group.tag);
+  auto recv = group.backend->recv(ins, peer, group.tag);
+  wait_transfer(group, send);
+  wait_transfer(group, recv);
+}
+
+bool power_of_two_at_least(int size, int least) { return size >= least && (size & (size - 1)) == 0; }
+
+}  // namespace
+
+bool reduce_scatter_by_rounds(c10d::Backend& backend, int size, int64_t row_bytes) {
+  return power_of_two_at_least(size, kRoundsMinSize) && row_bytes <= kRoundsRowBytes &&
+         dynamic_cast<c10d::ProcessGroupGloo*>(&backend) != nullptr;
+}
+
+bool allgather_by_rounds(c10d::Backend& backend, int size) {
+  return power_of_two_at_least(size, kRoundsMinSize) && dynamic_cast<c10d::ProcessGroupGloo*>(&backend) != nullptr;
+}
+
+c10::intrusive_ptr<c10d::Work> start_reduce_scatter_rounds(const RoundsOf& group, at::Tensor flat, at::Tensor own,
+                                                           at::Tensor result, double divisor) {
+  return start_rounds(group, c10d::OpType::REDUCE_SCATTER, [group, flat, own, result, divisor]() mutable {
+    at::NoGradGuard no_grad;
+    const int size = group.size, rank = group.rank;
+    const int64_t row = flat.numel() / size;
+    at::Tensor incoming = at::empty({row * (size / 2)}, flat.options());
+    at::Tensor sum = at::empty({row * (size / 2)}, flat.options());  // rows [base, base + size/2)
+    int base = 0, lo = 0, n = size;
+    for (int d = size / 2; d >= 1; d /= 2) {
+      const int half = n / 2;
+      const bool low = (rank & d) == 0;
+      const int keep = low ? lo : lo + half, give = low ? lo + half : lo;
+      at::Tensor in = incoming.narrow(0, 0, half * row);
+      if (d == size / 2) {
+        exchange(group, flat.narrow(0, give * row, half * row), in, rank ^ d);
+        base = keep;
+        // sum = this rank's kept rows (its own row from `own`) + the partner's
+        const int64_t before = (rank - keep) * row, after = (keep + half - rank - 1) * row;
+        auto seg = [&](int64_t at_row, int64_t from, int64_t len, const at::Tensor& mine) {
+          if (len == 0) return;
+          at::Tensor to = sum.narrow(0, at_row, len);
+          at::add_out(to, mine, in.narrow(0, from, len));
+        };
+        seg(0, 0, before, flat.narrow(0, keep * row, before));
+        seg(before, before, row, own);
+        seg(before + row, before + row, after, flat.narrow(0, (rank + 1) * row, after));
+      } else {
+        exchange(group, sum.narrow(0, (give - base) * row, half * row), in, rank ^ d);
+        sum.narrow(0, (keep - base) * row, half * row).add_(in);
+      }
+      lo = keep;
+      n = half;
+    }
+    result.copy_(sum.narrow(0, (rank - base) * row, row));
+    if (divisor != 1.0) result.div_(divisor);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> start_allgather_rounds(const RoundsOf& group, at::Tensor flat) {
+  return start_rounds(group, c10d::OpType::ALLGATHER, [group, flat] {
+    const int rank = group.rank;
+    const int64_t row = flat.numel() / group.size;
+    for (int d = 1; d < group.size; d *= 2) {
+      const int peer = rank ^ d;
+      exchange(group, flat.narrow(0, (rank / d) * d * row, d * row), flat.narrow(0, (peer / d) * d * row, d * row),
+               peer);
+    }
+  });
+}
+
+}  // namespace shardopt::detail
