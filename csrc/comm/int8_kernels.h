@@ -12,7 +12,8 @@ namespace shardopt::detail {
 
 // Over blocks [begin, end) of n elements (the packed layout of Note [Int8 wire]: n int8 values,
 // then one fp32 scale per block):
-// - int8_encode: x's blocks quantised into `packed`;
+// - int8_encode: x's blocks quantised into `packed`, and, with `rounded` (which may be x),
+//   dequantised into it in the same pass: int8_decode's bits;
 // - int8_decode: `packed`'s blocks dequantised into `out`;
 // - int8_sum: out = decode(encode(own)) + decode(incoming[0]) + ..., each product rounded then
 //   added in that order, out[i] divided by `divisor` where i < numel;
@@ -22,7 +23,7 @@ namespace shardopt::detail {
 #define SHARDOPT_INT8_KERNELS(ns)                                                                                 \
   namespace ns {                                                                                                  \
   void int8_feed_back(float* x, uint16_t* residual, int64_t n, int64_t begin, int64_t end);                       \
-  void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed);                       \
+  void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed, float* rounded);       \
   void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out);                     \
   void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin,         \
                 int64_t end, int64_t numel, float divisor, float* out);                                           \
@@ -33,7 +34,7 @@ SHARDOPT_INT8_KERNELS(int8_avx512)
 #undef SHARDOPT_INT8_KERNELS
 
 // The build this CPU runs (kernels_default, _avx2 or _avx512 by cpu_kernel_level()), then the call.
-void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed);
+void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed, float* rounded);
 void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out);
 void int8_feed_back(float* x, uint16_t* residual, int64_t n, int64_t begin, int64_t end);
 void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin, int64_t end,

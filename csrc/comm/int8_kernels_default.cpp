@@ -6,11 +6,11 @@
 
 namespace shardopt::detail {
 
-void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed) {
+void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed, float* rounded) {
   switch (cpu_kernel_level()) {
-    case 2: return int8_avx512::int8_encode(x, n, begin, end, packed);
-    case 1: return int8_avx2::int8_encode(x, n, begin, end, packed);
-    default: return int8_default::int8_encode(x, n, begin, end, packed);
+    case 2: return int8_avx512::int8_encode(x, n, begin, end, packed, rounded);
+    case 1: return int8_avx2::int8_encode(x, n, begin, end, packed, rounded);
+    default: return int8_default::int8_encode(x, n, begin, end, packed, rounded);
   }
 }
 

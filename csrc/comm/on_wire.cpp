@@ -20,9 +20,8 @@ PendingWork ProcessGroup::broadcast_on_wire(at::Tensor& tensor, int root, at::Sc
   // The root rounds in place; the others decode what arrives (Note [Parameter wire]).
   const detail::WireCodec codec(wire);
   at::Tensor flat = tensor.view(-1);
-  at::Tensor packed = rank_ == root ? codec.encode(flat)
-                                    : at::empty({codec.packed_numel(flat.numel())}, tensor.options().dtype(codec.packed_dtype()));
-  if (rank_ == root) codec.decode_into(packed, flat);
+  at::Tensor packed = at::empty({codec.packed_numel(flat.numel())}, tensor.options().dtype(codec.packed_dtype()));
+  if (rank_ == root) codec.encode_rounding(flat, packed);
   PendingWork work = broadcast_async(packed, root);
   if (rank_ != root) work.and_then([flat, packed, codec]() mutable { codec.decode_into(packed, flat); });
   return work;
@@ -143,8 +142,7 @@ PendingWork ProcessGroup::allgather_rows_on_wire(at::Tensor& flat, at::ScalarTyp
   const int64_t packed_row = codec.packed_numel(row);
   at::Tensor own = flat.narrow(0, rank_ * row, row);
   at::Tensor packed = at::empty({packed_row * size_}, flat.options().dtype(codec.packed_dtype()));
-  codec.encode_into(own, packed.narrow(0, rank_ * packed_row, packed_row));
-  codec.decode_into(packed.narrow(0, rank_ * packed_row, packed_row), own);
+  codec.encode_rounding(own, packed.narrow(0, rank_ * packed_row, packed_row));
   PendingWork work = allgather_rows_async(packed);
   work.and_then([flat, packed, rank = rank_, size = size_, row, packed_row, codec]() mutable {
     for (int r = 0; r < size; ++r) {  // this rank's row is current already

@@ -106,7 +106,7 @@ void detail::WireCodec::encode_into(const at::Tensor& x, at::Tensor packed) cons
   if (cpu_float(x) && packed.is_cpu() && packed.is_contiguous()) {  // one pass over each block, in cache
     const float* src = x.data_ptr<float>();
     uint8_t* dst = packed.data_ptr<uint8_t>();
-    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) { int8_encode(src, n, begin, end, dst); });
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) { int8_encode(src, n, begin, end, dst, nullptr); });
     if (tail_ > 0) std::memcpy(dst + n + 4 * blocks, src + n, 4 * tail_);
     return;
   }
@@ -145,6 +145,20 @@ void detail::WireCodec::decode_into(const at::Tensor& packed, at::Tensor out) co
   if (blocks * kInt8Block != n) q = at::constant_pad_nd(q, {0, blocks * kInt8Block - n}, 0.0);
   at::Tensor values = (q.view({blocks, kInt8Block}) * scale.view({blocks, 1})).view(-1).narrow(0, 0, n);
   out.copy_(values);
+}
+
+void detail::WireCodec::encode_rounding(at::Tensor x, at::Tensor packed) const {
+  if (int8() && cpu_float(x) && packed.is_cpu() && packed.is_contiguous() &&
+      packed.numel() == packed_numel(x.numel()) && packed.scalar_type() == packed_dtype()) {
+    const int64_t n = x.numel() - tail_, blocks = (n + kInt8Block - 1) / kInt8Block;
+    float* values = x.data_ptr<float>();
+    uint8_t* dst = packed.data_ptr<uint8_t>();
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) { int8_encode(values, n, begin, end, dst, values); });
+    if (tail_ > 0) std::memcpy(dst + n + 4 * blocks, values + n, 4 * tail_);
+    return;
+  }
+  encode_into(x, packed);
+  decode_into(packed, x);
 }
 
 at::Tensor detail::WireCodec::round_trip(const at::Tensor& x) const {

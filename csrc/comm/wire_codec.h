@@ -33,6 +33,9 @@ class WireCodec {
   at::Tensor encode(const at::Tensor& x) const;
   // The same into `packed` (packed_numel(x.numel()) elements of packed_dtype(), contiguous).
   void encode_into(const at::Tensor& x, at::Tensor packed) const;
+  // encode_into(x, packed), then x set to what a receiver decodes from `packed`: on the CPU for
+  // fp32 x under int8, in the same pass over each block.
+  void encode_rounding(at::Tensor x, at::Tensor packed) const;
   // `packed` (of `numel` elements) decoded into `out` (1-D, `numel` elements, floating).
   void decode_into(const at::Tensor& packed, at::Tensor out) const;
   // x as it arrives after the wire: decode(encode(x)), in x's dtype.
