@@ -1,0 +1,44 @@
+// The int8 wire's codec on one sender's row of the parameter sync (Note [Int8 wire] in
+// csrc/comm/wire.cpp): quantise the row into its packed form, then set the row to what every
+// receiver decodes, as two passes (encode_into, decode_into) against one (encode_rounding), over
+// 12 Mi fp32 values (about one rank's row of the GPT-2 shape at two ranks), one thread.
+//
+//   build/bench/wire_codec_bench --benchmark_repetitions=3
+#include "csrc/comm/wire_codec.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+
+namespace {
+
+constexpr int64_t kNumel = int64_t{12} << 20;
+
+template <bool kOnePass>
+void BM_Int8RowRounded(benchmark::State& state) {
+  at::set_num_threads(1);
+  const shardopt::detail::WireCodec codec(at::kChar);
+  const at::Tensor x = at::randn({kNumel});
+  at::Tensor row = x.clone();
+  at::Tensor packed = at::empty({codec.packed_numel(kNumel)}, at::kByte);
+  for (auto _ : state) {
+    state.PauseTiming();
+    row.copy_(x);  // the values a step wrote
+    state.ResumeTiming();
+    if (kOnePass) {
+      codec.encode_rounding(row, packed);
+    } else {
+      codec.encode_into(row, packed);
+      codec.decode_into(packed, row);
+    }
+    benchmark::DoNotOptimize(row.data_ptr());
+  }
+  state.SetBytesProcessed(state.iterations() * kNumel * 4);
+}
+
+BENCHMARK(BM_Int8RowRounded<false>)->Name("BM_Int8RowRounded/encode_then_decode")->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Int8RowRounded<true>)->Name("BM_Int8RowRounded/one_pass")->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
