@@ -153,7 +153,8 @@ void detail::WireCodec::encode_rounding(at::Tensor x, at::Tensor packed) const {
     const int64_t n = x.numel() - tail_, blocks = (n + kInt8Block - 1) / kInt8Block;
     float* values = x.data_ptr<float>();
     uint8_t* dst = packed.data_ptr<uint8_t>();
-    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) { int8_encode(values, n, begin, end, dst, values); });
+    at::parallel_for(0, blocks, 16,
+                     [&](int64_t begin, int64_t end) { int8_encode(values, n, begin, end, dst, values); });
     if (tail_ > 0) std::memcpy(dst + n + 4 * blocks, values + n, 4 * tail_);
     return;
   }
