@@ -96,6 +96,19 @@ void GroupFailure::done(const c10::intrusive_ptr<c10d::Work>& work) {
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), work), waiting_.end());
 }
 
+void GroupFailure::wait_watched(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
+  waiting(work);
+  bool completed = false;
+  try {
+    completed = work->wait(timeout);
+  } catch (...) {
+    done(work);
+    throw;
+  }
+  done(work);
+  TORCH_CHECK(completed, broken ? "aborted: a rank saw a failure" : "not completed");
+}
+
 void GroupFailure::abort_waits() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& work : waiting_) {

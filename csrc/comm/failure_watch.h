@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -43,12 +44,14 @@ struct GroupFailure {
   std::string phase() const;
   std::string cause() const;  // the first failure this rank saw itself ("" if it was told)
 
-  // Sends and receives being waited for, which abort() wakes (a collective's wait is sliced
-  // instead: Gloo's point-to-point waits cannot time out without failing the whole context).
-  void waiting(const c10::intrusive_ptr<c10d::Work>& work);
-  void done(const c10::intrusive_ptr<c10d::Work>& work);
+  // Waits at most `timeout` for a send or receive, registered meanwhile so that a failure seen
+  // anywhere aborts it (a collective's wait is sliced instead: Gloo's point-to-point waits cannot
+  // time out without failing the whole context); an error when it did not complete.
+  void wait_watched(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout);
 
  private:
+  void waiting(const c10::intrusive_ptr<c10d::Work>& work);
+  void done(const c10::intrusive_ptr<c10d::Work>& work);
   void abort_waits();
   mutable std::mutex mu_;
   std::string phase_, cause_;

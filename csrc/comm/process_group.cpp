@@ -74,16 +74,7 @@ void PendingWork::wait_one(const c10::intrusive_ptr<c10d::Work>& work) {
     ~Waiting() { --waits; }
   } waiting(failure_->waits);
   if (!detail::waits_in_slices(*work)) {
-    failure_->waiting(work);
-    bool completed = false;
-    try {
-      completed = work->wait(timeout_);
-    } catch (...) {
-      failure_->done(work);
-      throw;
-    }
-    failure_->done(work);
-    TORCH_CHECK(completed, failure_->broken ? "aborted: a rank saw a failure" : "not completed");
+    failure_->wait_watched(work, timeout_);
     return;
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout_;

@@ -71,10 +71,9 @@ class Rounds final : public c10d::ProcessGroupGloo::AsyncWork {
 };
 
 c10::intrusive_ptr<c10d::Work> start_rounds(const RoundsOf& group, c10d::OpType type, std::function<void()> body) {
-  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(group.backend);
-  SHARDOPT_CHECK(gloo, "rows by rounds need a Gloo backend");
+  SHARDOPT_CHECK(group.backend, "rows by rounds need a Gloo backend");
   auto work = c10::make_intrusive<Rounds>(std::move(body), type, group.timeout);
-  (gloo->*GlooQueue::entry())(work);
+  (group.backend->*GlooQueue::entry())(work);
   return work;
 }
 
@@ -85,16 +84,7 @@ void wait_transfer(const RoundsOf& group, const c10::intrusive_ptr<c10d::Work>& 
     return;
   }
   TORCH_CHECK(!failure.broken, "abandoned: a rank saw a failure");
-  failure.waiting(work);
-  bool completed = false;
-  try {
-    completed = work->wait(group.timeout);
-  } catch (...) {
-    failure.done(work);
-    throw;
-  }
-  failure.done(work);
-  TORCH_CHECK(completed, failure.broken ? "aborted: a rank saw a failure" : "not completed");
+  failure.wait_watched(work, group.timeout);
 }
 
 // Sends `out` to `peer` and receives `in` from it, both in flight together.
@@ -111,13 +101,12 @@ bool power_of_two_at_least(int size, int least) { return size >= least && (size 
 
 }  // namespace
 
-bool reduce_scatter_by_rounds(c10d::Backend& backend, int size, int64_t row_bytes) {
-  return power_of_two_at_least(size, kRoundsMinSize) && row_bytes <= kRoundsRowBytes &&
-         dynamic_cast<c10d::ProcessGroupGloo*>(&backend) != nullptr;
+c10d::ProcessGroupGloo* allgather_rounds_on(c10d::Backend& backend, int size) {
+  return power_of_two_at_least(size, kRoundsMinSize) ? dynamic_cast<c10d::ProcessGroupGloo*>(&backend) : nullptr;
 }
 
-bool allgather_by_rounds(c10d::Backend& backend, int size) {
-  return power_of_two_at_least(size, kRoundsMinSize) && dynamic_cast<c10d::ProcessGroupGloo*>(&backend) != nullptr;
+c10d::ProcessGroupGloo* reduce_scatter_rounds_on(c10d::Backend& backend, int size, int64_t row_bytes) {
+  return row_bytes <= kRoundsRowBytes ? allgather_rounds_on(backend, size) : nullptr;  // and the row limit
 }
 
 c10::intrusive_ptr<c10d::Work> start_reduce_scatter_rounds(const RoundsOf& group, at::Tensor flat, at::Tensor own,

@@ -11,6 +11,7 @@
 
 namespace c10d {
 class Backend;
+class ProcessGroupGloo;
 class Work;
 }  // namespace c10d
 
@@ -18,11 +19,11 @@ namespace shardopt::detail {
 
 struct GroupFailure;
 
-// What the rounds of one collective need of its group: the backend (which runs them on its
+// What the rounds of one collective need of its group: the Gloo backend (which runs them on its
 // worker thread), the failure watch, this rank, the size, the timeout of each transfer and the
 // collective's tag (Note [Reduce to one owner]).
 struct RoundsOf {
-  c10d::Backend* backend = nullptr;
+  c10d::ProcessGroupGloo* backend = nullptr;
   std::shared_ptr<GroupFailure> failure;
   int rank = 0;
   int size = 1;
@@ -30,12 +31,13 @@ struct RoundsOf {
   int tag = 0;
 };
 
-// Whether a Gloo group of `size` ranks moves a CPU buffer's rows by rounds: the reduce-scatter
-// of rows of `row_bytes` (at most kRoundsRowBytes), the all-gather at any row size.
+// The Gloo backend that moves a CPU buffer's rows by rounds in a group of `size` ranks over
+// `backend`, or null where they go otherwise: the reduce-scatter of rows of `row_bytes` (at most
+// kRoundsRowBytes), the all-gather at any row size.
 inline constexpr int kRoundsMinSize = 8;
 inline constexpr int64_t kRoundsRowBytes = 64 * 1024;
-bool reduce_scatter_by_rounds(c10d::Backend& backend, int size, int64_t row_bytes);
-bool allgather_by_rounds(c10d::Backend& backend, int size);
+c10d::ProcessGroupGloo* reduce_scatter_rounds_on(c10d::Backend& backend, int size, int64_t row_bytes);
+c10d::ProcessGroupGloo* allgather_rounds_on(c10d::Backend& backend, int size);
 
 // Started: completes when `result` holds the sum over ranks of row `rank` of their `flat`
 // (this rank's contribution to it read from `own`), divided by `divisor`. `flat` is only read.

@@ -82,8 +82,9 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
   }
   // NCCL's reduce-scatter reads this rank's contribution from its row of the input.
   if (own_in_out && backend_name_ != "gloo") flat.narrow(0, rank_ * row, row).copy_(out);
-  if (flat.is_cpu() && detail::reduce_scatter_by_rounds(*backend_, size_, row * flat.element_size())) {
-    const detail::RoundsOf group{backend_.get(), failure_, rank_, size_, timeout_, next_p2p_tag()};
+  const int64_t row_bytes = row * flat.element_size();
+  if (auto* rounds = flat.is_cpu() ? detail::reduce_scatter_rounds_on(*backend_, size_, row_bytes) : nullptr) {
+    const detail::RoundsOf group{rounds, failure_, rank_, size_, timeout_, next_p2p_tag()};
     at::Tensor own = own_in_out ? out : flat.narrow(0, rank_ * row, row);
     return track(kind, nbytes(flat),
                  [&] { return detail::start_reduce_scatter_rounds(group, flat, own, mine, divisor); });
@@ -147,8 +148,8 @@ PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat, std::optional<a
   check_in(kind, nbytes(flat), -1);
   const int64_t row = flat.numel() / size_;
   if (size_ == 1) return PendingWork();
-  if (flat.is_cpu() && detail::allgather_by_rounds(*backend_, size_)) {
-    const detail::RoundsOf group{backend_.get(), failure_, rank_, size_, timeout_, next_p2p_tag()};
+  if (auto* rounds = flat.is_cpu() ? detail::allgather_rounds_on(*backend_, size_) : nullptr) {
+    const detail::RoundsOf group{rounds, failure_, rank_, size_, timeout_, next_p2p_tag()};
     return track(kind, nbytes(flat), [&] { return detail::start_allgather_rounds(group, flat); });
   }
   if (backend_name_ == "gloo") {
