@@ -134,15 +134,15 @@ PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double d
   return work;
 }
 
-PendingWork ProcessGroup::allgather_rows_on_wire(at::Tensor& flat, at::ScalarType wire) {
-  // This rank's row is rounded in place and travels in `wire`; the others' rows are widened
-  // where they arrive (Note [Parameter wire]).
+PendingWork ProcessGroup::allgather_rows_on_wire(at::Tensor& flat, at::ScalarType wire, const at::Tensor& own) {
+  // This rank's row (from `own` where given) is rounded and travels in `wire`; the others' rows
+  // are widened where they arrive (Note [Parameter wire]).
   const int64_t row = flat.numel() / size_;
   const detail::WireCodec codec(wire);
   const int64_t packed_row = codec.packed_numel(row);
-  at::Tensor own = flat.narrow(0, rank_ * row, row);
+  at::Tensor mine = flat.narrow(0, rank_ * row, row);
   at::Tensor packed = at::empty({packed_row * size_}, flat.options().dtype(codec.packed_dtype()));
-  codec.encode_rounding(own, packed.narrow(0, rank_ * packed_row, packed_row));
+  codec.encode_rounding(own.defined() ? own : mine, mine, packed.narrow(0, rank_ * packed_row, packed_row));
   PendingWork work = allgather_rows_async(packed);
   work.and_then([flat, packed, rank = rank_, size = size_, row, packed_row, codec]() mutable {
     for (int r = 0; r < size; ++r) {  // this rank's row is current already

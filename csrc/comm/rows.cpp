@@ -141,12 +141,21 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
   return work;
 }
 
-PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat, std::optional<at::ScalarType> wire) {
+PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat, std::optional<at::ScalarType> wire,
+                                               const at::Tensor& own) {
   check_rows("allgather_rows_async", flat, size_);
-  if (wire && *wire != flat.scalar_type() && size_ > 1) return allgather_rows_on_wire(flat, *wire);
+  const int64_t row = flat.numel() / size_;
+  if (own.defined()) {
+    SHARDOPT_CHECK(own.dim() == 1 && own.is_contiguous() && own.numel() == row && own.dtype() == flat.dtype() &&
+                       own.device() == flat.device(),
+                   "allgather_rows_async: this rank's row must be one contiguous row of ", row, " elements of ",
+                   flat.dtype(), " on ", flat.device(), ", got sizes ", own.sizes(), " of ", own.dtype(), " on ",
+                   own.device());
+  }
+  if (wire && *wire != flat.scalar_type() && size_ > 1) return allgather_rows_on_wire(flat, *wire, own);
+  if (own.defined()) flat.narrow(0, rank_ * row, row).copy_(own);
   constexpr auto kind = CommStats::kAllgather;
   check_in(kind, nbytes(flat), -1);
-  const int64_t row = flat.numel() / size_;
   if (size_ == 1) return PendingWork();
   if (auto* rounds = flat.is_cpu() ? detail::allgather_rounds_on(*backend_, size_) : nullptr) {
     const detail::RoundsOf group{rounds, failure_, rank_, size_, timeout_, next_p2p_tag()};

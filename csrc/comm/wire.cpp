@@ -37,7 +37,9 @@ namespace shardopt {
 // the wrapped optimizer steps the master, and the owner writes it into its range of the
 // parameters. The sync then rounds: each sender first rounds its own range in place (the row of
 // an all-gather, the segment of a broadcast) to bf16 and widens it back, then sends the bf16
-// bytes, and each receiver widens what arrives. Every rank, the owner included, ends with the
+// bytes, and each receiver widens what arrives. (A row bucket's owner whose masters lie in its
+// master slab rounds straight from there instead, in one pass with no write back: Note [Syncing
+// from the masters] in csrc/optim/param_buffers.cpp.) Every rank, the owner included, ends with the
 // master rounded to bf16 in its fp32 parameters, bit for bit; the next forward and backward run
 // on those values, and the next step starts from the exact master again. The master is what
 // state_dict(), state_shard() and checkpoints carry ("master_weights"), so a resumed run goes on
@@ -147,18 +149,25 @@ void detail::WireCodec::decode_into(const at::Tensor& packed, at::Tensor out) co
   out.copy_(values);
 }
 
-void detail::WireCodec::encode_rounding(at::Tensor x, at::Tensor packed) const {
-  if (int8() && cpu_float(x) && packed.is_cpu() && packed.is_contiguous() &&
+void detail::WireCodec::encode_rounding(const at::Tensor& source, at::Tensor x, at::Tensor packed) const {
+  SHARDOPT_CHECK(source.numel() == x.numel() && source.scalar_type() == x.scalar_type(),
+                 "wire encode: ", source.numel(), " source elements of ", source.scalar_type(), " for ", x.numel(),
+                 " of ", x.scalar_type());
+  if (int8() && cpu_float(x) && cpu_float(source) && packed.is_cpu() && packed.is_contiguous() &&
       packed.numel() == packed_numel(x.numel()) && packed.scalar_type() == packed_dtype()) {
     const int64_t n = x.numel() - tail_, blocks = (n + kInt8Block - 1) / kInt8Block;
+    const float* src = source.const_data_ptr<float>();
     float* values = x.data_ptr<float>();
     uint8_t* dst = packed.data_ptr<uint8_t>();
     at::parallel_for(0, blocks, 16,
-                     [&](int64_t begin, int64_t end) { int8_encode(values, n, begin, end, dst, values); });
-    if (tail_ > 0) std::memcpy(dst + n + 4 * blocks, values + n, 4 * tail_);
+                     [&](int64_t begin, int64_t end) { int8_encode(src, n, begin, end, dst, values); });
+    if (tail_ > 0) {
+      std::memcpy(dst + n + 4 * blocks, src + n, 4 * tail_);
+      if (values != src) std::memcpy(values + n, src + n, 4 * tail_);
+    }
     return;
   }
-  encode_into(x, packed);
+  encode_into(source, packed);
   decode_into(packed, x);
 }
 

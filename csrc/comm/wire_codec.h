@@ -6,6 +6,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace shardopt::detail {
 
@@ -33,9 +34,11 @@ class WireCodec {
   at::Tensor encode(const at::Tensor& x) const;
   // The same into `packed` (packed_numel(x.numel()) elements of packed_dtype(), contiguous).
   void encode_into(const at::Tensor& x, at::Tensor packed) const;
-  // encode_into(x, packed), then x set to what a receiver decodes from `packed`: on the CPU for
-  // fp32 x under int8, in the same pass over each block.
-  void encode_rounding(at::Tensor x, at::Tensor packed) const;
+  // encode_into(source, packed), then x (of source's size and dtype; it may be source) set to
+  // what a receiver decodes from `packed`: on the CPU for fp32 under int8, in one pass over each
+  // block.
+  void encode_rounding(const at::Tensor& source, at::Tensor x, at::Tensor packed) const;
+  void encode_rounding(at::Tensor x, at::Tensor packed) const { encode_rounding(x, x, std::move(packed)); }
   // `packed` (of `numel` elements) decoded into `out` (1-D, `numel` elements, floating).
   void decode_into(const at::Tensor& packed, at::Tensor out) const;
   // x as it arrives after the wire: decode(encode(x)), in x's dtype.

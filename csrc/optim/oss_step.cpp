@@ -83,12 +83,15 @@ bool OSS::step_with(std::optional<double> inv_scale) {
   }
   settle_state();  // the set is agreed by now: every rank moves the same ranges
   sync_options_to_local();
-  const bool stepped = step_shard(inv_scale);
+  // The rows the sync packs straight from the masters (Note [Syncing from the masters]).
+  const detail::MasterRows from_masters =
+      masters_ ? store_->master_rows(holdings_, group_->rank()) : detail::MasterRows{};
+  const bool stepped = step_shard(inv_scale, from_masters);
   if (stepped) {  // what has state now (a step the scaler skipped made none)
     auto& has_state = store_->stepped();
     for (size_t i = 0; i < params_.size(); ++i) has_state[i] |= steps(i);
   }
-  store_->sync_after_step();
+  store_->sync_after_step(from_masters.rows);
   place_state();  // state the wrapped optimizer's own step made joins its slab
   // The set was just agreed on, so every rank takes the same decision.
   if (check) rebalance();
@@ -129,7 +132,7 @@ class StepGradients {
 // tensor is the fp32 master and takes its gradient upcast; on CUDA with the fused step, Adam/AdamW
 // masters take it as reduced and write their parameter's range themselves (kernels/'s mixed
 // step): no upcast copy, no write-back pass.
-bool OSS::step_shard(std::optional<double> inv_scale) {
+bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& from_masters) {
   detail::FusedStepInputs in;
   in.allocate = [this](const at::Tensor& t, const char* kind) { return store_->fresh_slot(t, kind); };
   std::vector<std::pair<size_t, const detail::Holding*>> stepped;
@@ -188,7 +191,10 @@ bool OSS::step_shard(std::optional<double> inv_scale) {
   }
   if (masters_) {
     for (const auto& [i, h] : stepped) {
-      if (in.copies.count(h->tensor.unsafeGetTensorImpl()) == 0) detail::write_back(params_[i], h->tensor, h->in_param);
+      const auto* key = h->tensor.unsafeGetTensorImpl();
+      if (in.copies.count(key) == 0 && from_masters.covered.count(key) == 0) {
+        detail::write_back(params_[i], h->tensor, h->in_param);
+      }
     }
   }
   return true;

@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
+
 namespace shardopt::detail {
 
 std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at::Tensor>& params) {
@@ -43,8 +45,17 @@ at::Tensor bucket_rows(const FlatLayout& layout, std::vector<at::Tensor>& buffer
   return buffers[b.group].narrow(0, r.begin, r.size());
 }
 
+namespace {
+
+const at::Tensor& own_row(const std::vector<at::Tensor>& own_rows, size_t bucket) {
+  static const at::Tensor none;
+  return bucket < own_rows.size() ? own_rows[bucket] : none;
+}
+
+}  // namespace
+
 void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::Tensor>& buffers, ParamSync mode,
-                 Wire wire) {
+                 Wire wire, const std::vector<at::Tensor>& own_rows) {
   const int world = group.size();
   if (world == 1) return;
   at::NoGradGuard no_grad;
@@ -53,7 +64,7 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
   for (size_t b = 0; b < layout.buckets().size(); ++b) {
     if (!layout.buckets()[b].rows()) continue;
     at::Tensor rows = bucket_rows(layout, buffers, b);
-    pending.push_back(group.allgather_rows_async(rows, wire_dtype(wire, rows.scalar_type())));
+    pending.push_back(group.allgather_rows_async(rows, wire_dtype(wire, rows.scalar_type()), own_row(own_rows, b)));
   }
   if (mode == ParamSync::kBroadcast) {
     auto shard = [&](size_t g, int owner) {
@@ -163,7 +174,7 @@ void ShardStore::set_bucket_bytes(int64_t bytes) {
 // calls wait_param_sync), only for the buckets of that child's parameters, so the rest of the
 // sync runs beside the forward; without per-child waits it finishes everything in pre_forward.
 // Anything that lays the buffers out again or reads the parameters here finishes it first.
-void ShardStore::start_param_sync() {
+void ShardStore::start_param_sync(const std::vector<at::Tensor>& own_rows) {
   CommPhase phase("step (parameter sync, overlapped)");
   const auto& buckets = layout().buckets();
   bucket_sync_.clear();
@@ -185,7 +196,7 @@ void ShardStore::start_param_sync() {
     const FlatBucket& b = buckets[k];
     if (b.rows()) {  // an all-gather of the bucket's rows (Note [Row buckets])
       at::Tensor rows = bucket_rows(layout(), buffers_, k);
-      bucket_sync_[k] = group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()));
+      bucket_sync_[k] = group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()), own_row(own_rows, k));
     } else if (sync_ == ParamSync::kAllgather) {
       continue;
     } else {
@@ -197,18 +208,68 @@ void ShardStore::start_param_sync() {
   }
 }
 
-void ShardStore::sync_after_step() {
+void ShardStore::sync_after_step(const std::vector<at::Tensor>& own_rows) {
   if (overlap_sync_ && group_->size() > 1) {
-    start_param_sync();
+    start_param_sync(own_rows);
   } else {
-    sync_params();
+    sync_params(own_rows);
   }
 }
 
-void ShardStore::sync_params() {
+void ShardStore::sync_params(const std::vector<at::Tensor>& own_rows) {
   finish_param_sync();
   CommPhase phase("step (parameter sync)");
-  detail::sync_params(*group_, layout(), buffers_, sync_, wire_);
+  detail::sync_params(*group_, layout(), buffers_, sync_, wire_, own_rows);
+}
+
+// Note [Syncing from the masters]
+// Under a compressed parameter wire (Note [Parameter wire]) the owners step fp32 masters, which
+// live in their group's master slab at their slots: for a row bucket, at the offsets of this
+// rank's row (Note [Shard store]), with zeros in the gaps between pieces, as the parameter
+// buffer has. So where every piece of this rank's row of a row bucket has its master there, the
+// sync packs the row straight from the slab and sets the row of the parameters to what the others
+// decode, in one pass (WireCodec::encode_rounding), and the step writes none of those masters
+// back into the parameters first: one pass over the row fewer than writing back, then packing
+// and rounding the parameters. Where the step stepped every piece of the row, the bits are those
+// of writing back first; a piece it did not step (no gradient, or a step the gradient scaler
+// skipped) is packed from its exact master, not from the rounded value its parameter holds, so
+// every sync is a function of the masters alone. Elsewhere (a master of its own, an exact wire,
+// parameters in another dtype than their masters, one rank) the step writes back as before.
+MasterRows ShardStore::master_rows(const std::vector<std::vector<Holding>>& holdings, int rank) const {
+  MasterRows out;
+  const FlatLayout& lay = layout();
+  if (group_->size() == 1 || wire_ == Wire::kExact || holdings.size() != lay.num_params()) return out;
+  for (size_t k = 0; k < lay.buckets().size(); ++k) {
+    const FlatBucket& b = lay.buckets()[k];
+    if (!b.rows() || b.numel() == 0) continue;
+    const at::Tensor& buffer = buffers_.at(b.group);
+    const auto wire = wire_dtype(wire_, buffer.scalar_type());
+    const at::Tensor masters = slab(b.group, kMasterSlab);
+    if (!wire || *wire == buffer.scalar_type() || !masters.defined() ||
+        masters.scalar_type() != buffer.scalar_type() || masters.device() != buffer.device() ||
+        masters.numel() < b.in_shard.end) {
+      continue;
+    }
+    std::vector<const void*> held;
+    bool all = true;
+    for (size_t p : b.pieces) {
+      const Piece& piece = lay.pieces()[p];
+      if (piece.owner != rank) continue;
+      const void* at = static_cast<const char*>(masters.const_data_ptr()) + piece.in_shard.begin * masters.element_size();
+      auto it = std::find_if(holdings[piece.param].begin(), holdings[piece.param].end(), [&](const Holding& h) {
+        return h.rank == rank && h.in_param == piece.in_param && h.tensor.defined() && h.tensor.is_contiguous() &&
+               h.tensor.const_data_ptr() == at;
+      });
+      all = it != holdings[piece.param].end();
+      if (!all) break;
+      held.push_back(it->tensor.unsafeGetTensorImpl());
+    }
+    if (!all) continue;
+    if (out.rows.empty()) out.rows.resize(lay.buckets().size());
+    out.rows[k] = masters.narrow(0, b.in_shard.begin, b.numel());
+    out.covered.insert(held.begin(), held.end());
+  }
+  return out;
 }
 
 void ShardStore::finish_param_sync() {

@@ -28,9 +28,11 @@ std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at:
 // bucket (Note [Row buckets]). A group of whole parameters per owner: one broadcast per owner
 // shard (kBroadcast), or one all-gather of the equal shards per buffer (kAllgather: the shards
 // are the buffer's rows, Note [Rows]). With `wire`, an
-// fp32 buffer's ranges travel rounded (Note [Parameter wire] in csrc/comm/wire.cpp). Collective.
+// fp32 buffer's ranges travel rounded (Note [Parameter wire] in csrc/comm/wire.cpp). Where
+// `own_rows` (one per layout bucket, or empty) holds a row bucket's tensor, this rank's row of it
+// is set from there (Note [Syncing from the masters]). Collective.
 void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::Tensor>& buffers, ParamSync mode,
-                 Wire wire = Wire::kExact);
+                 Wire wire = Wire::kExact, const std::vector<at::Tensor>& own_rows = {});
 
 // The owners' shards of buffer `g` of whole parameters, one equal row per rank (shard padding
 // included).

@@ -32,6 +32,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace shardopt::detail {
@@ -49,6 +50,14 @@ struct Slot {
   bool operator==(const Slot& o) const {
     return group == o.group && offset == o.offset && numel == o.numel && sizes == o.sizes && kept == o.kept;
   }
+};
+
+// The rows of masters the parameter sync packs from (Note [Syncing from the masters] in
+// param_buffers.cpp): per layout bucket this rank's row of its master slab, or undefined (empty:
+// none), and the masters they hold (their TensorImpls), which the step does not write back.
+struct MasterRows {
+  std::vector<at::Tensor> rows;
+  std::unordered_set<const void*> covered;
 };
 
 // What a ShardedDDP takes over from an OSS, in one call (OSS::hand_over): it checks the trainable
@@ -113,11 +122,15 @@ class ShardStore {
   bool handed_over() const { return handed_over_; }
 
   // ---- the parameter sync (Note [Parameter sync], Note [Overlapped parameter sync]) ----
-  // Makes every rank's copy of the buffers equal to the owners'. Collective.
-  void sync_params();
+  // Makes every rank's copy of the buffers equal to the owners', this rank's rows of row buckets
+  // from `own_rows` where it holds them (master_rows). Collective.
+  void sync_params(const std::vector<at::Tensor>& own_rows = {});
   // After a step: the sync above, or with overlap on (and kBroadcast), one broadcast per bucket
   // left in flight. Collective.
-  void sync_after_step();
+  void sync_after_step(const std::vector<at::Tensor>& own_rows = {});
+  // The rows of this rank's masters (its `holdings`) the sync can pack from (Note [Syncing from
+  // the masters]). Local.
+  MasterRows master_rows(const std::vector<std::vector<Holding>>& holdings, int rank) const;
   // Waits for the broadcasts in flight: all, or those of parameter `param`'s buckets. Local.
   void finish_param_sync();
   void finish_param_sync(size_t param);
@@ -180,7 +193,7 @@ class ShardStore {
   at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like);
 
   // Starts the broadcast of every bucket from its owner, in reverse bucket order.
-  void start_param_sync();
+  void start_param_sync(const std::vector<at::Tensor>& own_rows);
   // Re-cuts the gradient buckets at `bytes` (0: one per parameter); data moves only when new row
   // buckets change where a parameter lies.
   void set_bucket_bytes(int64_t bytes);

@@ -173,5 +173,22 @@ TEST(Int8Wire, AllGatherAndBroadcastLeaveEveryRankTheDequantisedValues) {
   }
 }
 
+// With `own`, a rank packs its row from `own` and sets its row of `flat` to what the others
+// decode: every rank, the sender included, holds each rank's `own` dequantised; `own` is unchanged.
+TEST(Int8Wire, AllGatherOfAnotherTensorsValuesLeavesEveryRankThemDequantised) {
+  run_ranks(3, [](std::shared_ptr<ProcessGroup> g) {
+    const int64_t row = 600;
+    at::manual_seed(800 + g->rank());
+    at::Tensor flat = at::randn({row * 3});
+    const at::Tensor own = at::randn({row}) * 3, own_before = own.clone();
+    const auto owns = everyones(*g, own);
+    g->allgather_rows_async(flat, at::kChar, own).wait();
+    for (int k = 0; k < 3; ++k) {
+      ASSERT_TRUE(flat.narrow(0, k * row, row).equal(quantised(owns[k]))) << "row " << k << ", this rank's own too";
+    }
+    ASSERT_TRUE(own.equal(own_before));
+  });
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -221,6 +221,25 @@ TEST(Rows, RoundsWithARankMissingFailWithinTheTimeout) {
   }
 }
 
+// With `own`, a rank's row is set from it before the all-gather: every rank ends with each rank's
+// `own`, which is left as it was, at 2, 3 and (in rounds) 8 ranks.
+TEST(Rows, AllGatherOfAnotherTensorsValuesSpreadsThem) {
+  for (int world : {2, 3, 8}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int64_t row = 37;
+      at::manual_seed(300 + g->rank());
+      at::Tensor flat = at::randn({row * world});
+      const at::Tensor own = at::randn({row}), own_before = own.clone();
+      const auto owns = everyones(*g, own);
+      g->allgather_rows_async(flat, std::nullopt, own).wait();
+      for (int k = 0; k < world; ++k) {
+        ASSERT_TRUE(flat.narrow(0, k * row, row).equal(owns[k])) << "row " << k << " at world " << world;
+      }
+      ASSERT_TRUE(own.equal(own_before));
+    });
+  }
+}
+
 TEST(Rows, AWorldOfOneDividesOnly) {
   run_ranks(1, [](std::shared_ptr<ProcessGroup> g) {
     at::Tensor flat = at::full({5}, 6.0);
@@ -252,6 +271,9 @@ TEST(Rows, BadBuffersAreErrorsNamingThem) {
               std::string::npos);
     at::Tensor even = at::zeros({4});
     EXPECT_NE(message([&] { g->reduce_scatter_rows_async(even, 0.0); }).find("divisor must be positive, got 0"),
+              std::string::npos);
+    EXPECT_NE(message([&] { g->allgather_rows_async(even, std::nullopt, at::zeros({3})); })
+                  .find("this rank's row must be one contiguous row of 2 elements of float on cpu, got sizes [3]"),
               std::string::npos);
   });
 }

@@ -196,8 +196,11 @@ class ProcessGroup {
                                              std::optional<at::ScalarType> wire = std::nullopt,
                                              int64_t exact_tail = 0);
   // With `wire`, each rank first rounds its own row through `wire` in place, and the rows
-  // travel in `wire` (Note [Parameter wire]).
-  PendingWork allgather_rows_async(at::Tensor& flat, std::optional<at::ScalarType> wire = std::nullopt);
+  // travel in `wire` (Note [Parameter wire]). With `own` (one contiguous row of flat's dtype and
+  // device), this rank's row is first set from `own` (through `wire`, as the others receive it,
+  // in the pass that packs it): OSS's owners sync from their masters so.
+  PendingWork allgather_rows_async(at::Tensor& flat, std::optional<at::ScalarType> wire = std::nullopt,
+                                   const at::Tensor& own = at::Tensor());
 
   // Small control messages: every rank's vector of integers (lengths may differ).
   std::vector<std::vector<int64_t>> allgather_ints(const std::vector<int64_t>& values);
@@ -270,7 +273,7 @@ class ProcessGroup {
   // [Parameter wire], Note [Int8 wire]).
   PendingWork reduce_scatter_rows_on_wire(at::Tensor& flat, double divisor, const at::Tensor& mine,
                                           const at::Tensor& own, at::ScalarType wire, int64_t exact_tail);
-  PendingWork allgather_rows_on_wire(at::Tensor& flat, at::ScalarType wire);
+  PendingWork allgather_rows_on_wire(at::Tensor& flat, at::ScalarType wire, const at::Tensor& own);
   PendingWork broadcast_on_wire(at::Tensor& tensor, int root, at::ScalarType wire);
   PendingWork reduce_on_wire(at::Tensor& tensor, int root, int64_t numel, double divisor, at::ScalarType wire,
                              int64_t exact_tail);

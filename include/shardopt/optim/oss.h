@@ -59,6 +59,7 @@ struct HandOver;
 struct ShardPlan;
 struct OptimizerCodec;
 struct FusedStepInputs;
+struct MasterRows;
 // A range of one parameter's elements whose optimizer state one rank holds; `tensor` (on that
 // rank only) is what the wrapped optimizer steps: the parameter itself for the whole range, a
 // view of its elements otherwise.
@@ -364,9 +365,10 @@ class OSS : public torch::optim::Optimizer {
   // store otherwise (what moves with the holding to a new owner).
   at::Tensor owned_grad(size_t i, const detail::Holding& h) const;
   void set_owned_grad(size_t i, const detail::Holding& h, at::Tensor grad);
-  // Steps this rank's holdings with their gradients (the fused step, or the wrapped optimizer's);
+  // Steps this rank's holdings with their gradients (the fused step, or the wrapped optimizer's),
+  // and writes the masters back into the parameters, but those the sync packs from (`from_masters`);
   // false when the scaler's found-inf skipped it.
-  bool step_shard(std::optional<double> inv_scale);
+  bool step_shard(std::optional<double> inv_scale, const detail::MasterRows& from_masters);
   // Agrees on found-inf over `in`'s gradients and hands the fused step the scale, or unscales the
   // gradients in place; false when the step is skipped. Collective.
   bool scale_in_step(detail::FusedStepInputs& in, double inv_scale);
