@@ -43,6 +43,15 @@ void check_rows(const char* what, const at::Tensor& flat, int size) {
                  " equal rows (pad the buffer to a multiple of the group size)");
 }
 
+// `t`, where defined, must be one contiguous row of `flat` (`row` elements, flat's dtype and device).
+void check_row(const char* what, const char* which, const at::Tensor& t, const at::Tensor& flat, int64_t row) {
+  if (!t.defined()) return;
+  SHARDOPT_CHECK(t.dim() == 1 && t.is_contiguous() && t.numel() == row && t.dtype() == flat.dtype() &&
+                     t.device() == flat.device(),
+                 what, ": ", which, " must be one contiguous row of ", row, " elements of ", flat.dtype(), " on ",
+                 flat.device(), ", got sizes ", t.sizes(), " of ", t.dtype(), " on ", t.device());
+}
+
 }  // namespace
 
 PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double divisor, at::Tensor out,
@@ -61,13 +70,7 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
   check_rows("reduce_scatter_rows_async", flat, size_);
   SHARDOPT_CHECK(divisor > 0, "reduce_scatter_rows_async: divisor must be positive, got ", divisor);
   const int64_t row = flat.numel() / size_;
-  if (out.defined()) {
-    SHARDOPT_CHECK(out.dim() == 1 && out.is_contiguous() && out.numel() == row && out.dtype() == flat.dtype() &&
-                       out.device() == flat.device(),
-                   "reduce_scatter_rows_async: the output must be one contiguous row of ", row, " elements of ",
-                   flat.dtype(), " on ", flat.device(), ", got sizes ", out.sizes(), " of ", out.dtype(), " on ",
-                   out.device());
-  }
+  check_row("reduce_scatter_rows_async", "the output", out, flat, row);
   constexpr auto kind = CommStats::kReduceScatter;
   at::Tensor mine = out.defined() ? out : flat.narrow(0, rank_ * row, row);
   if (wire && *wire != flat.scalar_type() && size_ > 1) {
@@ -145,13 +148,7 @@ PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat, std::optional<a
                                                const at::Tensor& own) {
   check_rows("allgather_rows_async", flat, size_);
   const int64_t row = flat.numel() / size_;
-  if (own.defined()) {
-    SHARDOPT_CHECK(own.dim() == 1 && own.is_contiguous() && own.numel() == row && own.dtype() == flat.dtype() &&
-                       own.device() == flat.device(),
-                   "allgather_rows_async: this rank's row must be one contiguous row of ", row, " elements of ",
-                   flat.dtype(), " on ", flat.device(), ", got sizes ", own.sizes(), " of ", own.dtype(), " on ",
-                   own.device());
-  }
+  check_row("allgather_rows_async", "this rank's row", own, flat, row);
   if (wire && *wire != flat.scalar_type() && size_ > 1) return allgather_rows_on_wire(flat, *wire, own);
   if (own.defined()) flat.narrow(0, rank_ * row, row).copy_(own);
   constexpr auto kind = CommStats::kAllgather;

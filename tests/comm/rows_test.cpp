@@ -272,6 +272,9 @@ TEST(Rows, BadBuffersAreErrorsNamingThem) {
     at::Tensor even = at::zeros({4});
     EXPECT_NE(message([&] { g->reduce_scatter_rows_async(even, 0.0); }).find("divisor must be positive, got 0"),
               std::string::npos);
+    EXPECT_NE(message([&] { g->reduce_scatter_rows_async(even, 1.0, at::zeros({2}, at::kDouble)); })
+                  .find("the output must be one contiguous row of 2 elements of float on cpu, got sizes [2] of double"),
+              std::string::npos);
     EXPECT_NE(message([&] { g->allgather_rows_async(even, std::nullopt, at::zeros({3})); })
                   .find("this rank's row must be one contiguous row of 2 elements of float on cpu, got sizes [3]"),
               std::string::npos);
