@@ -1,5 +1,6 @@
 // Rows in log2(size) rounds of one peer each: recursive halving for the reduce-scatter, recursive
-// doubling for the all-gather, run on Gloo's worker thread (Note [Row rounds]).
+// doubling (Bruck's algorithm at other sizes) for the all-gather, run on Gloo's worker thread
+// (Note [Row rounds]).
 #include "comm/row_rounds.h"
 
 #include <shardopt/check.h>
@@ -10,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include <algorithm>
 #include <functional>
 #include <utility>
 #include <vector>
@@ -35,13 +37,18 @@ namespace shardopt::detail {
 //   bucket's reduce-scatter took 13.6-13.9 ms in rounds against 10.2-10.6 direct).
 // - all-gather, recursive doubling: at distance d = 1, 2, .., size/2, a rank sends the d rows it
 //   holds to rank ^ d and receives that rank's d, in place. Rounds were as fast or faster at every
-//   size measured, so it has no row limit.
+//   size measured, so it has no row limit. At any other size of at least kRoundsMinSize the
+//   all-gather takes ceil(log2(size)) rounds of Bruck's algorithm: a rank gathers rows rank,
+//   rank + 1, .. (mod size) in that order in a buffer of its own; at distance d = 1, 2, 4, .. it
+//   sends its first min(d, size - d) rows to rank - d and receives as many from rank + d after
+//   them, and at the end the rows go to their places (one more pass over the buffer). (The
+//   reduce-scatter keeps its direct transfers there: halving needs a power of two.)
 // Each rank sends (size - 1) / size of the buffer either way, the least any scheme can (the wire
 // bytes do not change), and each ordered pair of ranks exchanges at most one message per
-// collective, so one tag serves it. A round can start only when the round before it has
-// arrived, so something must drive the rounds while the rank computes: the collective is a work
-// on the Gloo backend's queue, run by its worker thread in the order collectives were started,
-// as Gloo's own collectives are. Every rank starts its collectives in the same order, so the
+// collective (Bruck's distances are distinct below the size), so one tag serves it. A round can
+// start only when the round before it has arrived, so something must drive the rounds while the
+// rank computes: the collective is a work on the Gloo backend's queue, run by its worker thread
+// in the order collectives were started, as Gloo's own collectives are. Every rank starts its collectives in the same order, so the
 // earliest unfinished one is running on every rank and none waits for a peer that is busy with a
 // later one: waiting for them in any order cannot deadlock. The sum of the reduce-scatter is
 // done there too, overlapping the rank's own work. Each transfer is waited for at most the
@@ -87,14 +94,18 @@ void wait_transfer(const RoundsOf& group, const c10::intrusive_ptr<c10d::Work>& 
   failure.wait_watched(work, group.timeout);
 }
 
-// Sends `out` to `peer` and receives `in` from it, both in flight together.
-void exchange(const RoundsOf& group, const at::Tensor& out, const at::Tensor& in, int peer) {
+// Sends `out` to rank `to` and receives `in` from rank `from`, both in flight together.
+void transfer(const RoundsOf& group, const at::Tensor& out, int to, const at::Tensor& in, int from) {
   TORCH_CHECK(!group.failure->broken || !group.failure->watching, "abandoned: a rank saw a failure");
   std::vector<at::Tensor> outs{out}, ins{in};
-  auto send = group.backend->send(outs, peer, group.tag);
-  auto recv = group.backend->recv(ins, peer, group.tag);
+  auto send = group.backend->send(outs, to, group.tag);
+  auto recv = group.backend->recv(ins, from, group.tag);
   wait_transfer(group, send);
   wait_transfer(group, recv);
+}
+
+void exchange(const RoundsOf& group, const at::Tensor& out, const at::Tensor& in, int peer) {
+  transfer(group, out, peer, in, peer);
 }
 
 bool power_of_two_at_least(int size, int least) { return size >= least && (size & (size - 1)) == 0; }
@@ -102,11 +113,12 @@ bool power_of_two_at_least(int size, int least) { return size >= least && (size 
 }  // namespace
 
 c10d::ProcessGroupGloo* allgather_rounds_on(c10d::Backend& backend, int size) {
-  return power_of_two_at_least(size, kRoundsMinSize) ? dynamic_cast<c10d::ProcessGroupGloo*>(&backend) : nullptr;
+  return size >= kRoundsMinSize ? dynamic_cast<c10d::ProcessGroupGloo*>(&backend) : nullptr;
 }
 
 c10d::ProcessGroupGloo* reduce_scatter_rounds_on(c10d::Backend& backend, int size, int64_t row_bytes) {
-  return row_bytes <= kRoundsRowBytes ? allgather_rounds_on(backend, size) : nullptr;  // and the row limit
+  const bool halving = power_of_two_at_least(size, kRoundsMinSize) && row_bytes <= kRoundsRowBytes;
+  return halving ? allgather_rounds_on(backend, size) : nullptr;
 }
 
 c10::intrusive_ptr<c10d::Work> start_reduce_scatter_rounds(const RoundsOf& group, at::Tensor flat, at::Tensor own,
@@ -149,14 +161,29 @@ c10::intrusive_ptr<c10d::Work> start_reduce_scatter_rounds(const RoundsOf& group
 }
 
 c10::intrusive_ptr<c10d::Work> start_allgather_rounds(const RoundsOf& group, at::Tensor flat) {
-  return start_rounds(group, c10d::OpType::ALLGATHER, [group, flat] {
-    const int rank = group.rank;
-    const int64_t row = flat.numel() / group.size;
-    for (int d = 1; d < group.size; d *= 2) {
-      const int peer = rank ^ d;
-      exchange(group, flat.narrow(0, (rank / d) * d * row, d * row), flat.narrow(0, (peer / d) * d * row, d * row),
-               peer);
+  return start_rounds(group, c10d::OpType::ALLGATHER, [group, flat]() mutable {
+    at::NoGradGuard no_grad;
+    const int rank = group.rank, size = group.size;
+    const int64_t row = flat.numel() / size;
+    if (power_of_two_at_least(size, 1)) {  // recursive doubling, in place
+      for (int d = 1; d < size; d *= 2) {
+        const int peer = rank ^ d;
+        exchange(group, flat.narrow(0, (rank / d) * d * row, d * row), flat.narrow(0, (peer / d) * d * row, d * row),
+                 peer);
+      }
+      return;
     }
+    // Bruck's: `held` row i is row (rank + i) % size once it has arrived.
+    at::Tensor held = at::empty({row * size}, flat.options());
+    held.narrow(0, 0, row).copy_(flat.narrow(0, rank * row, row));
+    for (int d = 1; d < size; d *= 2) {
+      const int64_t count = std::min(d, size - d) * row;
+      transfer(group, held.narrow(0, 0, count), (rank - d + size) % size, held.narrow(0, d * row, count),
+               (rank + d) % size);
+    }
+    const int to_end = size - rank;  // held rows [0, to_end) are rows [rank, size), the rest [0, rank)
+    flat.narrow(0, (rank + 1) * row, (to_end - 1) * row).copy_(held.narrow(0, row, (to_end - 1) * row));
+    flat.narrow(0, 0, rank * row).copy_(held.narrow(0, to_end * row, rank * row));
   });
 }
 

@@ -29,7 +29,8 @@ namespace shardopt {
 // does: the same bits as that path for the same row. One tag serves every transfer of one
 // collective (each ordered pair of ranks exchanges one message in it). At a power-of-two size of
 // 8 or more, where each of these transfers is mostly latency, small rows go in log2(size) rounds
-// of one peer each instead (Note [Row rounds] in row_rounds.cpp).
+// of one peer each instead, and the all-gather also at other sizes of 8 or more (Note [Row
+// rounds] in row_rounds.cpp).
 namespace {
 
 int64_t nbytes(const at::Tensor& t) {

@@ -174,6 +174,38 @@ TEST(Rows, RoundsAtPowerOfTwoSizesSumEachRowOnItsOwner) {
   }
 }
 
+// At other sizes of 8 or more the all-gather goes in rounds of Bruck's algorithm (Note [Row
+// rounds]): every rank ends with each owner's row, different on every rank, for every dtype and
+// with `own`; one collective in stats(), counting the buffer's bytes. (The reduce-scatter keeps
+// its direct transfers there.)
+TEST(Rows, AllGatherInRoundsAtOtherSizesGivesEveryRankEachRow) {
+  for (int world : {9, 12}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank();
+      for (int64_t row : {int64_t{1}, int64_t{333}}) {
+        for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+          at::manual_seed(600 + r);
+          at::Tensor flat = at::full({row * world}, -1.0, dtype);
+          const at::Tensor mine = at::randn({row}).to(dtype);
+          flat.narrow(0, r * row, row).copy_(mine);
+          const std::vector<at::Tensor> owned = everyones(*g, mine);
+          g->reset_stats();
+          g->allgather_rows_async(flat).wait();
+          for (int k = 0; k < world; ++k) {
+            ASSERT_TRUE(flat.narrow(0, k * row, row).equal(owned[k]))
+                << "row " << k << " on rank " << r << " at world " << world << ", " << dtype << ", rows of " << row;
+          }
+          EXPECT_EQ(g->stats().calls[CommStats::kAllgather], 1);
+          EXPECT_EQ(g->stats().bytes[CommStats::kAllgather], flat.numel() * flat.element_size());
+          at::Tensor again = at::zeros({row * world}, dtype);
+          g->allgather_rows_async(again, std::nullopt, mine).wait();
+          ASSERT_TRUE(again.equal(flat)) << "with own, rank " << r << " at world " << world;
+        }
+      }
+    });
+  }
+}
+
 // Rounds run on each group's worker thread in the order they were started, so ranks may wait for
 // them in different orders (here half the ranks wait for the all-gather started second first,
 // with one of Gloo's own all-reduces between them) and every rank still gets its data.
