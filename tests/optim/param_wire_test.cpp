@@ -3,7 +3,8 @@
 // Checked against a single-process reference that keeps fp32 masters, steps them with plain
 // torch::optim::Adam, and runs forward and backward on their bf16-rounded copies: through a
 // freeze and clipping, at worlds 2 to 4, with row buckets, whole parameters (broadcasts or
-// all-gathers), hierarchical sharding and the overlapped sync, each rank's data different. The
+// all-gathers), hierarchical sharding and the overlapped sync (of whole parameters' broadcasts and
+// of row buckets packed from the masters), each rank's data different. The
 // sync moves half the bytes of the exact wire, a resumed run goes on from the exact masters, and
 // bad options are errors on every rank.
 #include <shardopt/ddp/sharded_ddp.h>
@@ -52,7 +53,8 @@ TEST(ParamWire, Bf16ParametersAreTheRoundedMastersOfTheRecipeThroughAFreeze) {
   for (const Case& c : {Case{2, PartitionMode::kSplit}, Case{3, PartitionMode::kWholeParameters},
                         Case{3, PartitionMode::kWholeParameters, ParamSync::kAllgather},
                         Case{4, PartitionMode::kSplit, ParamSync::kBroadcast, /*shard_group_size=*/2},
-                        Case{2, PartitionMode::kWholeParameters, ParamSync::kBroadcast, 0, /*overlap_sync=*/true}}) {
+                        Case{2, PartitionMode::kWholeParameters, ParamSync::kBroadcast, 0, /*overlap_sync=*/true},
+                        Case{3, PartitionMode::kSplit, ParamSync::kBroadcast, 0, /*overlap_sync=*/true}}) {
     SCOPED_TRACE(describe(c));
     testing::run_ranks(c.world, [&](std::shared_ptr<ProcessGroup> g) {
       auto net = std::make_shared<Net>();
