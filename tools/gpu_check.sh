@@ -19,8 +19,8 @@
 #
 # The checks (each bounded by a timeout; the whole run fits in 8 minutes on an H100):
 #   tests       kernels/'s tests; Cuda.* and CudaFusedStep.* (shardopt_tests); CudaOverGloo at
-#               world 2 and 3 on the one GPU (parity, mixed, resume); `shardopt train --device
-#               cuda` through the CLI test
+#               world 2 and 3 on the one GPU (parity, mixed, resume, the bf16 and int8 wires);
+#               `shardopt train --device cuda` through the CLI test
 #   benchmarks  GPT-2 small's whole step (OSS against ATen's multi-tensor at::_fused_adamw_, fp32
 #               and bf16 parameters with fp32 masters) with its kernel launch count; the fused
 #               step on one 100M-element shard; staging_bench; Muon + AdamW under OSS on CUDA
@@ -112,7 +112,7 @@ step() {
 cd "$root"
 step kernels_tests 120 "$dir/kernels/tests/shardopt_kernels_test"
 step cuda_tests 180 "$dir/tests/shardopt_tests" --gtest_filter='Cuda.*:CudaFusedStep.*'
-for run in "2 parity" "3 parity" "2 mixed" "3 resume"; do
+for run in "2 parity" "3 parity" "2 mixed" "3 resume" "2 wires" "3 wires"; do
   set -- $run
   step "cuda_over_gloo_${2}_$1" 120 "$python" tools/launch -n "$1" "$dir/tests/cuda_gloo_worker" "$2"
 done

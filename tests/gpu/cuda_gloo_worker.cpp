@@ -5,10 +5,11 @@
 // process cannot do it: autograd runs every CUDA backward of a process on one thread per device,
 // where one rank's gradient hook would wait for another rank's backward.)
 //
-//   cuda_gloo_worker parity | mixed | resume | probe
+//   cuda_gloo_worker parity | mixed | resume | wires | probe
 //
 // Exits 77 where no CUDA device is visible (probe: only that, else 0) (ctest reports the test skipped), 0 when every check
 // held, 1 with the failed check on stderr.
+#include <shardopt/comm/wire.h>
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/mixed_precision.h>
 
@@ -207,12 +208,91 @@ void resume(ProcessGroup& g, const std::shared_ptr<ProcessGroup>& group) {
   check_everywhere(g, equal, "the resumed run equals the one that went on, bit for bit");
 }
 
+// The compressed wires (Note [Gradient wire], Note [Parameter wire], Note [Int8 wire]) on CUDA
+// parameters: bf16 and int8 gradients and parameters, int8 with and without error feedback,
+// each rank's data its own, through a freeze and an unfreeze with clipping. Every step, every
+// rank holds bitwise the same parameters on CUDA; on rank 0 each parameter is its fp32 master
+// rounded to bf16, or within half an int8 step of it (max |master| / 254, the largest master of
+// any step so far: a frozen parameter keeps the rounding of its last sync); and the parameters
+// stay near torch::optim::Adam on the CPU stepping the exact mean gradient (bf16 within 1e-2,
+// int8 within 5e-2 relative: the wires' rounding, which Adam's normalisation can magnify on
+// small gradients).
+void wires(ProcessGroup& g, const std::shared_ptr<ProcessGroup>& group) {
+  const int world = g.size();
+  struct Case {
+    Wire wire;
+    bool feedback;
+    double near;
+  };
+  for (const Case c : {Case{Wire::kBFloat16, false, 1e-2}, Case{Wire::kInt8, false, 5e-2}, Case{Wire::kInt8, true, 5e-2}}) {
+    const std::string name = std::string(c.wire == Wire::kInt8 ? "int8" : "bf16") + (c.feedback ? " with error feedback" : "");
+    auto net = small_net(), ref_net = small_net();
+    net->to(at::kCUDA);
+    OSS oss(net->parameters(), optimizer<optim::Adam>(adam()), group, OSSOptions().param_wire(c.wire));
+    ShardedDDP ddp(net.ptr(), oss, ShardedDDPOptions().gradient_wire(c.wire).error_feedback(c.feedback));
+    Params ref = ref_net->parameters();
+    optim::Adam ref_opt(ref, adam());
+    double largest = 0;  // on rank 0: the largest master element of any step so far
+    for (int step = 0; step < 6; ++step) {
+      const std::string at = name + ", step " + std::to_string(step) + ": ";
+      const bool frozen = step >= 2 && step < 4;
+      for (auto& p : net[0]->parameters()) p.requires_grad_(!frozen);
+      for (auto& p : ref_net[0]->parameters()) p.requires_grad_(!frozen);
+      const auto [x, y] = batch(step, g.rank());
+      if (step == 0) check_everywhere(g, shardopt::testing::differs_across_ranks(x, g), "every rank's data differs");
+      ddp.zero_grad(true);
+      ddp.forward(x.cuda()).sub(y.cuda()).pow(2).mean().backward();
+      oss.clip_grad_norm(0.5);
+      oss.step();
+      ref_opt.zero_grad(true);
+      for (int r = 0; r < world; ++r) {
+        const auto [rx, ry] = batch(step, r);
+        ref_net->forward(rx).sub(ry).pow(2).mean().div(world).backward();
+      }
+      torch::nn::utils::clip_grad_norm_(ref, 0.5);
+      ref_opt.step();
+      const Params mine = cpu(net->parameters());
+      bool on_cuda = true;
+      for (const auto& p : net->parameters()) on_cuda = on_cuda && p.is_cuda() && p.scalar_type() == at::kFloat;
+      check_everywhere(g, on_cuda, at + "fp32 parameters on CUDA");
+      check_everywhere(g, shardopt::testing::same_on_all_ranks(mine, g), at + "ranks bitwise equal");
+      double near = 0;
+      for (size_t i = 0; i < mine.size(); ++i) near = std::max(near, shardopt::testing::rel_diff(mine[i], ref[i]));
+      check_everywhere(g, near <= c.near, at + "within " + std::to_string(c.near) + " of the exact reference (" + std::to_string(near) + ")");
+      oss.consolidate_state_dict(0);
+      bool ok = true;
+      std::string what = at + "parameters are their masters through the wire";
+      if (g.rank() == 0) {
+        const auto sd = oss.state_dict().toGenericDict().at("master_weights").toGenericDict();
+        Params masters;
+        for (size_t i = 0; i < mine.size(); ++i) {
+          masters.push_back(sd.at(static_cast<int64_t>(i)).toTensor().cpu());
+          largest = std::max(largest, masters[i].abs().max().item<double>());
+        }
+        double off = 0;
+        for (size_t i = 0; i < mine.size(); ++i) {
+          if (c.wire == Wire::kBFloat16) {
+            if (!mine[i].equal(masters[i].to(at::kBFloat16).to(at::kFloat))) ok = false;
+          } else {
+            off = std::max(off, (mine[i] - masters[i]).abs().max().item<double>());
+          }
+        }
+        if (c.wire == Wire::kInt8) {
+          ok = off <= largest / 254 * 1.0001 && off > 0;
+          what += " (off by " + std::to_string(off) + ", half a step " + std::to_string(largest / 254) + ")";
+        }
+      }
+      check_everywhere(g, ok, what);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode != "parity" && mode != "mixed" && mode != "resume" && mode != "probe") {
-    std::cerr << "usage: cuda_gloo_worker parity | mixed | resume | probe" << std::endl;
+  if (mode != "parity" && mode != "mixed" && mode != "resume" && mode != "wires" && mode != "probe") {
+    std::cerr << "usage: cuda_gloo_worker parity | mixed | resume | wires | probe" << std::endl;
     return 2;
   }
   if (!at::globalContext().hasCUDA()) {
@@ -226,6 +306,7 @@ int main(int argc, char** argv) {
     if (mode == "parity") parity(*group, group);
     if (mode == "mixed") mixed(*group, group);
     if (mode == "resume") resume(*group, group);
+    if (mode == "wires") wires(*group, group);
     if (group->rank() == 0) std::cout << "cuda over gloo " << mode << " ok at world " << group->size() << std::endl;
     return 0;
   } catch (const c10::Error& e) {
