@@ -1,6 +1,7 @@
 // OSS and ShardedDDP on CUDA tensors over NCCL. These run where a CUDA device is visible and are
 // reported as skipped (not passed) everywhere else.
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/grad_scaler.h>
 #include <shardopt/optim/fused_step.h>
 #include <shardopt/optim/mixed_precision.h>
 #include <shardopt/testing/introspection.h>
@@ -180,6 +181,76 @@ TEST(Cuda, MixedPrecisionOnCudaFollowsTheRecipeThroughAFreezeWithClipping) {
         EXPECT_TRUE(params[i].cpu().equal(mine.cpu().to(dtype))) << "step " << step << " parameter " << i;
       }
     }
+  }
+}
+
+// The gradient scaler on CUDA (Note [Unscaling in the step]): scaler.step() without unscale_()
+// hands the kernels 1/scale and the found-inf flag on the device, and they skip on it. In fp32
+// and with fp16 parameters and fp32 masters: every step but the overflowed one follows the
+// recipe (the scaled gradients, upcast, divided by the scale, stepped by torch::optim::Adam on
+// fp32 masters); the overflowed step changes no parameter and no state (4 of 5 steps counted);
+// the scale halves after it and doubles after two good steps, as torch.amp.GradScaler's does.
+TEST(Cuda, GradScalerOnCudaSkipsTheOverflowedStepInTheKernels) {
+  SHARDOPT_NEEDS_CUDA();
+  for (const c10::ScalarType dtype : {at::kFloat, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    auto g = nccl_world_of_one();
+    torch::manual_seed(0);
+    auto model = torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::Linear(64, 4));
+    model->to(at::kCUDA);
+    std::vector<at::Tensor> master;
+    for (const auto& p : model->parameters()) master.push_back(p.detach().clone().requires_grad_());
+    optim::Adam ref_opt(master, optim::AdamOptions(1e-2));
+    OSSOptions options;
+    if (dtype != at::kFloat) options.mixed_precision(MixedPrecision().param_dtype(dtype).reduce_dtype(at::kFloat));
+    OSS oss(model->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g, options);
+    ShardedDDP ddp(model.ptr(), oss);
+    ShardedGradScaler scaler(GradScalerOptions().init_scale(1024).growth_interval(2));
+    const std::vector<double> scales{1024, 1024, 2048, 1024, 1024};  // doubled after steps 0-1, halved by 2
+    for (int step = 0; step < 5; ++step) {
+      const bool overflow = step == 2;
+      const double scale = scaler.get_scale();
+      EXPECT_EQ(scale, scales[static_cast<size_t>(step)]) << "step " << step;
+      const at::Tensor x = torch::randn({8, 16}, at::kCUDA), y = torch::randn({8, 4}, at::kCUDA);
+      std::vector<at::Tensor> before;
+      for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
+      unsigned hook = 0;
+      const at::Tensor weight = model[0]->parameters()[0];
+      if (overflow) {
+        hook = weight.register_hook([](const at::Tensor& grad) { return at::full_like(grad, std::numeric_limits<float>::infinity()); });
+      }
+      ddp.zero_grad(true);
+      scaler.scale(ddp.forward(x).to(at::kFloat).sub(y).pow(2).mean()).backward();
+      if (overflow) weight.remove_hook(hook);
+      EXPECT_EQ(scaler.step(oss), !overflow) << "step " << step;
+      scaler.update();
+      EXPECT_TRUE(testing::Introspection::stepped_fused(oss)) << "step " << step << ": the CUDA kernels stepped";
+      const auto params = model->parameters();
+      if (overflow) {
+        for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(params[i].equal(before[i])) << "parameter " << i;
+        continue;
+      }
+      std::vector<at::Tensor> low;
+      for (const auto& m : master) low.push_back(m.detach().to(dtype).requires_grad_());
+      const at::Tensor h = at::linear(x.to(dtype), low[0], low[1]);
+      (at::linear(h, low[2], low[3]).to(at::kFloat).sub(y).pow(2).mean() * scale).backward();
+      {
+        at::NoGradGuard no_grad;
+        for (size_t i = 0; i < master.size(); ++i) master[i].mutable_grad() = low[i].grad().to(at::kFloat).div(scale);
+      }
+      ref_opt.step();
+      oss.consolidate_state_dict(0);
+      const auto sd = oss.state_dict().toGenericDict();
+      for (size_t i = 0; i < master.size(); ++i) {
+        const at::Tensor mine = dtype == at::kFloat ? params[i].detach()
+                                                    : sd.at("master_weights").toGenericDict().at(static_cast<int64_t>(i)).toTensor();
+        EXPECT_LE(testing::rel_diff(mine.cpu(), master[i].detach().cpu()), 1e-4) << "step " << step << " master " << i;
+        EXPECT_TRUE(params[i].cpu().equal(mine.cpu().to(dtype))) << "step " << step << " parameter " << i;
+      }
+    }
+    oss.consolidate_state_dict(0);
+    const c10::IValue steps = oss.state_dict().toGenericDict().at("state").toGenericDict().at(int64_t{0}).toGenericDict().at("step");
+    EXPECT_EQ(steps.isTensor() ? steps.toTensor().item<int64_t>() : steps.toInt(), 4) << "the overflowed step is not counted";
   }
 }
 
