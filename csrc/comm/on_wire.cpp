@@ -11,6 +11,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <utility>
+
 #include <vector>
 
 namespace shardopt {
@@ -32,6 +34,9 @@ PendingWork ProcessGroup::reduce_on_wire(at::Tensor& tensor, int root, int64_t n
   // Every contribution travels in `wire`; the root widens and sums in the tensor's dtype, its
   // own rounded through `wire` too (Note [Gradient wire] in wire.cpp).
   const detail::WireCodec codec(wire, exact_tail);
+  if (codec.int8() && (backend_name_ != "gloo" || wire_by_collectives_)) {
+    return reduce_by_gather(tensor, root, numel, divisor, codec);
+  }
   const int64_t bytes = codec.packed_bytes(tensor.numel());
   check_in(CommStats::kReduce, bytes, root);
   if (backend_name_ == "gloo") {
@@ -58,7 +63,6 @@ PendingWork ProcessGroup::reduce_on_wire(at::Tensor& tensor, int root, int64_t n
     });
     return work;
   }
-  SHARDOPT_CHECK(!codec.int8(), "the int8 wire is not offered on ", backend_name_, " (Gloo only)");
   std::vector<at::Tensor> ts{staged(tensor.to(wire))};
   c10d::ReduceOptions opts;
   opts.rootRank = root;
@@ -83,6 +87,9 @@ PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double d
   constexpr auto kind = CommStats::kReduceScatter;
   const int64_t row = flat.numel() / size_;
   const detail::WireCodec codec(wire, exact_tail);
+  if (codec.int8() && (backend_name_ != "gloo" || wire_by_collectives_)) {
+    return reduce_scatter_rows_by_alltoall(flat, divisor, mine, own, codec);
+  }
   const int64_t bytes = codec.packed_bytes(row) * size_;
   check_in(kind, bytes, -1);
   if (backend_name_ == "gloo") {
@@ -118,7 +125,6 @@ PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double d
     });
     return work;
   }
-  SHARDOPT_CHECK(!codec.int8(), "the int8 wire is not offered on ", backend_name_, " (Gloo only)");
   // NCCL sums in the wire's dtype, in place in this rank's row of the packed buffer.
   at::Tensor packed = staged(flat.to(wire));
   packed.narrow(0, rank_ * row, row).copy_(own);
@@ -149,6 +155,84 @@ PendingWork ProcessGroup::allgather_rows_on_wire(at::Tensor& flat, at::ScalarTyp
       if (r != rank) codec.decode_into(packed.narrow(0, r * packed_row, packed_row), flat.narrow(0, r * row, row));
     }
   });
+  return work;
+}
+
+// Note [Int8 wire on collectives]
+// On Gloo the int8 reductions are direct transfers (above): each rank sends each peer that
+// peer's row, packed, and receives its own. NCCL has no such transfers to build on (its sends
+// block on the device unless grouped, and c10d groups them only for its own collectives) and
+// sums in one dtype. There the packed contributions travel in one of NCCL's collectives per
+// bucket, counted once in stats():
+// - rows: one all-to-all. Each rank packs every other rank's row of `flat` on its device (this
+//   rank's own slot goes unread), the all-to-all hands each rank the packed copies of its row
+//   from every rank, and the owner decodes and sums them after its own, in rank order
+//   (sum_decoded, on the device): the direct path's values, bit for bit.
+// - reduce to one owner: one gather of the packed buckets to the root, summed alike.
+// Each rank sends what the direct path sends; the all-to-all also moves this rank's unread slot
+// within its own memory. The tests run this path on Gloo (wire_by_collectives_, set through
+// testing::Introspection), CUDA tensors included (tests/gpu/cuda_gloo_worker.cpp); NCCL itself
+// needs a GPU per rank and has not run it at world sizes above 1.
+PendingWork ProcessGroup::reduce_scatter_rows_by_alltoall(at::Tensor& flat, double divisor, const at::Tensor& mine,
+                                                          const at::Tensor& own, const detail::WireCodec& codec) {
+  constexpr auto kind = CommStats::kReduceScatter;
+  const int64_t row = flat.numel() / size_;
+  const int64_t packed_row = codec.packed_numel(row);
+  const int64_t bytes = codec.packed_bytes(row) * size_;
+  check_in(kind, bytes, -1);
+  at::Tensor packed = at::empty({packed_row * size_}, flat.options().dtype(codec.packed_dtype()));
+  for (int r = 0; r < size_; ++r) {
+    at::Tensor slot = packed.narrow(0, r * packed_row, packed_row);
+    if (r == rank_) {
+      slot.zero_();  // unread, sent to this rank itself
+    } else {
+      codec.encode_into(flat.narrow(0, r * row, row), slot);
+    }
+  }
+  at::Tensor sent = staged(packed);
+  at::Tensor received = at::empty_like(sent);
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout_;
+  std::vector<int64_t> even;  // equal splits
+  PendingWork work = track(kind, bytes, [&] { return backend_->alltoall_base(received, sent, even, even, opts); });
+  work.set_then([mine, own, received, rank = rank_, size = size_, row, packed_row, divisor, codec]() mutable {
+    const at::Tensor from = received.device() == mine.device() ? received : received.to(mine.device());
+    std::vector<at::Tensor> incoming;
+    for (int r = 0; r < size; ++r) {
+      if (r != rank) incoming.push_back(from.narrow(0, r * packed_row, packed_row));
+    }
+    at::Tensor sum = mine.is_contiguous() ? mine : at::empty({row}, mine.options());
+    detail::sum_decoded(sum, own, incoming, codec, divisor != 1.0 ? row : 0, divisor);
+    if (!sum.is_same(mine)) mine.copy_(sum);
+  });
+  return work;
+}
+
+PendingWork ProcessGroup::reduce_by_gather(at::Tensor& tensor, int root, int64_t numel, double divisor,
+                                           const detail::WireCodec& codec) {
+  const int64_t bytes = codec.packed_bytes(tensor.numel());
+  check_in(CommStats::kReduce, bytes, root);
+  std::vector<at::Tensor> in{staged(codec.encode(tensor.view(-1)))};
+  std::vector<std::vector<at::Tensor>> out(rank_ == root ? 1 : 0);
+  if (rank_ == root) {
+    for (int r = 0; r < size_; ++r) out[0].push_back(at::empty_like(in[0]));
+  }
+  c10d::GatherOptions opts;
+  opts.rootRank = root;
+  opts.timeout = timeout_;
+  PendingWork work = track(CommStats::kReduce, bytes, [&] { return backend_->gather(out, in, opts); });
+  if (rank_ == root) {
+    work.set_then([tensor, gathered = out[0], rank = rank_, numel, divisor, codec]() mutable {
+      std::vector<at::Tensor> incoming;
+      for (size_t r = 0; r < gathered.size(); ++r) {
+        if (static_cast<int>(r) != rank) incoming.push_back(gathered[r].to(tensor.device()));
+      }
+      at::Tensor flat = tensor.view(-1);
+      at::Tensor sum = tensor.is_contiguous() ? flat : at::empty_like(flat);
+      detail::sum_decoded(sum, flat, incoming, codec, numel, divisor);
+      if (!sum.is_same(flat)) flat.copy_(sum);
+    });
+  }
   return work;
 }
 

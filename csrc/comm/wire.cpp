@@ -66,8 +66,9 @@ namespace shardopt {
 // bucket, each rank's row to its owner) and of Note [Reduce to one owner]; the stats count the
 // packed bytes. Parameters: each owner quantises its range, sets its own parameters to the
 // dequantised values and sends the packed bytes; every receiver dequantises, so every rank holds
-// the same values (the owners step fp32 masters: Note [Parameter wire]). On NCCL, int8 is refused:
-// NCCL cannot sum int8 blocks with their scales, and an all-to-all path has not run on a GPU here.
+// the same values (the owners step fp32 masters: Note [Parameter wire]). NCCL cannot sum int8
+// blocks with their scales and has no direct transfers to build on: there the packed gradients
+// travel in its all-to-all and gather (Note [Int8 wire on collectives] in on_wire.cpp).
 
 namespace detail {
 

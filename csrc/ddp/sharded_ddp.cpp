@@ -120,8 +120,6 @@ void ShardedDDP::check_optimizers() {
   }
   SHARDOPT_CHECK(!options_.error_feedback() || wire != Wire::kExact, "ShardedDDPOptions::error_feedback(true) needs a "
                  "compressed gradient_wire (Wire::kBFloat16 or Wire::kInt8): the exact wire drops nothing to feed back");
-  SHARDOPT_CHECK(wire != Wire::kInt8 || global.backend() == "gloo", "ShardedDDPOptions::gradient_wire(Wire::kInt8) is "
-                 "offered on Gloo only, not on ", global.backend(), "; use Wire::kExact or Wire::kBFloat16");
   for (OSS* opt : optimizers_) {  // the optimizers' mixed precision is agreed between the ranks
     const auto& mp = opt->options().mixed_precision();
     SHARDOPT_CHECK(!(wire == Wire::kBFloat16 && mp.enabled() && mp.reduce_or_param_dtype() == at::kHalf),

@@ -315,8 +315,6 @@ void OSS::check_params_across_ranks() {
 // After the ranks agreed on param_wire (check_params_across_ranks) and on mixed precision.
 void OSS::check_param_wire() const {
   const Wire wire = options_.param_wire();
-  SHARDOPT_CHECK(wire != Wire::kInt8 || group_->backend() == "gloo", "OSSOptions::param_wire(Wire::kInt8) is offered on "
-                 "Gloo only, not on ", group_->backend(), "; use Wire::kExact or Wire::kBFloat16");
   const auto& mp = options_.mixed_precision();
   SHARDOPT_CHECK(!(wire == Wire::kBFloat16 && mp.enabled() && *mp.param_dtype() == at::kHalf),
                  "OSSOptions::param_wire(Wire::kBFloat16) with MixedPrecision::param_dtype(kHalf): the parameters are "

@@ -4,7 +4,9 @@
 // 127 per block, q = round(x / scale), x' = q * scale) over every rank's data: the owners' sums,
 // bit for bit, of every contribution dequantised (its own too), its own first then the others by
 // rank, divided after the sum; a row's exact tail (ShardedDDP's flags) arrives unchanged; every
-// rank ends with the same dequantised parameters; the stats count the packed bytes.
+// rank ends with the same dequantised parameters; the stats count the packed bytes. The reductions
+// run both ways a group takes them: Gloo's direct transfers, and the all-to-all and gather NCCL
+// takes (Note [Int8 wire on collectives], here on Gloo), each one collective in the stats.
 #include <shardopt/comm/process_group.h>
 #include <shardopt/testing/introspection.h>
 
@@ -46,7 +48,9 @@ std::vector<at::Tensor> everyones(ProcessGroup& g, const at::Tensor& mine) {
   return all;
 }
 
-int64_t packed_bytes(int64_t n, int64_t tail = 0) { return (n - tail) + 4 * ((n - tail + kBlock - 1) / kBlock) + 4 * tail; }
+int64_t packed_bytes(int64_t n, int64_t tail = 0) {
+  return (n - tail) + 4 * ((n - tail + kBlock - 1) / kBlock) + 4 * tail;
+}
 
 // Error feedback's step on one row (Note [Error feedback]), against its definition: v = x plus the
 // bf16 residual, x' = v as the wire delivers it, residual' = v - x' rounded to bf16. On the CPU
@@ -73,82 +77,104 @@ TEST(Int8Wire, ErrorFeedbackInOnePassGivesTheBitsOfItsDefinition) {
   }
 }
 
+// The two ways a group reduces on the int8 wire.
+enum class Route { kDirect, kCollectives };
+const char* name(Route route) { return route == Route::kDirect ? "direct transfers" : "all-to-all and gather"; }
+void take(Route route, ProcessGroup& g) {
+  if (route == Route::kCollectives) testing::Introspection::wire_by_collectives(g);
+}
+
 TEST(Int8Wire, RowsReduceScatterSumsTheDequantisedBlocksInFp32) {
-  for (int world : {2, 3, 4}) {
-    SCOPED_TRACE("world " + std::to_string(world));
-    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
-      const int r = g->rank();
-      const int64_t row = 1000, tail = 3;  // 997 values (not a multiple of 256) then 3 exact flags
-      at::manual_seed(500 + r);
-      at::Tensor flat = at::randn({row * world}) * (r + 1);
-      for (int k = 0; k < world; ++k) flat.narrow(0, k * row + row - tail, tail).fill_(1.0 + r);
-      const auto all = everyones(*g, flat);
-      for (bool into : {false, true}) {
-        at::Tensor buf = flat.clone();
-        at::Tensor out = at::empty({row});
-        const CommStats before = g->stats();
-        if (into) {
-          out.copy_(buf.narrow(0, r * row, row));
-          g->reduce_scatter_rows_into_async(buf, out, world, at::kChar, tail).wait();
-        } else {
-          g->reduce_scatter_rows_async(buf, world, {}, at::kChar, tail).wait();
-          out = buf.narrow(0, r * row, row);
+  for (Route route : {Route::kDirect, Route::kCollectives}) {
+    for (int world : {2, 3, 4}) {
+      SCOPED_TRACE(std::string(name(route)) + ", world " + std::to_string(world));
+      run_ranks(world, [world, route](std::shared_ptr<ProcessGroup> g) {
+        take(route, *g);
+        const int r = g->rank();
+        const int64_t row = 1000, tail = 3;  // 997 values (not a multiple of 256) then 3 exact flags
+        at::manual_seed(500 + r);
+        at::Tensor flat = at::randn({row * world}) * (r + 1);
+        for (int k = 0; k < world; ++k) flat.narrow(0, k * row + row - tail, tail).fill_(1.0 + r);
+        const auto all = everyones(*g, flat);
+        for (bool into : {false, true}) {
+          at::Tensor buf = flat.clone();
+          at::Tensor out = at::empty({row});
+          const CommStats before = g->stats();
+          if (into) {
+            out.copy_(buf.narrow(0, r * row, row));
+            g->reduce_scatter_rows_into_async(buf, out, world, at::kChar, tail).wait();
+          } else {
+            g->reduce_scatter_rows_async(buf, world, {}, at::kChar, tail).wait();
+            out = buf.narrow(0, r * row, row);
+          }
+          EXPECT_EQ(g->stats().bytes[CommStats::kReduceScatter] - before.bytes[CommStats::kReduceScatter],
+                    world * packed_bytes(row, tail));
+          EXPECT_EQ(g->stats().total_calls() - before.total_calls(), 1) << "one collective";
+          at::Tensor want = quantised(all[r].narrow(0, r * row, row), tail);
+          for (int k = 0; k < world; ++k) {
+            if (k != r) want = want + quantised(all[k].narrow(0, r * row, row), tail);
+          }
+          want = want / static_cast<double>(world);
+          ASSERT_TRUE(out.equal(want)) << (into ? "into: " : "") << "max diff "
+                                       << (out - want).abs().max().item<double>();
+          // The flags are sums of exact values: (1 + 2 + ... + world) / world.
+          EXPECT_TRUE(out.narrow(0, row - tail, tail).eq((world + 1) / 2.0).all().item<bool>());
+          at::Tensor exact = at::zeros({row});
+          for (int k = 0; k < world; ++k) exact += all[k].narrow(0, r * row, row);
+          EXPECT_FALSE(out.equal(exact / static_cast<double>(world))) << "int8 rounded nothing";
         }
-        EXPECT_EQ(g->stats().bytes[CommStats::kReduceScatter] - before.bytes[CommStats::kReduceScatter],
-                  world * packed_bytes(row, tail));
-        at::Tensor want = quantised(all[r].narrow(0, r * row, row), tail);
-        for (int k = 0; k < world; ++k) {
-          if (k != r) want = want + quantised(all[k].narrow(0, r * row, row), tail);
-        }
-        want = want / static_cast<double>(world);
-        ASSERT_TRUE(out.equal(want)) << (into ? "into: " : "") << "max diff " << (out - want).abs().max().item<double>();
-        // The flags are sums of exact values: (1 + 2 + ... + world) / world.
-        EXPECT_TRUE(out.narrow(0, row - tail, tail).eq((world + 1) / 2.0).all().item<bool>());
-        at::Tensor exact = at::zeros({row});
-        for (int k = 0; k < world; ++k) exact += all[k].narrow(0, r * row, row);
-        EXPECT_FALSE(out.equal(exact / static_cast<double>(world))) << "int8 rounded nothing";
-      }
-    });
+      });
+    }
   }
 }
 
 // A block with inf or NaN arrives all NaN (the gradient scaler must see it); the other blocks
 // arrive within half a step of their scale.
 TEST(Int8Wire, ABlockWithInfOrNanArrivesNonFinite) {
-  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
-    for (double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
-      at::manual_seed(800 + g->rank());
-      at::Tensor flat = at::randn({2 * 600});
-      const auto all = everyones(*g, flat);
-      flat[10] = bad;  // in rank 0's row, block 0, on every rank
-      g->reduce_scatter_rows_async(flat, 2.0, {}, at::kChar).wait();
-      if (g->rank() != 0) continue;
-      const at::Tensor row = flat.narrow(0, 0, 600);
-      EXPECT_TRUE(row.narrow(0, 0, kBlock).isnan().all().item<bool>()) << bad;
-      const at::Tensor rest = row.narrow(0, kBlock, 600 - kBlock);
-      EXPECT_TRUE(rest.isfinite().all().item<bool>()) << bad;
-      const at::Tensor exact = (all[0].narrow(0, kBlock, 600 - kBlock) + all[1].narrow(0, kBlock, 600 - kBlock)) / 2.0;
-      const double largest = std::max(all[0].abs().max().item<double>(), all[1].abs().max().item<double>());
-      EXPECT_LE((rest - exact).abs().max().item<double>(), largest / 254 * 1.0001) << bad;
-    }
-  });
+  for (Route route : {Route::kDirect, Route::kCollectives}) {
+    SCOPED_TRACE(name(route));
+    run_ranks(2, [route](std::shared_ptr<ProcessGroup> g) {
+      take(route, *g);
+      for (double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+        at::manual_seed(800 + g->rank());
+        at::Tensor flat = at::randn({2 * 600});
+        const auto all = everyones(*g, flat);
+        flat[10] = bad;  // in rank 0's row, block 0, on every rank
+        g->reduce_scatter_rows_async(flat, 2.0, {}, at::kChar).wait();
+        if (g->rank() != 0) continue;
+        const at::Tensor row = flat.narrow(0, 0, 600);
+        EXPECT_TRUE(row.narrow(0, 0, kBlock).isnan().all().item<bool>()) << bad;
+        const at::Tensor rest = row.narrow(0, kBlock, 600 - kBlock);
+        EXPECT_TRUE(rest.isfinite().all().item<bool>()) << bad;
+        const at::Tensor exact =
+            (all[0].narrow(0, kBlock, 600 - kBlock) + all[1].narrow(0, kBlock, 600 - kBlock)) / 2.0;
+        const double largest = std::max(all[0].abs().max().item<double>(), all[1].abs().max().item<double>());
+        EXPECT_LE((rest - exact).abs().max().item<double>(), largest / 254 * 1.0001) << bad;
+      }
+    });
+  }
 }
 
 TEST(Int8Wire, ReduceToOneOwnerSumsTheDequantisedBlocks) {
-  run_ranks(3, [](std::shared_ptr<ProcessGroup> g) {
-    const int r = g->rank();
-    const int64_t n = 700, tail = 2;
-    at::manual_seed(600 + r);
-    at::Tensor t = at::randn({n});
-    const auto all = everyones(*g, t);
-    const CommStats before = g->stats();
-    g->reduce_mean_async(t, 1, n - tail, 3.0, at::kChar, tail).wait();
-    EXPECT_EQ(g->stats().bytes[CommStats::kReduce] - before.bytes[CommStats::kReduce], packed_bytes(n, tail));
-    if (r != 1) return;
-    at::Tensor want = quantised(all[1], tail) + quantised(all[0], tail) + quantised(all[2], tail);
-    want.narrow(0, 0, n - tail).div_(3.0);
-    ASSERT_TRUE(t.equal(want)) << "max diff " << (t - want).abs().max().item<double>();
-  });
+  for (Route route : {Route::kDirect, Route::kCollectives}) {
+    SCOPED_TRACE(name(route));
+    run_ranks(3, [route](std::shared_ptr<ProcessGroup> g) {
+      take(route, *g);
+      const int r = g->rank();
+      const int64_t n = 700, tail = 2;
+      at::manual_seed(600 + r);
+      at::Tensor t = at::randn({n});
+      const auto all = everyones(*g, t);
+      const CommStats before = g->stats();
+      g->reduce_mean_async(t, 1, n - tail, 3.0, at::kChar, tail).wait();
+      EXPECT_EQ(g->stats().bytes[CommStats::kReduce] - before.bytes[CommStats::kReduce], packed_bytes(n, tail));
+      EXPECT_EQ(g->stats().total_calls() - before.total_calls(), 1) << "one collective";
+      if (r != 1) return;
+      at::Tensor want = quantised(all[1], tail) + quantised(all[0], tail) + quantised(all[2], tail);
+      want.narrow(0, 0, n - tail).div_(3.0);
+      ASSERT_TRUE(t.equal(want)) << "max diff " << (t - want).abs().max().item<double>();
+    });
+  }
 }
 
 TEST(Int8Wire, AllGatherAndBroadcastLeaveEveryRankTheDequantisedValues) {
@@ -161,7 +187,8 @@ TEST(Int8Wire, AllGatherAndBroadcastLeaveEveryRankTheDequantisedValues) {
       const auto all = everyones(*g, flat);
       const CommStats before = g->stats();
       g->allgather_rows_async(flat, at::kChar).wait();
-      EXPECT_EQ(g->stats().bytes[CommStats::kAllgather] - before.bytes[CommStats::kAllgather], world * packed_bytes(row));
+      EXPECT_EQ(g->stats().bytes[CommStats::kAllgather] - before.bytes[CommStats::kAllgather],
+                world * packed_bytes(row));
       for (int k = 0; k < world; ++k) {
         const at::Tensor want = quantised(all[k].narrow(0, k * row, row));
         ASSERT_TRUE(flat.narrow(0, k * row, row).equal(want)) << "row " << k << ", this rank's own too";

@@ -4,7 +4,9 @@
 // against a reference built from every rank's local gradient, at worlds 2, 3 and 4, with row
 // buckets (the default) and with whole parameters, each rank's data different. The bytes the
 // reduce-scatters move are half of the exact wire's, every rank's parameters stay bitwise equal
-// after the step, and a wire that differs between ranks, or kInt8, is an error on every rank.
+// after the step, and a wire that differs between ranks, or bf16 over fp16, is an error on every
+// rank. The int8 wire runs both ways a group takes it: Gloo's direct transfers, and the
+// all-to-all and gather NCCL takes.
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/grad_scaler.h>
 #include <shardopt/optim/oss.h>
@@ -276,6 +278,53 @@ TEST(GradientWire, Int8AccumulationQuantisesOncePerReductionAndClippingSeesTheRe
       const double norm = oss.clip_grad_norm(1e9);
       EXPECT_NEAR(norm, std::sqrt(total.item<double>()), 1e-5 * norm);
     });
+  }
+}
+
+// The int8 wire as an NCCL group takes it (Note [Int8 wire on collectives]: one all-to-all per
+// row bucket, one gather per bucket reduced to one owner), here on Gloo, int8 parameters and
+// error feedback on, through a freeze and an unfreeze, rows and whole parameters, each rank's
+// data different: after every step rank 0's parameters are bit for bit those of Gloo's direct
+// transfers, every rank holds the same, and each step counts the same number of collectives.
+TEST(GradientWire, Int8OnCollectivesTrainsBitForBitAsOnDirectTransfers) {
+  for (auto partition : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
+    SCOPED_TRACE(partition == PartitionMode::kSplit ? "rows" : "whole parameters");
+    std::vector<Params> after[2];  // rank 0's parameters after each step, per route
+    std::vector<int64_t> calls[2];
+    for (int collectives : {0, 1}) {
+      run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+        if (collectives) testing::Introspection::wire_by_collectives(*g);
+        auto net = net_of(7);
+        Params params = net->parameters();
+        OSS oss(params, optimizer<optim::AdamW>(adamw()), g,
+                OSSOptions().partition(partition).param_wire(Wire::kInt8));
+        ShardedDDP ddp(net.ptr(), oss,
+                       ShardedDDPOptions().gradient_wire(Wire::kInt8).error_feedback(true).reduce_bucket_bytes(1024));
+        for (int step = 0; step < 5; ++step) {
+          for (auto& p : net[0]->parameters()) p.requires_grad_(step != 2);
+          const auto data = testing::rank_data(step, g->rank(), 2);
+          if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+          const CommStats before = g->stats();
+          ddp.zero_grad();
+          testing::loss_of(ddp.forward(data.x), data, 1).backward();
+          oss.step();
+          ASSERT_TRUE(testing::same_on_all_ranks(params, *g)) << "step " << step;
+          if (g->rank() != 0) continue;
+          Params copy;
+          for (const auto& p : params) copy.push_back(p.detach().clone());
+          after[collectives].push_back(copy);
+          calls[collectives].push_back(g->stats().total_calls() - before.total_calls());
+        }
+      });
+    }
+    ASSERT_EQ(after[0].size(), 5u);
+    ASSERT_EQ(after[1].size(), 5u);
+    for (size_t step = 0; step < 5; ++step) {
+      for (size_t i = 0; i < after[0][step].size(); ++i) {
+        EXPECT_TRUE(after[0][step][i].equal(after[1][step][i])) << "step " << step << " parameter " << i;
+      }
+    }
+    EXPECT_EQ(calls[0], calls[1]);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <shardopt/comm/wire.h>
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/mixed_precision.h>
+#include <shardopt/testing/introspection.h>
 
 #include "model.h"
 
@@ -209,8 +210,9 @@ void resume(ProcessGroup& g, const std::shared_ptr<ProcessGroup>& group) {
 }
 
 // The compressed wires (Note [Gradient wire], Note [Parameter wire], Note [Int8 wire]) on CUDA
-// parameters: bf16 and int8 gradients and parameters, int8 with and without error feedback,
-// each rank's data its own, through a freeze and an unfreeze with clipping. Every step, every
+// parameters: bf16 and int8 gradients and parameters, int8 with and without error feedback, and
+// last the int8 reductions as NCCL takes them (Note [Int8 wire on collectives]: packed and
+// summed on the GPU, moved by one all-to-all per bucket), each rank's data its own, through a freeze and an unfreeze with clipping. Every step, every
 // rank holds bitwise the same parameters on CUDA; on rank 0 each parameter is its fp32 master
 // rounded to bf16, or within half an int8 step of it (max |master| / 254, the largest master of
 // any step so far: a frozen parameter keeps the rounding of its last sync); and the parameters
@@ -223,9 +225,13 @@ void wires(ProcessGroup& g, const std::shared_ptr<ProcessGroup>& group) {
     Wire wire;
     bool feedback;
     double near;
+    bool collectives = false;
   };
-  for (const Case c : {Case{Wire::kBFloat16, false, 1e-2}, Case{Wire::kInt8, false, 5e-2}, Case{Wire::kInt8, true, 5e-2}}) {
-    const std::string name = std::string(c.wire == Wire::kInt8 ? "int8" : "bf16") + (c.feedback ? " with error feedback" : "");
+  for (const Case c : {Case{Wire::kBFloat16, false, 1e-2}, Case{Wire::kInt8, false, 5e-2}, Case{Wire::kInt8, true, 5e-2},
+                       Case{Wire::kInt8, true, 5e-2, true}}) {
+    const std::string name = std::string(c.wire == Wire::kInt8 ? "int8" : "bf16") +
+                             (c.feedback ? " with error feedback" : "") + (c.collectives ? " on collectives" : "");
+    if (c.collectives) shardopt::testing::Introspection::wire_by_collectives(g);  // for the rest of the run
     auto net = small_net(), ref_net = small_net();
     net->to(at::kCUDA);
     OSS oss(net->parameters(), optimizer<optim::Adam>(adam()), group, OSSOptions().param_wire(c.wire));

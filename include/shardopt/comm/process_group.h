@@ -36,7 +36,11 @@ namespace detail {
 struct GroupFailure;  // a group's failure watch (Note [Failure watch] in csrc/comm/failure_watch.cpp)
 struct GroupSetup;    // init_process_group's access to a new group's set-up (csrc/comm/init.cpp)
 struct GroupRecovery; // resilience's access to the failure watch and new groups (csrc/resilience/group_recovery.h)
+class WireCodec;      // how a tensor travels on a compressed wire (csrc/comm/wire_codec.h)
 }  // namespace detail
+namespace testing {
+struct Introspection;  // what the tests read and set of the insides (shardopt/testing/introspection.h)
+}  // namespace testing
 
 struct InitOptions {
   TORCH_ARG(std::string, backend) = "auto";        // "gloo" | "nccl" | "auto" (nccl if CUDA, else gloo)
@@ -163,7 +167,7 @@ class ProcessGroup {
   // With `wire` (a dtype other than the tensor's), every contribution travels in that dtype and
   // the root sums them in the tensor's (Note [Gradient wire] in csrc/comm/wire.cpp). A kChar
   // wire is int8 in blocks with fp32 scales (Note [Int8 wire]), whose last `exact_tail` elements
-  // (counts, flags) travel exactly; Gloo only.
+  // (counts, flags) travel exactly.
   PendingWork reduce_mean_async(at::Tensor& tensor, int root, int64_t numel, double divisor,
                                 std::optional<at::ScalarType> wire = std::nullopt, int64_t exact_tail = 0);
   PendingWork allreduce_async(at::Tensor& tensor, Reduction op = Reduction::kSum);
@@ -277,6 +281,15 @@ class ProcessGroup {
   PendingWork broadcast_on_wire(at::Tensor& tensor, int root, at::ScalarType wire);
   PendingWork reduce_on_wire(at::Tensor& tensor, int root, int64_t numel, double divisor, at::ScalarType wire,
                              int64_t exact_tail);
+  // The int8 wire's reductions on a backend's own collectives (Note [Int8 wire on collectives] in
+  // csrc/comm/on_wire.cpp): NCCL's, and Gloo's where wire_by_collectives_ is set.
+  PendingWork reduce_scatter_rows_by_alltoall(at::Tensor& flat, double divisor, const at::Tensor& mine,
+                                              const at::Tensor& own, const detail::WireCodec& codec);
+  PendingWork reduce_by_gather(at::Tensor& tensor, int root, int64_t numel, double divisor,
+                               const detail::WireCodec& codec);
+  // The tests run the path NCCL takes on Gloo (testing::Introspection::wire_by_collectives).
+  friend struct testing::Introspection;
+  bool wire_by_collectives_ = false;
   // The desync check before a collective (when on): every rank's (sequence, kind, bytes, root).
   void check_in(CommStats::Kind kind, int64_t bytes, int root);
   // A group over `backend` whose rank i is this group's rank members[i] (split, regroup); with

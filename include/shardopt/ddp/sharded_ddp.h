@@ -97,8 +97,8 @@ struct ShardedDDPOptions {
   // How each rank's gradients travel to their owners (Note [Gradient wire] in
   // csrc/comm/wire.cpp): kExact (as they are, the default) or kBFloat16 (rounded to bf16, summed
   // in fp32 by the owner on Gloo, half the bytes) or kInt8 (blocks of 256 with an fp32 scale each,
-  // dequantised and summed in fp32 by the owner, about a quarter of the bytes; Gloo only: Note
-  // [Int8 wire]). Every rank must pass the same.
+  // dequantised and summed in fp32 by the owner, about a quarter of the bytes: Note [Int8 wire];
+  // on NCCL through one all-to-all or gather per bucket). Every rank must pass the same.
   TORCH_ARG(Wire, gradient_wire) = Wire::kExact;
   // With a compressed gradient_wire: each rank keeps what rounding dropped from its own
   // contribution to every bucket (a bf16 residual per element it sends, outside the 1/W of

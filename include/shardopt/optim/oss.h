@@ -145,8 +145,8 @@ struct OSSOptions {
   // what it owns and steps it, and every rank (the owner too) sets its fp32 parameters to the
   // master rounded to bf16, so the sync moves half the bytes and every copy stays bitwise equal;
   // as under mixed precision, every parameter takes global rank 0's values at construction. Under
-  // mixed precision with bf16 parameters it changes nothing; with fp16 ones it is refused. kInt8
-  // (Gloo only): the same with int8 blocks and fp32 scales (Note [Int8 wire]), every rank's
+  // mixed precision with bf16 parameters it changes nothing; with fp16 ones it is refused. kInt8:
+  // the same with int8 blocks and fp32 scales (Note [Int8 wire]), every rank's
   // parameters the dequantised masters.
   TORCH_ARG(Wire, param_wire) = Wire::kExact;
 };

@@ -113,6 +113,10 @@ struct Introspection {
   // collective's wait runs in slices. Returns whether the wait marked the watch broken; what the
   // wait threw, if anything, goes to `error`.
   static bool wait_watched(PendingWork& work, std::string& error);
+  // Makes a Gloo group reduce on the int8 wire as an NCCL group does, through one all-to-all (rows)
+  // or one gather (to one owner) per bucket instead of direct transfers (Note [Int8 wire on
+  // collectives] in csrc/comm/on_wire.cpp): how that path runs where NCCL has one GPU.
+  static void wire_by_collectives(ProcessGroup& group) { group.wire_by_collectives_ = true; }
 };
 
 }  // namespace shardopt::testing
