@@ -1,6 +1,6 @@
 // Rows in log2(size) rounds of one peer each: recursive halving for the reduce-scatter, recursive
-// doubling (Bruck's algorithm at other sizes) for the all-gather, run on Gloo's worker thread
-// (Note [Row rounds]).
+// doubling for the all-gather (Bruck's algorithm for both at other sizes), run on Gloo's worker
+// thread (Note [Row rounds]).
 #include "comm/row_rounds.h"
 
 #include <shardopt/check.h>
@@ -23,8 +23,8 @@ namespace shardopt::detail {
 // collective. Where every transfer is latency (small rows, many ranks) that count is the cost:
 // at 16 ranks a 40,960-float bucket's reduce-scatter took 16-19 ms by direct transfers and 9-11
 // ms in four rounds of one peer each, its all-gather 14-17 against 7-9 (docs/benchmarks.md,
-// "Ranks as processes at world 16"). So at a power-of-two size of at least kRoundsMinSize, on
-// Gloo and for CPU buffers on the exact wire, the rows go in log2(size) rounds:
+// "Ranks as processes at world 16"). So at a size of at least kRoundsMinSize, on Gloo and for
+// CPU buffers on the exact wire, the rows go in rounds, log2(size) at a power of two:
 // - reduce-scatter, recursive halving: at distance d = size/2, size/4, .., 1, a rank keeps the
 //   half of its range of rows that holds its own row, sends the other half to rank ^ d, and adds
 //   what that rank sends of the kept half. The first round adds into a buffer of half the rows,
@@ -41,8 +41,14 @@ namespace shardopt::detail {
 //   all-gather takes ceil(log2(size)) rounds of Bruck's algorithm: a rank gathers rows rank,
 //   rank + 1, .. (mod size) in that order in a buffer of its own; at distance d = 1, 2, 4, .. it
 //   sends its first min(d, size - d) rows to rank - d and receives as many from rank + d after
-//   them, and at the end the rows go to their places (one more pass over the buffer). (The
-//   reduce-scatter keeps its direct transfers there: halving needs a power of two.)
+//   them, and at the end the rows go to their places (one more pass over the buffer). The
+//   reduce-scatter there runs Bruck's rounds backwards, under the same row limit as halving: a
+//   rank copies its contributions into a buffer of its own in the order rank, rank + 1, ..
+//   (mod size), its own row from `own`; at distance d = .., 4, 2, 1 it sends its rows [d, d +
+//   min(d, size - d)) to rank + d and adds the as many rows that rank - d sends into its first
+//   ones. Each contribution reaches each row's owner by exactly one path (the all-gather's,
+//   reversed), so row 0 of the buffer ends as the sum: a tree again, this rank's contribution
+//   first, deterministic.
 // Each rank sends (size - 1) / size of the buffer either way, the least any scheme can (the wire
 // bytes do not change), and each ordered pair of ranks exchanges at most one message per
 // collective (Bruck's distances are distinct below the size), so one tag serves it. A round can
@@ -117,8 +123,7 @@ c10d::ProcessGroupGloo* allgather_rounds_on(c10d::Backend& backend, int size) {
 }
 
 c10d::ProcessGroupGloo* reduce_scatter_rounds_on(c10d::Backend& backend, int size, int64_t row_bytes) {
-  const bool halving = power_of_two_at_least(size, kRoundsMinSize) && row_bytes <= kRoundsRowBytes;
-  return halving ? allgather_rounds_on(backend, size) : nullptr;
+  return row_bytes <= kRoundsRowBytes ? allgather_rounds_on(backend, size) : nullptr;
 }
 
 c10::intrusive_ptr<c10d::Work> start_reduce_scatter_rounds(const RoundsOf& group, at::Tensor flat, at::Tensor own,
@@ -128,6 +133,27 @@ c10::intrusive_ptr<c10d::Work> start_reduce_scatter_rounds(const RoundsOf& group
     const int size = group.size, rank = group.rank;
     const int64_t row = flat.numel() / size;
     at::Tensor incoming = at::empty({row * (size / 2)}, flat.options());
+    if (!power_of_two_at_least(size, 1)) {
+      // Bruck's, the all-gather's rounds backwards: `sums` row i is this rank's partial sum of row
+      // (rank + i) % size, its own contribution first; at distance d = .., 4, 2, 1 a rank sends
+      // its rows [d, d + count) to rank + d and adds what rank - d sends into rows [0, count).
+      at::Tensor sums = at::empty({row * size}, flat.options());
+      const int to_end = size - rank;
+      sums.narrow(0, 0, row).copy_(own);
+      sums.narrow(0, row, (to_end - 1) * row).copy_(flat.narrow(0, (rank + 1) * row, (to_end - 1) * row));
+      sums.narrow(0, to_end * row, rank * row).copy_(flat.narrow(0, 0, rank * row));
+      int top = 1;
+      while (top * 2 < size) top *= 2;
+      for (int d = top; d >= 1; d /= 2) {
+        const int64_t count = std::min(d, size - d) * row;  // at most size / 2 rows
+        at::Tensor in = incoming.narrow(0, 0, count);
+        transfer(group, sums.narrow(0, d * row, count), (rank + d) % size, in, (rank - d + size) % size);
+        sums.narrow(0, 0, count).add_(in);
+      }
+      result.copy_(sums.narrow(0, 0, row));
+      if (divisor != 1.0) result.div_(divisor);
+      return;
+    }
     at::Tensor sum = at::empty({row * (size / 2)}, flat.options());  // rows [base, base + size/2)
     int base = 0, lo = 0, n = size;
     for (int d = size / 2; d >= 1; d /= 2) {

@@ -32,9 +32,9 @@ struct RoundsOf {
 };
 
 // The Gloo backend that moves a CPU buffer's rows by rounds in a group of `size` ranks over
-// `backend`, or null where they go otherwise: at a power-of-two size, the reduce-scatter of rows
-// of `row_bytes` (at most kRoundsRowBytes); the all-gather at any size of at least kRoundsMinSize
-// and any row size.
+// `backend`, or null where they go otherwise: at any size of at least kRoundsMinSize, the
+// reduce-scatter of rows of `row_bytes` (at most kRoundsRowBytes), and the all-gather of rows
+// of any size.
 inline constexpr int kRoundsMinSize = 8;
 inline constexpr int64_t kRoundsRowBytes = 64 * 1024;
 c10d::ProcessGroupGloo* reduce_scatter_rounds_on(c10d::Backend& backend, int size, int64_t row_bytes);

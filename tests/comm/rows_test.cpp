@@ -176,8 +176,7 @@ TEST(Rows, RoundsAtPowerOfTwoSizesSumEachRowOnItsOwner) {
 
 // At other sizes of 8 or more the all-gather goes in rounds of Bruck's algorithm (Note [Row
 // rounds]): every rank ends with each owner's row, different on every rank, for every dtype and
-// with `own`; one collective in stats(), counting the buffer's bytes. (The reduce-scatter keeps
-// its direct transfers there.)
+// with `own`; one collective in stats(), counting the buffer's bytes.
 TEST(Rows, AllGatherInRoundsAtOtherSizesGivesEveryRankEachRow) {
   for (int world : {9, 12}) {
     run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
@@ -202,6 +201,53 @@ TEST(Rows, AllGatherInRoundsAtOtherSizesGivesEveryRankEachRow) {
           ASSERT_TRUE(again.equal(flat)) << "with own, rank " << r << " at world " << world;
         }
       }
+    });
+  }
+}
+
+// At other sizes of 8 or more, small rows are reduce-scattered in rounds of Bruck's algorithm run
+// backwards (Note [Row rounds]): every rank's row is the sum over ranks, exactly for whole
+// numbers in every dtype, with the own contribution in the buffer or in an output row, and for
+// random floats within float's rounding of the exact sum, as a tree (not the rank-order chain
+// of the direct transfers); one collective in stats(), counting the buffer's bytes.
+TEST(Rows, ReduceScatterInRoundsAtOtherSizesSumsEachRowOnItsOwner) {
+  for (int world : {9, 12}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank();
+      for (int64_t row : {int64_t{1}, int64_t{1001}}) {
+        for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+          at::manual_seed(700 + r);
+          const at::Tensor flat = at::randint(-8, 9, {row * world}, at::kDouble).to(dtype);
+          const std::vector<at::Tensor> all = everyones(*g, flat);
+          at::Tensor expected = at::zeros({row}, at::kDouble);
+          for (int k = 0; k < world; ++k) expected.add_(all[k].narrow(0, r * row, row).to(at::kDouble));
+          expected = (expected / world).to(dtype);
+          g->reset_stats();
+          at::Tensor plain = flat.clone();
+          g->reduce_scatter_rows_async(plain, world).wait();
+          ASSERT_TRUE(plain.narrow(0, r * row, row).equal(expected))
+              << "rank " << r << " at world " << world << ", " << dtype << ", rows of " << row;
+          EXPECT_EQ(g->stats().calls[CommStats::kReduceScatter], 1);
+          EXPECT_EQ(g->stats().bytes[CommStats::kReduceScatter], flat.numel() * flat.element_size());
+          at::Tensor out = flat.narrow(0, r * row, row).clone();
+          at::Tensor elsewhere = flat.clone();
+          elsewhere.narrow(0, r * row, row).fill_(100);
+          g->reduce_scatter_rows_into_async(elsewhere, out, world).wait();
+          ASSERT_TRUE(out.equal(expected)) << "into, rank " << r << " at world " << world << ", " << dtype;
+        }
+      }
+      at::manual_seed(900 + r);
+      at::Tensor flat = at::randn({1001 * world});
+      const std::vector<at::Tensor> all = everyones(*g, flat);
+      at::Tensor exact = at::zeros({1001}, at::kDouble), chain = all[r].narrow(0, r * 1001, 1001).clone();
+      for (int k = 0; k < world; ++k) {
+        exact.add_(all[k].narrow(0, r * 1001, 1001).to(at::kDouble));
+        if (k != r) chain.add_(all[k].narrow(0, r * 1001, 1001));
+      }
+      g->reduce_scatter_rows_async(flat).wait();
+      const at::Tensor mine = flat.narrow(0, r * 1001, 1001);
+      EXPECT_TRUE(at::allclose(mine.to(at::kDouble), exact, 1e-5, 1e-5));
+      EXPECT_FALSE(mine.equal(chain)) << "summed as the direct transfers do, not in rounds";
     });
   }
 }

@@ -183,7 +183,7 @@ class ProcessGroup {
   // Rows (Note [Rows]): a 1-D contiguous `flat` whose length is a multiple of size() is cut into
   // size() equal rows, row r owned by rank r. reduce_scatter_rows_async leaves in this rank's
   // row the sum over ranks of their copies of that row, divided by `divisor` (rounded as the sum,
-  // in rank order starting with this rank's own row, then div_; on Gloo at a power-of-two size
+  // in rank order starting with this rank's own row, then div_; on Gloo at a size
   // of 8 or more with rows of at most 64 KiB, a tree: Note [Row rounds]); the other rows are left
   // unspecified. allgather_rows_async sets every rank's row r to rank r's row r. Each is one
   // collective in stats() (kReduceScatter, kAllgather) counting the bytes of `flat`, and each
