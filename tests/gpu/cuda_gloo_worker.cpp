@@ -68,11 +68,34 @@ void check_everywhere(ProcessGroup& g, bool ok, const std::string& what) {
   TORCH_CHECK(t.item<double>() == 0.0, "rank ", g.rank(), ": ", ok ? "another rank failed: " : "", what);
 }
 
+// One step of the parity runs: the first layer frozen at steps 2 and 3, this rank's batch through
+// ShardedDDP on CUDA with clipping at 0.5; the reference (plain Adam on the CPU) steps the mean of
+// every rank's gradients, clipped alike.
+void step_both(ProcessGroup& g, int step, torch::nn::Sequential& net, ShardedDDP& ddp, OSS& oss,
+               torch::nn::Sequential& ref_net, optim::Adam& ref_opt) {
+  const int world = g.size();
+  const bool frozen = step >= 2 && step < 4;
+  for (auto& p : net[0]->parameters()) p.requires_grad_(!frozen);
+  for (auto& p : ref_net[0]->parameters()) p.requires_grad_(!frozen);
+  const auto [x, y] = batch(step, g.rank());
+  if (step == 0) check_everywhere(g, shardopt::testing::differs_across_ranks(x, g), "every rank's data differs");
+  ddp.zero_grad(true);
+  ddp.forward(x.cuda()).sub(y.cuda()).pow(2).mean().backward();
+  oss.clip_grad_norm(0.5);
+  oss.step();
+  ref_opt.zero_grad(true);
+  for (int r = 0; r < world; ++r) {
+    const auto [rx, ry] = batch(step, r);
+    ref_net->forward(rx).sub(ry).pow(2).mean().div(world).backward();
+  }
+  torch::nn::utils::clip_grad_norm_(ref_net->parameters(), 0.5);
+  ref_opt.step();
+}
+
 // Each rank's data its own: parameters follow torch::optim::Adam on the CPU stepping the mean of
 // every rank's gradients, through a freeze and an unfreeze of the first layer with clipping,
 // every rank bitwise equal.
 void parity(ProcessGroup& g, const std::shared_ptr<ProcessGroup>& group) {
-  const int world = g.size();
   auto net = small_net(), ref_net = small_net();
   net->to(at::kCUDA);
   OSS oss(net->parameters(), optimizer<optim::Adam>(adam()), group);
@@ -80,22 +103,7 @@ void parity(ProcessGroup& g, const std::shared_ptr<ProcessGroup>& group) {
   Params ref = ref_net->parameters();
   optim::Adam ref_opt(ref, adam());
   for (int step = 0; step < 6; ++step) {
-    const bool frozen = step >= 2 && step < 4;
-    for (auto& p : net[0]->parameters()) p.requires_grad_(!frozen);
-    for (auto& p : ref_net[0]->parameters()) p.requires_grad_(!frozen);
-    const auto [x, y] = batch(step, g.rank());
-    if (step == 0) check_everywhere(g, shardopt::testing::differs_across_ranks(x, g), "every rank's data differs");
-    ddp.zero_grad(true);
-    ddp.forward(x.cuda()).sub(y.cuda()).pow(2).mean().backward();
-    oss.clip_grad_norm(0.5);
-    oss.step();
-    ref_opt.zero_grad(true);
-    for (int r = 0; r < world; ++r) {
-      const auto [rx, ry] = batch(step, r);
-      ref_net->forward(rx).sub(ry).pow(2).mean().div(world).backward();
-    }
-    torch::nn::utils::clip_grad_norm_(ref, 0.5);
-    ref_opt.step();
+    step_both(g, step, net, ddp, oss, ref_net, ref_opt);
     const Params mine = cpu(net->parameters());
     double worst = 0;
     for (size_t i = 0; i < mine.size(); ++i) worst = std::max(worst, shardopt::testing::rel_diff(mine[i], ref[i]));
@@ -220,7 +228,6 @@ void resume(ProcessGroup& g, const std::shared_ptr<ProcessGroup>& group) {
 // int8 within 5e-2 relative: the wires' rounding, which Adam's normalisation can magnify on
 // small gradients).
 void wires(ProcessGroup& g, const std::shared_ptr<ProcessGroup>& group) {
-  const int world = g.size();
   struct Case {
     Wire wire;
     bool feedback;
@@ -241,22 +248,7 @@ void wires(ProcessGroup& g, const std::shared_ptr<ProcessGroup>& group) {
     double largest = 0;  // on rank 0: the largest master element of any step so far
     for (int step = 0; step < 6; ++step) {
       const std::string at = name + ", step " + std::to_string(step) + ": ";
-      const bool frozen = step >= 2 && step < 4;
-      for (auto& p : net[0]->parameters()) p.requires_grad_(!frozen);
-      for (auto& p : ref_net[0]->parameters()) p.requires_grad_(!frozen);
-      const auto [x, y] = batch(step, g.rank());
-      if (step == 0) check_everywhere(g, shardopt::testing::differs_across_ranks(x, g), "every rank's data differs");
-      ddp.zero_grad(true);
-      ddp.forward(x.cuda()).sub(y.cuda()).pow(2).mean().backward();
-      oss.clip_grad_norm(0.5);
-      oss.step();
-      ref_opt.zero_grad(true);
-      for (int r = 0; r < world; ++r) {
-        const auto [rx, ry] = batch(step, r);
-        ref_net->forward(rx).sub(ry).pow(2).mean().div(world).backward();
-      }
-      torch::nn::utils::clip_grad_norm_(ref, 0.5);
-      ref_opt.step();
+      step_both(g, step, net, ddp, oss, ref_net, ref_opt);
       const Params mine = cpu(net->parameters());
       bool on_cuda = true;
       for (const auto& p : net->parameters()) on_cuda = on_cuda && p.is_cuda() && p.scalar_type() == at::kFloat;

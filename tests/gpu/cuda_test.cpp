@@ -91,6 +91,16 @@ TEST(Cuda, NcclCollectiveThatAPeerNeverJoinsTimesOutNamingItAndTheRank) {
 
 // A CUDA model under OSS + ShardedDDP steps like torch::optim::Adam on a copy, through a freeze
 // and an unfreeze of the first layer.
+// A 16 -> 64 -> 4 model on CUDA (seed 0), and fp32 copies of its parameters: the recipe's masters.
+std::pair<torch::nn::Sequential, std::vector<at::Tensor>> model_and_masters() {
+  torch::manual_seed(0);
+  auto model = torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::Linear(64, 4));
+  model->to(at::kCUDA);
+  std::vector<at::Tensor> master;
+  for (const auto& p : model->parameters()) master.push_back(p.detach().clone().requires_grad_());
+  return {model, master};
+}
+
 TEST(Cuda, OssAndShardedDdpOnCudaMatchTorchOptim) {
   SHARDOPT_NEEDS_CUDA();
   auto g = nccl_world_of_one();
@@ -131,11 +141,7 @@ TEST(Cuda, MixedPrecisionOnCudaFollowsTheRecipeThroughAFreezeWithClipping) {
   for (const auto& [dtype, reduce] : {std::pair{at::kBFloat16, at::kFloat}, std::pair{at::kHalf, at::kHalf}}) {
     SCOPED_TRACE(std::string(c10::toString(dtype)) + " reduced in " + c10::toString(reduce));
     auto g = nccl_world_of_one();
-    torch::manual_seed(0);
-    auto model = torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::Linear(64, 4));
-    model->to(at::kCUDA);
-    std::vector<at::Tensor> master;
-    for (const auto& p : model->parameters()) master.push_back(p.detach().clone().requires_grad_());
+    auto [model, master] = model_and_masters();
     optim::Adam ref_opt(master, optim::AdamOptions(1e-2));
     OSS oss(model->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
             OSSOptions().mixed_precision(MixedPrecision().param_dtype(dtype).reduce_dtype(reduce)));
@@ -195,11 +201,7 @@ TEST(Cuda, GradScalerOnCudaSkipsTheOverflowedStepInTheKernels) {
   for (const c10::ScalarType dtype : {at::kFloat, at::kHalf}) {
     SCOPED_TRACE(c10::toString(dtype));
     auto g = nccl_world_of_one();
-    torch::manual_seed(0);
-    auto model = torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::Linear(64, 4));
-    model->to(at::kCUDA);
-    std::vector<at::Tensor> master;
-    for (const auto& p : model->parameters()) master.push_back(p.detach().clone().requires_grad_());
+    auto [model, master] = model_and_masters();
     optim::Adam ref_opt(master, optim::AdamOptions(1e-2));
     OSSOptions options;
     if (dtype != at::kFloat) options.mixed_precision(MixedPrecision().param_dtype(dtype).reduce_dtype(at::kFloat));
