@@ -6,6 +6,7 @@
 #include <shardopt/check.h>
 
 #include "comm/failure_watch.h"
+#include "comm/sum_into.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -49,6 +50,14 @@ namespace shardopt::detail {
 //   ones. Each contribution reaches each row's owner by exactly one path (the all-gather's,
 //   reversed), so row 0 of the buffer ends as the sum: a tree again, this rank's contribution
 //   first, deterministic.
+// - below kRoundsMinSize, the reduce-scatter of rows of at least kWorkerSumRowBytes goes by the
+//   direct transfers, with the same bits (this rank's row, then the others' in rank order, then
+//   the division, in one pass: sum_to), but as a work on the worker thread, which sums each
+//   bucket as its rows arrive, during backward, instead of on the rank's thread when it waits
+//   for the bucket. On the GPT-2 shape that took the step to 0.85-0.92x of the direct transfers'
+//   time at two ranks and 0.90-0.98x at four (docs/benchmarks.md, "Large rows summed on the
+//   worker thread"); on small rows the worker's hand-off cost more than the sum it moved (the
+//   small model's step 1.01-1.12x at two ranks with every row on the worker), hence the bound.
 // Each rank sends (size - 1) / size of the buffer either way, the least any scheme can (the wire
 // bytes do not change), and each ordered pair of ranks exchanges at most one message per
 // collective (Bruck's distances are distinct below the size), so one tag serves it. A round can
@@ -123,6 +132,9 @@ c10d::ProcessGroupGloo* allgather_rounds_on(c10d::Backend& backend, int size) {
 }
 
 c10d::ProcessGroupGloo* reduce_scatter_rounds_on(c10d::Backend& backend, int size, int64_t row_bytes) {
+  if (size > 1 && size < kRoundsMinSize && row_bytes >= kWorkerSumRowBytes) {
+    return dynamic_cast<c10d::ProcessGroupGloo*>(&backend);
+  }
   return row_bytes <= kRoundsRowBytes ? allgather_rounds_on(backend, size) : nullptr;
 }
 
@@ -132,6 +144,27 @@ c10::intrusive_ptr<c10d::Work> start_reduce_scatter_rounds(const RoundsOf& group
     at::NoGradGuard no_grad;
     const int size = group.size, rank = group.rank;
     const int64_t row = flat.numel() / size;
+    if (size < kRoundsMinSize) {  // direct transfers, summed here in rank order as they arrive
+      TORCH_CHECK(!group.failure->broken || !group.failure->watching, "abandoned: a rank saw a failure");
+      at::Tensor arrived = at::empty({row * (size - 1)}, flat.options());
+      std::vector<at::Tensor> from(static_cast<size_t>(size));  // from[r]: rank r's contribution
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (int k = 1; k < size; ++k) {
+        const int to = (rank + k) % size, src = (rank - k + size) % size;
+        std::vector<at::Tensor> outs{flat.narrow(0, to * row, row)};
+        works.push_back(group.backend->send(outs, to, group.tag));
+        from[static_cast<size_t>(src)] = arrived.narrow(0, (k - 1) * row, row);
+        std::vector<at::Tensor> ins{from[static_cast<size_t>(src)]};
+        works.push_back(group.backend->recv(ins, src, group.tag));
+      }
+      for (const auto& work : works) wait_transfer(group, work);
+      std::vector<at::Tensor> in_rank_order;
+      for (int r = 0; r < size; ++r) {
+        if (r != rank) in_rank_order.push_back(from[static_cast<size_t>(r)]);
+      }
+      sum_to(result, own, in_rank_order, divisor != 1.0 ? row : 0, divisor);
+      return;
+    }
     at::Tensor incoming = at::empty({row * (size / 2)}, flat.options());
     if (!power_of_two_at_least(size, 1)) {
       // Bruck's, the all-gather's rounds backwards: `sums` row i is this rank's partial sum of row

@@ -34,9 +34,11 @@ struct RoundsOf {
 // The Gloo backend that moves a CPU buffer's rows by rounds in a group of `size` ranks over
 // `backend`, or null where they go otherwise: at any size of at least kRoundsMinSize, the
 // reduce-scatter of rows of `row_bytes` (at most kRoundsRowBytes), and the all-gather of rows
-// of any size.
+// of any size; below kRoundsMinSize, the reduce-scatter of rows of at least kWorkerSumRowBytes
+// (direct transfers, summed on the worker thread).
 inline constexpr int kRoundsMinSize = 8;
 inline constexpr int64_t kRoundsRowBytes = 64 * 1024;
+inline constexpr int64_t kWorkerSumRowBytes = 1024 * 1024;
 c10d::ProcessGroupGloo* reduce_scatter_rounds_on(c10d::Backend& backend, int size, int64_t row_bytes);
 c10d::ProcessGroupGloo* allgather_rounds_on(c10d::Backend& backend, int size);
 

@@ -252,6 +252,47 @@ TEST(Rows, ReduceScatterInRoundsAtOtherSizesSumsEachRowOnItsOwner) {
   }
 }
 
+// Below 8 ranks, rows of 1 MiB or more are reduce-scattered by direct transfers summed on the
+// group's worker thread as they arrive (Note [Row rounds]): the same bits as every other direct
+// reduce-scatter, its own row first, then the others in rank order, then the division; with the
+// own contribution in the buffer, in an output row, or summed into its own row; one collective in
+// stats(), counting the buffer's bytes.
+TEST(Rows, LargeRowsBelowEightRanksSumInRankOrder) {
+  for (int world : {2, 3, 4}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank();
+      const int64_t row = 300000;  // 1.2 MB of float
+      for (auto dtype : {at::kFloat, at::kDouble}) {
+        at::manual_seed(1100 + r);
+        const at::Tensor flat = at::randn({row * world}).to(dtype);
+        const std::vector<at::Tensor> all = everyones(*g, flat);
+        at::Tensor expected = all[r].narrow(0, r * row, row).clone();
+        for (int k = 0; k < world; ++k) {
+          if (k != r) expected.add_(all[k].narrow(0, r * row, row));
+        }
+        expected.div_(world);
+        g->reset_stats();
+        at::Tensor plain = flat.clone();
+        g->reduce_scatter_rows_async(plain, world).wait();
+        ASSERT_TRUE(plain.narrow(0, r * row, row).equal(expected)) << "rank " << r << " at world " << world << ", " << dtype;
+        EXPECT_EQ(g->stats().calls[CommStats::kReduceScatter], 1);
+        EXPECT_EQ(g->stats().bytes[CommStats::kReduceScatter], flat.numel() * flat.element_size());
+        at::Tensor to = at::empty({row}, flat.options());
+        at::Tensor again = flat.clone();
+        g->reduce_scatter_rows_async(again, world, to).wait();
+        ASSERT_TRUE(to.equal(expected)) << "to, rank " << r << " at world " << world << ", " << dtype;
+        at::Tensor out = flat.narrow(0, r * row, row).clone();
+        at::Tensor elsewhere = flat.clone();
+        elsewhere.narrow(0, r * row, row).fill_(100);
+        g->reduce_scatter_rows_into_async(elsewhere, out, world).wait();
+        ASSERT_TRUE(out.equal(expected)) << "into, rank " << r << " at world " << world << ", " << dtype;
+        EXPECT_TRUE(elsewhere.narrow(0, r * row, row).equal(at::full({row}, 100, flat.options())))
+            << "the own row of the buffer is left alone";
+      }
+    });
+  }
+}
+
 // Rounds run on each group's worker thread in the order they were started, so ranks may wait for
 // them in different orders (here half the ranks wait for the all-gather started second first,
 // with one of Gloo's own all-reduces between them) and every rank still gets its data.
@@ -283,19 +324,22 @@ TEST(Rows, RoundsWaitedInDifferentOrdersOnDifferentRanksComplete) {
 
 // A rank that never starts the collective: every other rank's wait ends within its timeout with
 // an error naming the reduce-scatter and the rank, not a hang.
+// (At 8 ranks in rounds, and at 3 with rows of 1 MiB, summed on the worker thread.)
 TEST(Rows, RoundsWithARankMissingFailWithinTheTimeout) {
-  const auto errors = testing::run_ranks_collect_errors(
-      8,
-      [](std::shared_ptr<ProcessGroup> g) {
-        if (g->rank() == 0) return;
-        at::Tensor flat = at::ones({8 * 16});
-        g->reduce_scatter_rows_async(flat).wait();
-      },
-      std::chrono::seconds(3));
-  EXPECT_EQ(errors[0], "");
-  for (int r = 1; r < 8; ++r) {
-    EXPECT_NE(errors[r].find("reduce_scatter"), std::string::npos) << "rank " << r << ": " << errors[r];
-    EXPECT_NE(errors[r].find("on rank " + std::to_string(r)), std::string::npos) << "rank " << r << ": " << errors[r];
+  for (const auto& [world, row] : {std::pair{8, int64_t{16}}, std::pair{3, int64_t{300000}}}) {
+    const auto errors = testing::run_ranks_collect_errors(
+        world,
+        [world = world, row = row](std::shared_ptr<ProcessGroup> g) {
+          if (g->rank() == 0) return;
+          at::Tensor flat = at::ones({world * row});
+          g->reduce_scatter_rows_async(flat).wait();
+        },
+        std::chrono::seconds(3));
+    EXPECT_EQ(errors[0], "");
+    for (int r = 1; r < world; ++r) {
+      EXPECT_NE(errors[r].find("reduce_scatter"), std::string::npos) << "rank " << r << ": " << errors[r];
+      EXPECT_NE(errors[r].find("on rank " + std::to_string(r)), std::string::npos) << "rank " << r << ": " << errors[r];
+    }
   }
 }
 
