@@ -8,6 +8,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <string>
 #include <thread>
 
 namespace shardopt::testing {
@@ -58,5 +60,15 @@ ReservedPort::ReservedPort() {
 }
 
 ReservedPort::~ReservedPort() { ::close(fd_); }
+
+int64_t written_bytes() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "wchar:") return value;
+  }
+  TORCH_CHECK(false, "/proc/self/io has no wchar");
+}
 
 }  // namespace shardopt::testing

@@ -5,6 +5,7 @@
 #include <shardopt/comm/process_group.h>
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 
@@ -19,6 +20,10 @@ void run_ranks(int world_size, const std::function<void(std::shared_ptr<ProcessG
 std::vector<std::string> run_ranks_collect_errors(
     int world_size, const std::function<void(std::shared_ptr<ProcessGroup>)>& fn,
     std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+// Bytes this process has written with write/writev, all its threads together (/proc/self/io's
+// wchar; Gloo's TCP transport writes with writev).
+int64_t written_bytes();
 
 // A TCP port on 127.0.0.1 kept for a tcp:// rendezvous in a test: a socket bound to it (not
 // listening, SO_REUSEADDR) stays open while this object lives, so no other process gets the port,

@@ -14,12 +14,15 @@
 //   mp_worker soak STEPS DIR  a long run: memory, threads, descriptors and parity (tools/soak.sh)
 //   mp_worker wire_bytes     bytes each rank writes to the network per step: OSS + ShardedDDP
 //                            against an all-reduce of the gradients (DDP's exchange), and on
-//                            bf16 and int8 wires against the formula
+//                            bf16 and int8 wires against the formula; Muon's rows of matrices of
+//                            uneven sizes against a ring all-reduce
 #include <shardopt/checkpoint/async_save.h>
 #include <shardopt/checkpoint/checkpoint.h>
+#include <shardopt/optim/muon.h>
 #include <shardopt/optim/oss.h>
 #include <shardopt/ddp/sharded_ddp.h>
 
+#include "harness.h"
 #include "model.h"
 
 #include <ATen/Parallel.h>
@@ -273,24 +276,30 @@ struct WideNet : torch::nn::Module {
   std::vector<at::Tensor> ws, bs;
 };
 
-// Bytes this process wrote with write/writev (Gloo's TCP transport writes with writev).
-int64_t written_bytes() {
-  std::ifstream io("/proc/self/io");
-  std::string key;
-  int64_t value = 0;
-  while (io >> key >> value) {
-    if (key == "wchar:") return value;
-  }
-  TORCH_CHECK(false, "/proc/self/io has no wchar");
-}
-
 // Mean bytes written per call of `step` over `steps` calls, after one unmeasured call.
 double written_per_step(const std::function<void()>& step, int steps) {
   step();
-  const int64_t before = written_bytes();
+  const int64_t before = shardopt::testing::written_bytes();
   for (int s = 0; s < steps; ++s) step();
-  return static_cast<double>(written_bytes() - before) / steps;
+  return static_cast<double>(shardopt::testing::written_bytes() - before) / steps;
 }
+
+// Matrices of four sizes (262,144 down to 8,192 elements): Muon's rows of whole matrices, each as
+// long as its bucket's longest, then carry padding (Note [Rows with padding]).
+struct UnevenNet : torch::nn::Module {
+  UnevenNet() {
+    const int64_t sizes[][2] = {{512, 512}, {64, 512}, {512, 64}, {16, 512}};
+    for (size_t i = 0; i < 4; ++i) {
+      ws.push_back(register_parameter("w" + std::to_string(i), (at::randn({sizes[i][0], sizes[i][1]}) * 0.04).requires_grad_()));
+      bs.push_back(register_parameter("b" + std::to_string(i), at::zeros({sizes[i][0]}).requires_grad_()));
+    }
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (size_t i = 0; i < ws.size(); ++i) x = at::tanh(at::linear(x, ws[i], bs[i]));
+    return x;
+  }
+  std::vector<at::Tensor> ws, bs;
+};
 
 void wire_bytes(std::shared_ptr<ProcessGroup> group) {
   const int rank = group->rank(), world = group->size();
@@ -311,6 +320,19 @@ void wire_bytes(std::shared_ptr<ProcessGroup> group) {
   const double sharded = sharded_on(Wire::kExact);
   const double bf16 = sharded_on(Wire::kBFloat16);
   const double int8 = sharded_on(Wire::kInt8);
+  // Muon on the matrices of uneven sizes, AdamW on the biases.
+  auto uneven = std::make_shared<UnevenNet>();
+  OSS muon_oss({{uneven->ws, optimizer<Muon>(MuonOptions(0.02))},
+                {uneven->bs, optimizer<optim::AdamW>(optim::AdamWOptions(1e-3))}},
+               group);
+  ShardedDDP muon_ddp(uneven, muon_oss);
+  const double muon = written_per_step([&] {
+    muon_ddp.zero_grad();
+    muon_ddp.forward(data(step++)).pow(2).mean().backward();
+    muon_oss.step();
+  }, 3);
+  int64_t uneven_bytes = 0;
+  for (const auto& p : uneven->parameters()) uneven_bytes += 4 * p.numel();
   // DDP's exchange: every gradient all-reduced (in one flat buffer) and averaged on every rank.
   auto plain_net = std::make_shared<WideNet>();
   optim::Adam adam(plain_net->parameters(), optim::AdamOptions(1e-3));
@@ -326,21 +348,28 @@ void wire_bytes(std::shared_ptr<ProcessGroup> group) {
     for (auto& p : plain_net->parameters()) p.mutable_grad().view(-1).copy_(flat.narrow(0, at, p.numel())), at += p.numel();
     adam.step();
   }, 3);
-  at::Tensor all = at::zeros({4 * world}, at::kDouble);
-  all.narrow(0, 4 * rank, 4).copy_(at::tensor({sharded, allreduce, bf16, int8}, at::kDouble));
+  at::Tensor all = at::zeros({5 * world}, at::kDouble);
+  all.narrow(0, 5 * rank, 5).copy_(at::tensor({sharded, allreduce, bf16, int8, muon}, at::kDouble));
   group->allreduce(all);
-  double total_sharded = 0, total_allreduce = 0, total_bf16 = 0, total_int8 = 0;
+  double total_sharded = 0, total_allreduce = 0, total_bf16 = 0, total_int8 = 0, total_muon = 0;
   for (int r = 0; r < world; ++r) {
-    total_sharded += all[4 * r].item<double>();
-    total_allreduce += all[4 * r + 1].item<double>();
-    total_bf16 += all[4 * r + 2].item<double>();
-    total_int8 += all[4 * r + 3].item<double>();
+    total_sharded += all[5 * r].item<double>();
+    total_allreduce += all[5 * r + 1].item<double>();
+    total_bf16 += all[5 * r + 2].item<double>();
+    total_int8 += all[5 * r + 3].item<double>();
+    total_muon += all[5 * r + 4].item<double>();
     if (rank == 0) {
-      std::printf("rank %d: %.0f bytes per step sharded (bf16 wires %.0f, int8 wires %.0f), %.0f all-reduce\n", r,
-                  all[4 * r].item<double>(), all[4 * r + 2].item<double>(), all[4 * r + 3].item<double>(),
-                  all[4 * r + 1].item<double>());
+      std::printf("rank %d: %.0f bytes per step sharded (bf16 wires %.0f, int8 wires %.0f), %.0f all-reduce; Muon "
+                  "%.0f\n", r, all[5 * r].item<double>(), all[5 * r + 2].item<double>(), all[5 * r + 3].item<double>(),
+                  all[5 * r + 1].item<double>(), all[5 * r + 4].item<double>());
     }
   }
+  // Muon's rows move only what their matrices occupy, so they write what plain data
+  // parallelism's ring all-reduce does, 2(N-1) times the gradients' bytes on all ranks together,
+  // not the padding of the shorter rows.
+  const double muon_allreduce = 2.0 * (world - 1) * static_cast<double>(uneven_bytes);
+  TORCH_CHECK(total_muon <= muon_allreduce + 65536, "OSS + ShardedDDP with Muon wrote ", total_muon,
+              " bytes per step on all ranks, more than a ring all-reduce's ", muon_allreduce);
   // The compressed wires against the formula: every gradient and parameter element the exact
   // wire sends in 4 bytes travels in 2 (bf16) or in 1 plus a 4-byte scale per block of 256
   // (int8); control messages and each row's exact flags add far less than 64 KiB.
@@ -357,8 +386,8 @@ void wire_bytes(std::shared_ptr<ProcessGroup> group) {
               " bytes per step on all ranks, more than the all-reduce's ", total_allreduce);
   if (rank == 0) {
     std::printf("wire bytes ok at world %d: %.0f sharded <= %.0f all-reduce; bf16 wires %.0f (%.3fx), int8 wires %.0f "
-                "(%.3fx)\n", world, total_sharded, total_allreduce, total_bf16, total_bf16 / total_sharded, total_int8,
-                total_int8 / total_sharded);
+                "(%.3fx); Muon %.0f <= %.0f\n", world, total_sharded, total_allreduce, total_bf16,
+                total_bf16 / total_sharded, total_int8, total_int8 / total_sharded, total_muon, muon_allreduce);
   }
 }
 

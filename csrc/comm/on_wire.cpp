@@ -12,7 +12,6 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <utility>
-
 #include <vector>
 
 namespace shardopt {

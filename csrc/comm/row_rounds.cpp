@@ -57,7 +57,8 @@ namespace shardopt::detail {
 //   for the bucket. On the GPT-2 shape that took the step to 0.85-0.92x of the direct transfers'
 //   time at two ranks and 0.90-0.98x at four (docs/benchmarks.md, "Large rows summed on the
 //   worker thread"); on small rows the worker's hand-off cost more than the sum it moved (the
-//   small model's step 1.01-1.12x at two ranks with every row on the worker), hence the bound.
+//   small model's step 1.17, 1.04, 1.07 and 0.98x at two ranks with every row on the
+//   worker), hence the bound.
 // Each rank sends (size - 1) / size of the buffer either way, the least any scheme can (the wire
 // bytes do not change), and each ordered pair of ranks exchanges at most one message per
 // collective (Bruck's distances are distinct below the size), so one tag serves it. A round can
@@ -138,84 +139,108 @@ c10d::ProcessGroupGloo* reduce_scatter_rounds_on(c10d::Backend& backend, int siz
   return row_bytes <= kRoundsRowBytes ? allgather_rounds_on(backend, size) : nullptr;
 }
 
+namespace {
+
+// Below kRoundsMinSize: direct transfers, summed here in rank order as they arrive.
+void reduce_scatter_direct(const RoundsOf& group, const at::Tensor& flat, const at::Tensor& own, at::Tensor& result,
+                           double divisor) {
+  const int size = group.size, rank = group.rank;
+  const int64_t row = flat.numel() / size;
+  TORCH_CHECK(!group.failure->broken || !group.failure->watching, "abandoned: a rank saw a failure");
+  at::Tensor arrived = at::empty({row * (size - 1)}, flat.options());
+  std::vector<at::Tensor> from(static_cast<size_t>(size));  // from[r]: rank r's contribution
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (int k = 1; k < size; ++k) {
+    const int to = (rank + k) % size, src = (rank - k + size) % size;
+    std::vector<at::Tensor> outs{flat.narrow(0, to * row, row)};
+    works.push_back(group.backend->send(outs, to, group.tag));
+    from[static_cast<size_t>(src)] = arrived.narrow(0, (k - 1) * row, row);
+    std::vector<at::Tensor> ins{from[static_cast<size_t>(src)]};
+    works.push_back(group.backend->recv(ins, src, group.tag));
+  }
+  for (const auto& work : works) wait_transfer(group, work);
+  std::vector<at::Tensor> in_rank_order;
+  for (int r = 0; r < size; ++r) {
+    if (r != rank) in_rank_order.push_back(from[static_cast<size_t>(r)]);
+  }
+  sum_to(result, own, in_rank_order, divisor != 1.0 ? row : 0, divisor);
+}
+
+// Bruck's, the all-gather's rounds backwards: `sums` row i is this rank's partial sum of row
+// (rank + i) % size, its own contribution first; at distance d = .., 4, 2, 1 a rank sends its
+// rows [d, d + count) to rank + d and adds what rank - d sends into rows [0, count).
+void reduce_scatter_bruck(const RoundsOf& group, const at::Tensor& flat, const at::Tensor& own, at::Tensor& result,
+                          double divisor) {
+  const int size = group.size, rank = group.rank;
+  const int64_t row = flat.numel() / size;
+  at::Tensor incoming = at::empty({row * (size / 2)}, flat.options());
+  at::Tensor sums = at::empty({row * size}, flat.options());
+  const int to_end = size - rank;
+  sums.narrow(0, 0, row).copy_(own);
+  sums.narrow(0, row, (to_end - 1) * row).copy_(flat.narrow(0, (rank + 1) * row, (to_end - 1) * row));
+  sums.narrow(0, to_end * row, rank * row).copy_(flat.narrow(0, 0, rank * row));
+  int top = 1;
+  while (top * 2 < size) top *= 2;
+  for (int d = top; d >= 1; d /= 2) {
+    const int64_t count = std::min(d, size - d) * row;  // at most size / 2 rows
+    at::Tensor in = incoming.narrow(0, 0, count);
+    transfer(group, sums.narrow(0, d * row, count), (rank + d) % size, in, (rank - d + size) % size);
+    sums.narrow(0, 0, count).add_(in);
+  }
+  result.copy_(sums.narrow(0, 0, row));
+  if (divisor != 1.0) result.div_(divisor);
+}
+
+// Recursive halving, at a power-of-two size.
+void reduce_scatter_halving(const RoundsOf& group, const at::Tensor& flat, const at::Tensor& own, at::Tensor& result,
+                            double divisor) {
+  const int size = group.size, rank = group.rank;
+  const int64_t row = flat.numel() / size;
+  at::Tensor incoming = at::empty({row * (size / 2)}, flat.options());
+  at::Tensor sum = at::empty({row * (size / 2)}, flat.options());  // rows [base, base + size/2)
+  int base = 0, lo = 0, n = size;
+  for (int d = size / 2; d >= 1; d /= 2) {
+    const int half = n / 2;
+    const bool low = (rank & d) == 0;
+    const int keep = low ? lo : lo + half, give = low ? lo + half : lo;
+    at::Tensor in = incoming.narrow(0, 0, half * row);
+    if (d == size / 2) {
+      exchange(group, flat.narrow(0, give * row, half * row), in, rank ^ d);
+      base = keep;
+      // sum = this rank's kept rows (its own row from `own`) + the partner's
+      const int64_t before = (rank - keep) * row, after = (keep + half - rank - 1) * row;
+      auto seg = [&](int64_t at_row, int64_t from, int64_t len, const at::Tensor& mine) {
+        if (len == 0) return;
+        at::Tensor to = sum.narrow(0, at_row, len);
+        at::add_out(to, mine, in.narrow(0, from, len));
+      };
+      seg(0, 0, before, flat.narrow(0, keep * row, before));
+      seg(before, before, row, own);
+      seg(before + row, before + row, after, flat.narrow(0, (rank + 1) * row, after));
+    } else {
+      exchange(group, sum.narrow(0, (give - base) * row, half * row), in, rank ^ d);
+      sum.narrow(0, (keep - base) * row, half * row).add_(in);
+    }
+    lo = keep;
+    n = half;
+  }
+  result.copy_(sum.narrow(0, (rank - base) * row, row));
+  if (divisor != 1.0) result.div_(divisor);
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> start_reduce_scatter_rounds(const RoundsOf& group, at::Tensor flat, at::Tensor own,
                                                            at::Tensor result, double divisor) {
   return start_rounds(group, c10d::OpType::REDUCE_SCATTER, [group, flat, own, result, divisor]() mutable {
     at::NoGradGuard no_grad;
-    const int size = group.size, rank = group.rank;
-    const int64_t row = flat.numel() / size;
-    if (size < kRoundsMinSize) {  // direct transfers, summed here in rank order as they arrive
-      TORCH_CHECK(!group.failure->broken || !group.failure->watching, "abandoned: a rank saw a failure");
-      at::Tensor arrived = at::empty({row * (size - 1)}, flat.options());
-      std::vector<at::Tensor> from(static_cast<size_t>(size));  // from[r]: rank r's contribution
-      std::vector<c10::intrusive_ptr<c10d::Work>> works;
-      for (int k = 1; k < size; ++k) {
-        const int to = (rank + k) % size, src = (rank - k + size) % size;
-        std::vector<at::Tensor> outs{flat.narrow(0, to * row, row)};
-        works.push_back(group.backend->send(outs, to, group.tag));
-        from[static_cast<size_t>(src)] = arrived.narrow(0, (k - 1) * row, row);
-        std::vector<at::Tensor> ins{from[static_cast<size_t>(src)]};
-        works.push_back(group.backend->recv(ins, src, group.tag));
-      }
-      for (const auto& work : works) wait_transfer(group, work);
-      std::vector<at::Tensor> in_rank_order;
-      for (int r = 0; r < size; ++r) {
-        if (r != rank) in_rank_order.push_back(from[static_cast<size_t>(r)]);
-      }
-      sum_to(result, own, in_rank_order, divisor != 1.0 ? row : 0, divisor);
-      return;
+    if (group.size < kRoundsMinSize) {
+      reduce_scatter_direct(group, flat, own, result, divisor);
+    } else if (power_of_two_at_least(group.size, 1)) {
+      reduce_scatter_halving(group, flat, own, result, divisor);
+    } else {
+      reduce_scatter_bruck(group, flat, own, result, divisor);
     }
-    at::Tensor incoming = at::empty({row * (size / 2)}, flat.options());
-    if (!power_of_two_at_least(size, 1)) {
-      // Bruck's, the all-gather's rounds backwards: `sums` row i is this rank's partial sum of row
-      // (rank + i) % size, its own contribution first; at distance d = .., 4, 2, 1 a rank sends
-      // its rows [d, d + count) to rank + d and adds what rank - d sends into rows [0, count).
-      at::Tensor sums = at::empty({row * size}, flat.options());
-      const int to_end = size - rank;
-      sums.narrow(0, 0, row).copy_(own);
-      sums.narrow(0, row, (to_end - 1) * row).copy_(flat.narrow(0, (rank + 1) * row, (to_end - 1) * row));
-      sums.narrow(0, to_end * row, rank * row).copy_(flat.narrow(0, 0, rank * row));
-      int top = 1;
-      while (top * 2 < size) top *= 2;
-      for (int d = top; d >= 1; d /= 2) {
-        const int64_t count = std::min(d, size - d) * row;  // at most size / 2 rows
-        at::Tensor in = incoming.narrow(0, 0, count);
-        transfer(group, sums.narrow(0, d * row, count), (rank + d) % size, in, (rank - d + size) % size);
-        sums.narrow(0, 0, count).add_(in);
-      }
-      result.copy_(sums.narrow(0, 0, row));
-      if (divisor != 1.0) result.div_(divisor);
-      return;
-    }
-    at::Tensor sum = at::empty({row * (size / 2)}, flat.options());  // rows [base, base + size/2)
-    int base = 0, lo = 0, n = size;
-    for (int d = size / 2; d >= 1; d /= 2) {
-      const int half = n / 2;
-      const bool low = (rank & d) == 0;
-      const int keep = low ? lo : lo + half, give = low ? lo + half : lo;
-      at::Tensor in = incoming.narrow(0, 0, half * row);
-      if (d == size / 2) {
-        exchange(group, flat.narrow(0, give * row, half * row), in, rank ^ d);
-        base = keep;
-        // sum = this rank's kept rows (its own row from `own`) + the partner's
-        const int64_t before = (rank - keep) * row, after = (keep + half - rank - 1) * row;
-        auto seg = [&](int64_t at_row, int64_t from, int64_t len, const at::Tensor& mine) {
-          if (len == 0) return;
-          at::Tensor to = sum.narrow(0, at_row, len);
-          at::add_out(to, mine, in.narrow(0, from, len));
-        };
-        seg(0, 0, before, flat.narrow(0, keep * row, before));
-        seg(before, before, row, own);
-        seg(before + row, before + row, after, flat.narrow(0, (rank + 1) * row, after));
-      } else {
-        exchange(group, sum.narrow(0, (give - base) * row, half * row), in, rank ^ d);
-        sum.narrow(0, (keep - base) * row, half * row).add_(in);
-      }
-      lo = keep;
-      n = half;
-    }
-    result.copy_(sum.narrow(0, (rank - base) * row, row));
-    if (divisor != 1.0) result.div_(divisor);
   });
 }
 

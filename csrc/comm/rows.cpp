@@ -9,7 +9,11 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <ATen/ATen.h>
+
+#include <algorithm>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -31,6 +35,19 @@ namespace shardopt {
 // 8 or more, where each of these transfers is mostly latency, small rows go in log2(size) rounds
 // of one peer each instead, and the all-gather also at other sizes of 8 or more (Note [Row
 // rounds] in row_rounds.cpp).
+//
+// Note [Rows with padding]
+// Rows of whole parameters (Note [Rows of whole parameters] in flat_layout.h) are as long as
+// their bucket's longest, so the others end in padding, and where ranks outnumber a bucket's
+// matrices most rows are empty. With `used` (one count per row), row r's live elements are its
+// first used[r] and its last `exact_tail` (ShardedDDP's flags), or none where used[r] is 0; the
+// rest of the row is padding that no rank reads. On Gloo, on the exact wire, the collectives then
+// move only live elements, by the direct transfers above, also at sizes where rows otherwise go
+// in rounds (a round moves ranges of rows, padding and all): an empty row costs no message, and a
+// row with padding between its two parts travels packed into one. Each live element is summed
+// as in a whole row (the same rank order, the same bits); the padding of the result keeps this
+// rank's own values. NCCL's reduce-scatter and all-gather need equal rows, and the compressed
+// wires cut whole rows into blocks: there the padding travels (docs/benchmarks.md measures both).
 namespace {
 
 int64_t nbytes(const at::Tensor& t) {
@@ -53,25 +70,64 @@ void check_row(const char* what, const char* which, const at::Tensor& t, const a
                  flat.device(), ", got sizes ", t.sizes(), " of ", t.dtype(), " on ", t.device());
 }
 
+// Which elements of each row move (Note [Rows with padding]): row r's first head(r) and its last
+// `tail`, or, without `used`, all of it.
+struct LiveRows {
+  int64_t row = 0;
+  int64_t tail = 0;
+  const std::vector<int64_t>* used = nullptr;  // empty: every row whole
+  int64_t head(int r) const { return used->empty() ? row - tail : (*used)[static_cast<size_t>(r)]; }
+  int64_t numel(int r) const { return used->empty() ? row : head(r) == 0 ? 0 : head(r) + tail; }
+  bool whole(int r) const { return numel(r) == row; }
+  // Whether some row has padding: only then do the rows take the padded path.
+  bool padded(int size) const {
+    for (int r = 0; r < size && !used->empty(); ++r) {
+      if (!whole(r)) return true;
+    }
+    return false;
+  }
+  // Row r's live elements of `rows` (one contiguous tensor: the row itself, or its parts packed).
+  at::Tensor live(const at::Tensor& rows, int r) const {
+    at::Tensor all = rows.narrow(0, r * row, row);
+    if (whole(r)) return all;
+    if (tail == 0) return all.narrow(0, 0, head(r));
+    return at::cat({all.narrow(0, 0, head(r)), all.narrow(0, row - tail, tail)});
+  }
+};
+
+void check_used(const char* what, const std::vector<int64_t>& used, int size, int64_t row, int64_t tail) {
+  if (used.empty()) return;
+  SHARDOPT_CHECK(static_cast<int>(used.size()) == size, what, ": `used` needs one count per row (", size, "), got ",
+                 used.size());
+  for (size_t r = 0; r < used.size(); ++r) {
+    SHARDOPT_CHECK(used[r] >= 0 && used[r] + tail <= row, what, ": row ", r, "'s ", used[r], " used elements and ",
+                   tail, " exact ones do not fit in a row of ", row);
+  }
+}
+
 }  // namespace
 
 PendingWork ProcessGroup::reduce_scatter_rows_async(at::Tensor& flat, double divisor, at::Tensor out,
-                                                    std::optional<at::ScalarType> wire, int64_t exact_tail) {
-  return reduce_scatter_rows(flat, divisor, std::move(out), false, wire, exact_tail);
+                                                    std::optional<at::ScalarType> wire, int64_t exact_tail,
+                                                    const std::vector<int64_t>& used) {
+  return reduce_scatter_rows(flat, divisor, std::move(out), false, wire, exact_tail, used);
 }
 
 PendingWork ProcessGroup::reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor,
-                                                         std::optional<at::ScalarType> wire, int64_t exact_tail) {
+                                                         std::optional<at::ScalarType> wire, int64_t exact_tail,
+                                                         const std::vector<int64_t>& used) {
   SHARDOPT_CHECK(out.defined(), "reduce_scatter_rows_into_async: needs an output row");
-  return reduce_scatter_rows(flat, divisor, out, true, wire, exact_tail);
+  return reduce_scatter_rows(flat, divisor, out, true, wire, exact_tail, used);
 }
 
 PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, at::Tensor out, bool own_in_out,
-                                              std::optional<at::ScalarType> wire, int64_t exact_tail) {
+                                              std::optional<at::ScalarType> wire, int64_t exact_tail,
+                                              const std::vector<int64_t>& used) {
   check_rows("reduce_scatter_rows_async", flat, size_);
   SHARDOPT_CHECK(divisor > 0, "reduce_scatter_rows_async: divisor must be positive, got ", divisor);
   const int64_t row = flat.numel() / size_;
   check_row("reduce_scatter_rows_async", "the output", out, flat, row);
+  check_used("reduce_scatter_rows_async", used, size_, row, std::max<int64_t>(exact_tail, 0));
   constexpr auto kind = CommStats::kReduceScatter;
   at::Tensor mine = out.defined() ? out : flat.narrow(0, rank_ * row, row);
   if (wire && *wire != flat.scalar_type() && size_ > 1) {
@@ -87,7 +143,10 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
   // NCCL's reduce-scatter reads this rank's contribution from its row of the input.
   if (own_in_out && backend_name_ != "gloo") flat.narrow(0, rank_ * row, row).copy_(out);
   const int64_t row_bytes = row * flat.element_size();
-  if (auto* rounds = flat.is_cpu() ? detail::reduce_scatter_rounds_on(*backend_, size_, row_bytes) : nullptr) {
+  const LiveRows live{row, std::max<int64_t>(exact_tail, 0), &used};
+  const bool padded = live.padded(size_);
+  if (auto* rounds = flat.is_cpu() && !padded ? detail::reduce_scatter_rounds_on(*backend_, size_, row_bytes)
+                                              : nullptr) {
     const detail::RoundsOf group{rounds, failure_, rank_, size_, timeout_, next_p2p_tag()};
     at::Tensor own = own_in_out ? out : flat.narrow(0, rank_ * row, row);
     return track(kind, nbytes(flat),
@@ -97,21 +156,42 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
     const int tag = next_p2p_tag();
     at::Tensor host = staged(flat);  // a CUDA tensor's pinned copy (Note [Staging])
     const bool was_staged = !host.is_same(flat);
+    const int64_t arriving = live.numel(rank_);  // of this rank's row, from each other rank
     std::vector<at::Tensor> incoming(static_cast<size_t>(size_));
     std::vector<c10::intrusive_ptr<c10d::Work>> transfers;
     for (int k = 1; k < size_; ++k) {
       const int dst = (rank_ + k) % size_, src = (rank_ - k + size_) % size_;
-      std::vector<at::Tensor> out{host.narrow(0, dst * row, row)};
-      transfers.push_back(start(kind, [&] { return backend_->send(out, dst, tag); }));
+      if (live.numel(dst) > 0) {
+        std::vector<at::Tensor> out{live.live(host, dst)};
+        transfers.push_back(start(kind, [&] { return backend_->send(out, dst, tag); }));
+      }
+      if (arriving == 0) continue;
       // With this rank's contribution elsewhere, its row of the buffer, never sent, takes the
       // first row that arrives (no memory of its own for it).
-      const bool into_own_row = own_in_out && !was_staged && k == 1;
-      std::vector<at::Tensor> in{into_own_row ? host.narrow(0, rank_ * row, row) : at::empty({row}, host.options())};
+      const bool into_own_row = own_in_out && !was_staged && k == 1 && live.whole(rank_);
+      std::vector<at::Tensor> in{into_own_row ? host.narrow(0, rank_ * row, row)
+                                              : at::empty({arriving}, host.options())};
       incoming[static_cast<size_t>(src)] = in[0];
       transfers.push_back(start(kind, [&] { return backend_->recv(in, src, tag); }));
     }
-    PendingWork work = track_all(kind, nbytes(flat), std::move(transfers));
-    work.set_then([mine, host, incoming, rank = rank_, row, divisor, was_staged, own_in_out]() mutable {
+    // Sums the live parts of this rank's row: the head, then the tail.
+    auto sum = [divisor, head = live.head(rank_), tail = live.tail, row, arriving](
+                   at::Tensor& into, const at::Tensor& own, const std::vector<at::Tensor>& in_rank_order) {
+      if (arriving == 0) return;
+      if (arriving == row) {
+        detail::sum_to(into, own, in_rank_order, divisor != 1.0 ? row : 0, divisor);
+        return;
+      }
+      if (!into.is_same(own)) into.copy_(own);  // the padding keeps this rank's own values
+      for (const auto& [at_row, at_in, len] : {std::tuple{int64_t{0}, int64_t{0}, head}, {row - tail, head, tail}}) {
+        if (len == 0) continue;
+        std::vector<at::Tensor> parts;
+        for (const auto& in : in_rank_order) parts.push_back(in.narrow(0, at_in, len));
+        at::Tensor part = into.narrow(0, at_row, len);
+        detail::sum_to(part, part, parts, divisor != 1.0 ? len : 0, divisor);
+      }
+    };
+    auto finish = [mine, host, incoming, rank = rank_, row, was_staged, own_in_out, sum]() mutable {
       std::vector<at::Tensor> in_rank_order;
       for (size_t r = 0; r < incoming.size(); ++r) {
         if (static_cast<int>(r) != rank) in_rank_order.push_back(incoming[r]);
@@ -122,13 +202,20 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
         else own = mine;
       }
       if (was_staged) {  // summed on the host, then copied to the device
-        at::Tensor sum = own;
-        detail::sum_into(sum, in_rank_order, divisor != 1.0 ? row : 0, divisor);
-        mine.copy_(sum);
+        sum(own, own, in_rank_order);
+        mine.copy_(own);
       } else {
-        detail::sum_to(mine, own, in_rank_order, divisor != 1.0 ? row : 0, divisor);
+        sum(mine, own, in_rank_order);
       }
-    });
+    };
+    if (transfers.empty()) {  // every row empty: nothing moves, and the collective still counts
+      stats_.calls[kind] += 1;
+      stats_.bytes[kind] += nbytes(flat);
+      finish();
+      return PendingWork();
+    }
+    PendingWork work = track_all(kind, nbytes(flat), std::move(transfers));
+    work.set_then(std::move(finish));
     return work;
   }
   at::Tensor in = staged(flat);
@@ -146,16 +233,19 @@ PendingWork ProcessGroup::reduce_scatter_rows(at::Tensor& flat, double divisor, 
 }
 
 PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat, std::optional<at::ScalarType> wire,
-                                               const at::Tensor& own) {
+                                               const at::Tensor& own, const std::vector<int64_t>& used) {
   check_rows("allgather_rows_async", flat, size_);
   const int64_t row = flat.numel() / size_;
   check_row("allgather_rows_async", "this rank's row", own, flat, row);
+  check_used("allgather_rows_async", used, size_, row, 0);
   if (wire && *wire != flat.scalar_type() && size_ > 1) return allgather_rows_on_wire(flat, *wire, own);
   if (own.defined()) flat.narrow(0, rank_ * row, row).copy_(own);
   constexpr auto kind = CommStats::kAllgather;
   check_in(kind, nbytes(flat), -1);
   if (size_ == 1) return PendingWork();
-  if (auto* rounds = flat.is_cpu() ? detail::allgather_rounds_on(*backend_, size_) : nullptr) {
+  const LiveRows live{row, 0, &used};
+  const bool padded = live.padded(size_);
+  if (auto* rounds = flat.is_cpu() && !padded ? detail::allgather_rounds_on(*backend_, size_) : nullptr) {
     const detail::RoundsOf group{rounds, failure_, rank_, size_, timeout_, next_p2p_tag()};
     return track(kind, nbytes(flat), [&] { return detail::start_allgather_rounds(group, flat); });
   }
@@ -165,10 +255,18 @@ PendingWork ProcessGroup::allgather_rows_async(at::Tensor& flat, std::optional<a
     std::vector<c10::intrusive_ptr<c10d::Work>> transfers;
     for (int k = 1; k < size_; ++k) {
       const int dst = (rank_ + k) % size_, src = (rank_ - k + size_) % size_;
-      std::vector<at::Tensor> out{host.narrow(0, rank_ * row, row)};
-      transfers.push_back(start(kind, [&] { return backend_->send(out, dst, tag); }));
-      std::vector<at::Tensor> in{host.narrow(0, src * row, row)};
+      if (live.numel(rank_) > 0) {
+        std::vector<at::Tensor> out{live.live(host, rank_)};
+        transfers.push_back(start(kind, [&] { return backend_->send(out, dst, tag); }));
+      }
+      if (live.numel(src) == 0) continue;
+      std::vector<at::Tensor> in{live.live(host, src)};  // a prefix of the row, in place
       transfers.push_back(start(kind, [&] { return backend_->recv(in, src, tag); }));
+    }
+    if (transfers.empty()) {  // every row empty: nothing moves, and the collective still counts
+      stats_.calls[kind] += 1;
+      stats_.bytes[kind] += nbytes(flat);
+      return PendingWork();
     }
     PendingWork work = track_all(kind, nbytes(flat), std::move(transfers));
     unstage_after(work, flat, host);

@@ -97,6 +97,9 @@ struct ShardedDDP::Bucket {
   // gradient elements then its row's flags (a row bucket).
   int64_t numel = 0;
   int64_t stride = 0;
+  // A row bucket of whole parameters: each row's gradient elements before its padding (the
+  // layout's FlatBucket::row_used; empty: every row full). Its flags, after the padding, move.
+  std::vector<int64_t> row_used;
   bool rows() const { return owner < 0; }
   // The entries this rank owns, in the order of their flags in `out`.
   std::vector<size_t> owned;

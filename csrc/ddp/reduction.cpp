@@ -298,9 +298,11 @@ void ShardedDDP::launch_ready_buckets() {
     if (b.rows()) {  // each row's flags are divided too: a flag is only ever compared with zero
       // This rank's row is `out` (where its gradients were copied or accumulated): the others
       // are summed into it.
-      b.work = b.out.defined()
-                   ? group_->reduce_scatter_rows_into_async(b.buffer, b.out, b.divided ? divisor : 1.0, wire, flags)
-                   : group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0, {}, wire, flags);
+      // Rows of whole parameters move only what their pieces occupy (Note [Rows with padding]).
+      b.work = b.out.defined() ? group_->reduce_scatter_rows_into_async(b.buffer, b.out, b.divided ? divisor : 1.0,
+                                                                        wire, flags, b.row_used)
+                               : group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0, {}, wire,
+                                                                   flags, b.row_used);
     } else if (wire) {
       b.work = group_->reduce_mean_async(b.buffer, b.owner, b.divided ? b.numel : 0, b.divided ? divisor : 1.0, wire,
                                          flags);

@@ -362,6 +362,7 @@ void ShardedDDP::add_bucket(size_t k_opt, size_t index) {
   // One owner: the gradients then one flag per entry. A row bucket: one such row per rank, each
   // with room for the most pieces a row holds.
   b.stride = b.numel + lb.owned_pieces();
+  b.row_used = lb.row_used;
   // Mixed precision reduces in reduce_dtype: an fp32 bucket upcasts each gradient as it is copied in.
   const auto& mp = optimizer.options().mixed_precision();
   b.options = at::TensorOptions().dtype(mp.enabled() ? mp.reduce_or_param_dtype() : group.dtype).device(group.device);

@@ -260,6 +260,13 @@ void FlatLayout::place_rows(const std::vector<LayoutParam>& params, const std::v
     });
     std::vector<int64_t> per_row(world_size_, 0);
     for (size_t k : bucket.pieces) bucket.row_pieces = std::max(bucket.row_pieces, ++per_row[pieces_[k].owner]);
+    if (!groups_[bucket.group].split) {
+      bucket.row_used.assign(world_size_, 0);
+      for (size_t k : bucket.pieces) {
+        int64_t& used = bucket.row_used[pieces_[k].owner];
+        used = std::max(used, pieces_[k].in_bucket.end);
+      }
+    }
   }
 }
 

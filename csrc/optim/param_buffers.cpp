@@ -64,7 +64,8 @@ void sync_params(ProcessGroup& group, const FlatLayout& layout, std::vector<at::
   for (size_t b = 0; b < layout.buckets().size(); ++b) {
     if (!layout.buckets()[b].rows()) continue;
     at::Tensor rows = bucket_rows(layout, buffers, b);
-    pending.push_back(group.allgather_rows_async(rows, wire_dtype(wire, rows.scalar_type()), own_row(own_rows, b)));
+    pending.push_back(group.allgather_rows_async(rows, wire_dtype(wire, rows.scalar_type()), own_row(own_rows, b),
+                                                 layout.buckets()[b].row_used));
   }
   if (mode == ParamSync::kBroadcast) {
     auto shard = [&](size_t g, int owner) {
@@ -196,7 +197,8 @@ void ShardStore::start_param_sync(const std::vector<at::Tensor>& own_rows) {
     const FlatBucket& b = buckets[k];
     if (b.rows()) {  // an all-gather of the bucket's rows (Note [Row buckets])
       at::Tensor rows = bucket_rows(layout(), buffers_, k);
-      bucket_sync_[k] = group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()), own_row(own_rows, k));
+      bucket_sync_[k] =
+          group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()), own_row(own_rows, k), b.row_used);
     } else if (sync_ == ParamSync::kAllgather) {
       continue;
     } else {

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -400,7 +401,91 @@ TEST(Rows, BadBuffersAreErrorsNamingThem) {
     EXPECT_NE(message([&] { g->allgather_rows_async(even, std::nullopt, at::zeros({3})); })
                   .find("this rank's row must be one contiguous row of 2 elements of float on cpu, got sizes [3]"),
               std::string::npos);
+    EXPECT_NE(message([&] { g->reduce_scatter_rows_async(even, 1.0, {}, std::nullopt, 1, {0, 2}); })
+                  .find("row 1's 2 used elements and 1 exact ones do not fit in a row of 2"),
+              std::string::npos);
+    EXPECT_NE(message([&] { g->allgather_rows_async(even, std::nullopt, {}, {1}); })
+                  .find("`used` needs one count per row (2), got 1"),
+              std::string::npos);
   });
+}
+
+// Rows with padding (Note [Rows with padding]): each row's first used[r] elements and its last
+// three (flags, exact_tail) are live, an empty row (used 0) has none. The reduce-scatter sums the
+// live elements bit for bit as in a whole row (own row first, then rank order, then the
+// division) and leaves the padding as this rank had it; the all-gather copies each row's used
+// elements and leaves the rest alone. Only live elements cross the wire: the bytes the ranks
+// write (all of them, in this one process) are those of the live elements, plus under 64 KiB of
+// headers and barriers, far below the padded rows', at 2 and 4 ranks and at 9, where whole rows
+// go in rounds.
+TEST(Rows, RowsWithPaddingMoveOnlyTheirLiveElements) {
+  for (int world : {2, 4, 9}) {
+    run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
+      const int r = g->rank();
+      const int64_t row = 20000, tail = 3;
+      std::vector<int64_t> used(static_cast<size_t>(world));
+      for (int k = 0; k < world; ++k) used[k] = k % 3 == 1 ? 0 : k == 0 ? row - tail : 1 + (k * 3119) % (row - tail);
+      int64_t live = 0, heads = 0;
+      for (int64_t u : used) live += u == 0 ? 0 : u + tail, heads += u;
+      // Bytes all ranks write for `collective`, measured between barriers by rank 0.
+      auto written = [&](const std::function<void()>& collective) {
+        int64_t before = 0;
+        g->barrier();
+        if (r == 0) before = testing::written_bytes();
+        g->barrier();
+        collective();
+        g->barrier();
+        const int64_t bytes = r == 0 ? testing::written_bytes() - before : 0;
+        g->barrier();
+        return bytes;
+      };
+      for (const bool into : {false, true}) {
+        at::manual_seed(1300 + r);
+        const at::Tensor flat = at::randn({row * world});
+        const std::vector<at::Tensor> all = everyones(*g, flat);
+        at::Tensor expected = all[r].narrow(0, r * row, row).clone();
+        for (int64_t at_row : {int64_t{0}, row - tail}) {
+          const int64_t len = at_row == 0 ? used[r] : used[r] == 0 ? 0 : tail;
+          if (len == 0) continue;
+          at::Tensor part = expected.narrow(0, at_row, len);
+          for (int k = 0; k < world; ++k) {
+            if (k != r) part.add_(all[k].narrow(0, r * row + at_row, len));
+          }
+          part.div_(world);
+        }
+        at::Tensor buffer = flat.clone(), out = flat.narrow(0, r * row, row).clone();
+        g->reset_stats();
+        const int64_t bytes = written([&] {
+          (into ? g->reduce_scatter_rows_into_async(buffer, out, world, std::nullopt, tail, used)
+                : g->reduce_scatter_rows_async(buffer, world, {}, std::nullopt, tail, used))
+              .wait();
+        });
+        const at::Tensor mine = into ? out : buffer.narrow(0, r * row, row);
+        ASSERT_TRUE(mine.equal(expected)) << "rank " << r << " at world " << world << (into ? ", into" : "")
+                                          << ": max diff " << (mine - expected).abs().max().item<double>();
+        EXPECT_EQ(g->stats().calls[CommStats::kReduceScatter], 1);
+        if (r == 0) {
+          const int64_t sent = (world - 1) * live * 4, padded = world * (world - 1) * row * 4;
+          EXPECT_GE(bytes, sent) << "world " << world << ": is /proc/self/io counting?";
+          EXPECT_LE(bytes, sent + 65536) << "world " << world << ": the padded rows would write " << padded;
+        }
+      }
+      at::manual_seed(1400 + r);
+      at::Tensor params = at::randn({row * world});
+      const at::Tensor before = params.clone();
+      const std::vector<at::Tensor> owned = everyones(*g, params.narrow(0, r * row, row).clone());
+      const int64_t bytes = written([&] { g->allgather_rows_async(params, std::nullopt, {}, used).wait(); });
+      for (int k = 0; k < world; ++k) {
+        const at::Tensor got = params.narrow(0, k * row, row), had = before.narrow(0, k * row, row);
+        EXPECT_TRUE(got.narrow(0, 0, used[k]).equal(owned[k].narrow(0, 0, used[k]))) << "row " << k << " on rank " << r;
+        if (k != r) EXPECT_TRUE(got.narrow(0, used[k], row - used[k]).equal(had.narrow(0, used[k], row - used[k])));
+      }
+      if (r == 0) {
+        EXPECT_GE(bytes, (world - 1) * heads * 4) << "world " << world;
+        EXPECT_LE(bytes, (world - 1) * heads * 4 + 65536) << "world " << world;
+      }
+    });
+  }
 }
 
 }  // namespace

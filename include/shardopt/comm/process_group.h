@@ -190,21 +190,27 @@ class ProcessGroup {
   // rank sends (size - 1) / size of `flat`. With `out` (one row, of flat's dtype and device) the
   // sum goes there instead, and this rank's row of `flat` is left unspecified too.
   // With `wire`, each row travels in that dtype (Note [Gradient wire]; kChar: int8 blocks, each
-  // row's last `exact_tail` elements exact, Note [Int8 wire]).
+  // row's last `exact_tail` elements exact, Note [Int8 wire]). With `used` (one count per row),
+  // row r's elements from used[r] up to its last `exact_tail` are padding that nobody reads, and
+  // a row with used[r] 0 is empty: on Gloo's exact wire they are not moved (Note [Rows with
+  // padding]), and the padding of the result holds this rank's own values.
   PendingWork reduce_scatter_rows_async(at::Tensor& flat, double divisor = 1.0, at::Tensor out = {},
-                                        std::optional<at::ScalarType> wire = std::nullopt, int64_t exact_tail = 0);
+                                        std::optional<at::ScalarType> wire = std::nullopt, int64_t exact_tail = 0,
+                                        const std::vector<int64_t>& used = {});
   // The same with this rank's own contribution in `out` (not in its row of `flat`, which is left
   // alone), summed into there with the others: ShardedDDP keeps a rank's own gradients of a row
   // bucket where they are reduced.
   PendingWork reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor = 1.0,
                                              std::optional<at::ScalarType> wire = std::nullopt,
-                                             int64_t exact_tail = 0);
+                                             int64_t exact_tail = 0, const std::vector<int64_t>& used = {});
   // With `wire`, each rank first rounds its own row through `wire` in place, and the rows
   // travel in `wire` (Note [Parameter wire]). With `own` (one contiguous row of flat's dtype and
   // device), this rank's row is first set from `own` (through `wire`, as the others receive it,
-  // in the pass that packs it): OSS's owners sync from their masters so.
+  // in the pass that packs it): OSS's owners sync from their masters so. With `used`, only each
+  // row's first used[r] elements are copied to the other ranks (on Gloo's exact wire; Note [Rows
+  // with padding]); the rest of their rows is left as it was.
   PendingWork allgather_rows_async(at::Tensor& flat, std::optional<at::ScalarType> wire = std::nullopt,
-                                   const at::Tensor& own = at::Tensor());
+                                   const at::Tensor& own = at::Tensor(), const std::vector<int64_t>& used = {});
 
   // Small control messages: every rank's vector of integers (lengths may differ).
   std::vector<std::vector<int64_t>> allgather_ints(const std::vector<int64_t>& values);
@@ -272,7 +278,8 @@ class ProcessGroup {
   // `what` with the phase and, in a sub-group, its global ranks: how errors name an operation.
   std::string label(std::string what) const;
   PendingWork reduce_scatter_rows(at::Tensor& flat, double divisor, at::Tensor out, bool own_in_out,
-                                  std::optional<at::ScalarType> wire, int64_t exact_tail);
+                                  std::optional<at::ScalarType> wire, int64_t exact_tail,
+                                  const std::vector<int64_t>& used);
   // The collectives on a compressed wire (csrc/comm/on_wire.cpp; Note [Gradient wire], Note
   // [Parameter wire], Note [Int8 wire]).
   PendingWork reduce_scatter_rows_on_wire(at::Tensor& flat, double divisor, const at::Tensor& mine,

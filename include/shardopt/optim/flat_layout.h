@@ -177,6 +177,11 @@ struct FlatBucket {
   std::vector<size_t> pieces;     // indices into FlatLayout::pieces(), in bucket order (a row
                                   // bucket: row 0's, then row 1's, ...)
   int64_t row_pieces = 0;         // a row bucket: the most pieces any one row holds
+  // A row bucket of whole parameters: per rank, the elements its row's pieces occupy from the
+  // row's start (gaps included; 0: an empty row). The rest of each row is padding, which the
+  // collectives do not move (Note [Rows with padding] in csrc/comm/rows.cpp). Empty for every
+  // other bucket: a split group's rows are full.
+  std::vector<int64_t> row_used;
   bool rows() const { return owner < 0; }
   // Pieces an owner of the bucket holds at most: the bucket's, or one row's.
   int64_t owned_pieces() const { return rows() ? row_pieces : static_cast<int64_t>(pieces.size()); }
