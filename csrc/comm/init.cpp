@@ -136,11 +136,16 @@ void agree_on_init(c10d::Store& store, const InitOptions& options, const std::st
       .check(store, "init_process_group", options.rank(), options.world_size());
 }
 
+// InitOptions::check_desync, or SHARDOPT_CHECK_DESYNC=1.
+bool checks_desync(const InitOptions& options) {
+  const char* env = env_var("SHARDOPT_CHECK_DESYNC");
+  return options.check_desync() || (env && std::string(env) == "1");
+}
+
 std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, const c10::intrusive_ptr<c10d::Store>& store,
                                            const InitOptions& options) {
   detail::GroupSetup::store(*group, store);
-  const char* env = env_var("SHARDOPT_CHECK_DESYNC");
-  group->set_check_desync(options.check_desync() || (env && std::string(env) == "1"));
+  group->set_check_desync(checks_desync(options));
   return group;
 }
 
@@ -240,6 +245,7 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
     auto group = std::make_shared<ProcessGroup>(alone, options.timeout());
     detail::GroupSetup::backend_factory(*group, factory);
     detail::GroupSetup::joining(*group, options.rank(), store);
+    group->set_check_desync(checks_desync(options));  // the group it joins checks as it was started
     return group;
   }
   if (backend == "nccl") {

@@ -304,9 +304,12 @@ void ProcessGroup::check_in(CommStats::Kind kind, int64_t bytes, int root) {
   opts.reduceOp = c10d::ReduceOp::MAX;
   opts.timeout = timeout_;
   const std::string what = label(std::string("desync check before ") + CommStats::name(kind) + " #" + std::to_string(seq));
-  PendingWork(start(CommStats::kAllreduce, [&] { return backend_->allreduce(ts, opts); }), what, rank_, timeout_,
-              [this] { return roll_call(); })
-      .wait();
+  // Watched like the collective it checks: a rank that dies here breaks the group as there
+  // (Note [Failure watch]), so a job that goes on after a death recovers from it.
+  PendingWork check(start(CommStats::kAllreduce, [&] { return backend_->allreduce(ts, opts); }), what, rank_, timeout_,
+                    [this] { return roll_call(); });
+  check.set_failure_watch(failure_);
+  check.wait();
   const int64_t* v = t.data_ptr<int64_t>();
   if (v[0] == -v[1] && v[2] == -v[3]) return;
   // Out of step: every rank says what it called (one more small collective, matched on every rank).
@@ -317,9 +320,10 @@ void ProcessGroup::check_in(CommStats::Kind kind, int64_t bytes, int root) {
   std::vector<at::Tensor> in{mine};
   c10d::AllgatherOptions gather_opts;
   gather_opts.timeout = timeout_;
-  PendingWork(start(CommStats::kAllgather, [&] { return backend_->allgather(out, in, gather_opts); }), "desync report",
-              rank_, timeout_)
-      .wait();
+  PendingWork report(start(CommStats::kAllgather, [&] { return backend_->allgather(out, in, gather_opts); }),
+                     "desync report", rank_, timeout_);
+  report.set_failure_watch(failure_);
+  report.wait();
   std::string calls;
   for (int r = 0; r < size_; ++r) {
     const int64_t* c = out[0][r].data_ptr<int64_t>();

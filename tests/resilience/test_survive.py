@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import unittest
+import unittest.mock
 
 WORKER = os.environ["SURVIVE_WORKER"]
 LAUNCH = os.environ["LAUNCH"]
@@ -46,10 +47,10 @@ def exits(out):
 
 
 class Base(unittest.TestCase):
-    def survive(self, world, fault, dead, *args, recoveries=1):
+    def survive(self, world, fault, dead, *args, recoveries=1, env=None):
         with_dir = ["--dir", self.tmp] if "--checkpoint-every" in map(str, args) else []
         code, out = run(world, fault, "--steps", 24, "--expect-recoveries", recoveries,
-                        "--expect-world", world - len(dead), *args, *with_dir)
+                        "--expect-world", world - len(dead), *args, *with_dir, env=env)
         ends = exits(out)
         self.assertEqual(len(ends), world, out)
         for r in range(world):
@@ -94,6 +95,27 @@ class EachPhaseBuddy1(Base):
                 out = self.survive(4, f"1:{phase}:{nth}", [1], "--refresh-every", 1, "--freeze-at", 12,
                                    "--consolidate-every", 4, "--checkpoint-every", 6)
                 self.assertRegex(out, r"recovered: rank 1 died .* rolled back 0 steps to step \d+; world size 4 -> 3")
+
+
+class DesyncCheckOn(Base):
+    """With the desync check on (SHARDOPT_CHECK_DESYNC=1), whose small collective goes before each
+    collective and is often the one a death breaks: the death is survived as without it, and a
+    replacement joins a group that checks, checking too."""
+
+    def test_a_death_in_each_checked_phase_is_survived(self):
+        for phase, nth in PHASES[:3]:
+            with self.subTest(phase=phase):
+                out = self.survive(4, f"1:{phase}:{nth}", [1], "--refresh-every", 1,
+                                   env={"SHARDOPT_CHECK_DESYNC": "1"})
+                self.assertRegex(out, r"recovered: rank 1 died .* rolled back 0 steps to step \d+; world size 4 -> 3")
+
+    def test_a_replacement_joins(self):
+        with unittest.mock.patch.dict(os.environ, {"SHARDOPT_CHECK_DESYNC": "1"}):
+            code, out, jcode, jout = Replacement.run_with_replacement(self, {})
+        self.assertEqual(jcode, 0, jout + out)
+        self.assertRegex(jout, r"joined: global rank 2 at step \d+, world size 4")
+        for r in (0, 1, 3):
+            self.assertEqual(exits(out)[r], "exited with code 0", out)
 
 
 class RankZeroAndTwoFailures(Base):
