@@ -139,7 +139,7 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
                    "scale each, a quarter)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))
       ->capture_default_str();
-  train.add_flag("--error-feedback", o.error_feedback, "with --gradient-wire bf16: each rank adds what rounding dropped "
+  train.add_flag("--error-feedback", o.error_feedback, "with --gradient-wire bf16 or int8: each rank adds what rounding dropped "
                  "from its gradients to the next step's (ShardedDDPOptions::error_feedback)");
   train.add_option("--param-wire", o.param_wire, "exact, bf16 or int8: how the owners' updated parameters travel "
                    "(compressed: fp32 masters on the owners, every rank's parameters the rounded masters)")

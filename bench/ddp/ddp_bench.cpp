@@ -101,7 +101,8 @@ struct SmallTensors : torch::nn::Module {
 int main(int argc, char** argv) {
   CLI::App app{"shardopt data-parallel step benchmark (one rank; run under tools/launch)"};
   std::string impl = "sharded", model_name = "gpt2";
-  int steps = 12, warmup = 3, tokens = 16, freeze_steps = 8;
+  int steps = 12, warmup = 3, tokens = 16, freeze_steps = 8, accumulate = 1;
+  std::string accumulate_in = "no_sync";
   bool rebalance = true;
   std::string freeze = "embeddings", partition = "auto";
   app.add_option("--impl", impl)->check(CLI::IsMember({"sharded", "allreduce"}));
@@ -152,6 +153,12 @@ int main(int argc, char** argv) {
   app.add_option("--param-wire", param_wire, "OSSOptions::param_wire (sharded): exact, bf16, int8")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}));
   int transport_nice = shardopt::InitOptions().transport_thread_nice();
+  app.add_option("--accumulate", accumulate, "micro-batches per step, each a forward and a backward")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--accumulate-in", accumulate_in,
+                 "sharded, with --accumulate above 1: no_sync (the first micro-batches under no_sync(), "
+                 "accumulating whole gradients) or shards (every backward reduces, the shards accumulate)")
+      ->check(CLI::IsMember({"no_sync", "shards"}));
   app.add_option("--transport-nice", transport_nice, "InitOptions::transport_thread_nice")->check(CLI::Range(0, 39));
   bool transport_batch = shardopt::InitOptions().transport_thread_batch();
   app.add_option("--transport-batch", transport_batch, "InitOptions::transport_thread_batch");
@@ -219,6 +226,8 @@ int main(int argc, char** argv) {
     }
     auto params = module->parameters();
 
+    // The most gradient bytes this rank held after any backward of a step (--accumulate).
+    int64_t accumulated_grad_bytes = 0;
     std::vector<double> checks;  // time pre_forward() blocks in each step
     std::vector<double> phases[4];  // forward, backward, step, zero_grad
     auto one_step = [&](int step) {
@@ -226,16 +235,27 @@ int main(int argc, char** argv) {
         auto tz = std::chrono::steady_clock::now();
         ddp->zero_grad(/*set_to_none=*/clearing == "none");
         phases[3].push_back(ms_since(tz));
-        auto t0 = std::chrono::steady_clock::now();
-        ddp->pre_forward(/*finish_sync=*/!overlap);
-        checks.push_back(ms_since(t0));
-        at::Tensor loss = loss_fn(step);
-        auto t1 = std::chrono::steady_clock::now();
-        loss.backward();
+        double forward_ms = 0, backward_ms = 0;
+        for (int m = 0; m < accumulate; ++m) {
+          auto t0 = std::chrono::steady_clock::now();
+          ddp->pre_forward(/*finish_sync=*/!overlap);
+          if (m == 0) checks.push_back(ms_since(t0));
+          at::Tensor loss = loss_fn(step);
+          auto t1 = std::chrono::steady_clock::now();
+          if (m + 1 < accumulate && accumulate_in == "no_sync") {
+            auto local = ddp->no_sync();
+            loss.backward();
+          } else {
+            loss.backward();
+          }
+          forward_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
+          backward_ms += ms_since(t1);
+          accumulated_grad_bytes = std::max(accumulated_grad_bytes, ddp->local_grad_bytes());
+        }
         auto t2 = std::chrono::steady_clock::now();
         oss->step();
-        phases[0].push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-        phases[1].push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+        phases[0].push_back(forward_ms);
+        phases[1].push_back(backward_ms);
         phases[2].push_back(ms_since(t2));
         return;
       }
@@ -243,13 +263,18 @@ int main(int argc, char** argv) {
       adam->zero_grad(/*set_to_none=*/clearing == "none");
       if (muon) muon->zero_grad(/*set_to_none=*/clearing == "none");
       phases[3].push_back(ms_since(tz));
-      auto t0 = std::chrono::steady_clock::now();
-      at::Tensor loss = loss_fn(step);
-      auto t1 = std::chrono::steady_clock::now();
-      loss.backward();
+      double forward_ms = 0, backward_ms = 0;
+      for (int m = 0; m < accumulate; ++m) {  // local accumulation, one all-reduce per step
+        auto t0 = std::chrono::steady_clock::now();
+        at::Tensor loss = loss_fn(step);
+        auto t1 = std::chrono::steady_clock::now();
+        loss.backward();
+        forward_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
+        backward_ms += ms_since(t1);
+      }
       auto t2 = std::chrono::steady_clock::now();
-      phases[0].push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-      phases[1].push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+      phases[0].push_back(forward_ms);
+      phases[1].push_back(backward_ms);
       // shardopt's all-reduce-everything baseline: 8 MB buckets, averaged.
       std::vector<at::Tensor> bucket;
       int64_t bytes = 0;
@@ -392,6 +417,8 @@ int main(int argc, char** argv) {
         {"param_wire", param_wire},
         {"error_feedback", error_feedback},
         {"error_feedback_bytes", ddp ? ddp->error_feedback_bytes() : int64_t{0}},
+        {"accumulate", accumulate}, {"accumulate_in", accumulate_in},
+        {"accumulated_grad_bytes", accumulated_grad_bytes},
         {"block_bytes_per_step", block_bytes_per_step},
         {"cross_block_bytes_per_step", cross_bytes_per_step}, {"wire_bytes_per_step", wire_bytes_per_step}};
     std::printf("%s\n", row.dump().c_str());

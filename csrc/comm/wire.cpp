@@ -26,9 +26,13 @@ namespace shardopt {
 // exact reduction of the bf16-rounded gradients, rounded once more only by the fp32 sum. On NCCL
 // the reduce-scatter and reduce run in bf16 (NCCL sums in the wire's dtype), then the owner's row
 // is widened to fp32 and divided. The stats count the bytes that travel (bf16). Under
-// hierarchical sharding only the reduce-scatter within the block is compressed; the all-reduce of
-// the owned row across blocks stays exact, so every block receives the same bits. Buckets already
-// in bf16 or fp16 (MixedPrecision::reduce_dtype) travel as they are.
+// hierarchical sharding, on either compressed wire (bf16, int8), only the reduce-scatter within
+// the block is compressed; the all-reduce of the owned row across blocks stays exact, so both
+// replicas of a row receive the same bits (a compressed all-reduce would round partial sums on
+// the way, differently on each rank of a ring), and the rounding happens once, on each rank's own
+// contribution, as without blocks. That hop moves 1/B of the gradients per rank, so keeping it
+// exact costs little (Hierarchical.CompressedGradientWiresCompressTheBlockHopOnly). Buckets
+// already in bf16 or fp16 (MixedPrecision::reduce_dtype) travel as they are.
 
 // Note [Parameter wire]
 // OSSOptions::param_wire(kBFloat16) sends the parameter sync after the step in bf16. Quantisation

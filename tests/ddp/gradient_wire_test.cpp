@@ -166,7 +166,7 @@ TEST(GradientWire, Bf16WholeParameterBucketsSumTheRoundedGradientsInFp32) {
 // quarter of the exact wire's (one byte an element, four a block of 256, the flags exact), and
 // every rank's parameters stay equal.
 TEST(GradientWire, Int8StaysWithinHalfAStepOfTheExactMeanAtAQuarterOfTheBytes) {
-  for (int world : {2, 3}) {
+  for (int world : {2, 3, 4}) {
     for (auto partition : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
       SCOPED_TRACE("world " + std::to_string(world) + (partition == PartitionMode::kSplit ? ", rows" : ", whole"));
       int64_t bytes[2] = {0, 0};

@@ -1,8 +1,9 @@
 // Hierarchical sharding (OSSOptions::shard_group_size) at 4 ranks as 2 blocks of 2: the
 // all-reduce reference's parameters at every step (clipping, a freeze and an unfreeze), half the
 // state per rank, the bytes moved within and across blocks, bad sizes, checkpoints between
-// hierarchical and flat layouts.
+// hierarchical and flat layouts; compressed gradient wires, which compress the block's hop only.
 #include <shardopt/checkpoint/checkpoint.h>
+#include <shardopt/comm/wire.h>
 #include <shardopt/ddp/sharded_ddp.h>
 
 #include "harness.h"
@@ -93,6 +94,79 @@ TEST(Hierarchical, MatchesTheReferenceWithHalfTheStatePerRank) {
           << "the parameter sync stays in the block";
     });
   }
+}
+
+// A compressed gradient wire under hierarchical sharding compresses the reduce-scatter within the
+// block only; the all-reduce of each owned row across the blocks stays exact, so the two replicas
+// of a row (ranks r and r + 2) hold bit-identical reduced gradients. Each owner's gradient is
+// within the wire's rounding of the exact mean (each contribution off by at most 2^-9 of its
+// largest element in bf16, half an int8 step, max |block| / 254, in int8); the block's
+// reduce-scatter moves half the exact wire's bytes (bf16) or less than that (int8), the
+// across-block all-reduce the same bytes; every rank's parameters stay equal through a freeze.
+TEST(Hierarchical, CompressedGradientWiresCompressTheBlockHopOnly) {
+  int64_t block_bytes[3] = {0, 0, 0}, across_bytes[3] = {0, 0, 0};
+  for (int w = 0; w < 3; ++w) {
+    const Wire wire = w == 0 ? Wire::kExact : w == 1 ? Wire::kBFloat16 : Wire::kInt8;
+    SCOPED_TRACE(w == 0 ? "exact" : w == 1 ? "bf16" : "int8");
+    testing::run_ranks(4, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      OSS oss(net->parameters(), adam(), g, OSSOptions().shard_group_size(2).partition(PartitionMode::kSplit));
+      ShardedDDP ddp(net, oss, ShardedDDPOptions().gradient_wire(wire).reduce_bucket_bytes(64).bucket_bytes_per_rank(0));
+      ProcessGroup& block = oss.process_group();
+      for (int step = 0; step < 4; ++step) {
+        const bool frozen = step == 2;
+        net->params[2].requires_grad_(!frozen), net->params[3].requires_grad_(!frozen);
+        auto data = testing::rank_data(step, g->rank(), 3);
+        if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+        // The exact mean of every rank's local gradients, and the largest local element.
+        Params local = testing::clone_params(net->params);
+        testing::loss(local, data, 3).backward();
+        double largest = 0;
+        for (const auto& p : local) {
+          if (p.grad().defined()) largest = std::max(largest, p.grad().abs().max().item<double>());
+        }
+        at::Tensor top = at::full({1}, largest, at::kDouble);
+        g->allreduce(top, Reduction::kMax);
+        testing::allreduce_grads(local, *g);  // the mean
+        const CommStats block_before = block.stats(), across_before = Introspection::replica_group(oss)->stats();
+        ddp.zero_grad();
+        testing::loss_of(ddp.forward(data.x), data, 3).backward();
+        if (step == 0 && g->rank() == 0) {
+          block_bytes[w] = block.stats().bytes[CommStats::kReduceScatter] - block_before.bytes[CommStats::kReduceScatter];
+          across_bytes[w] = Introspection::replica_group(oss)->stats().bytes[CommStats::kAllreduce] -
+                            across_before.bytes[CommStats::kAllreduce];
+        }
+        const std::vector<at::Tensor> owned = oss.grads(/*owned_only=*/true);
+        std::vector<at::Tensor> mine;
+        double off = 0;
+        for (size_t i = 0; i < net->params.size(); ++i) {
+          if (!net->params[i].requires_grad()) continue;
+          for (const auto& h : Introspection::holdings(oss, i)) {
+            if (h.rank != block.rank()) continue;
+            ASSERT_LT(mine.size(), owned.size());
+            mine.push_back(owned[mine.size()].reshape(-1));
+            const at::Tensor exact = local[i].grad().defined()  // no rank's loss reached it: zeros
+                                         ? local[i].grad().reshape(-1).narrow(0, h.in_param.begin, h.in_param.size())
+                                         : at::zeros({h.in_param.size()});
+            off = std::max(off, (mine.back() - exact).abs().max().item<double>());
+          }
+        }
+        ASSERT_EQ(mine.size(), owned.size());
+        const double bound = top.item<double>() * (w == 0 ? 1e-6 : w == 1 ? 1.0 / 512 : 1.0 / 254);
+        EXPECT_LE(off, bound * 1.0001 + 1e-7) << "rank " << g->rank() << ", step " << step;
+        if (w > 0) EXPECT_GT(off, 1e-7) << "the wire rounded nothing on rank " << g->rank();
+        // The replicas of each row (this rank and its partner in the other block) hold the same bits.
+        const auto replicas = testing::everyones(*Introspection::replica_group(oss), at::cat(mine));
+        EXPECT_TRUE(replicas[0].equal(replicas[1])) << "rank " << g->rank() << ", step " << step;
+        oss.step();
+        ASSERT_TRUE(testing::same_on_all_ranks(net->params, *g)) << "step " << step;
+      }
+    });
+  }
+  EXPECT_EQ(block_bytes[1] * 2, block_bytes[0]);
+  EXPECT_LT(block_bytes[2], block_bytes[1]);  // (each 64-byte bucket's row also carries a scale)
+  EXPECT_EQ(across_bytes[1], across_bytes[0]);
+  EXPECT_EQ(across_bytes[2], across_bytes[0]);
 }
 
 TEST(Hierarchical, ASizeThatDoesNotDivideIsAnErrorOnEveryRank) {

@@ -743,5 +743,43 @@ TEST(ShardedDDP, SplitGradientBytesAreOneWorldthAtWorldEight) {
   });
 }
 
+// Accumulating two micro-batches: under no_sync() each rank holds every trainable parameter's
+// whole gradient (DDP's no_sync, FSDP2's set_requires_gradient_sync(False)) until the next
+// backward outside it reduces them, after which it holds one share again; without no_sync and
+// without clearing, every backward reduces and the shares accumulate, so a rank never holds more
+// than its share (FSDP2's default). At 2 and 4 ranks, with each rank's data different.
+TEST(ShardedDDP, NoSyncHoldsWholeGradientsUntilTheReductionAndShardsAccumulateInTheirShare) {
+  for (int world : {2, 4}) {
+    for (const bool under_no_sync : {true, false}) {
+      run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+        auto net = std::make_shared<DominantNet>();
+        OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
+        ShardedDDP ddp(net, oss);
+        int64_t total = 0;
+        for (const auto& p : net->params) total += p.numel() * 4;
+        const double share = static_cast<double>(total) / world;
+        for (int step = 0; step < 2; ++step) {
+          ddp.zero_grad();
+          for (int m = 0; m < 2; ++m) {
+            auto data = testing::rank_data(2 * step + m, g->rank(), 2);
+            if (step == 0 && m == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g)) << "data must differ";
+            at::Tensor out = ddp.forward(data.x);
+            if (m == 0 && under_no_sync) {
+              auto local = ddp.no_sync();
+              testing::loss_of(out, data, 2).backward();
+              EXPECT_EQ(ddp.local_grad_bytes(), total) << "whole gradients under no_sync, rank " << g->rank();
+            } else {
+              testing::loss_of(out, data, 2).backward();
+              EXPECT_NEAR(static_cast<double>(ddp.local_grad_bytes()), share, 0.03 * share)
+                  << "one share after a reduction, rank " << g->rank() << ", micro-batch " << m;
+            }
+          }
+          oss.step();
+        }
+      });
+    }
+  }
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -121,7 +121,8 @@ int64_t sync_bytes(int world, PartitionMode partition, Wire wire) {
 // kInt8 (Note [Int8 wire]): every rank holds the same parameters, each within half a step of its
 // block of the owner's fp32 master (at most max |master| / 254), through a freeze.
 TEST(ParamWire, Int8ParametersAreTheDequantisedMastersOnEveryRank) {
-  for (const Case& c : {Case{2, PartitionMode::kSplit}, Case{3, PartitionMode::kWholeParameters}}) {
+  for (const Case& c : {Case{2, PartitionMode::kSplit}, Case{3, PartitionMode::kWholeParameters},
+                        Case{4, PartitionMode::kSplit}}) {
     SCOPED_TRACE(describe(c));
     testing::run_ranks(c.world, [&](std::shared_ptr<ProcessGroup> g) {
       auto net = std::make_shared<Net>();
