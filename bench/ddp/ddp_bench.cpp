@@ -18,6 +18,7 @@
 // re-partitioned, the optimizer-state bytes moved, and the step time after the freeze. Phase
 // times (forward, backward, step) go to stderr.
 #include "gpt2_like.h"
+#include "harness.h"
 #include "median.h"
 
 #include "models/gpt2.h"
@@ -55,17 +56,6 @@ double peak_rss_mb() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return u.ru_maxrss / 1024.0;
-}
-// Bytes this process has written with write/writev (Gloo's TCP transport sends with writev):
-// the bytes that left it on the wire, headers aside.
-int64_t written_bytes() {
-  std::ifstream io("/proc/self/io");
-  std::string key;
-  int64_t value = 0;
-  while (io >> key >> value) {
-    if (key == "wchar:") return value;
-  }
-  return 0;
 }
 
 using shardopt::bench::median;
@@ -308,7 +298,7 @@ int main(int argc, char** argv) {
     auto block_total = [&] { return oss ? oss->process_group().stats().total_bytes() : group->stats().total_bytes(); };
     auto cross_total = [&] { return oss && Introspection::replica_group(*oss) ? Introspection::replica_group(*oss)->stats().total_bytes() : int64_t{0}; };
     const int64_t block_before = block_total(), cross_before = cross_total();
-    const int64_t written_before = written_bytes();
+    const int64_t written_before = shardopt::testing::written_bytes();  // headers aside: what left on the wire
     // Steps back to back, each timed from the end of the one before: what a step costs in a
     // training loop, the parameter sync left in flight by one step (--overlap-sync) included in
     // the next (and finished inside the last).
@@ -327,7 +317,7 @@ int main(int argc, char** argv) {
       last = std::chrono::steady_clock::now();
     }
     const double step_ms = median(times);
-    const double wire_bytes_per_step = static_cast<double>(written_bytes() - written_before) / steps;
+    const double wire_bytes_per_step = static_cast<double>(shardopt::testing::written_bytes() - written_before) / steps;
     const double block_bytes_per_step = static_cast<double>(block_total() - block_before) / steps;
     const double cross_bytes_per_step = static_cast<double>(cross_total() - cross_before) / steps;
     const double train_peak_mb = peak_rss_mb();  // before the freeze measurement below
