@@ -25,6 +25,12 @@ std::vector<Introspection::Holding> Introspection::holdings(const OSS& oss, size
   return out;
 }
 
+at::Tensor Introspection::state_holders(const OSS& oss, size_t param) {
+  at::Tensor who = at::full({oss.all_params().at(param).numel()}, -1, at::kInt);
+  for (const auto& h : holdings(oss, param)) who.narrow(0, h.in_param.begin, h.in_param.size()).fill_(h.rank);
+  return who;
+}
+
 std::optional<Introspection::StateSlot> Introspection::state_slot(const OSS& oss, const at::Tensor& stepped) {
   const detail::Slot* slot = oss.store_->slot_of(stepped);
   if (!slot) return std::nullopt;

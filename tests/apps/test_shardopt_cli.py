@@ -27,6 +27,11 @@ import read_checkpoint  # noqa: E402
 # 6,400 images, global batch 64: 100 steps per epoch.
 SMALL = ["--train-samples", "6400", "--test-samples", "1000", "--batch-size", "64"]
 SCHEDULE = ["--freeze", "conv@s50", "--unfreeze", "conv@2"]
+# The same, scored on all 10,000 test images: one image is 0.01 points, so wires can be held to
+# within half a point of the exact wire's accuracy.
+SMALL_ALL_TESTS = [*SMALL[:2], "--test-samples", "0", *SMALL[4:]]
+# How far a compressed wire's accuracy may end from the exact wire's, from the same seed.
+WITHIN_POINTS = 0.5
 # 1,920 images: 30 steps in one epoch, conv frozen for steps 10 to 19.
 TINY = ["--epochs", "1", "--train-samples", "1920", "--test-samples", "500", "--batch-size", "64",
         "--freeze", "conv@s10", "--unfreeze", "conv@s20"]
@@ -435,22 +440,24 @@ class CliTest(unittest.TestCase):
     def test_compressed_wires_train_like_the_exact_wire(self):
         # The same seed and schedule; only the way gradients (and, with int8, parameters) travel
         # differs.
-        args = ["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE]
+        args = ["train", "-n", "2", "--epochs", "2", *SMALL_ALL_TESTS, *SCHEDULE]
         exact = run([*args, "--checkpoint-dir", self.path("exact")])
+        self.assertIn("/10000)", exact.stdout)  # every test image scored
         accuracy = lambda p: float(re.findall(r"test accuracy (\d+\.\d+)%", p.stdout)[-1])
         a = read_checkpoint.load(self.path("exact/last.ckpt"))["model"]
         for name, wires in (("bf16", ["--gradient-wire", "bf16"]),
-                            ("int8", ["--gradient-wire", "int8", "--param-wire", "int8", "--error-feedback"])):
+                            ("int8", ["--gradient-wire", "int8", "--param-wire", "int8"]),
+                            ("int8-feedback", ["--gradient-wire", "int8", "--param-wire", "int8", "--error-feedback"])):
             got = run([*args, "--checkpoint-dir", self.path(name), *wires])
-            self.assertLessEqual(abs(accuracy(got) - accuracy(exact)), 1.0, f"{exact.stdout}\n{got.stdout}")
+            self.assertLessEqual(abs(accuracy(got) - accuracy(exact)), WITHIN_POINTS, f"{exact.stdout}\n{got.stdout}")
             b = read_checkpoint.load(self.path(f"{name}/last.ckpt"))["model"]
             self.assertGreater(max_abs_diff(a, b), 0, f"the {name} wire changed nothing")
 
     def test_vit_trains_on_int8_wires_like_the_exact_wire(self):
         # The Vision Transformer, its embedding and first block frozen for part of the epoch: int8
-        # gradients and parameters end within a point of the exact wires' accuracy from the same
+        # gradients and parameters end within half a point of the exact wires' accuracy from the same
         # seed (the full schedule's figures are in docs/benchmarks.md).
-        args = ["train", "-n", "2", "--model", "vit", "--epochs", "1", *SMALL, "--freeze", "embed@s30",
+        args = ["train", "-n", "2", "--model", "vit", "--epochs", "1", *SMALL_ALL_TESTS, "--freeze", "embed@s30",
                 "--freeze", "block0@s30", "--unfreeze", "embed@s70", "--unfreeze", "block0@s70"]
         exact = run([*args, "--checkpoint-dir", self.path("exact")])
         self.assertIn("training the ViT (139,018 parameters)", exact.stdout)
@@ -459,7 +466,7 @@ class CliTest(unittest.TestCase):
         int8 = run([*args, "--checkpoint-dir", self.path("int8"), "--gradient-wire", "int8", "--param-wire", "int8"])
         accuracy = lambda p: float(re.findall(r"test accuracy (\d+\.\d+)%", p.stdout)[-1])
         self.assertGreater(accuracy(exact), 60.0, exact.stdout)  # it learns (10 classes: 10% by chance)
-        self.assertLessEqual(abs(accuracy(int8) - accuracy(exact)), 1.0, f"{exact.stdout}\n{int8.stdout}")
+        self.assertLessEqual(abs(accuracy(int8) - accuracy(exact)), WITHIN_POINTS, f"{exact.stdout}\n{int8.stdout}")
         a = read_checkpoint.load(self.path("exact/last.ckpt"))["model"]
         b = read_checkpoint.load(self.path("int8/last.ckpt"))["model"]
         self.assertIn("block3.attn.qkv.weight", a)
@@ -469,12 +476,12 @@ class CliTest(unittest.TestCase):
         # Gradients and parameters on bf16 wires: fp32 parameters that are the owners' fp32 masters
         # rounded to bf16, an accuracy beside the exact wires', and a resumed run that goes on from
         # the exact masters in the checkpoint.
-        args = ["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE]
+        args = ["train", "-n", "2", "--epochs", "2", *SMALL_ALL_TESTS, *SCHEDULE]
         wires = ["--gradient-wire", "bf16", "--param-wire", "bf16"]
         exact = run([*args, "--checkpoint-dir", self.path("exact")])
         full = run([*args, *wires, "--checkpoint-dir", self.path("full")])
         accuracy = lambda p: float(re.findall(r"test accuracy (\d+\.\d+)%", p.stdout)[-1])
-        self.assertLessEqual(abs(accuracy(full) - accuracy(exact)), 1.0, f"{exact.stdout}\n{full.stdout}")
+        self.assertLessEqual(abs(accuracy(full) - accuracy(exact)), WITHIN_POINTS, f"{exact.stdout}\n{full.stdout}")
         part = [*args, *wires, "--checkpoint-dir", self.path("part"), "--checkpoint-every", "40"]
         run([*part, "--stop-after-steps", "130"])
         run([*part, "--resume"])

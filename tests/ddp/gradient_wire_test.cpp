@@ -178,6 +178,7 @@ TEST(GradientWire, Int8StaysWithinHalfAStepOfTheExactMeanAtAQuarterOfTheBytes) {
           ShardedDDP ddp(net.ptr(), oss,
                          ShardedDDPOptions().gradient_wire(int8 ? Wire::kInt8 : Wire::kExact).reduce_bucket_bytes(1024));
           const auto data = testing::rank_data(0, g->rank(), 2);
+          ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
           testing::loss_of(local->forward(data.x), data, 1).backward();
           const auto all = all_local_grads(local->parameters(), *g);
           double largest = 0;  // the largest local gradient element of any rank
@@ -439,6 +440,68 @@ TEST(GradientWire, ErrorFeedbackCancelsTheRoundingOverReductions) {
       EXPECT_GT(plain_all, 0) << "the plain bf16 wire rounded nothing";
       EXPECT_LT(4 * fed_all, plain_all) << "error feedback: " << fed_all << ", plain: " << plain_all << " (1e-12)";
     });
+  }
+}
+
+// A freeze and an unfreeze each build the buckets anew, and their residuals start at zero (Note
+// [Error feedback]): the frozen parameters' residuals are dropped, error_feedback_bytes() falls to
+// two bytes per element still sent and comes back after the unfreeze, and the first reduction of
+// each new layout is the plain wire's, bit for bit. The run without feedback is given the
+// parameters of the run with it before each compared step, on the same data, so only the
+// residuals can differ; at the step before the freeze they do, which shows the comparison sees
+// them.
+TEST(GradientWire, AFreezeOrAnUnfreezeStartsTheResidualsAtZero) {
+  for (Wire wire : {Wire::kBFloat16, Wire::kInt8}) {
+    for (int world : {2, 3}) {
+      SCOPED_TRACE(std::string(wire == Wire::kInt8 ? "int8" : "bf16") + ", world " + std::to_string(world));
+      run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+        auto fed_net = net_of(7), plain_net = net_of(7);
+        Params fed_params = fed_net->parameters(), plain_params = plain_net->parameters();
+        OSS fed_oss(fed_params, optimizer<optim::AdamW>(adamw()), g);
+        OSS plain_oss(plain_params, optimizer<optim::AdamW>(adamw()), g);
+        const auto options = ShardedDDPOptions().gradient_wire(wire).reduce_bucket_bytes(1024);
+        ShardedDDP fed(fed_net.ptr(), fed_oss, ShardedDDPOptions(options).error_feedback(true));
+        ShardedDDP plain(plain_net.ptr(), plain_oss, options);
+        const int64_t first_two = 5 * 24 + 24;  // the first layer's elements
+        // Steps 0-1 train everything, 2-3 with the first layer frozen, 4 with it unfrozen.
+        for (int step = 0; step < 5; ++step) {
+          if (step == 2 || step == 4) {
+            for (size_t i = 0; i < 2; ++i) {
+              fed_params[i].requires_grad_(step == 4);
+              plain_params[i].requires_grad_(step == 4);
+            }
+          }
+          {
+            at::NoGradGuard no_grad;
+            for (size_t i = 0; i < fed_params.size(); ++i) plain_params[i].copy_(fed_params[i]);
+          }
+          const auto data = testing::rank_data(step, g->rank(), 2);
+          if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+          fed.zero_grad();
+          plain.zero_grad();
+          testing::loss_of(fed.forward(data.x), data, 1).backward();
+          testing::loss_of(plain.forward(data.x), data, 1).backward();
+          const auto got = fed_oss.grads(/*owned_only=*/true), want = plain_oss.grads(/*owned_only=*/true);
+          ASSERT_EQ(got.size(), want.size());
+          int64_t unequal = 0;
+          for (size_t k = 0; k < got.size(); ++k) unequal += !at::equal(got[k], want[k]);
+          int64_t unequal_anywhere = 0;
+          for (const auto& v : g->allgather_ints({unequal})) unequal_anywhere += v[0];
+          const bool new_layout = step == 0 || step == 2 || step == 4;
+          if (new_layout) {
+            EXPECT_EQ(unequal_anywhere, 0) << "step " << step << ": a new layout's first reduction feeds back nothing";
+          } else {
+            EXPECT_GT(unequal_anywhere, 0) << "step " << step << ": the residuals were fed back";
+          }
+          // Two bytes per element this rank sends: the whole model's, or all but the first layer's.
+          const int64_t sent = step >= 2 && step < 4 ? 795 - first_two : 795;
+          EXPECT_GE(fed.error_feedback_bytes(), 2 * sent) << "step " << step;
+          EXPECT_LT(fed.error_feedback_bytes(), 2 * sent + 2 * 256 * world) << "step " << step;
+          fed_oss.step();
+          plain_oss.step();
+        }
+      });
+    }
   }
 }
 

@@ -1,9 +1,9 @@
 // Balance by construction (Note [Row buckets]): under the default partition, after freezing the
-// first half of the layers, a middle block or the last layer, every rank's optimizer state
+// first half of the layers, a middle block, the last layer or all three, every rank's optimizer state
 // (trainable rows plus the kept state of the frozen parameters) and owned gradients are 1/world
-// of the total, within 1% plus the rounding of each row, at 2, 3, 4 and 16 ranks; and the state
-// a freeze moves (the rows are cut again for the new trainable set) is at most the state there
-// is, moved once.
+// of the total, within 1% plus the rounding of each row, at 2, 3, 4 and 16 ranks, and again
+// after unfreezing; and a freeze or an unfreeze moves exactly the state whose holder changed
+// (the rows are cut again for the new trainable set), once.
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/oss.h>
 
@@ -57,63 +57,102 @@ int64_t sum_over(ProcessGroup& g, int64_t v, Reduction op = Reduction::kSum) {
   return t.item<int64_t>();
 }
 
+// The bytes of optimizer state whose holder differs between `before` and `after` (which rank
+// holds each element, Introspection::state_holders): AdamW's two fp32 tensors per element.
+int64_t state_bytes_moving(const std::vector<at::Tensor>& before, const std::vector<at::Tensor>& after) {
+  int64_t changed = 0;
+  for (size_t i = 0; i < before.size(); ++i) {
+    changed += (before[i].ne(after[i]) & before[i].ge(0) & after[i].ge(0)).sum().item<int64_t>();
+  }
+  return 8 * changed;
+}
+
 TEST(RowBalance, EveryRankHoldsItsShareAfterAnyFreeze) {
   const std::vector<Freeze> freezes = {
       {"the first half", [](size_t i, size_t n) { return i < n / 2; }},
       {"a middle block", [](size_t i, size_t n) { return i >= n / 2 - 2 && i < n / 2 + 2; }},
       {"the last layer", [](size_t i, size_t n) { return i + 2 >= n; }},
+      {"the first half, a middle block and the last layer",
+       [](size_t i, size_t n) { return i < n / 2 || (i >= n / 2 + 2 && i < n / 2 + 4) || i + 2 >= n; }},
   };
   for (int world : {2, 3, 4, 16}) {
     for (const Freeze& freeze : freezes) {
       run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
-        const std::string where = "world " + std::to_string(world) + ", freezing " + freeze.name;
         auto net = deep_net();
         auto params = net->parameters();
         OSS oss(params, optimizer<optim::AdamW>(optim::AdamWOptions(1e-3)), g);
         ShardedDDP ddp(net.ptr(), oss);
-        ASSERT_TRUE(Introspection::split(oss)) << where << ": the default partition gives AdamW row buckets";
-        int64_t moved = 0, moves = 0;
-        for (int step = 0; step < 3; ++step) {
-          if (step == 1) {
-            for (size_t i = 0; i < params.size(); ++i) params[i].requires_grad_(!freeze.frozen(i, params.size()));
+        ASSERT_TRUE(Introspection::split(oss)) << "the default partition gives AdamW row buckets";
+        auto holders = [&] {
+          std::vector<at::Tensor> who;
+          for (size_t i = 0; i < params.size(); ++i) who.push_back(Introspection::state_holders(oss, i));
+          return who;
+        };
+        // Each rank's share of the state and of the owned gradients, now.
+        auto check_shares = [&](const std::string& where) {
+          // AdamW keeps two fp32 tensors per element (and a step count per tensor piece).
+          const int64_t state = oss.local_state_bytes(), grads = ddp.local_grad_bytes();
+          const int64_t total_state = sum_over(*g, state), total_grads = sum_over(*g, grads);
+          const int64_t most_state = sum_over(*g, state, Reduction::kMax);
+          const int64_t least_state = sum_over(*g, state, Reduction::kMin);
+          const int64_t most_grads = sum_over(*g, grads, Reduction::kMax);
+          const int64_t least_grads = sum_over(*g, grads, Reduction::kMin);
+          const auto buckets = static_cast<int64_t>(oss.layout().buckets().size());
+          // Rows are rounded up (the busiest rank holds at most one element more per bucket, and
+          // per kept run); the last rank of a bucket takes what is left (at most world - 1
+          // elements less). Step counts: one 8-byte value per piece a rank holds, at most 2 per
+          // tensor.
+          const double ideal_state = static_cast<double>(total_state) / world;
+          const double ideal_grads = static_cast<double>(total_grads) / world;
+          const int64_t counts = 2 * 8 * static_cast<int64_t>(params.size());
+          EXPECT_LE(most_state, 1.01 * ideal_state + (buckets + 1) * 8 + counts) << where;
+          EXPECT_GE(least_state, 0.99 * ideal_state - (buckets + 1) * (world - 1) * 8 - counts) << where;
+          EXPECT_LE(most_grads, 1.01 * ideal_grads + buckets * 4) << where;
+          EXPECT_GE(least_grads, 0.99 * ideal_grads - buckets * (world - 1) * 4) << where;
+          if (g->rank() == 0) {
+            std::printf("[ balance ] %s: state %lld..%lld of %lld bytes per rank (ideal %.0f), grads %lld..%lld, "
+                        "%lld buckets\n",
+                        where.c_str(), static_cast<long long>(least_state), static_cast<long long>(most_state),
+                        static_cast<long long>(total_state), ideal_state, static_cast<long long>(least_grads),
+                        static_cast<long long>(most_grads), static_cast<long long>(buckets));
+          }
+        };
+        // The state a change of the trainable set moves: the rows are cut again for the new set,
+        // and exactly the state whose holder changed travels, once.
+        int64_t moves = Introspection::state_moves(oss);
+        std::vector<at::Tensor> before;
+        auto check_moved = [&](const std::string& where) {
+          EXPECT_EQ(Introspection::state_moves(oss), moves + 1) << where << ": one move";
+          moves = Introspection::state_moves(oss);
+          const int64_t predicted = state_bytes_moving(before, holders());
+          const int64_t sent = sum_over(*g, oss.last_rebalance().state_bytes_sent);
+          const int64_t received = sum_over(*g, oss.last_rebalance().state_bytes_received);
+          EXPECT_GT(predicted, 0) << where << ": the new rows change some holders";
+          EXPECT_EQ(sent, predicted) << where << ": bytes sent";
+          EXPECT_EQ(received, predicted) << where << ": bytes received";
+          if (g->rank() == 0) std::printf("[ balance ] %s: moved %lld bytes\n", where.c_str(), static_cast<long long>(sent));
+        };
+        const std::string at = "world " + std::to_string(world) + ", ";
+        // Step 0 trains everything; 1 and 2 with `freeze` frozen; 3 and 4 with it unfrozen again.
+        for (int step = 0; step < 5; ++step) {
+          if (step == 1 || step == 3) {
+            before = holders();
+            moves = Introspection::state_moves(oss);
+            for (size_t i = 0; i < params.size(); ++i) {
+              params[i].requires_grad_(step == 3 || !freeze.frozen(i, params.size()));
+            }
           }
           const auto data = testing::rank_data(step, g->rank(), 2);
           ddp.zero_grad();
           testing::loss_of(ddp.forward(data.x), data, 2).backward();
           oss.step();
-          if (step == 1) moved = oss.last_rebalance().state_bytes_sent, moves = Introspection::state_moves(oss);
-        }
-        EXPECT_EQ(Introspection::state_moves(oss), moves) << where << ": the step after the freeze moves nothing more";
-        // AdamW keeps two fp32 tensors per element (and a step count per tensor piece).
-        const int64_t state = oss.local_state_bytes(), grads = ddp.local_grad_bytes();
-        const int64_t total_state = sum_over(*g, state), total_grads = sum_over(*g, grads);
-        const int64_t most_state = sum_over(*g, state, Reduction::kMax);
-        const int64_t least_state = sum_over(*g, state, Reduction::kMin);
-        const int64_t most_grads = sum_over(*g, grads, Reduction::kMax);
-        const int64_t least_grads = sum_over(*g, grads, Reduction::kMin);
-        const auto buckets = static_cast<int64_t>(oss.layout().buckets().size());
-        // Rows are rounded up (the busiest rank holds at most one element more per bucket, and per
-        // kept run); the last rank of a bucket takes what is left (at most world - 1 elements
-        // less). Step counts: one 8-byte value per piece a rank holds, at most 2 per tensor.
-        const double ideal_state = static_cast<double>(total_state) / world;
-        const double ideal_grads = static_cast<double>(total_grads) / world;
-        const int64_t counts = 2 * 8 * static_cast<int64_t>(params.size());
-        EXPECT_LE(most_state, 1.01 * ideal_state + (buckets + 1) * 8 + counts) << where;
-        EXPECT_GE(least_state, 0.99 * ideal_state - (buckets + 1) * (world - 1) * 8 - counts) << where;
-        EXPECT_LE(most_grads, 1.01 * ideal_grads + buckets * 4) << where;
-        EXPECT_GE(least_grads, 0.99 * ideal_grads - buckets * (world - 1) * 4) << where;
-        // The freeze moved state (the rows are cut again for the new trainable set), never more
-        // than there is.
-        const int64_t moved_total = sum_over(*g, moved);
-        EXPECT_GT(moved_total, 0) << where;
-        EXPECT_LE(moved_total, total_state) << where;
-        if (g->rank() == 0) {
-          std::printf("[ balance ] %s: state %lld..%lld of %lld bytes per rank (ideal %.0f), grads %lld..%lld, "
-                      "%lld buckets, freeze moved %lld bytes\n",
-                      where.c_str(), static_cast<long long>(least_state), static_cast<long long>(most_state),
-                      static_cast<long long>(total_state), ideal_state, static_cast<long long>(least_grads),
-                      static_cast<long long>(most_grads), static_cast<long long>(buckets),
-                      static_cast<long long>(moved_total));
+          if (step == 1) check_moved(at + "freezing " + freeze.name);
+          if (step == 3) check_moved(at + "unfreezing " + freeze.name);
+          if (step == 2) {
+            EXPECT_EQ(Introspection::state_moves(oss), moves) << at << "the step after the freeze moves nothing more";
+            check_shares(at + "after freezing " + freeze.name);
+          }
+          if (step == 4) check_shares(at + "after unfreezing " + freeze.name);
         }
       });
       if (::testing::Test::HasFatalFailure()) return;

@@ -234,11 +234,7 @@ TEST(ShardStore, FusedPassOverTheSlabEqualsThePerTensorStepBitForBit) {
 // Which rank holds the state of every element of every parameter.
 std::vector<at::Tensor> holders(const OSS& oss, const Params& params) {
   std::vector<at::Tensor> out;
-  for (size_t i = 0; i < params.size(); ++i) {
-    at::Tensor who = at::full({params[i].numel()}, -1, at::kInt);
-    for (const auto& h : Introspection::holdings(oss, i)) who.narrow(0, h.in_param.begin, h.in_param.size()).fill_(h.rank);
-    out.push_back(who);
-  }
+  for (size_t i = 0; i < params.size(); ++i) out.push_back(Introspection::state_holders(oss, i));
   return out;
 }
 

@@ -12,7 +12,8 @@ namespace shardopt {
 // kExact: the tensors' own dtype (fp32 gradients travel as fp32), the default.
 // kBFloat16: each gradient contribution travels rounded to bf16 and is summed in fp32 where it
 // arrives; each parameter range travels rounded to bf16, and every rank holds the rounded values.
-// kInt8: int8 in blocks of 256 elements with one fp32 scale each (Note [Int8 wire]), on Gloo.
+// kInt8: int8 in blocks of 256 elements with one fp32 scale each (Note [Int8 wire]); on Gloo by
+// direct transfers, on NCCL in its all-to-all and gather (Note [Int8 wire on collectives]).
 enum class Wire { kExact, kBFloat16, kInt8 };
 
 // "exact", "bf16", "int8", and back (an unknown name is an error naming it).

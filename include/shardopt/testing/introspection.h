@@ -83,6 +83,9 @@ struct Introspection {
     at::Tensor tensor;
   };
   static std::vector<Holding> holdings(const OSS& oss, size_t param);
+  // Which rank holds the optimizer state of each element of parameter `param` (kInt, one per
+  // element; -1 where no rank does), from holdings().
+  static at::Tensor state_holders(const OSS& oss, size_t param);
 
   // Where the state of `stepped` (a tensor of local_optimizer()) lives in the store's slabs
   // (Note [Shard store] in csrc/optim/shard_store.cpp); nullopt when it has no slot.
