@@ -1,7 +1,7 @@
 // Balance by construction (Note [Row buckets]): under the default partition, after freezing the
-// first half of the layers, a middle block, the last layer or all three, every rank's optimizer state
-// (trainable rows plus the kept state of the frozen parameters) and owned gradients are 1/world
-// of the total, within 1% plus the rounding of each row, at 2, 3, 4 and 16 ranks, and again
+// first half of the layers, a middle block, the last layer or all three, every rank's optimizer
+// state (trainable rows plus the kept state of the frozen parameters) and owned gradients are
+// 1/world of the total, within 1% plus the rounding of each row, at 2, 3, 4 and 16 ranks, and again
 // after unfreezing; and a freeze or an unfreeze moves exactly the state whose holder changed
 // (the rows are cut again for the new trainable set), once.
 #include <shardopt/ddp/sharded_ddp.h>
@@ -130,7 +130,9 @@ TEST(RowBalance, EveryRankHoldsItsShareAfterAnyFreeze) {
           EXPECT_GT(predicted, 0) << where << ": the new rows change some holders";
           EXPECT_EQ(sent, predicted) << where << ": bytes sent";
           EXPECT_EQ(received, predicted) << where << ": bytes received";
-          if (g->rank() == 0) std::printf("[ balance ] %s: moved %lld bytes\n", where.c_str(), static_cast<long long>(sent));
+          if (g->rank() == 0) {
+            std::printf("[ balance ] %s: moved %lld bytes\n", where.c_str(), static_cast<long long>(sent));
+          }
         };
         const std::string at = "world " + std::to_string(world) + ", ";
         // Step 0 trains everything; 1 and 2 with `freeze` frozen; 3 and 4 with it unfrozen again.
