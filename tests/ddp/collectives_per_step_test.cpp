@@ -1,8 +1,8 @@
 // Collectives per step and rank under OSS + ShardedDDP with row buckets (Note [Row buckets]): one
 // reduce-scatter and one all-gather per bucket, plus a constant that does not depend on the world
-// size, counted from ProcessGroup::stats() at 2, 4, 16 and 64 ranks (threads of this process over
-// Gloo) on the same model, while the parameters follow the all-reduce reference through a freeze
-// and an unfreeze. With AdamW alone, and with Muon on six hidden matrices (rows of whole
+// size, counted from ProcessGroup::stats() at 2, 3, 4, 16 and 64 ranks (threads of this process
+// over Gloo) on the same model, while the parameters follow the all-reduce reference through a
+// freeze and an unfreeze. With AdamW alone, and with Muon on six hidden matrices (rows of whole
 // parameters, Note [Rows of whole parameters]).
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/muon.h>
@@ -154,7 +154,7 @@ void expect_flat_in_world_size(const std::map<int, std::vector<Count>>& counts, 
 
 TEST(CollectivesPerStep, DoNotGrowWithTheWorldSize) {
   // Buckets of 1 KiB whatever the world size: several row buckets, the same ones at every size.
-  const auto fixed = count_at({2, 4, 16, 64}, ShardedDDPOptions().reduce_bucket_bytes(1024).bucket_bytes_per_rank(0));
+  const auto fixed = count_at({2, 3, 4, 16, 64}, ShardedDDPOptions().reduce_bucket_bytes(1024).bucket_bytes_per_rank(0));
   if (::testing::Test::HasFatalFailure()) return;
   expect_flat_in_world_size(fixed, 2);
   // The default rule (bucket_bytes_for: at least 8 MiB, 1 MiB more per rank): one bucket. Up to
@@ -171,7 +171,7 @@ TEST(CollectivesPerStep, DoNotGrowWithTheWorldSizeWithMuon) {
   // Buckets of 1 KiB, half a float64 matrix: a rank's row holds one matrix, so the more ranks
   // share the six, the fewer buckets they take, never more than at world 4, and the same at 16
   // and 64.
-  const auto fixed = count_at({2, 4, 16, 64}, ShardedDDPOptions().reduce_bucket_bytes(1024).bucket_bytes_per_rank(0),
+  const auto fixed = count_at({2, 3, 4, 16, 64}, ShardedDDPOptions().reduce_bucket_bytes(1024).bucket_bytes_per_rank(0),
                               /*with_muon=*/true);
   if (::testing::Test::HasFatalFailure()) return;
   const Count& at_four = fixed.at(4).front();
