@@ -10,6 +10,7 @@
 
 #include <exception>
 #include <memory>
+#include <string>
 #include <utility>
 
 namespace shardopt::testing {
@@ -29,6 +30,28 @@ at::Tensor Introspection::state_holders(const OSS& oss, size_t param) {
   at::Tensor who = at::full({oss.all_params().at(param).numel()}, -1, at::kInt);
   for (const auto& h : holdings(oss, param)) who.narrow(0, h.in_param.begin, h.in_param.size()).fill_(h.rank);
   return who;
+}
+
+std::vector<at::Tensor> Introspection::state_holders(const OSS& oss) {
+  std::vector<at::Tensor> who;
+  for (size_t i = 0; i < oss.all_params().size(); ++i) who.push_back(state_holders(oss, i));
+  return who;
+}
+
+int64_t Introspection::holders_changed(const std::vector<at::Tensor>& before, const std::vector<at::Tensor>& after) {
+  SHARDOPT_CHECK(before.size() == after.size(), "holders_changed: " + std::to_string(before.size()) +
+                 " parameters before, " + std::to_string(after.size()) + " after");
+  int64_t changed = 0;
+  for (size_t i = 0; i < before.size(); ++i) {
+    SHARDOPT_CHECK(before[i].numel() == after[i].numel(), "holders_changed: parameter " + std::to_string(i) +
+                   " has " + std::to_string(before[i].numel()) + " elements before, " +
+                   std::to_string(after[i].numel()) + " after");
+    const at::Tensor b = before[i].contiguous(), a = after[i].contiguous();
+    const int* was = b.data_ptr<int>();
+    const int* is = a.data_ptr<int>();
+    for (int64_t e = 0; e < b.numel(); ++e) changed += was[e] >= 0 && is[e] >= 0 && was[e] != is[e];
+  }
+  return changed;
 }
 
 std::optional<Introspection::StateSlot> Introspection::state_slot(const OSS& oss, const at::Tensor& stepped) {

@@ -57,16 +57,6 @@ int64_t sum_over(ProcessGroup& g, int64_t v, Reduction op = Reduction::kSum) {
   return t.item<int64_t>();
 }
 
-// The bytes of optimizer state whose holder differs between `before` and `after` (which rank
-// holds each element, Introspection::state_holders): AdamW's two fp32 tensors per element.
-int64_t state_bytes_moving(const std::vector<at::Tensor>& before, const std::vector<at::Tensor>& after) {
-  int64_t changed = 0;
-  for (size_t i = 0; i < before.size(); ++i) {
-    changed += (before[i].ne(after[i]) & before[i].ge(0) & after[i].ge(0)).sum().item<int64_t>();
-  }
-  return 8 * changed;
-}
-
 TEST(RowBalance, EveryRankHoldsItsShareAfterAnyFreeze) {
   const std::vector<Freeze> freezes = {
       {"the first half", [](size_t i, size_t n) { return i < n / 2; }},
@@ -82,12 +72,8 @@ TEST(RowBalance, EveryRankHoldsItsShareAfterAnyFreeze) {
         auto params = net->parameters();
         OSS oss(params, optimizer<optim::AdamW>(optim::AdamWOptions(1e-3)), g);
         ShardedDDP ddp(net.ptr(), oss);
-        ASSERT_TRUE(Introspection::split(oss)) << "the default partition gives AdamW row buckets";
-        auto holders = [&] {
-          std::vector<at::Tensor> who;
-          for (size_t i = 0; i < params.size(); ++i) who.push_back(Introspection::state_holders(oss, i));
-          return who;
-        };
+        const std::string at = "world " + std::to_string(world) + ", freezing " + freeze.name + ": ";
+        ASSERT_TRUE(Introspection::split(oss)) << at << "the default partition gives AdamW row buckets";
         // Each rank's share of the state and of the owned gradients, now.
         auto check_shares = [&](const std::string& where) {
           // AdamW keeps two fp32 tensors per element (and a step count per tensor piece).
@@ -124,7 +110,8 @@ TEST(RowBalance, EveryRankHoldsItsShareAfterAnyFreeze) {
         auto check_moved = [&](const std::string& where) {
           EXPECT_EQ(Introspection::state_moves(oss), moves + 1) << where << ": one move";
           moves = Introspection::state_moves(oss);
-          const int64_t predicted = state_bytes_moving(before, holders());
+          // AdamW's two fp32 tensors per element whose holder changed.
+          const int64_t predicted = 8 * Introspection::holders_changed(before, Introspection::state_holders(oss));
           const int64_t sent = sum_over(*g, oss.last_rebalance().state_bytes_sent);
           const int64_t received = sum_over(*g, oss.last_rebalance().state_bytes_received);
           EXPECT_GT(predicted, 0) << where << ": the new rows change some holders";
@@ -134,11 +121,10 @@ TEST(RowBalance, EveryRankHoldsItsShareAfterAnyFreeze) {
             std::printf("[ balance ] %s: moved %lld bytes\n", where.c_str(), static_cast<long long>(sent));
           }
         };
-        const std::string at = "world " + std::to_string(world) + ", ";
         // Step 0 trains everything; 1 and 2 with `freeze` frozen; 3 and 4 with it unfrozen again.
         for (int step = 0; step < 5; ++step) {
           if (step == 1 || step == 3) {
-            before = holders();
+            before = Introspection::state_holders(oss);
             moves = Introspection::state_moves(oss);
             for (size_t i = 0; i < params.size(); ++i) {
               params[i].requires_grad_(step == 3 || !freeze.frozen(i, params.size()));
@@ -148,13 +134,13 @@ TEST(RowBalance, EveryRankHoldsItsShareAfterAnyFreeze) {
           ddp.zero_grad();
           testing::loss_of(ddp.forward(data.x), data, 2).backward();
           oss.step();
-          if (step == 1) check_moved(at + "freezing " + freeze.name);
-          if (step == 3) check_moved(at + "unfreezing " + freeze.name);
+          if (step == 1) check_moved(at + "the freeze");
+          if (step == 3) check_moved(at + "the unfreeze");
           if (step == 2) {
             EXPECT_EQ(Introspection::state_moves(oss), moves) << at << "the step after the freeze moves nothing more";
-            check_shares(at + "after freezing " + freeze.name);
+            check_shares(at + "after the freeze");
           }
-          if (step == 4) check_shares(at + "after unfreezing " + freeze.name);
+          if (step == 4) check_shares(at + "after the unfreeze");
         }
       });
       if (::testing::Test::HasFatalFailure()) return;

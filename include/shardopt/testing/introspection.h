@@ -86,6 +86,11 @@ struct Introspection {
   // Which rank holds the optimizer state of each element of parameter `param` (kInt, one per
   // element; -1 where no rank does), from holdings().
   static at::Tensor state_holders(const OSS& oss, size_t param);
+  // state_holders of every parameter, in OSS's order.
+  static std::vector<at::Tensor> state_holders(const OSS& oss);
+  // How many elements some rank holds the state of both in `before` and in `after` (two lists
+  // from state_holders), but not the same rank: the elements whose state moves between the two.
+  static int64_t holders_changed(const std::vector<at::Tensor>& before, const std::vector<at::Tensor>& after);
 
   // Where the state of `stepped` (a tensor of local_optimizer()) lives in the store's slabs
   // (Note [Shard store] in csrc/optim/shard_store.cpp); nullopt when it has no slot.
