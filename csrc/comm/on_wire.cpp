@@ -30,8 +30,8 @@ PendingWork ProcessGroup::broadcast_on_wire(at::Tensor& tensor, int root, at::Sc
 
 PendingWork ProcessGroup::reduce_on_wire(at::Tensor& tensor, int root, int64_t numel, double divisor,
                                          at::ScalarType wire, int64_t exact_tail) {
-  // Every contribution travels in `wire`; the root widens and sums in the tensor's dtype, its
-  // own rounded through `wire` too (Note [Gradient wire] in wire.cpp).
+  // Every contribution travels in `wire`; the root widens and sums in the tensor's dtype (int8's
+  // in fp32), its own rounded through `wire` too (Note [Gradient wire] in wire.cpp).
   const detail::WireCodec codec(wire, exact_tail);
   if (codec.int8() && (backend_name_ != "gloo" || wire_by_collectives_)) {
     return reduce_by_gather(tensor, root, numel, divisor, codec);
@@ -78,7 +78,7 @@ PendingWork ProcessGroup::reduce_on_wire(at::Tensor& tensor, int root, int64_t n
 }
 
 // Every rank's contribution travels in `wire`; the owner widens what it receives and sums in the
-// rows' own dtype, its own contribution rounded through `wire` first, in the exact path's order
+// rows' own dtype (int8's in fp32), its own contribution rounded through `wire` first, in the exact path's order
 // (Note [Gradient wire] in wire.cpp). `own` (which may be `mine`) is read once the transfers are
 // done; a CUDA one is copied to the host at once.
 PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double divisor, const at::Tensor& mine,

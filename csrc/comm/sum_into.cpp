@@ -151,13 +151,23 @@ void sum_decoded(at::Tensor& out, const at::Tensor& own, const std::vector<at::T
     }
     return;
   }
+  // In fp32 whatever the bucket's dtype: a bf16 or fp16 bucket (mixed precision's reduce_dtype)
+  // is rounded once, after the sum and the division (Note [Int8 wire]).
+  const auto wide = out.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   std::vector<at::Tensor> decoded;
   for (const auto& packed : incoming) {
-    at::Tensor values = at::empty({out.numel()}, out.options());
+    at::Tensor values = at::empty({out.numel()}, out.options().dtype(wide));
     codec.decode_into(packed, values);
     decoded.push_back(values);
   }
-  sum_to(out, codec.round_trip(own.reshape(-1)), decoded, numel, divisor);
+  const at::Tensor first = codec.round_trip(own.reshape(-1).to(wide));
+  if (out.scalar_type() == wide) {
+    sum_to(out, first, decoded, numel, divisor);
+    return;
+  }
+  at::Tensor sum = first;
+  sum_to(sum, first, decoded, numel, divisor);
+  out.copy_(sum);
 }
 
 }  // namespace detail

@@ -65,7 +65,9 @@ namespace shardopt {
 // check, which runs on the reduced gradients, sees the overflow.
 // Gradients: every contribution, the owner's own too, is quantised and dequantised; the owner sums
 // the dequantised rows in fp32 in the exact path's order (its own, then the others by rank) and
-// divides after the sum, so the division by the world size follows the quantisation. The
+// divides after the sum, so the division by the world size follows the quantisation. A bf16 or
+// fp16 bucket (mixed precision's reduce_dtype) is summed in fp32 too, and the mean rounded to the
+// bucket's dtype once. The
 // transfers are the direct sends of Note [Rows] (an all-to-all of quantised rows for a row
 // bucket, each rank's row to its owner) and of Note [Reduce to one owner]; the stats count the
 // packed bytes. Parameters: each owner quantises its range, sets its own parameters to the

@@ -128,6 +128,45 @@ TEST(Int8Wire, RowsReduceScatterSumsTheDequantisedBlocksInFp32) {
   }
 }
 
+// Under mixed precision a bucket is bf16: every contribution is still dequantised and summed in
+// fp32, in the same order, and the mean is rounded to bf16 once (Note [Int8 wire]), on the rows'
+// reduce-scatter and on the reduce to one owner. Summing in bf16 instead rounds every partial sum
+// and every dequantised value, and gives other bits.
+TEST(Int8Wire, ABf16BucketIsSummedInFp32AndRoundedOnce) {
+  for (Route route : {Route::kDirect, Route::kCollectives}) {
+    for (int world : {2, 3}) {
+      SCOPED_TRACE(std::string(name(route)) + ", world " + std::to_string(world));
+      run_ranks(world, [world, route](std::shared_ptr<ProcessGroup> g) {
+        take(route, *g);
+        const int r = g->rank();
+        const int64_t row = 700;
+        at::manual_seed(900 + r);
+        const at::Tensor flat = (at::randn({row * world}) * (r + 1)).to(at::kBFloat16);
+        const auto all = everyones(*g, flat);
+        // The mean rank `owner` gets of elements [begin, begin + n) of everyone's `flat`: in fp32,
+        // its own first; and the same summed in bf16, as a bf16 bucket's own dtype would.
+        auto mean = [&](int owner, int64_t begin, int64_t n, at::ScalarType in) {
+          at::Tensor sum = quantised(all[owner].narrow(0, begin, n).to(at::kFloat)).to(in);
+          for (int k = 0; k < world; ++k) {
+            if (k != owner) sum = sum + quantised(all[k].narrow(0, begin, n).to(at::kFloat)).to(in);
+          }
+          return (sum / static_cast<double>(world)).to(at::kBFloat16);
+        };
+        at::Tensor rows = flat.clone();
+        g->reduce_scatter_rows_async(rows, world, {}, at::kChar).wait();
+        const at::Tensor got = rows.narrow(0, r * row, row), want = mean(r, r * row, row, at::kFloat);
+        ASSERT_TRUE(got.equal(want)) << "rows: max diff " << (got.to(at::kFloat) - want.to(at::kFloat)).abs().max();
+        EXPECT_FALSE(got.equal(mean(r, r * row, row, at::kBFloat16))) << "the test must tell fp32 sums from bf16";
+        at::Tensor whole = flat.narrow(0, 0, row).clone();
+        g->reduce_mean_async(whole, 0, row, world, at::kChar).wait();
+        if (r == 0) {
+          ASSERT_TRUE(whole.equal(mean(0, 0, row, at::kFloat))) << "reduce to one owner";
+        }
+      });
+    }
+  }
+}
+
 // A block with inf or NaN arrives all NaN (the gradient scaler must see it); the other blocks
 // arrive within half a step of their scale.
 TEST(Int8Wire, ABlockWithInfOrNanArrivesNonFinite) {
@@ -153,6 +192,39 @@ TEST(Int8Wire, ABlockWithInfOrNanArrivesNonFinite) {
       }
     });
   }
+}
+
+// The round trip of each block on its own (a broadcast: the root keeps what it sends, as every
+// receiver decodes it): every element within half of its own block's step, max |block| / 254, over
+// blocks of every magnitude (ordinary, 1e-30, 1e30, all zeros: exact) and a short last block; a
+// block holding inf or NaN arrives all NaN, and its neighbours as if it were not there.
+TEST(Int8Wire, EveryBlockRoundTripsWithinHalfItsOwnStep) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    const int64_t n = 7 * kBlock + 45;
+    at::manual_seed(1000);  // the same on both ranks: rank 1 checks what it receives too
+    const at::Tensor x = at::randn({n});
+    x.narrow(0, 1 * kBlock, kBlock).mul_(1e-30);
+    x.narrow(0, 2 * kBlock, kBlock).mul_(1e30);
+    x.narrow(0, 3 * kBlock, kBlock).zero_();
+    x[4 * kBlock + 7] = std::numeric_limits<float>::infinity();
+    x[5 * kBlock + 100] = std::numeric_limits<float>::quiet_NaN();
+    at::Tensor t = g->rank() == 0 ? x.clone() : at::zeros({n});
+    g->broadcast_async(t, 0, at::kChar).wait();
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t len = std::min(kBlock, n - b);
+      const at::Tensor in = x.narrow(0, b, len), out = t.narrow(0, b, len);
+      const std::string where = "rank " + std::to_string(g->rank()) + ", block " + std::to_string(b / kBlock);
+      if (!in.isfinite().all().item<bool>()) {
+        EXPECT_TRUE(out.isnan().all().item<bool>()) << where;
+        continue;
+      }
+      const double half_step = in.abs().max().item<double>() / 254;
+      const double err = (out.to(at::kDouble) - in.to(at::kDouble)).abs().max().item<double>();
+      EXPECT_LE(err, half_step * (1 + 1e-6)) << where;
+      if (half_step == 0) EXPECT_TRUE(out.equal(in)) << where << ": zeros arrive as zeros";
+      if (b / kBlock != 3) EXPECT_GT(err, 0) << where << ": something was rounded";
+    }
+  });
 }
 
 TEST(Int8Wire, ReduceToOneOwnerSumsTheDequantisedBlocks) {
