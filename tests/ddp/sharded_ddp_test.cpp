@@ -59,6 +59,7 @@ struct DdpParity {
   bool change_trainability = false;
   bool clip = false;
   bool skip_scale_on_odd_steps = false;
+  int skip_scale_on_rank = -1;  // this rank alone leaves the last parameter unused on odd steps
   bool two_optimizers = false;
   OptimizerFactory factory = optimizer<optim::Adam>(optim::AdamOptions(1e-2));
   // Replaces change_trainability's pattern: sets requires_grad on both models before a step.
@@ -105,7 +106,8 @@ struct DdpParity {
           const bool layer_frozen = step >= 4 && step < 6;
           for (int i : {2, 3}) net->params[i].requires_grad_(!layer_frozen), ref[i].requires_grad_(!layer_frozen);
         }
-        const bool use_scale = !(skip_scale_on_odd_steps && step % 2 == 1);
+        const bool use_scale = !(skip_scale_on_odd_steps && step % 2 == 1) &&
+                               !(step % 2 == 1 && g->rank() == skip_scale_on_rank);
         ref_opt->zero_grad(true);
         ddp.zero_grad(true);
         for (int m = 0; m < micro; ++m) {
@@ -118,6 +120,13 @@ struct DdpParity {
             testing::loss_of(out, data, per_rank).backward();
           } else {
             testing::loss_of(out, data, per_rank).backward();
+          }
+        }
+        if (skip_scale_on_rank >= 0) {
+          // DDP's find_unused_parameters: a rank without a parameter's gradient adds zeros to the
+          // mean of the ranks that have one.
+          for (auto& p : ref) {
+            if (p.requires_grad() && !p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
           }
         }
         testing::allreduce_grads(ref, *g);
@@ -296,6 +305,30 @@ TEST(ShardedDDP, ParameterWithoutGradientInSomeStepsAndTwoOptimizers) {
   p.skip_scale_on_odd_steps = true;
   p.two_optimizers = true;
   p.run();
+}
+
+// A parameter one rank leaves unused while the others use it (odd steps; DDP's
+// find_unused_parameters case): that rank still launches every bucket and feeds the parameter's
+// rows zeros, so the owner steps the mean over all ranks, as DDP does, and every rank issues the
+// same collectives. Row buckets, whole parameters and the default partition, worlds 2, 3 and 4.
+TEST(ShardedDDP, ParameterUnusedOnOneRankIsAveragedWithItsZeros) {
+  for (int world : {2, 3, 4}) {
+    for (PartitionMode partition : {PartitionMode::kAuto, PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
+      SCOPED_TRACE("world " + std::to_string(world) + ", partition " + std::to_string(static_cast<int>(partition)));
+      DdpParity p;
+      p.world = world;
+      p.partition = partition;
+      p.skip_scale_on_rank = world - 1;
+      p.after_backward = [](int step, ShardedDDP&, OSS&, ProcessGroup& g) {
+        at::Tensor calls = at::full({2}, g.stats().total_calls(), at::kLong);
+        calls[1].neg_();
+        g.allreduce(calls, Reduction::kMax);
+        EXPECT_EQ(calls[0].item<int64_t>(), -calls[1].item<int64_t>()) << "collectives differ at step " << step;
+      };
+      p.run();
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
 }
 
 TEST(ShardedDDP, GlobalSamplesScalingEqualsSingleProcessOnRealSamples) {
