@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace shardopt::app {
 
@@ -40,12 +41,13 @@ struct Traffic {
     (across ? ranks[rank].sent_across : ranks[rank].sent_block) += sent;
     (across ? ranks[rank].received_across : ranks[rank].received_block) += received;
   }
-  void all_reduce(double bytes, int k) {
+  // `count` all-reduces of `bytes` in all.
+  void all_reduce(double bytes, int k, int64_t count = 1) {
     if (k <= 1) return;
     const double each = 2.0 * (k - 1) / k * bytes;
     for (size_t r = 0; r < ranks.size(); ++r) {
       add(static_cast<int>(r), each, each);
-      ++(across ? ranks[r].allreduces_across : ranks[r].allreduces_block);
+      (across ? ranks[r].allreduces_across : ranks[r].allreduces_block) += count;
     }
   }
   void reduce(double bytes, int owner) {
@@ -75,6 +77,14 @@ struct Traffic {
     }
   }
 };
+
+// The all-reduces of DDP's buckets for `bytes` of gradients, at PyTorch DDP's defaults: a first
+// bucket of 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES), then bucket_cap_mb = 25 MiB each.
+int64_t ddp_buckets(double bytes) {
+  constexpr double kFirst = 1 << 20, kCap = 25.0 * (1 << 20);
+  if (bytes <= 0) return 0;
+  return 1 + static_cast<int64_t>(std::ceil(std::max(0.0, bytes - kFirst) / kCap));
+}
 
 // The per-rank figures of `layout` for the parameters `shapes`: what OSS and ShardedDDP hold after
 // steps under `trainable` with every parameter stepped.
@@ -154,12 +164,14 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
       }
     }
   } else {
-    // DDP's all-reduce of every trainable gradient over the whole group, through one bucket.
+    // DDP's all-reduce of every trainable gradient over the whole group, in DDP's buckets (their
+    // memory counted as one buffer of the gradients' size).
     for (auto& r : out.ranks) {
       r.grads = static_cast<double>(trainable_numel) * low;
       r.buckets = static_cast<double>(std::max(all_trainable_numel, trainable_numel)) * low;
     }
-    (blocks > 1 ? across : block).all_reduce(static_cast<double>(trainable_numel) * low, c.world_size);
+    const double reduced = static_cast<double>(trainable_numel) * low;
+    (blocks > 1 ? across : block).all_reduce(reduced, c.world_size, ddp_buckets(reduced));
   }
   // The parameter sync: each bucket's range of the parameters from its owner (a row bucket: its
   // rows from theirs).
@@ -192,7 +204,8 @@ void fill_ddp(ScenarioPlan& out, const PlanConfig& c, const std::vector<ParamSha
   r.grads = 4.0 * static_cast<double>(trainable_numel);
   r.buckets = 4.0 * static_cast<double>(std::max(all_numel, trainable_numel));
   out.ranks.assign(1, r);
-  Traffic{out.ranks, false}.all_reduce(4.0 * static_cast<double>(trainable_numel), c.world_size);
+  const double reduced = 4.0 * static_cast<double>(trainable_numel);
+  Traffic{out.ranks, false}.all_reduce(reduced, c.world_size, ddp_buckets(reduced));
   out.ranks.assign(c.world_size, out.ranks.front());
   for (int k = 0; k < c.world_size; ++k) out.ranks[k].rank = k;
   out.trainable = trainable_numel;
