@@ -11,7 +11,10 @@ latency:
     $VENV/bin/torchrun --nproc-per-node 16 bench/comm/gloo_latency.py
 
 Rank 0 prints one line per operation and pass: the median of --iters timed calls (ms), each pass
-after --warmup calls; the operations alternate, two passes each.
+after --warmup calls, and the CPU time one call costs all ranks together (each process's CPU
+time, its transport threads included, over the timed calls, summed over the ranks, per call): on
+a machine with fewer cores than ranks, what the operation takes from the compute beside it. The
+operations alternate, two passes each; --only keeps those whose name contains a given text.
 """
 
 import argparse
@@ -27,6 +30,7 @@ def main():
     parser.add_argument("--bucket-numel", type=int, default=40960, help="fp32 elements of the bucket")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--only", default="", help="run only the operations whose name contains this text")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -117,19 +121,25 @@ def main():
     if world & (world - 1) == 0:
         ops += [("bucket reduce-scatter, recursive halving", halving_reduce_scatter),
                 ("bucket all-gather, recursive doubling", doubling_allgather)]
+    ops = [(name, op) for name, op in ops if args.only in name]
     for _ in range(2):
         for name, op in ops:
             for _ in range(args.warmup):
                 op()
             times = []
+            cpu = 0.0
             for _ in range(args.iters):
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 op()
                 times.append(time.perf_counter() - start)
+                cpu += time.process_time() - cpu_start
+            cpu_all = torch.tensor([cpu / args.iters], dtype=torch.float64)
+            dist.all_reduce(cpu_all)
             times.sort()
             if rank == 0:
-                print(f"world {world}: {name}: {times[len(times) // 2] * 1e3:.3f} ms", flush=True)
+                print(f"world {world}: {name}: {times[len(times) // 2] * 1e3:.3f} ms, "
+                      f"cpu {cpu_all.item() * 1e3:.1f} ms (all ranks)", flush=True)
     dist.destroy_process_group()
 
 

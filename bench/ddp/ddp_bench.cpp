@@ -16,7 +16,9 @@
 // awaited by backward after the forward), then a freeze (--freeze): the time of the rebuild, of
 // the re-partition that follows (with --rebalance 1), the trainable-work imbalance kept or
 // re-partitioned, the optimizer-state bytes moved, and the step time after the freeze. Phase
-// times (forward, backward, step) go to stderr.
+// times (forward, backward, step) go to stderr. cpu_ms_per_step: this process's CPU time (every
+// thread, Gloo's transport too, user and system) per timed step; on fewer cores than ranks, the
+// ranks' sum over the cores is the least a step can take.
 #include "gpt2_like.h"
 #include "harness.h"
 #include "median.h"
@@ -52,6 +54,14 @@ double rss_mb() {
   statm >> pages >> resident;
   return resident * (sysconf(_SC_PAGESIZE) / 1048576.0);
 }
+// This process's CPU time so far, every thread, user and system, in ms.
+double cpu_ms() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  const auto ms = [](const timeval& t) { return static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_usec) / 1e3; };
+  return ms(u.ru_utime) + ms(u.ru_stime);
+}
+
 double peak_rss_mb() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -306,6 +316,7 @@ int main(int argc, char** argv) {
     if (ddp) ddp->finish_param_sync();
     group->barrier();
     auto last = std::chrono::steady_clock::now();
+    const double cpu_before = cpu_ms();
     for (int s = 0; s < steps; ++s) {
       if (timing == "barrier") {
         group->barrier();
@@ -317,6 +328,7 @@ int main(int argc, char** argv) {
       last = std::chrono::steady_clock::now();
     }
     const double step_ms = median(times);
+    const double cpu_ms_per_step = (cpu_ms() - cpu_before) / steps;
     const double wire_bytes_per_step = static_cast<double>(shardopt::testing::written_bytes() - written_before) / steps;
     const double block_bytes_per_step = static_cast<double>(block_total() - block_before) / steps;
     const double cross_bytes_per_step = static_cast<double>(cross_total() - cross_before) / steps;
@@ -395,7 +407,7 @@ int main(int argc, char** argv) {
     }
     const nlohmann::json row = {
         {"impl", "shardopt-" + impl}, {"model", model_name}, {"optimizer", optimizer_name}, {"rank", group->rank()}, {"world", group->size()},
-        {"params", nparams}, {"median_step_ms", step_ms}, {"peak_rss_mb", train_peak_mb},
+        {"params", nparams}, {"median_step_ms", step_ms}, {"cpu_ms_per_step", cpu_ms_per_step}, {"peak_rss_mb", train_peak_mb},
         {"added_rss_mb", train_peak_mb - rss_start}, {"check_ms", check_ms}, {"rebuild_ms", rebuild_ms},
         {"move_step_ms", move_step_ms}, {"still_step_ms", still_step_ms},
         {"grad_fraction", grad_fraction}, {"imbalance", imbalance}, {"rebalance", rebalance},
