@@ -240,11 +240,20 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
 
 }  // namespace
 
+// LibTorch's warnings (TORCH_WARN: a checkpoint that starts the residuals at zero, ...) as one line
+// each, without c10's time stamp, source file and function.
+class OneLineWarnings : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& warning) override { std::fprintf(stderr, "warning: %s\n", warning.msg().c_str()); }
+};
+
 int main(int argc, char** argv) {
   // Ranks share their launcher's stderr: each line leaves in one write(), so ranks' lines never
   // mix (unbuffered, glibc writes a formatted line in pieces of 128 bytes).
   static char error_buffer[1 << 14];
   std::setvbuf(stderr, error_buffer, _IOLBF, sizeof(error_buffer));
+  static OneLineWarnings warnings;
+  c10::WarningUtils::set_warning_handler(&warnings);  // this thread's, where training runs
   CLI::App app{"shardopt: sharded optimizer state and gradients for LibTorch data-parallel training"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "shardopt " SHARDOPT_VERSION);

@@ -498,7 +498,8 @@ class CliTest(unittest.TestCase):
     def test_error_feedback_resumes_bit_exact_from_a_sharded_checkpoint(self):
         # int8 wires with error feedback: each rank's residuals are saved beside its optimizer
         # part, and a run stopped during the freeze (the layout the residuals follow) and resumed
-        # ends where the straight run does, bit for bit.
+        # ends where the straight run does, bit for bit. Resumed at 4 ranks, it starts the
+        # residuals at zero and says so.
         args = ["train", "-n", "2", *TINY, "--gradient-wire", "int8", "--param-wire", "int8", "--error-feedback",
                 "--sharded-checkpoint"]
         run([*args, "--checkpoint-dir", self.path("full")])
@@ -511,6 +512,12 @@ class CliTest(unittest.TestCase):
         b = read_checkpoint.load(self.path("part/last.ckpt"))["model"]
         for k in a:
             self.assertTrue(torch.equal(a[k], b[k]), k)
+        # At another world size the residuals are dropped, and the run says so.
+        other = [*args[:2], "4", *args[3:], "--checkpoint-dir", self.path("other"), "--checkpoint-every", "5"]
+        run([*args, "--checkpoint-dir", self.path("other"), "--checkpoint-every", "5", "--stop-after-steps", "15"])
+        resumed = run([*other, "--resume"])
+        said = [l for l in resumed.stderr.splitlines() if "error-feedback residuals" in l]
+        self.assertTrue(said and "start at zero" in said[0] and "saved at 2 ranks" in said[0], resumed.stderr)
 
     def test_one_rank_and_four_ranks_end_within_1e_4(self):
         run(["train", *TINY, "--checkpoint-dir", self.path("one")])

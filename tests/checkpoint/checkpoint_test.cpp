@@ -39,13 +39,21 @@ using testing::remove_tree;
 using testing::temp_dir;
 using testing::train;
 
+// Rank 0's parameters: at the end of the uninterrupted run and of the resumed one, at the save, and
+// right after the load.
+struct Runs {
+  Params straight, resumed, saved, loaded;
+};
+
 // 6 steps at world w1 uninterrupted; and 3 steps at w1, saved, loaded at w2 into fresh objects,
-// 3 more steps. Returns both final parameter sets (rank 0's). With `ddp_options`, the save and
-// the load are save_checkpoint's and load_checkpoint's ShardedDDP forms.
-std::pair<Params, Params> interrupted_and_not(int w1, int w2, OptimizerStateLayout layout, const std::string& dir,
-                                              OSSOptions options = {},
-                                              std::optional<ShardedDDPOptions> ddp_options = std::nullopt) {
-  Params straight, resumed;
+// 3 more steps. With `ddp_options`, the save and the load are save_checkpoint's and
+// load_checkpoint's ShardedDDP forms. The resumed run takes `load_options` and `load_ddp_options`
+// where given, else the saving run's.
+Runs interrupted_and_not(int w1, int w2, OptimizerStateLayout layout, const std::string& dir, OSSOptions options = {},
+                         std::optional<ShardedDDPOptions> ddp_options = std::nullopt,
+                         std::optional<OSSOptions> load_options = std::nullopt,
+                         std::optional<ShardedDDPOptions> load_ddp_options = std::nullopt) {
+  Params straight, resumed, saved, loaded;
   std::mutex mu;
   const std::string path = dir + "/run.ckpt";
   run_ranks(w1, [&](std::shared_ptr<ProcessGroup> g) {
@@ -63,6 +71,7 @@ std::pair<Params, Params> interrupted_and_not(int w1, int w2, OptimizerStateLayo
     } else {
       save_checkpoint(path, *net, oss, state, saving);
     }
+    if (g->rank() == 0) saved = testing::clone_params(net->params);
     train(*net, oss, ddp, *g, 3, 6);
     std::lock_guard<std::mutex> lock(mu);
     if (g->rank() == 0) straight = testing::clone_params(net->params);
@@ -73,9 +82,10 @@ std::pair<Params, Params> interrupted_and_not(int w1, int w2, OptimizerStateLayo
       at::NoGradGuard no_grad;
       for (auto& p : net->params) p.mul_(0.5);  // not the saved values: load must restore them
     }
-    OSS oss(net->parameters(), adam(), g, options);
-    ShardedDDP ddp(net, oss, ddp_options.value_or(ShardedDDPOptions()));
+    OSS oss(net->parameters(), adam(), g, load_options.value_or(options));
+    ShardedDDP ddp(net, oss, load_ddp_options.value_or(ddp_options.value_or(ShardedDDPOptions())));
     TrainingState state = ddp_options ? load_checkpoint(path, ddp, oss) : load_checkpoint(path, *net, oss);
+    if (g->rank() == 0) loaded = testing::clone_params(net->params);
     EXPECT_EQ(state.step, 3);
     EXPECT_EQ(state.epoch, 1);
     EXPECT_EQ(state.scalars.at("lr_scale"), 0.5);
@@ -85,13 +95,13 @@ std::pair<Params, Params> interrupted_and_not(int w1, int w2, OptimizerStateLayo
     std::lock_guard<std::mutex> lock(mu);
     if (g->rank() == 0) resumed = testing::clone_params(net->params);
   });
-  return {straight, resumed};
+  return {straight, resumed, saved, loaded};
 }
 
 TEST(Checkpoint, ResumeAtTheSameWorldSizeIsBitExact) {
   for (auto layout : {OptimizerStateLayout::kConsolidated, OptimizerStateLayout::kSharded}) {
     const auto dir = temp_dir("same");
-    auto [straight, resumed] = interrupted_and_not(2, 2, layout, dir);
+    const auto [straight, resumed, saved, loaded] = interrupted_and_not(2, 2, layout, dir);
     ASSERT_EQ(straight.size(), resumed.size());
     for (size_t i = 0; i < straight.size(); ++i) {
       EXPECT_TRUE(at::equal(straight[i], resumed[i])) << "parameter " << i << ", layout " << static_cast<int>(layout);
@@ -106,7 +116,7 @@ TEST(Checkpoint, MixedPrecisionResumeIsBitExact) {
   const auto options = OSSOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
   for (auto layout : {OptimizerStateLayout::kConsolidated, OptimizerStateLayout::kSharded}) {
     const auto dir = temp_dir("mixed");
-    auto [straight, resumed] = interrupted_and_not(2, 2, layout, dir, options);
+    const auto [straight, resumed, saved, loaded] = interrupted_and_not(2, 2, layout, dir, options);
     for (size_t i = 0; i < straight.size(); ++i) {
       ASSERT_EQ(straight[i].scalar_type(), at::kBFloat16);
       EXPECT_TRUE(at::equal(straight[i], resumed[i])) << "parameter " << i << ", layout " << static_cast<int>(layout);
@@ -125,7 +135,7 @@ TEST(Checkpoint, ErrorFeedbackResumesBitExactFromAShardedCheckpoint) {
   const auto ddp_options = ShardedDDPOptions().gradient_wire(Wire::kInt8).error_feedback(true);
   for (auto layout : {OptimizerStateLayout::kSharded, OptimizerStateLayout::kConsolidated}) {
     const auto dir = temp_dir("feedback");
-    auto [straight, resumed] = interrupted_and_not(2, 2, layout, dir, options, ddp_options);
+    const auto [straight, resumed, saved, loaded] = interrupted_and_not(2, 2, layout, dir, options, ddp_options);
     ASSERT_EQ(straight.size(), resumed.size());
     bool all_equal = true;
     for (size_t i = 0; i < straight.size(); ++i) all_equal = all_equal && at::equal(straight[i], resumed[i]);
@@ -137,18 +147,58 @@ TEST(Checkpoint, ErrorFeedbackResumesBitExactFromAShardedCheckpoint) {
     remove_tree(dir);
   }
   const auto dir = temp_dir("feedback-other");
-  auto [straight, resumed] = interrupted_and_not(2, 3, OptimizerStateLayout::kSharded, dir, options, ddp_options);
+  const auto [straight, resumed, saved, loaded] =
+      interrupted_and_not(2, 3, OptimizerStateLayout::kSharded, dir, options, ddp_options);
   for (size_t i = 0; i < straight.size(); ++i) {
     EXPECT_LE(testing::rel_diff(resumed[i], straight[i]), 0.05) << "parameter " << i << ", 2 -> 3 ranks";
   }
   remove_tree(dir);
 }
 
+// Resuming with other wire options is not refused (docs/api.md, "gradient_wire"): from a sharded
+// checkpoint of int8 wires with error feedback, a run on exact wires starts from the parameters as
+// saved (the dequantised values, not the masters the checkpoint also carries) and a run on bf16
+// wires with error feedback keeps the residuals; a checkpoint of exact wires resumed on int8 wires
+// starts the masters from the parameters. Each resumed run starts from the saved parameters bit for
+// bit, trains on near the straight run, and parts from it (its wires differ).
+TEST(Checkpoint, ResumingWithOtherWireOptionsIsNotRefused) {
+  const auto int8 = OSSOptions().param_wire(Wire::kInt8);
+  const auto int8_feedback = ShardedDDPOptions().gradient_wire(Wire::kInt8).error_feedback(true);
+  const auto bf16 = OSSOptions().param_wire(Wire::kBFloat16);
+  const auto bf16_feedback = ShardedDDPOptions().gradient_wire(Wire::kBFloat16).error_feedback(true);
+  struct Case {
+    const char* what;
+    OSSOptions saving;
+    ShardedDDPOptions saving_ddp;
+    OSSOptions loading;
+    ShardedDDPOptions loading_ddp;
+  };
+  const Case cases[] = {
+      {"int8 with feedback, resumed exact", int8, int8_feedback, OSSOptions(), ShardedDDPOptions()},
+      {"int8 with feedback, resumed on bf16 with feedback", int8, int8_feedback, bf16, bf16_feedback},
+      {"exact, resumed on int8 with feedback", OSSOptions(), ShardedDDPOptions(), int8, int8_feedback},
+  };
+  for (const Case& c : cases) {
+    const auto dir = temp_dir("rewired");
+    const auto [straight, resumed, saved, loaded] = interrupted_and_not(
+        2, 2, OptimizerStateLayout::kSharded, dir, c.saving, c.saving_ddp, c.loading, c.loading_ddp);
+    ASSERT_EQ(loaded.size(), saved.size()) << c.what;
+    bool parted = false;
+    for (size_t i = 0; i < saved.size(); ++i) {
+      EXPECT_TRUE(at::equal(loaded[i], saved[i])) << c.what << ": parameter " << i << " as saved";
+      EXPECT_LE(testing::rel_diff(resumed[i], straight[i]), 0.05) << c.what << ": parameter " << i;
+      parted = parted || !at::equal(resumed[i], straight[i]);
+    }
+    EXPECT_TRUE(parted) << c.what << ": other wires, yet the same bits as the straight run";
+    remove_tree(dir);
+  }
+}
+
 TEST(Checkpoint, ResumeAtAnotherWorldSizeMatchesWithinFloatTolerance) {
   for (auto layout : {OptimizerStateLayout::kConsolidated, OptimizerStateLayout::kSharded}) {
     for (auto [w1, w2] : {std::pair{2, 3}, std::pair{3, 1}}) {
       const auto dir = temp_dir("other");
-      auto [straight, resumed] = interrupted_and_not(w1, w2, layout, dir);
+      const auto [straight, resumed, saved, loaded] = interrupted_and_not(w1, w2, layout, dir);
       for (size_t i = 0; i < straight.size(); ++i) {
         EXPECT_LE(testing::rel_diff(resumed[i], straight[i]), 1e-5)
             << "parameter " << i << ", " << w1 << " -> " << w2 << ", layout " << static_cast<int>(layout);
