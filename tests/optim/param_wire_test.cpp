@@ -151,6 +151,66 @@ TEST(ParamWire, Int8ParametersAreTheDequantisedMastersOnEveryRank) {
   }
 }
 
+// Under bf16 mixed precision (docs/api.md's table of wires and mixed precision): bf16 wires on the
+// gradients and the parameters are what the exact path already does, bit for bit, step by step,
+// through a freeze; and int8 parameters are the owners' fp32 masters dequantised, then rounded to
+// the bf16 parameters, the same on every rank. Two models on the same data, each rank's different.
+TEST(ParamWire, UnderBf16MixedPrecisionBf16WiresChangeNothingAndInt8ParametersAreTheMasters) {
+  const auto bf16 = MixedPrecision().param_dtype(at::kBFloat16);
+  for (int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    testing::run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      auto exact_net = std::make_shared<Net>(), wired_net = std::make_shared<Net>(), int8_net = std::make_shared<Net>();
+      OSS exact(exact_net->parameters(), adam(), g, OSSOptions().mixed_precision(bf16));
+      OSS wired(wired_net->parameters(), adam(), g, OSSOptions().mixed_precision(bf16).param_wire(Wire::kBFloat16));
+      OSS int8(int8_net->parameters(), adam(), g, OSSOptions().mixed_precision(bf16).param_wire(Wire::kInt8));
+      ShardedDDP exact_ddp(exact_net, exact);
+      ShardedDDP wired_ddp(wired_net, wired, ShardedDDPOptions().gradient_wire(Wire::kBFloat16));
+      ShardedDDP int8_ddp(int8_net, int8, ShardedDDPOptions().gradient_wire(Wire::kInt8));
+      for (int step = 0; step < 5; ++step) {
+        const auto data = testing::rank_data(step, g->rank(), 3);
+        if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+        for (auto* net : {exact_net.get(), wired_net.get(), int8_net.get()}) net->params[2].requires_grad_(step != 2);
+        for (auto* ddp : {&exact_ddp, &wired_ddp, &int8_ddp}) {
+          ddp->zero_grad();
+          testing::loss_of(ddp->forward(data.x.to(at::kBFloat16)).to(at::kFloat), data, 3).backward();
+        }
+        exact.step();
+        wired.step();
+        int8.step();
+        for (size_t i = 0; i < exact_net->params.size(); ++i) {
+          ASSERT_EQ(wired_net->params[i].scalar_type(), at::kBFloat16);
+          ASSERT_TRUE(wired_net->params[i].equal(exact_net->params[i])) << "parameter " << i << ", step " << step;
+        }
+        ASSERT_TRUE(testing::same_on_all_ranks(int8_net->params, *g)) << "step " << step;
+        // The exact path's parameters are its masters rounded to bf16.
+        const Params exact_masters = consolidated_masters(exact, exact_net->params.size());
+        const Params masters = consolidated_masters(int8, int8_net->params.size());
+        if (g->rank() != 0) continue;
+        for (size_t i = 0; i < exact_masters.size(); ++i) {
+          EXPECT_TRUE(exact_net->params[i].equal(exact_masters[i].to(at::kBFloat16))) << "parameter " << i;
+        }
+        double largest = 0;
+        for (const auto& m : masters) largest = std::max(largest, m.abs().max().item<double>());
+        bool rounded = false;
+        for (size_t i = 0; i < masters.size(); ++i) {
+          // The master rounded to the bf16 parameter (half a bf16 ulp, at most |m| / 256), that
+          // quantised (half an int8 step of its block, at most max |block| / 254), and the
+          // dequantised value rounded to bf16 again (half an ulp of a value at most |m| plus that).
+          const at::Tensor off = (int8_net->params[i].to(at::kFloat) - masters[i]).abs();
+          const double step_half = largest * (1 + 1.0 / 256) / 254;
+          const at::Tensor bound = (step_half + (masters[i].abs() * (2 + 1.0 / 256) + step_half) / 256) * 1.0001;
+          EXPECT_TRUE(off.le(bound).all().item<bool>())
+              << "parameter " << i << ", step " << step << ": off by up to " << (off - bound).max().item<double>()
+              << " beyond the bound";
+          rounded = rounded || !int8_net->params[i].equal(masters[i].to(at::kBFloat16));
+        }
+        EXPECT_TRUE(rounded) << "step " << step << ": int8 rounded nothing beyond bf16";
+      }
+    });
+  }
+}
+
 TEST(ParamWire, Bf16SyncMovesHalfTheBytes) {
   for (int world : {2, 3, 4}) {
     for (PartitionMode partition : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
