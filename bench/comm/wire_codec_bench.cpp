@@ -1,7 +1,7 @@
-// The int8 wire's codec on one sender's row of the parameter sync (Note [Int8 wire] in
-// csrc/comm/wire.cpp): quantise the row into its packed form, then set the row to what every
-// receiver decodes, as two passes (encode_into, decode_into) against one (encode_rounding), over
-// 12 Mi fp32 values (about one rank's row of the GPT-2 shape at two ranks), one thread.
+// The int8 and bf16 wires' codecs on one sender's row of the parameter sync (Note [Int8 wire],
+// Note [Parameter wire] in csrc/comm/wire.cpp): pack the row for the wire, then set the row to what
+// every receiver decodes, as two passes (encode_into, decode_into) against one (encode_rounding),
+// over 12 Mi fp32 values (about one rank's row of the GPT-2 shape at two ranks), one thread.
 //
 //   build/bench/wire_codec_bench --benchmark_repetitions=3
 #include "csrc/comm/wire_codec.h"
@@ -14,13 +14,13 @@ namespace {
 
 constexpr int64_t kNumel = int64_t{12} << 20;
 
-template <bool kOnePass>
-void BM_Int8RowRounded(benchmark::State& state) {
+template <at::ScalarType kWire, bool kOnePass>
+void BM_RowRounded(benchmark::State& state) {
   at::set_num_threads(1);
-  const shardopt::detail::WireCodec codec(at::kChar);
+  const shardopt::detail::WireCodec codec(kWire);
   const at::Tensor x = at::randn({kNumel});
   at::Tensor row = x.clone();
-  at::Tensor packed = at::empty({codec.packed_numel(kNumel)}, at::kByte);
+  at::Tensor packed = at::empty({codec.packed_numel(kNumel)}, codec.packed_dtype());
   for (auto _ : state) {
     state.PauseTiming();
     row.copy_(x);  // the values a step wrote
@@ -36,8 +36,12 @@ void BM_Int8RowRounded(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * kNumel * 4);
 }
 
-BENCHMARK(BM_Int8RowRounded<false>)->Name("BM_Int8RowRounded/encode_then_decode")->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Int8RowRounded<true>)->Name("BM_Int8RowRounded/one_pass")->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_RowRounded<at::kChar, false>)->Name("BM_Int8RowRounded/encode_then_decode")->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_RowRounded<at::kChar, true>)->Name("BM_Int8RowRounded/one_pass")->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_RowRounded<at::kBFloat16, false>)
+    ->Name("BM_Bf16RowRounded/encode_then_decode")
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_RowRounded<at::kBFloat16, true>)->Name("BM_Bf16RowRounded/one_pass")->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

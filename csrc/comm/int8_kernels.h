@@ -20,8 +20,12 @@ namespace shardopt::detail {
 // - int8_feed_back: error feedback in one pass (Note [Error feedback] in csrc/ddp/reduction.cpp):
 //   v = x + residual (bf16 bits widened), x = decode(encode(v)), residual = v - x rounded to bf16
 //   (to nearest, ties to even), the bits of ATen's add_, round trip, sub_ and copies.
+// And the bf16 wire's send of a sender's own values, over elements [begin, end):
+// - bf16_encode: x rounded to bf16 (to nearest, ties to even: ATen's bits) into `packed`, and
+//   widened back into `rounded` (which may be x) in the same pass.
 #define SHARDOPT_INT8_KERNELS(ns)                                                                                 \
   namespace ns {                                                                                                  \
+  void bf16_encode(const float* x, int64_t begin, int64_t end, uint16_t* packed, float* rounded);                 \
   void int8_feed_back(float* x, uint16_t* residual, int64_t n, int64_t begin, int64_t end);                       \
   void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed, float* rounded);       \
   void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out);                     \
@@ -37,6 +41,7 @@ SHARDOPT_INT8_KERNELS(int8_avx512)
 void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed, float* rounded);
 void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out);
 void int8_feed_back(float* x, uint16_t* residual, int64_t n, int64_t begin, int64_t end);
+void bf16_encode(const float* x, int64_t begin, int64_t end, uint16_t* packed, float* rounded);
 void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin, int64_t end,
               int64_t numel, float divisor, float* out);
 

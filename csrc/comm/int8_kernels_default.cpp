@@ -30,6 +30,14 @@ void int8_feed_back(float* x, uint16_t* residual, int64_t n, int64_t begin, int6
   }
 }
 
+void bf16_encode(const float* x, int64_t begin, int64_t end, uint16_t* packed, float* rounded) {
+  switch (cpu_kernel_level()) {
+    case 2: return int8_avx512::bf16_encode(x, begin, end, packed, rounded);
+    case 1: return int8_avx2::bf16_encode(x, begin, end, packed, rounded);
+    default: return int8_default::bf16_encode(x, begin, end, packed, rounded);
+  }
+}
+
 void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin, int64_t end,
               int64_t numel, float divisor, float* out) {
   switch (cpu_kernel_level()) {

@@ -35,8 +35,8 @@ class WireCodec {
   // The same into `packed` (packed_numel(x.numel()) elements of packed_dtype(), contiguous).
   void encode_into(const at::Tensor& x, at::Tensor packed) const;
   // encode_into(source, packed), then x (of source's size and dtype; it may be source) set to
-  // what a receiver decodes from `packed`: on the CPU for fp32 under int8, in one pass over each
-  // block.
+  // what a receiver decodes from `packed`: on the CPU for fp32, in one pass (under int8, over
+  // each block).
   void encode_rounding(const at::Tensor& source, at::Tensor x, at::Tensor packed) const;
   void encode_rounding(at::Tensor x, at::Tensor packed) const { encode_rounding(x, x, std::move(packed)); }
   // `packed` (of `numel` elements) decoded into `out` (1-D, `numel` elements, floating).
