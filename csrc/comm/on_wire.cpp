@@ -78,9 +78,9 @@ PendingWork ProcessGroup::reduce_on_wire(at::Tensor& tensor, int root, int64_t n
 }
 
 // Every rank's contribution travels in `wire`; the owner widens what it receives and sums in the
-// rows' own dtype (int8's in fp32), its own contribution rounded through `wire` first, in the exact path's order
-// (Note [Gradient wire] in wire.cpp). `own` (which may be `mine`) is read once the transfers are
-// done; a CUDA one is copied to the host at once.
+// rows' own dtype (int8's in fp32), its own contribution rounded through `wire` first, in the
+// exact path's order (Note [Gradient wire] in wire.cpp). `own` (which may be `mine`) is read once
+// the transfers are done; a CUDA one is copied to the host at once.
 PendingWork ProcessGroup::reduce_scatter_rows_on_wire(at::Tensor& flat, double divisor, const at::Tensor& mine,
                                                       const at::Tensor& own, at::ScalarType wire, int64_t exact_tail) {
   constexpr auto kind = CommStats::kReduceScatter;

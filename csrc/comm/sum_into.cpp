@@ -165,8 +165,8 @@ void sum_decoded(at::Tensor& out, const at::Tensor& own, const std::vector<at::T
     sum_to(out, first, decoded, numel, divisor);
     return;
   }
-  at::Tensor sum = first;
-  sum_to(sum, first, decoded, numel, divisor);
+  at::Tensor sum = first;  // a tensor of its own (round_trip's): summed in place
+  sum_into(sum, decoded, numel, divisor);
   out.copy_(sum);
 }
 

@@ -179,7 +179,8 @@ void detail::WireCodec::encode_rounding(const at::Tensor& source, at::Tensor x, 
     const float* src = source.const_data_ptr<float>();
     float* values = x.data_ptr<float>();
     auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-    at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t begin, int64_t end) { bf16_encode(src, begin, end, dst, values); });
+    at::parallel_for(0, x.numel(), 1 << 14,
+                     [&](int64_t begin, int64_t end) { bf16_encode(src, begin, end, dst, values); });
     return;
   }
   encode_into(source, packed);
