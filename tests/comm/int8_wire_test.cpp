@@ -201,8 +201,9 @@ TEST(Int8Wire, ABlockWithInfOrNanArrivesNonFinite) {
 TEST(Int8Wire, EveryBlockRoundTripsWithinHalfItsOwnStep) {
   run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
     const int64_t n = 7 * kBlock + 45;
-    at::manual_seed(1000);  // the same on both ranks: rank 1 checks what it receives too
-    const at::Tensor x = at::randn({n});
+    // The same on both ranks (a generator of its own: the ranks are threads of one process), so
+    // that rank 1 checks what it receives too.
+    const at::Tensor x = at::randn({n}, at::make_generator<at::CPUGeneratorImpl>(1000));
     x.narrow(0, 1 * kBlock, kBlock).mul_(1e-30);
     x.narrow(0, 2 * kBlock, kBlock).mul_(1e30);
     x.narrow(0, 3 * kBlock, kBlock).zero_();
