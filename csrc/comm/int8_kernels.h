@@ -21,11 +21,17 @@ namespace shardopt::detail {
 //   v = x + residual (bf16 bits widened), x = decode(encode(v)), residual = v - x rounded to bf16
 //   (to nearest, ties to even), the bits of ATen's add_, round trip, sub_ and copies.
 // And the bf16 wire's send of a sender's own values, over elements [begin, end):
-// - bf16_encode: x rounded to bf16 (to nearest, ties to even: ATen's bits) into `packed`, and
-//   widened back into `rounded` (which may be x) in the same pass.
+// - bf16_encode: x rounded to bf16 (to nearest, ties to even: ATen's bits) into `packed`, and,
+//   with `rounded` (which may be x), widened back into it in the same pass;
+// - bf16_decode: `packed` widened into `out`;
+// - bf16_sum: out = widen(round(own)) + widen(incoming[0]) + ..., each addition rounded to fp32
+//   in that order, out[i] divided by `divisor` where i < numel (own may be out).
 #define SHARDOPT_INT8_KERNELS(ns)                                                                                 \
   namespace ns {                                                                                                  \
   void bf16_encode(const float* x, int64_t begin, int64_t end, uint16_t* packed, float* rounded);                 \
+  void bf16_decode(const uint16_t* packed, int64_t begin, int64_t end, float* out);                               \
+  void bf16_sum(const float* own, const uint16_t* const* incoming, size_t count, int64_t begin, int64_t end,      \
+                int64_t numel, float divisor, float* out);                                                        \
   void int8_feed_back(float* x, uint16_t* residual, int64_t n, int64_t begin, int64_t end);                       \
   void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed, float* rounded);       \
   void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out);                     \
@@ -42,6 +48,9 @@ void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t*
 void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out);
 void int8_feed_back(float* x, uint16_t* residual, int64_t n, int64_t begin, int64_t end);
 void bf16_encode(const float* x, int64_t begin, int64_t end, uint16_t* packed, float* rounded);
+void bf16_decode(const uint16_t* packed, int64_t begin, int64_t end, float* out);
+void bf16_sum(const float* own, const uint16_t* const* incoming, size_t count, int64_t begin, int64_t end,
+              int64_t numel, float divisor, float* out);
 void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin, int64_t end,
               int64_t numel, float divisor, float* out);
 

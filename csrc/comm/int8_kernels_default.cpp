@@ -38,6 +38,23 @@ void bf16_encode(const float* x, int64_t begin, int64_t end, uint16_t* packed, f
   }
 }
 
+void bf16_decode(const uint16_t* packed, int64_t begin, int64_t end, float* out) {
+  switch (cpu_kernel_level()) {
+    case 2: return int8_avx512::bf16_decode(packed, begin, end, out);
+    case 1: return int8_avx2::bf16_decode(packed, begin, end, out);
+    default: return int8_default::bf16_decode(packed, begin, end, out);
+  }
+}
+
+void bf16_sum(const float* own, const uint16_t* const* incoming, size_t count, int64_t begin, int64_t end,
+              int64_t numel, float divisor, float* out) {
+  switch (cpu_kernel_level()) {
+    case 2: return int8_avx512::bf16_sum(own, incoming, count, begin, end, numel, divisor, out);
+    case 1: return int8_avx2::bf16_sum(own, incoming, count, begin, end, numel, divisor, out);
+    default: return int8_default::bf16_sum(own, incoming, count, begin, end, numel, divisor, out);
+  }
+}
+
 void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin, int64_t end,
               int64_t numel, float divisor, float* out) {
   switch (cpu_kernel_level()) {

@@ -80,7 +80,6 @@ void sum_into(at::Tensor& tensor, const std::vector<at::Tensor>& incoming, int64
   sum_to(tensor, tensor, incoming, numel, divisor);
 }
 
-
 void sum_widened(at::Tensor& out, const at::Tensor& own, const std::vector<at::Tensor>& incoming, int64_t numel,
                  double divisor) {
   bool fused = out.is_cpu() && own.is_cpu() && out.is_contiguous() && own.is_contiguous() &&
@@ -99,23 +98,11 @@ void sum_widened(at::Tensor& out, const at::Tensor& own, const std::vector<at::T
   }
   float* dst = out.data_ptr<float>();
   const float* mine = own.const_data_ptr<float>();
-  std::vector<const c10::BFloat16*> in;
-  for (const auto& t : incoming) in.push_back(t.const_data_ptr<c10::BFloat16>());
+  std::vector<const uint16_t*> in;
+  for (const auto& t : incoming) in.push_back(reinterpret_cast<const uint16_t*>(t.const_data_ptr<c10::BFloat16>()));
   const auto d = static_cast<float>(divisor);
-  // Chunks small enough for the partial sum to stay in cache while the incoming rows are added.
-  constexpr int64_t kChunk = int64_t{1} << 13;
-  at::parallel_for(0, out.numel(), kChunk, [&](int64_t begin, int64_t end) {
-    float acc[kChunk];
-    for (int64_t b = begin; b < end; b += kChunk) {
-      const int64_t n = std::min(end, b + kChunk) - b;
-      for (int64_t j = 0; j < n; ++j) acc[j] = static_cast<float>(c10::BFloat16(mine[b + j]));
-      for (const c10::BFloat16* src : in) {
-        for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<float>(src[b + j]);
-      }
-      const int64_t divided = std::clamp(numel - b, int64_t{0}, n);
-      for (int64_t j = 0; j < divided; ++j) dst[b + j] = acc[j] / d;
-      for (int64_t j = divided; j < n; ++j) dst[b + j] = acc[j];
-    }
+  at::parallel_for(0, out.numel(), int64_t{1} << 14, [&](int64_t begin, int64_t end) {
+    bf16_sum(mine, in.data(), in.size(), begin, end, numel, d, dst);
   });
 }
 

@@ -82,6 +82,14 @@ namespace {
 
 bool cpu_float(const at::Tensor& t) { return t.is_cpu() && t.is_contiguous() && t.scalar_type() == at::kFloat; }
 
+bool cpu_bf16(const at::Tensor& t) { return t.is_cpu() && t.is_contiguous() && t.scalar_type() == at::kBFloat16; }
+
+uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// The bf16 wire's casts on the CPU, one vectorised loop each (ATen's bits: to nearest, ties to
+// even, a NaN kept a NaN).
+constexpr int64_t kBf16Grain = int64_t{1} << 14;
+
 }  // namespace
 }  // namespace detail
 
@@ -96,8 +104,9 @@ int64_t detail::WireCodec::packed_bytes(int64_t numel) const {
 }
 
 at::Tensor detail::WireCodec::encode(const at::Tensor& x) const {
-  if (!int8()) return x.to(wire_);
-  at::Tensor packed = at::empty({packed_numel(x.numel())}, x.options().dtype(at::kByte));
+  if (!int8() && !(wire_ == at::kBFloat16 && cpu_float(x))) return x.to(wire_);
+  at::Tensor packed = int8() ? at::empty({packed_numel(x.numel())}, x.options().dtype(at::kByte))
+                             : at::empty_like(x, x.options().dtype(at::kBFloat16));
   encode_into(x, packed);
   return packed;
 }
@@ -106,6 +115,13 @@ void detail::WireCodec::encode_into(const at::Tensor& x, at::Tensor packed) cons
   SHARDOPT_CHECK(packed.numel() == packed_numel(x.numel()) && packed.scalar_type() == packed_dtype(),
                  "wire encode: ", packed.numel(), " packed elements of ", packed.scalar_type(), " for ", x.numel(),
                  " elements");
+  if (wire_ == at::kBFloat16 && cpu_float(x) && cpu_bf16(packed)) {
+    const float* src = x.const_data_ptr<float>();
+    uint16_t* dst = bf16_bits(packed);
+    at::parallel_for(0, x.numel(), kBf16Grain,
+                     [&](int64_t begin, int64_t end) { bf16_encode(src, begin, end, dst, nullptr); });
+    return;
+  }
   if (!int8()) {
     packed.copy_(x);
     return;
@@ -135,6 +151,12 @@ void detail::WireCodec::encode_into(const at::Tensor& x, at::Tensor packed) cons
 }
 
 void detail::WireCodec::decode_into(const at::Tensor& packed, at::Tensor out) const {
+  if (wire_ == at::kBFloat16 && cpu_float(out) && cpu_bf16(packed) && packed.numel() == out.numel()) {
+    const uint16_t* src = bf16_bits(packed);
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, out.numel(), kBf16Grain, [&](int64_t begin, int64_t end) { bf16_decode(src, begin, end, dst); });
+    return;
+  }
   if (!int8()) {
     out.copy_(packed);
     return;
@@ -178,8 +200,8 @@ void detail::WireCodec::encode_rounding(const at::Tensor& source, at::Tensor x, 
       packed.scalar_type() == at::kBFloat16 && packed.numel() == x.numel()) {  // one pass, ATen's bits
     const float* src = source.const_data_ptr<float>();
     float* values = x.data_ptr<float>();
-    auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-    at::parallel_for(0, x.numel(), 1 << 14,
+    uint16_t* dst = bf16_bits(packed);
+    at::parallel_for(0, x.numel(), kBf16Grain,
                      [&](int64_t begin, int64_t end) { bf16_encode(src, begin, end, dst, values); });
     return;
   }
