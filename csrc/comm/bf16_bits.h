@@ -2,7 +2,7 @@
 // rounding and error feedback). Internal.
 //
 // Internal linkage on purpose: the int8 loops are compiled once per instruction set
-// (int8_kernels.inc), and an inline function with external linkage could be taken by the linker
+// (wire_kernels.inc), and an inline function with external linkage could be taken by the linker
 // from a file built for an instruction set this CPU lacks.
 #pragma once
 

@@ -1,7 +1,7 @@
 // The sums a rank computes of what others sent it (comm/sum_into.h): the reduce to one owner and
 // the rows' reduce-scatter, exact or from a narrower wire.
 #include "comm/sum_into.h"
-#include "comm/int8_kernels.h"
+#include "comm/wire_kernels.h"
 #include "comm/wire_codec.h"
 
 #include <ATen/ATen.h>

@@ -3,7 +3,7 @@
 #include <shardopt/check.h>
 
 #include "comm/bf16_bits.h"
-#include "comm/int8_kernels.h"
+#include "comm/wire_kernels.h"
 #include "comm/wire_codec.h"
 
 #include <ATen/ATen.h>
@@ -154,7 +154,8 @@ void detail::WireCodec::decode_into(const at::Tensor& packed, at::Tensor out) co
   if (wire_ == at::kBFloat16 && cpu_float(out) && cpu_bf16(packed) && packed.numel() == out.numel()) {
     const uint16_t* src = bf16_bits(packed);
     float* dst = out.data_ptr<float>();
-    at::parallel_for(0, out.numel(), kBf16Grain, [&](int64_t begin, int64_t end) { bf16_decode(src, begin, end, dst); });
+    at::parallel_for(0, out.numel(), kBf16Grain,
+                     [&](int64_t begin, int64_t end) { bf16_decode(src, begin, end, dst); });
     return;
   }
   if (!int8()) {

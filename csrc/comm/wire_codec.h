@@ -13,7 +13,7 @@ namespace shardopt::detail {
 // The elements of one int8 block, each block with one fp32 scale (Note [Int8 wire]).
 inline constexpr int64_t kInt8Block = 256;
 
-// (Its loops on the CPU: int8_kernels.h. A block's scale is max |x| / 127: 1 for a block of
+// (Its loops on the CPU: wire_kernels.h. A block's scale is max |x| / 127: 1 for a block of
 // zeros, NaN for one holding NaN, inf for one holding inf; its elements round(x / scale), half to
 // even, within [-127, 127]; all 0 under a non-finite scale.)
 

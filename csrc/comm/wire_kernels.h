@@ -1,5 +1,6 @@
-// The int8 wire's loops over blocks (Note [Int8 wire] in wire.cpp), built for any x86-64 CPU, for
-// AVX2 and for AVX-512, and chosen at run time as the fused step's are (cpu_kernel_level()).
+// The compressed wires' loops on the CPU, the int8 wire's over blocks (Note [Int8 wire] in
+// wire.cpp) and the bf16 wire's casts and sums, built for any x86-64 CPU, for AVX2 and for
+// AVX-512, and chosen at run time as the fused step's are (cpu_kernel_level()).
 // Every build gives the same bits: a maximum, a division, a rounding by adding and subtracting
 // 1.5 * 2^23 and products summed one at a time are exactly rounded whatever the vector width, and
 // no build has fused multiply-adds. Internal.
@@ -26,7 +27,7 @@ namespace shardopt::detail {
 // - bf16_decode: `packed` widened into `out`;
 // - bf16_sum: out = widen(round(own)) + widen(incoming[0]) + ..., each addition rounded to fp32
 //   in that order, out[i] divided by `divisor` where i < numel (own may be out).
-#define SHARDOPT_INT8_KERNELS(ns)                                                                                 \
+#define SHARDOPT_WIRE_KERNELS(ns)                                                                                 \
   namespace ns {                                                                                                  \
   void bf16_encode(const float* x, int64_t begin, int64_t end, uint16_t* packed, float* rounded);                 \
   void bf16_decode(const uint16_t* packed, int64_t begin, int64_t end, float* out);                               \
@@ -38,10 +39,10 @@ namespace shardopt::detail {
   void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin,         \
                 int64_t end, int64_t numel, float divisor, float* out);                                           \
   }
-SHARDOPT_INT8_KERNELS(int8_default)
-SHARDOPT_INT8_KERNELS(int8_avx2)
-SHARDOPT_INT8_KERNELS(int8_avx512)
-#undef SHARDOPT_INT8_KERNELS
+SHARDOPT_WIRE_KERNELS(wire_default)
+SHARDOPT_WIRE_KERNELS(wire_avx2)
+SHARDOPT_WIRE_KERNELS(wire_avx512)
+#undef SHARDOPT_WIRE_KERNELS
 
 // The build this CPU runs (kernels_default, _avx2 or _avx512 by cpu_kernel_level()), then the call.
 void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed, float* rounded);
