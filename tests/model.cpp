@@ -11,6 +11,14 @@ at::Tensor randn(std::vector<int64_t> sizes, uint64_t seed) {
 }
 }  // namespace
 
+void fill_seeded(const std::vector<at::Tensor>& params, uint64_t seed, double scale) {
+  at::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (const auto& p : params) p.copy_(at::randn(p.sizes(), gen).mul_(scale));
+}
+
+at::Tensor seeded_randn(std::vector<int64_t> sizes, uint64_t seed) { return randn(std::move(sizes), seed); }
+
 std::vector<at::Tensor> make_params(uint64_t seed) {
   std::vector<std::vector<int64_t>> shapes{{8, 5}, {8}, {3, 8}, {3}, {3}};
   std::vector<at::Tensor> params;

@@ -38,6 +38,13 @@ at::Tensor loss_of(const at::Tensor& out, const Data& data, double divisor);
 // Averages (or sums) each defined gradient over the ranks: the all-reduce data-parallel reference.
 void allreduce_grads(const std::vector<at::Tensor>& params, ProcessGroup& group, bool average = true);
 
+// Sets each tensor of `params` (a module's parameters, say) to randn * scale from a generator of
+// its own seeded with `seed`: the same values on every rank, whichever thread draws first (ranks
+// that are threads share ATen's global generator, so manual_seed there gives no such promise).
+void fill_seeded(const std::vector<at::Tensor>& params, uint64_t seed, double scale = 0.3);
+// randn of `sizes` from a generator of its own seeded with `seed`.
+at::Tensor seeded_randn(std::vector<int64_t> sizes, uint64_t seed);
+
 // max |a - b| / max(max |b|, tiny): the relative difference of two tensors.
 double rel_diff(const at::Tensor& a, const at::Tensor& b);
 

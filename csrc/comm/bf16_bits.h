@@ -1,7 +1,7 @@
 // bf16 as bit patterns, for loops over host memory that the compiler vectorises (the wires'
 // rounding and error feedback). Internal.
 //
-// Internal linkage on purpose: the int8 loops are compiled once per instruction set
+// Internal linkage on purpose: the wires' loops are compiled once per instruction set
 // (wire_kernels.inc), and an inline function with external linkage could be taken by the linker
 // from a file built for an instruction set this CPU lacks.
 #pragma once

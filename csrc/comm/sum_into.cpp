@@ -99,7 +99,9 @@ void sum_widened(at::Tensor& out, const at::Tensor& own, const std::vector<at::T
   float* dst = out.data_ptr<float>();
   const float* mine = own.const_data_ptr<float>();
   std::vector<const uint16_t*> in;
-  for (const auto& t : incoming) in.push_back(reinterpret_cast<const uint16_t*>(t.const_data_ptr<c10::BFloat16>()));
+  for (const auto& t : incoming) {
+    in.push_back(reinterpret_cast<const uint16_t*>(t.const_data_ptr<c10::BFloat16>()));
+  }
   const auto d = static_cast<float>(divisor);
   at::parallel_for(0, out.numel(), int64_t{1} << 14, [&](int64_t begin, int64_t end) {
     bf16_sum(mine, in.data(), in.size(), begin, end, numel, d, dst);

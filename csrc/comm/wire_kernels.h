@@ -21,7 +21,7 @@ namespace shardopt::detail {
 // - int8_feed_back: error feedback in one pass (Note [Error feedback] in csrc/ddp/reduction.cpp):
 //   v = x + residual (bf16 bits widened), x = decode(encode(v)), residual = v - x rounded to bf16
 //   (to nearest, ties to even), the bits of ATen's add_, round trip, sub_ and copies.
-// And the bf16 wire's send of a sender's own values, over elements [begin, end):
+// And the bf16 wire's loops, over elements [begin, end):
 // - bf16_encode: x rounded to bf16 (to nearest, ties to even: ATen's bits) into `packed`, and,
 //   with `rounded` (which may be x), widened back into it in the same pass;
 // - bf16_decode: `packed` widened into `out`;

@@ -437,20 +437,19 @@ TEST(DropIn, UnfreezingBetweenBackwardAndStepWaitsForTheNextStep) {
 // a second backward after such clearing is an error on every rank, not a silent divergence.
 // Clearing through the OSS (which reaches the pieces) is fine.
 struct OneTensor : torch::nn::Module {
-  OneTensor() { w = register_parameter("w", torch::randn({8, 4}, at::TensorOptions().dtype(at::kDouble))); }
+  OneTensor() { w = register_parameter("w", testing::seeded_randn({8, 4}, 3).to(at::kDouble)); }
   at::Tensor forward(at::Tensor x) { return x.matmul(w); }
   at::Tensor w;
 };
 
 TEST(DropIn, AccumulationThatCannotBeToldFromClearingIsAnErrorOnEveryRank) {
   auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
-    torch::manual_seed(3);
     auto net = std::make_shared<OneTensor>();
     OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
             OSSOptions().partition(PartitionMode::kSplit));
     ShardedDDP ddp(net, oss);
     ASSERT_EQ(Introspection::owners(oss, net->w).size(), 2u) << "w must be split for this test";
-    auto x = torch::randn({3, 8}, at::TensorOptions().dtype(at::kDouble)) + g->rank();
+    auto x = testing::seeded_randn({3, 8}, 10 + g->rank()).to(at::kDouble);
     for (int step = 0; step < 2; ++step) {  // cleared through the OSS: fine
       oss.zero_grad();
       ddp.forward(x).sum().backward();

@@ -27,9 +27,10 @@ namespace optim = torch::optim;
 using Params = std::vector<at::Tensor>;
 
 torch::nn::Sequential make_sequential() {
-  torch::manual_seed(1);
-  return torch::nn::Sequential(torch::nn::Linear(5, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
-                               torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  auto net = torch::nn::Sequential(torch::nn::Linear(5, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
+                                   torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  testing::fill_seeded(net->parameters(), 1);
+  return net;
 }
 
 OptimizerFactory adam() { return optimizer<optim::Adam>(optim::AdamOptions(1e-2)); }

@@ -434,7 +434,9 @@ TEST(ShardedDDP, GlobalSamplesWithAccumulationEqualsSingleProcess) {
 // A model of 8 equal tensors: each rank ends a backward with only its own gradients.
 struct Wide : torch::nn::Module {
   Wide() {
-    for (int i = 0; i < 8; ++i) ps.push_back(register_parameter("p" + std::to_string(i), at::randn({1000}) * 0.1));
+    for (int i = 0; i < 8; ++i) {
+      ps.push_back(register_parameter("p" + std::to_string(i), testing::seeded_randn({1000}, i) * 0.1));
+    }
   }
   at::Tensor forward(at::Tensor x) {
     at::Tensor acc = at::zeros({});
@@ -447,7 +449,6 @@ struct Wide : torch::nn::Module {
 TEST(ShardedDDP, GradientMemoryAndCommunicationVolume) {
   for (PartitionMode mode : {PartitionMode::kAuto, PartitionMode::kWholeParameters}) {
     run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
-      at::manual_seed(0);
       auto net = std::make_shared<Wide>();
       OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g, OSSOptions().partition(mode));
       const int64_t cap = 8000;  // two parameters per bucket
@@ -456,7 +457,7 @@ TEST(ShardedDDP, GradientMemoryAndCommunicationVolume) {
       ASSERT_EQ(ddp.num_buckets(), 4u);  // two parameters each
       const int64_t total = 8 * 1000 * 4;
       g->reset_stats();
-      at::Tensor x = at::randn({1000}) + g->rank();
+      at::Tensor x = testing::seeded_randn({1000}, 10 + g->rank());
       ddp.forward(x).backward();
       const int64_t mine = ddp.local_grad_bytes();
       EXPECT_GT(mine, 0);

@@ -103,9 +103,9 @@ TEST(MixedPrecision, ShardedDdpFollowsTheRecipeWithFreezingAndClipping) {
 TEST(MixedPrecision, MasterWeightsAndStateAreTwelveBytesOverWorldAndGradientsTwo) {
   for (int world : {2, 4}) {
     testing::run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
-      torch::manual_seed(3);
       auto net = torch::nn::Sequential(torch::nn::Linear(256, 256), torch::nn::ReLU(), torch::nn::Linear(256, 256),
                                        torch::nn::ReLU(), torch::nn::Linear(256, 64));
+      testing::fill_seeded(net->parameters(), 3, 0.05);
       int64_t psi = 0;
       for (const auto& p : net->parameters()) psi += p.numel();
       OSS oss(net->parameters(), adam(), g,
@@ -114,7 +114,7 @@ TEST(MixedPrecision, MasterWeightsAndStateAreTwelveBytesOverWorldAndGradientsTwo
       ShardedDDP ddp(net.ptr(), oss);
       for (int step = 0; step < 2; ++step) {
         ddp.zero_grad();
-        at::Tensor x = at::randn({8, 256}) + g->rank();
+        at::Tensor x = testing::seeded_randn({8, 256}, 100 * step + g->rank());
         ddp.forward(x).to(at::kFloat).pow(2).mean().backward();
         const double grads = static_cast<double>(ddp.local_grad_bytes());
         EXPECT_NEAR(grads / (2.0 * psi / world), 1.0, 0.03) << "gradient bytes, rank " << g->rank();
