@@ -2,7 +2,7 @@
 // Note [Parameter wire] in csrc/comm/wire.cpp): pack the row for the wire, then set the row to what
 // every receiver decodes, as two passes (encode_into, decode_into) against one (encode_rounding),
 // over 12 Mi fp32 values (about one rank's row of the GPT-2 shape at two ranks), one thread; and
-// the owner's sum of a row on the bf16 gradient wire.
+// the owner's sum of a row on the bf16 and int8 gradient wires.
 //
 //   build/bench/wire_codec_bench --benchmark_repetitions=3
 #include "csrc/comm/sum_into.h"
@@ -68,6 +68,23 @@ void BM_Bf16OwnerSum(benchmark::State& state) {
 
 BENCHMARK(BM_Bf16OwnerSum<false>)->Name("BM_Bf16OwnerSum/aten")->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Bf16OwnerSum<true>)->Name("BM_Bf16OwnerSum/one_pass")->Unit(benchmark::kMillisecond);
+
+// The same on the int8 wire (Note [Int8 wire]): its own row quantised and dequantised, plus one
+// packed row that arrived, dequantised, divided by the world size, in one pass.
+void BM_Int8OwnerSum(benchmark::State& state) {
+  at::set_num_threads(1);
+  const shardopt::detail::WireCodec codec(at::kChar);
+  const at::Tensor own = at::randn({kNumel});
+  const std::vector<at::Tensor> incoming{codec.encode(at::randn({kNumel}))};
+  at::Tensor out = at::empty({kNumel});
+  for (auto _ : state) {
+    shardopt::detail::sum_decoded(out, own, incoming, codec, kNumel, 2.0);
+    benchmark::DoNotOptimize(out.data_ptr());
+  }
+  state.SetBytesProcessed(state.iterations() * kNumel * 4);
+}
+
+BENCHMARK(BM_Int8OwnerSum)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 
