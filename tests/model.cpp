@@ -4,26 +4,22 @@
 
 namespace shardopt::testing {
 
-namespace {
-at::Tensor randn(std::vector<int64_t> sizes, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(sizes, gen);
-}
-}  // namespace
-
 void fill_seeded(const std::vector<at::Tensor>& params, uint64_t seed, double scale) {
   at::NoGradGuard no_grad;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   for (const auto& p : params) p.copy_(at::randn(p.sizes(), gen).mul_(scale));
 }
 
-at::Tensor seeded_randn(std::vector<int64_t> sizes, uint64_t seed) { return randn(std::move(sizes), seed); }
+at::Tensor seeded_randn(std::vector<int64_t> sizes, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(sizes, gen);
+}
 
 std::vector<at::Tensor> make_params(uint64_t seed) {
   std::vector<std::vector<int64_t>> shapes{{8, 5}, {8}, {3, 8}, {3}, {3}};
   std::vector<at::Tensor> params;
   for (size_t i = 0; i < shapes.size(); ++i) {
-    at::Tensor p = randn(shapes[i], seed * 1000 + i) * 0.5;
+    at::Tensor p = seeded_randn(shapes[i], seed * 1000 + i) * 0.5;
     if (i == 4) p = p + 1.0;
     params.push_back(p.requires_grad_());
   }
@@ -39,8 +35,8 @@ std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& params) {
 Data global_data(int64_t step, int64_t first, int64_t count) {
   std::vector<at::Tensor> xs, ys;
   for (int64_t i = first; i < first + count; ++i) {
-    xs.push_back(randn({1, 5}, 1000003ull * (step + 1) + 2 * i));
-    ys.push_back(randn({1, 3}, 1000003ull * (step + 1) + 2 * i + 1));
+    xs.push_back(seeded_randn({1, 5}, 1000003ull * (step + 1) + 2 * i));
+    ys.push_back(seeded_randn({1, 3}, 1000003ull * (step + 1) + 2 * i + 1));
   }
   return {at::cat(xs), at::cat(ys)};
 }
@@ -58,7 +54,9 @@ at::Tensor output(const std::vector<at::Tensor>& p, const at::Tensor& x, bool us
 std::vector<at::Tensor> make_dominant_params(uint64_t seed) {
   std::vector<std::vector<int64_t>> shapes{{5, 80}, {80, 80}, {80, 3}, {3}};
   std::vector<at::Tensor> params;
-  for (size_t i = 0; i < shapes.size(); ++i) params.push_back((randn(shapes[i], seed * 1000 + i) * 0.3).requires_grad_());
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    params.push_back((seeded_randn(shapes[i], seed * 1000 + i) * 0.3).requires_grad_());
+  }
   return params;
 }
 

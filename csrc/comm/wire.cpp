@@ -86,8 +86,8 @@ bool cpu_bf16(const at::Tensor& t) { return t.is_cpu() && t.is_contiguous() && t
 
 uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
-// The bf16 wire's casts on the CPU, one vectorised loop each (ATen's bits: to nearest, ties to
-// even, a NaN kept a NaN).
+// Elements per task of the bf16 wire's casts on the CPU (bf16_encode, bf16_decode: one vectorised
+// loop each, ATen's bits).
 constexpr int64_t kBf16Grain = int64_t{1} << 14;
 
 }  // namespace
@@ -197,8 +197,8 @@ void detail::WireCodec::encode_rounding(const at::Tensor& source, at::Tensor x, 
     }
     return;
   }
-  if (wire_ == at::kBFloat16 && cpu_float(x) && cpu_float(source) && packed.is_cpu() && packed.is_contiguous() &&
-      packed.scalar_type() == at::kBFloat16 && packed.numel() == x.numel()) {  // one pass, ATen's bits
+  if (wire_ == at::kBFloat16 && cpu_float(x) && cpu_float(source) && cpu_bf16(packed) &&
+      packed.numel() == x.numel()) {  // one pass, ATen's bits
     const float* src = source.const_data_ptr<float>();
     float* values = x.data_ptr<float>();
     uint16_t* dst = bf16_bits(packed);

@@ -6,62 +6,52 @@
 
 namespace shardopt::detail {
 
-void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed, float* rounded) {
+namespace {
+
+// The build of one loop that this CPU runs.
+template <typename F>
+F* chosen(F* avx512, F* avx2, F* baseline) {
   switch (cpu_kernel_level()) {
-    case 2: return wire_avx512::int8_encode(x, n, begin, end, packed, rounded);
-    case 1: return wire_avx2::int8_encode(x, n, begin, end, packed, rounded);
-    default: return wire_default::int8_encode(x, n, begin, end, packed, rounded);
+    case 2: return avx512;
+    case 1: return avx2;
+    default: return baseline;
   }
+}
+
+}  // namespace
+
+#define SHARDOPT_CHOSEN(fn) chosen(wire_avx512::fn, wire_avx2::fn, wire_default::fn)
+
+void int8_encode(const float* x, int64_t n, int64_t begin, int64_t end, uint8_t* packed, float* rounded) {
+  SHARDOPT_CHOSEN(int8_encode)(x, n, begin, end, packed, rounded);
 }
 
 void int8_decode(const uint8_t* packed, int64_t n, int64_t begin, int64_t end, float* out) {
-  switch (cpu_kernel_level()) {
-    case 2: return wire_avx512::int8_decode(packed, n, begin, end, out);
-    case 1: return wire_avx2::int8_decode(packed, n, begin, end, out);
-    default: return wire_default::int8_decode(packed, n, begin, end, out);
-  }
+  SHARDOPT_CHOSEN(int8_decode)(packed, n, begin, end, out);
 }
 
 void int8_feed_back(float* x, uint16_t* residual, int64_t n, int64_t begin, int64_t end) {
-  switch (cpu_kernel_level()) {
-    case 2: return wire_avx512::int8_feed_back(x, residual, n, begin, end);
-    case 1: return wire_avx2::int8_feed_back(x, residual, n, begin, end);
-    default: return wire_default::int8_feed_back(x, residual, n, begin, end);
-  }
+  SHARDOPT_CHOSEN(int8_feed_back)(x, residual, n, begin, end);
 }
 
 void bf16_encode(const float* x, int64_t begin, int64_t end, uint16_t* packed, float* rounded) {
-  switch (cpu_kernel_level()) {
-    case 2: return wire_avx512::bf16_encode(x, begin, end, packed, rounded);
-    case 1: return wire_avx2::bf16_encode(x, begin, end, packed, rounded);
-    default: return wire_default::bf16_encode(x, begin, end, packed, rounded);
-  }
+  SHARDOPT_CHOSEN(bf16_encode)(x, begin, end, packed, rounded);
 }
 
 void bf16_decode(const uint16_t* packed, int64_t begin, int64_t end, float* out) {
-  switch (cpu_kernel_level()) {
-    case 2: return wire_avx512::bf16_decode(packed, begin, end, out);
-    case 1: return wire_avx2::bf16_decode(packed, begin, end, out);
-    default: return wire_default::bf16_decode(packed, begin, end, out);
-  }
+  SHARDOPT_CHOSEN(bf16_decode)(packed, begin, end, out);
 }
 
 void bf16_sum(const float* own, const uint16_t* const* incoming, size_t count, int64_t begin, int64_t end,
               int64_t numel, float divisor, float* out) {
-  switch (cpu_kernel_level()) {
-    case 2: return wire_avx512::bf16_sum(own, incoming, count, begin, end, numel, divisor, out);
-    case 1: return wire_avx2::bf16_sum(own, incoming, count, begin, end, numel, divisor, out);
-    default: return wire_default::bf16_sum(own, incoming, count, begin, end, numel, divisor, out);
-  }
+  SHARDOPT_CHOSEN(bf16_sum)(own, incoming, count, begin, end, numel, divisor, out);
 }
 
 void int8_sum(const float* own, const uint8_t* const* incoming, size_t count, int64_t n, int64_t begin, int64_t end,
               int64_t numel, float divisor, float* out) {
-  switch (cpu_kernel_level()) {
-    case 2: return wire_avx512::int8_sum(own, incoming, count, n, begin, end, numel, divisor, out);
-    case 1: return wire_avx2::int8_sum(own, incoming, count, n, begin, end, numel, divisor, out);
-    default: return wire_default::int8_sum(own, incoming, count, n, begin, end, numel, divisor, out);
-  }
+  SHARDOPT_CHOSEN(int8_sum)(own, incoming, count, n, begin, end, numel, divisor, out);
 }
+
+#undef SHARDOPT_CHOSEN
 
 }  // namespace shardopt::detail
