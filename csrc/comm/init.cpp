@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <sstream>
 #include <pthread.h>
@@ -149,6 +150,28 @@ std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, 
   return group;
 }
 
+// Note [The transport's interfaces]
+// GLOO_SOCKET_IFNAME names the network interfaces the ranks talk over, comma-separated, as it
+// does for PyTorch's Gloo groups: one device per interface, and it wins over everything else.
+// Without it, a loopback rendezvous talks over 127.0.0.1, and any other over the address this
+// host's name resolves to (c10d's default device, which falls back to loopback). The names are
+// checked before the rendezvous, so that a name this host lacks is the rank's own error, not a
+// peer's failure to reach a rank 0 that has gone.
+std::vector<std::string> socket_interfaces() {
+  std::vector<std::string> names;
+  const char* v = env_var("GLOO_SOCKET_IFNAME");
+  if (!v) return names;
+  std::stringstream list(v);
+  for (std::string name; std::getline(list, name, ',');) {
+    SHARDOPT_CHECK(!name.empty(), "GLOO_SOCKET_IFNAME='", v, "' names an empty interface (expected names "
+                   "separated by commas, such as eth0 or eth0,eth1)");
+    SHARDOPT_CHECK(::if_nametoindex(name.c_str()) != 0, "GLOO_SOCKET_IFNAME: no interface '", name,
+                   "' on this host (GLOO_SOCKET_IFNAME='", v, "')");
+    names.push_back(name);
+  }
+  return names;
+}
+
 // Note [The transport thread's scheduling]
 // Gloo's TCP transport has one thread per device that polls the sockets (level-triggered epoll)
 // and reads what arrives. When a message is waiting but another thread holds that peer's lock
@@ -165,15 +188,28 @@ std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, 
 // way: no other thread changes, and no privilege is needed (only raising a priority needs one).
 // Both are hints: where the system refuses them, the thread keeps the caller's scheduling.
 c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options(std::chrono::milliseconds timeout, bool loopback,
+                                                                  const std::vector<std::string>& interfaces,
                                                                   bool batch, int nice) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-  auto make_device = [loopback] {
-    return loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                    : c10d::ProcessGroupGloo::createDefaultDevice();
+  auto make_devices = [loopback, &interfaces] {
+    std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
+    for (const auto& name : interfaces) {
+      try {
+        devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+      } catch (const c10::Error& e) {
+        SHARDOPT_CHECK(false, "GLOO_SOCKET_IFNAME: interface '", name, "' is not usable (",
+                       e.what_without_backtrace(), ")");
+      }
+    }
+    if (devices.empty()) {
+      devices.push_back(loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                 : c10d::ProcessGroupGloo::createDefaultDevice());
+    }
+    return devices;
   };
-  std::shared_ptr<::gloo::transport::Device> device;
+  std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
   if (!batch && nice == 0) {
-    device = make_device();  // the caller's scheduling: no thread to set up
+    devices = make_devices();  // the caller's scheduling: no thread to set up
   } else {
     std::exception_ptr error;
     std::thread maker([&] {
@@ -189,7 +225,7 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options(std::chrono::mi
           const int current = ::getpriority(PRIO_PROCESS, tid);
           if (errno == 0) ::setpriority(PRIO_PROCESS, tid, std::min(19, current + nice));
         }
-        device = make_device();
+        devices = make_devices();
       } catch (...) {
         error = std::current_exception();
       }
@@ -197,7 +233,7 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options(std::chrono::mi
     maker.join();
     if (error) std::rethrow_exception(error);
   }
-  opts->devices.push_back(std::move(device));
+  opts->devices = std::move(devices);
   opts->threads = 1;
   return opts;
 }
@@ -230,10 +266,11 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
     };
   } else {
     const bool loopback = host.empty() || is_loopback(host);
-    factory = [timeout = options.timeout(), loopback, batch = options.transport_thread_batch(),
+    factory = [timeout = options.timeout(), loopback, interfaces = socket_interfaces(),
+               batch = options.transport_thread_batch(),
                nice = options.transport_thread_nice()](const c10::intrusive_ptr<c10d::Store>& s, int rank, int size) {
-      return c10::intrusive_ptr<c10d::Backend>(
-          c10::make_intrusive<c10d::ProcessGroupGloo>(s, rank, size, gloo_options(timeout, loopback, batch, nice)));
+      return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<c10d::ProcessGroupGloo>(
+          s, rank, size, gloo_options(timeout, loopback, interfaces, batch, nice)));
     };
   }
   if (joining) {
@@ -330,7 +367,12 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
   opts.timeout = options.timeout();
   // A loopback rendezvous listens on loopback only: rank 0 binds the socket itself and hands it
   // to the store.
-  if (opts.isServer) opts.masterListenFd = loopback_listen_fd(host, port, "rank 0");
+  // Any other host's store listens on every interface, binding the port itself (an fd of -1 given
+  // to the store would be taken for a socket).
+  if (opts.isServer) {
+    const int fd = loopback_listen_fd(host, port, "rank 0");
+    if (fd >= 0) opts.masterListenFd = fd;
+  }
   opts.port = static_cast<uint16_t>(port);
   try {
     auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
@@ -358,6 +400,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const c10::intrusive_ptr<c10d::
   setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
   check_rank(options);
   resolve_backend(options.backend());
+  if (options.backend() != "nccl") socket_interfaces();  // a name this host lacks fails here, before the rendezvous
   store->setTimeout(options.timeout());
   return make_group(store, options, "");
 }
@@ -365,6 +408,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const c10::intrusive_ptr<c10d::
 std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
   const std::string method = options.init_method();
   resolve_backend(options.backend());
+  if (options.backend() != "nccl") socket_interfaces();  // a name this host lacks fails here, before the rendezvous
   if (method == "env://") {
     const LaunchEnv e = read_launch_env(/*need_master=*/true);
     if (options.rank() < 0) options.rank(e.rank);
@@ -411,7 +455,8 @@ c10::intrusive_ptr<c10d::Store> serve_store(const std::string& host, int& port, 
   opts.isServer = true;
   opts.waitWorkers = false;
   opts.timeout = timeout;
-  opts.masterListenFd = loopback_listen_fd(host, port, "the launcher");
+  const int fd = loopback_listen_fd(host, port, "the launcher");
+  if (fd >= 0) opts.masterListenFd = fd;  // as in tcp_store: another host's store binds its port itself
   opts.port = static_cast<uint16_t>(port);
   try {
     return c10::make_intrusive<c10d::TCPStore>(host, opts);

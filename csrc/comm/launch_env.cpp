@@ -32,6 +32,8 @@ const std::vector<LaunchVariable> kLaunchVariables = {
     {"TORCHELASTIC_USE_AGENT_STORE", "True when the launcher serves the store (torchrun's agent, `shardopt train -n N`); every rank then connects as a client"},
     {"MASTER_ADDR", "the host of the rendezvous store (rank 0 serves it); wins over the defaults"},
     {"MASTER_PORT", "its port; wins over the default 29500"},
+    {"GLOO_SOCKET_IFNAME", "the network interfaces a Gloo group talks over, comma-separated (eth0 or eth0,eth1); "
+                           "wins over the address MASTER_ADDR implies"},
     {"SHARDOPT_CHECK_DESYNC", "1: check every collective's sequence number and kind across ranks"},
     {"SHARDOPT_FUSED_KERNELS", "default|avx2: caps the fused step's instruction set"},
     {"SHARDOPT_ANNOUNCE_VERSION", "replaces the shardopt version a rank announces at join (tests the refusal)"},

@@ -21,7 +21,7 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST",
                "SLURM_NODELIST", "SLURM_JOB_ID", "SHARDOPT_ANNOUNCE_VERSION",
-               "SHARDOPT_ANNOUNCE_TORCH_VERSION")
+               "SHARDOPT_ANNOUNCE_TORCH_VERSION", "GLOO_SOCKET_IFNAME")
 
 
 RESERVED = []  # sockets that keep this test's ports until it exits
@@ -114,6 +114,33 @@ class LaunchEnvironments(unittest.TestCase):
             lines = [l for l in out.splitlines() if l.strip()]
             self.assertEqual(len(lines), 1, out)
             self.assertIn(needle, lines[0])
+
+    def test_gloo_socket_ifname_picks_the_interfaces(self):
+        for interfaces in ("lo", "lo,lo"):
+            port = str(free_port())
+            self.hello(lambda r: {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": interfaces})
+
+    def test_a_store_on_every_interface_and_the_ranks_on_the_one_named(self):
+        # 0.0.0.0 is no loopback address: rank 0's store listens on every interface, as on a
+        # cluster, and the peers reach it through loopback.
+        port = str(free_port())
+        self.hello(lambda r: {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+                              "MASTER_ADDR": "0.0.0.0", "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": "lo"})
+
+    def test_an_interface_that_is_not_there_is_one_line_on_every_rank(self):
+        port = str(free_port())
+        envs = []
+        for r in range(2):
+            e = base_env()
+            e.update({"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                      "GLOO_SOCKET_IFNAME": "lo,nosuchif0"})
+            envs.append(e)
+        for code, out in finish(start(envs, "hello")):
+            self.assertNotEqual(code, 0, out)
+            lines = [l for l in out.splitlines() if l.strip()]
+            self.assertEqual(len(lines), 1, out)
+            self.assertIn("GLOO_SOCKET_IFNAME: no interface 'nosuchif0' on this host", lines[0])
 
     def refused_at_join(self, variable, value, field):
         """Rank 1 announces `value` through `variable`: both ranks fail naming `field` and it."""
