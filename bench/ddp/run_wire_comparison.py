@@ -103,7 +103,7 @@ def main():
         if fastest:
             cells.append(", ".join(f"{t / f:.2f}" for t, f in zip(step[i], fastest)))
         sent = results[i][-1][0].get("wire_bytes_per_step")
-        cells.append(f"{sent / 1e6:.1f} MB" if sent is not None else "")
+        cells.append("" if sent is None else f"{sent / 1e6:.1f} MB" if sent >= 1e6 else f"{sent / 1e3:.1f} kB")
         print(f"| {i} | " + " | ".join(cells) + " |")
     if fastest:
         names = [min(exact_peers, key=lambda p: step[p][r]) for r in range(args.rounds)]

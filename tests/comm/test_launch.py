@@ -8,6 +8,7 @@ a new case is named in one of them. MP_WORKER names tests/mp_worker.
 """
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -198,6 +199,56 @@ class Loopback(unittest.TestCase):
         finally:
             p.kill()
             p.wait()
+
+
+LAUNCH_HOSTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools",
+                            "launch_hosts")
+
+
+def network_namespaces_usable():
+    """Whether this process may make network namespaces (root, iproute2, a kernel that allows it)."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return False
+    probe = f"soprobe{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
+        return False
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return True
+
+
+def run_hosts(*args):
+    """tools/launch_hosts with `args`: its exit code, output, errors, and the namespaces of its
+    hosts still listed after it exited."""
+    p = subprocess.Popen([sys.executable, LAUNCH_HOSTS, *args], env=base_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=180)
+    prefix = f"so{p.pid % 100000}"
+    left = [line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                       text=True).stdout.splitlines()
+            if re.match(prefix + r"(h\d+|sw)\b", line)]
+    return p.returncode, out, err, left
+
+
+class Hosts(unittest.TestCase):
+    """tools/launch_hosts: each rank in a network namespace of its own, so the ranks can reach one
+    another only across the bridge: the store on rank 0's address and Gloo on GLOO_SOCKET_IFNAME."""
+
+    def setUp(self):
+        if not network_namespaces_usable():
+            self.skipTest("needs root, iproute2 and network namespaces")
+
+    def test_ranks_on_three_hosts_over_shaped_links(self):
+        code, out, err, left = run_hosts("-n", "3", "--rate", "1gbit", "--timeout", "120", WORKER, "hello")
+        self.assertEqual(code, 0, out + err)
+        for r in range(3):
+            self.assertIn(f"[rank {r}] rank {r} of 3, local rank 0: sum of ranks 3", out)
+        self.assertEqual(left, [], "the hosts must be removed")
+
+    def test_a_rank_that_fails_is_named_and_the_hosts_removed(self):
+        code, out, err, left = run_hosts("-n", "2", "--timeout", "120", WORKER, "no_such_case")
+        self.assertEqual(code, 1, out + err)
+        self.assertRegex(err, r"launch_hosts: rank [01] exited with \d+; stopped the others")
+        self.assertEqual(left, [], "the hosts must be removed")
 
 
 class RankDeath(unittest.TestCase):
