@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ifaddrs.h>
 #include <net/if.h>
 #include <netinet/in.h>
 #include <sstream>
@@ -155,8 +156,21 @@ std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, 
 // does for PyTorch's Gloo groups: one device per interface, and it wins over everything else.
 // Without it, a loopback rendezvous talks over 127.0.0.1, and any other over the address this
 // host's name resolves to (c10d's default device, which falls back to loopback). The names are
-// checked before the rendezvous, so that a name this host lacks is the rank's own error, not a
-// peer's failure to reach a rank 0 that has gone.
+// checked before the rendezvous (that the host has each, with an IP address), so that a name
+// this host lacks is the rank's own error, not a peer's failure to reach a rank 0 that has gone.
+// Whether interface `name` has an IPv4 or IPv6 address (what Gloo binds its device to).
+bool has_ip_address(const std::string& name) {
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) return true;  // cannot tell: Gloo's own error will name it
+  bool found = false;
+  for (ifaddrs* a = all; a && !found; a = a->ifa_next) {
+    found = a->ifa_addr && name == a->ifa_name &&
+            (a->ifa_addr->sa_family == AF_INET || a->ifa_addr->sa_family == AF_INET6);
+  }
+  ::freeifaddrs(all);
+  return found;
+}
+
 std::vector<std::string> socket_interfaces() {
   std::vector<std::string> names;
   const char* v = env_var("GLOO_SOCKET_IFNAME");
@@ -167,6 +181,8 @@ std::vector<std::string> socket_interfaces() {
                    "separated by commas, such as eth0 or eth0,eth1)");
     SHARDOPT_CHECK(::if_nametoindex(name.c_str()) != 0, "GLOO_SOCKET_IFNAME: no interface '", name,
                    "' on this host (GLOO_SOCKET_IFNAME='", v, "')");
+    SHARDOPT_CHECK(has_ip_address(name), "GLOO_SOCKET_IFNAME: interface '", name, "' has no IP address (",
+                   "GLOO_SOCKET_IFNAME='", v, "')");
     names.push_back(name);
   }
   return names;
@@ -196,9 +212,10 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options(std::chrono::mi
     for (const auto& name : interfaces) {
       try {
         devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
-      } catch (const c10::Error& e) {
-        SHARDOPT_CHECK(false, "GLOO_SOCKET_IFNAME: interface '", name, "' is not usable (",
-                       e.what_without_backtrace(), ")");
+      } catch (const std::exception& e) {  // Gloo's own enforce error is no c10::Error
+        std::string why = e.what();
+        why = why.substr(0, why.find('\n'));
+        SHARDOPT_CHECK(false, "GLOO_SOCKET_IFNAME: interface '", name, "' is not usable (", why, ")");
       }
     }
     if (devices.empty()) {

@@ -244,6 +244,25 @@ class Hosts(unittest.TestCase):
             self.assertIn(f"[rank {r}] rank {r} of 3, local rank 0: sum of ranks 3", out)
         self.assertEqual(left, [], "the hosts must be removed")
 
+    def test_an_interface_without_an_address_is_one_line(self):
+        ns = f"soaddr{os.getpid()}"
+        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+        try:
+            subprocess.run(["ip", "-n", ns, "link", "add", "d0", "type", "veth", "peer", "name", "d1"], check=True,
+                           capture_output=True)
+            subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True, capture_output=True)
+            e = base_env()
+            e.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                      "GLOO_SOCKET_IFNAME": "d0"})
+            out = subprocess.run(["ip", "netns", "exec", ns, WORKER, "hello"], env=e, capture_output=True, text=True,
+                                 timeout=60)
+        finally:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.assertNotEqual(out.returncode, 0, out.stdout + out.stderr)
+        lines = [l for l in (out.stdout + out.stderr).splitlines() if l.strip()]
+        self.assertEqual(len(lines), 1, out.stdout + out.stderr)
+        self.assertIn("GLOO_SOCKET_IFNAME: interface 'd0' has no IP address", lines[0])
+
     def test_a_rank_that_fails_is_named_and_the_hosts_removed(self):
         code, out, err, left = run_hosts("-n", "2", "--timeout", "120", WORKER, "no_such_case")
         self.assertEqual(code, 1, out + err)
