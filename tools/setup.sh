@@ -33,6 +33,11 @@ if [ ! -f "$VENV/.shardopt-complete" ]; then
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" numpy >&2
   touch "$VENV/.shardopt-complete"
 fi
+# torchao: the reference 8-bit optimizer state is tested against (tests/python/state_codes_reference.py).
+if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchao') is None)" 2>/dev/null; then
+  echo "setup: installing torchao into $VENV" >&2
+  "$VENV/bin/pip" install -q "torchao==0.18.0" >&2
+fi
 # matplotlib draws `shardopt memory`'s chart.
 if ! "$VENV/bin/python" -c "import matplotlib" 2>/dev/null; then
   echo "setup: installing matplotlib into $VENV" >&2

@@ -7,6 +7,7 @@
 #include "progress.h"
 #include "units.h"
 
+#include <charconv>
 #include <shardopt/comm/launch_env.h>
 #include <shardopt/shardopt.h>
 
@@ -702,9 +703,16 @@ void Trainer::read_restart_env(const TrainOptions& o) {
   if (const char* v = env_var("SHARDOPT_FAULT_AT_STEP"); v && restarts_ == 0 && !(replacement && std::string(replacement) == "1")) {
     const std::string text = v;
     const size_t colon = text.find(':');
-    SHARDOPT_CHECK(colon != std::string::npos && colon > 0, "SHARDOPT_FAULT_AT_STEP='", text, "' is not RANK:STEP");
-    fault_rank_ = std::atoi(text.substr(0, colon).c_str());
-    fault_step_ = std::atoll(text.substr(colon + 1).c_str());
+    int64_t rank = -1, step = -1;
+    const auto whole_number = [](const std::string& t, int64_t& out) {
+      const auto [end, error] = std::from_chars(t.data(), t.data() + t.size(), out);
+      return error == std::errc() && end == t.data() + t.size() && !t.empty() && out >= 0;
+    };
+    SHARDOPT_CHECK(colon != std::string::npos && whole_number(text.substr(0, colon), rank) &&
+                       whole_number(text.substr(colon + 1), step),
+                   "SHARDOPT_FAULT_AT_STEP='", text, "' is not RANK:STEP (two non-negative integers, e.g. 1:15)");
+    fault_rank_ = static_cast<int>(rank);
+    fault_step_ = step;
   }
   if (const char* v = env_var("SHARDOPT_AWAIT_JOINER_AT_STEP"); v && !(replacement && std::string(replacement) == "1")) {
     await_joiner_at_ = std::atoll(v);

@@ -363,7 +363,7 @@ int main(int argc, char** argv) {
         if (oss->layout().options().split()) return oss->layout().imbalance();  // equal ranges of the set laid out last
         std::vector<double> load(group->size(), 0.0);
         for (auto& p : params) {
-          if (p.requires_grad()) load[Introspection::owner(*oss, p)] += p.numel();
+          if (p.requires_grad()) load[oss->owner(p)] += p.numel();
         }
         double total = 0, top = 0;
         for (double l : load) total += l, top = std::max(top, l);

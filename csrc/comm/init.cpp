@@ -409,12 +409,22 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
 // Note [Several ranks in one process]
 // c10d's FlightRecorder (a process-wide debugging ring buffer of recent collectives) updates a
 // shared map without a lock when several Gloo groups of one process start collectives at once,
-// and crashes. Ranks sharing a store in one process are exactly that case, so the recorder is
-// turned off here unless the user configured it (TORCH_FR_BUFFER_SIZE).
+// and crashes. Ranks sharing a process are exactly that case, whatever the rendezvous (a caller's
+// store, tcp://, file://), and so are a rank's own groups (its block, its replicas, its recovery
+// group) when their collectives overlap; so the recorder is off unless the user configured it
+// (TORCH_FR_BUFFER_SIZE). The variable is set when the library is loaded: the recorder reads it
+// at its first use, and setenv while another thread reads the environment (two ranks' threads
+// forming their groups) is itself a crash.
+namespace {
+const bool kFlightRecorderOff = [] {
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+  return true;
+}();
+}  // namespace
+
 std::shared_ptr<ProcessGroup> init_process_group(const c10::intrusive_ptr<c10d::Store>& store,
                                                  InitOptions options) {
   SHARDOPT_CHECK(store, "init_process_group got a null store");
-  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
   check_rank(options);
   resolve_backend(options.backend());
   if (options.backend() != "nccl") socket_interfaces();  // a name this host lacks fails here, before the rendezvous

@@ -35,7 +35,7 @@ const std::vector<LaunchVariable> kLaunchVariables = {
     {"GLOO_SOCKET_IFNAME", "the network interfaces a Gloo group talks over, comma-separated (eth0 or eth0,eth1); "
                            "wins over the address MASTER_ADDR implies"},
     {"SHARDOPT_CHECK_DESYNC", "1: check every collective's sequence number and kind across ranks"},
-    {"SHARDOPT_FUSED_KERNELS", "default|avx2: caps the fused step's instruction set"},
+    {"SHARDOPT_FUSED_KERNELS", "default|avx2|avx512: caps the fused step's instruction set"},
     {"SHARDOPT_ANNOUNCE_VERSION", "replaces the shardopt version a rank announces at join (tests the refusal)"},
     {"SHARDOPT_ANNOUNCE_TORCH_VERSION", "replaces the LibTorch version a rank announces at join and a replacement "
                                         "announces to the job it joins (tests the refusal)"},

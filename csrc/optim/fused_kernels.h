@@ -52,6 +52,29 @@ struct SgdSegment {
   int64_t n;
 };
 
+// One tensor's memory for a step on 8-bit state (Note [8-bit state] in state_codes.cpp): the fp32
+// parameter and gradient (`n` elements), and each state tensor as codes (one byte per element)
+// and scales (one per kStateBlock elements from the segment's start, which is a block boundary of
+// the whole tensor). `vmax` may be null without AMSGrad.
+struct Adam8Segment {
+  float* p;
+  const float* g;
+  uint8_t* m;
+  float* m_scale;
+  uint8_t* v;
+  float* v_scale;
+  uint8_t* vmax;
+  float* vmax_scale;
+  int64_t n;
+};
+struct Sgd8Segment {
+  float* p;
+  const float* g;
+  uint8_t* buf;
+  float* buf_scale;
+  int64_t n;
+};
+
 // One set per instruction set. Each call steps every segment of the list with the same scalars,
 // in one parallel region (parallel_segments).
 #define SHARDOPT_FUSED_KERNELS(ns)                                                    \
@@ -60,11 +83,17 @@ struct SgdSegment {
   void adam(const AdamSegment<double>* segments, size_t count, const AdamScalars& s); \
   void sgd(const SgdSegment<float>* segments, size_t count, const SgdScalars& s);     \
   void sgd(const SgdSegment<double>* segments, size_t count, const SgdScalars& s);    \
+  void adam8(const Adam8Segment* segments, size_t count, const AdamScalars& s);       \
+  void sgd8(const Sgd8Segment* segments, size_t count, const SgdScalars& s);          \
   }
 SHARDOPT_FUSED_KERNELS(kernels_default)
 SHARDOPT_FUSED_KERNELS(kernels_avx2)
 SHARDOPT_FUSED_KERNELS(kernels_avx512)
 #undef SHARDOPT_FUSED_KERNELS
+
+// The 8-bit loops of the widest build this CPU runs (cpu_kernel_level()).
+void adam8_step(const Adam8Segment* segments, size_t count, const AdamScalars& s);
+void sgd8_step(const Sgd8Segment* segments, size_t count, const SgdScalars& s);
 
 // Runs body(segment, begin, end) over the elements of every segment (sizes[segment] each) in one
 // parallel region on LibTorch's intra-op threads (Note [The fused step's threads] in

@@ -2,6 +2,7 @@
 #define SHARDOPT_KERNELS_NS kernels_default
 #include "optim/fused_kernels.inc"
 
+#include <shardopt/check.h>
 #include <shardopt/comm/launch_env.h>
 
 #include <algorithm>
@@ -18,7 +19,11 @@ std::atomic<int> kernel_cap{-1};
 int cap_from_env() {
   const char* v = env_var("SHARDOPT_FUSED_KERNELS");
   if (!v) return 2;
-  return std::strcmp(v, "default") == 0 ? 0 : (std::strcmp(v, "avx2") == 0 ? 1 : 2);
+  if (std::strcmp(v, "default") == 0) return 0;
+  if (std::strcmp(v, "avx2") == 0) return 1;
+  SHARDOPT_CHECK(std::strcmp(v, "avx512") == 0, "SHARDOPT_FUSED_KERNELS='", v,
+                 "' is not one of default, avx2, avx512 (the widest build of the fused step's loops to use)");
+  return 2;
 }
 
 }  // namespace

@@ -337,6 +337,22 @@ struct Chunks {
 
 }  // namespace
 
+void detail::adam8_step(const Adam8Segment* segments, size_t count, const AdamScalars& s) {
+  switch (cpu_kernel_level()) {
+    case 2: return kernels_avx512::adam8(segments, count, s);
+    case 1: return kernels_avx2::adam8(segments, count, s);
+    default: return kernels_default::adam8(segments, count, s);
+  }
+}
+
+void detail::sgd8_step(const Sgd8Segment* segments, size_t count, const SgdScalars& s) {
+  switch (cpu_kernel_level()) {
+    case 2: return kernels_avx512::sgd8(segments, count, s);
+    case 1: return kernels_avx2::sgd8(segments, count, s);
+    default: return kernels_default::sgd8(segments, count, s);
+  }
+}
+
 void detail::parallel_segments(const std::vector<int64_t>& sizes, int64_t grain,
                                const std::function<void(size_t, int64_t, int64_t)>& body) {
   int64_t n = 0;

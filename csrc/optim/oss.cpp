@@ -5,6 +5,7 @@
 #include <shardopt/comm/agree.h>
 
 #include "optim/codec.h"
+#include "optim/fused_kernels.h"
 #include "cuda/kernels_adapter.h"
 #include "optim/fused_step_mixed.h"
 #include "optim/master_weights.h"
@@ -153,7 +154,14 @@ OSS::~OSS() {
 
 void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit> units) {
   // Every rank learns of any rank's bad input, so no rank is left waiting in a collective.
-  const std::string problem = local_param_problem(groups);
+  std::string problem = local_param_problem(groups);
+  if (problem.empty() && options_.fused_step()) {
+    try {
+      detail::cpu_kernel_level();  // reads SHARDOPT_FUSED_KERNELS: a bad value fails here, before any step
+    } catch (const c10::Error& e) {
+      problem = e.what_without_backtrace();
+    }
+  }
   auto problems = group_->allgather_ints(encode_text(problem));
   for (int r = 0; r < group_->size(); ++r) {
     SHARDOPT_CHECK(problems[r].empty(), "OSS on rank ", r, ": ", decode_text(problems[r]));

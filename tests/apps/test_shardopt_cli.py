@@ -43,13 +43,26 @@ TINY_VIT = [*TINY[:8], "--model", "vit", "--freeze", "block0@s10", "--unfreeze",
 DATA = os.environ.get("SHARDOPT_DATA")
 
 
-def run(args, check=True, timeout=600):
-    if DATA and args and args[0] == "train" and "--data" not in args:
-        args = [*args, "--data", DATA]
-    p = subprocess.run([EXE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+def run(args, check=True, timeout=600, metrics=False, env=None):
+    """`shardopt ARGS` (with `env` added to the environment). A training run writes no metrics file
+    (nor draws its chart, about a second of matplotlib per run) unless `metrics` or ARGS name one."""
+    if args and args[0] == "train":
+        args = train_args(args, metrics)
+    p = subprocess.run([EXE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
+                       env=dict(os.environ, **(env or {})))
     if check and p.returncode != 0:
         raise AssertionError(f"shardopt {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
     return p
+
+
+def train_args(args, metrics=False):
+    """`shardopt train` ARGS with the test data folder (where it is not Debian's) and, unless
+    `metrics` or ARGS name it, `--metrics off`."""
+    if DATA and "--data" not in args:
+        args = [*args, "--data", DATA]
+    if not metrics and "--metrics" not in args:
+        args = [*args, "--metrics", "off"]
+    return args
 
 
 def children_of(pid):
@@ -96,8 +109,13 @@ class CliTest(unittest.TestCase):
                 str(reserved.getsockname()[1])]
 
     def test_train_freeze_checkpoint_resume_bit_exact(self):
-        full = run(["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE, "--checkpoint-dir", self.path("full")])
+        # (With the metrics file a checkpoint folder gets by default, and its chart.)
+        full = run(["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE, "--checkpoint-dir", self.path("full")],
+                   metrics=True)
         out = full.stdout
+        self.assertIn(f"metrics: {self.path('full/metrics.jsonl')}, chart {self.path('full/metrics.png')}", out)
+        with open(self.path("full/metrics.jsonl")) as f:
+            self.assertEqual(json.loads(f.readline())["event"], "start")
         self.assertRegex(out, r"step 50 \(epoch 1\): froze conv \(4 tensors, 18,816 parameters\); buckets rebuilt")
         self.assertRegex(out, r"step 100 \(epoch 2\): unfroze conv .*per rank gradients .* -> .*, optimizer state")
         losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
@@ -302,7 +320,7 @@ class CliTest(unittest.TestCase):
         # (The run waits before its refresh at step 25 until the replacement has asked to join, so
         # that it is admitted there however long it takes to start.)
         env = dict(os.environ, SHARDOPT_FAULT_AT_STEP="2:20", SHARDOPT_AWAIT_JOINER_AT_STEP="25")
-        p = subprocess.run([EXE, *args, "--checkpoint-dir", self.path("survived")], env=env, stdout=subprocess.PIPE,
+        p = subprocess.run([EXE, *train_args([*args, "--checkpoint-dir", self.path("survived")])], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, timeout=600)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("surviving failures: buddy copies of every shard", p.stdout)
@@ -382,7 +400,7 @@ class CliTest(unittest.TestCase):
         run([*args, "-n", "2", "--checkpoint-dir", self.path("full")])
         env = dict(os.environ, SHARDOPT_FAULT_AT_STEP="1:15")
         p = subprocess.run([*self.torchrun(), "--no-python", "--nproc-per-node", "2",
-                            "--max-restarts", "1", EXE, *args, "--checkpoint-dir", self.path("restarted")],
+                            "--max-restarts", "1", EXE, *train_args([*args, "--checkpoint-dir", self.path("restarted")])],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("restarted by torchrun (restart 1): resumed from", p.stdout)
@@ -438,20 +456,35 @@ class CliTest(unittest.TestCase):
             self.assertIn("--metrics '/nonexistent/m.jsonl': the folder '/nonexistent' does not exist", line)
 
     def test_compressed_wires_train_like_the_exact_wire(self):
-        # The same seed and schedule; only the way gradients (and, with int8, parameters) travel
-        # differs.
+        # The same seed and schedule; only the way gradients and parameters travel differs.
         args = ["train", "-n", "2", "--epochs", "2", *SMALL_ALL_TESTS, *SCHEDULE]
         exact = run([*args, "--checkpoint-dir", self.path("exact")])
         self.assertIn("/10000)", exact.stdout)  # every test image scored
         accuracy = lambda p: float(re.findall(r"test accuracy (\d+\.\d+)%", p.stdout)[-1])
         a = read_checkpoint.load(self.path("exact/last.ckpt"))["model"]
-        for name, wires in (("bf16", ["--gradient-wire", "bf16"]),
+        bf16 = ["--gradient-wire", "bf16", "--param-wire", "bf16"]
+        for name, wires in (("bf16", bf16),
                             ("int8", ["--gradient-wire", "int8", "--param-wire", "int8"]),
                             ("int8-feedback", ["--gradient-wire", "int8", "--param-wire", "int8", "--error-feedback"])):
             got = run([*args, "--checkpoint-dir", self.path(name), *wires])
             self.assertLessEqual(abs(accuracy(got) - accuracy(exact)), WITHIN_POINTS, f"{exact.stdout}\n{got.stdout}")
             b = read_checkpoint.load(self.path(f"{name}/last.ckpt"))["model"]
             self.assertGreater(max_abs_diff(a, b), 0, f"the {name} wire changed nothing")
+
+        # On bf16 wires the fp32 parameters are the owners' fp32 masters rounded to bf16, and a
+        # resumed run goes on from the exact masters in the checkpoint.
+        part = [*args, *bf16, "--checkpoint-dir", self.path("part"), "--checkpoint-every", "40"]
+        run([*part, "--stop-after-steps", "130"])
+        run([*part, "--resume"])
+        a = read_checkpoint.load(self.path("bf16/last.ckpt"))
+        b = read_checkpoint.load(self.path("part/last.ckpt"))
+        masters = a["optimizer"]["master_weights"]
+        for i, k in enumerate(a["model"]):
+            self.assertEqual(a["model"][k].dtype, torch.float32, k)
+            self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
+            self.assertTrue(torch.equal(masters[i], b["optimizer"]["master_weights"][i]), k)
+            self.assertTrue(torch.equal(masters[i].to(torch.bfloat16).float(), a["model"][k]), k)
+            self.assertFalse(torch.equal(masters[i], a["model"][k]), f"{k}: nothing was rounded")
 
     def test_vit_trains_on_int8_wires_like_the_exact_wire(self):
         # The Vision Transformer, its embedding and first block frozen for part of the epoch: int8
@@ -472,29 +505,6 @@ class CliTest(unittest.TestCase):
         self.assertIn("block3.attn.qkv.weight", a)
         self.assertGreater(max_abs_diff(a, b), 0, "the int8 wires changed nothing")
 
-    def test_bf16_wires_train_and_resume_bit_exact(self):
-        # Gradients and parameters on bf16 wires: fp32 parameters that are the owners' fp32 masters
-        # rounded to bf16, an accuracy beside the exact wires', and a resumed run that goes on from
-        # the exact masters in the checkpoint.
-        args = ["train", "-n", "2", "--epochs", "2", *SMALL_ALL_TESTS, *SCHEDULE]
-        wires = ["--gradient-wire", "bf16", "--param-wire", "bf16"]
-        exact = run([*args, "--checkpoint-dir", self.path("exact")])
-        full = run([*args, *wires, "--checkpoint-dir", self.path("full")])
-        accuracy = lambda p: float(re.findall(r"test accuracy (\d+\.\d+)%", p.stdout)[-1])
-        self.assertLessEqual(abs(accuracy(full) - accuracy(exact)), WITHIN_POINTS, f"{exact.stdout}\n{full.stdout}")
-        part = [*args, *wires, "--checkpoint-dir", self.path("part"), "--checkpoint-every", "40"]
-        run([*part, "--stop-after-steps", "130"])
-        run([*part, "--resume"])
-        a = read_checkpoint.load(self.path("full/last.ckpt"))
-        b = read_checkpoint.load(self.path("part/last.ckpt"))
-        masters = a["optimizer"]["master_weights"]
-        for i, k in enumerate(a["model"]):
-            self.assertEqual(a["model"][k].dtype, torch.float32, k)
-            self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
-            self.assertTrue(torch.equal(masters[i], b["optimizer"]["master_weights"][i]), k)
-            self.assertTrue(torch.equal(masters[i].to(torch.bfloat16).float(), a["model"][k]), k)
-            self.assertFalse(torch.equal(masters[i], a["model"][k]), f"{k}: nothing was rounded")
-
     def test_error_feedback_resumes_bit_exact_from_a_sharded_checkpoint(self):
         # int8 wires with error feedback: each rank's residuals are saved beside its optimizer
         # part, and a run stopped during the freeze (the layout the residuals follow) and resumed
@@ -507,6 +517,7 @@ class CliTest(unittest.TestCase):
         run([*part, "--stop-after-steps", "15"])
         saved = sorted(f for f in os.listdir(self.path("part")) if ".feedback-" in f)
         self.assertEqual([f.split(".")[2] for f in saved], ["feedback-0-of-2", "feedback-1-of-2"], saved)
+        shutil.copytree(self.path("part"), self.path("other"))  # the same checkpoint, resumed below at 4 ranks
         run([*part, "--resume"])
         a = read_checkpoint.load(self.path("full/last.ckpt"))["model"]
         b = read_checkpoint.load(self.path("part/last.ckpt"))["model"]
@@ -514,7 +525,6 @@ class CliTest(unittest.TestCase):
             self.assertTrue(torch.equal(a[k], b[k]), k)
         # At another world size the residuals are dropped, and the run says so.
         other = [*args[:2], "4", *args[3:], "--checkpoint-dir", self.path("other"), "--checkpoint-every", "5"]
-        run([*args, "--checkpoint-dir", self.path("other"), "--checkpoint-every", "5", "--stop-after-steps", "15"])
         resumed = run([*other, "--resume"])
         said = [l for l in resumed.stderr.splitlines() if "error-feedback residuals" in l]
         self.assertTrue(said and "start at zero" in said[0] and "saved at 2 ranks" in said[0], resumed.stderr)
@@ -538,8 +548,8 @@ class CliTest(unittest.TestCase):
         self.assertLessEqual(max_abs_diff(a, b), 1e-4)
 
     def test_bad_input_is_one_line_naming_it_on_every_rank(self):
-        def fails(args, needle, ranks=1):
-            p = run(args, check=False)
+        def fails(args, needle, ranks=1, env=None):
+            p = run(args, check=False, env=env)
             self.assertNotEqual(p.returncode, 0, args)
             lines = [l for l in p.stderr.splitlines() if l.strip() and "exited with code" not in l]
             self.assertEqual(len(lines), ranks, f"{args}: {p.stderr}")
@@ -581,6 +591,12 @@ class CliTest(unittest.TestCase):
               "param_wire(Wire::kBFloat16) with MixedPrecision::param_dtype(kHalf)", ranks=2)
         fails(["train", "-n", "2", "--error-feedback", *SMALL], "error_feedback(true) needs a compressed gradient_wire",
               ranks=2)
+        # The environment's switches: a malformed value is one line naming the variable and what it takes.
+        for value in ("1", "1:x", "-1:5", "1:5:"):
+            fails(["train", "-n", "2", *SMALL], f"SHARDOPT_FAULT_AT_STEP='{value}' is not RANK:STEP", ranks=2,
+                  env={"SHARDOPT_FAULT_AT_STEP": value})
+        fails(["train", "-n", "2", *SMALL], "SHARDOPT_FUSED_KERNELS='avx3' is not one of default, avx2, avx512",
+              ranks=2, env={"SHARDOPT_FUSED_KERNELS": "avx3"})
         fails(["train", "--data", EXE], f"--data '{EXE}' is not a folder")
         fails(["train", *SMALL, "--checkpoint-dir", EXE], f"--checkpoint-dir '{EXE}' is not a folder")
 

@@ -182,6 +182,14 @@ void two_ranks_through(const std::string& init_method) {
   }
 }
 
+// Note [Several ranks in one process]: c10d's flight recorder is off from the start, whatever
+// rendezvous the ranks' threads use next (it was once set on a caller's store's path only).
+TEST(Comm, TheFlightRecorderIsOffBeforeAnyGroupForms) {
+  const char* v = std::getenv("TORCH_FR_BUFFER_SIZE");
+  ASSERT_NE(v, nullptr) << "ctest runs this without TORCH_FR_BUFFER_SIZE; shardopt sets it when loaded";
+  EXPECT_STREQ(v, "0");
+}
+
 TEST(Comm, InitThroughTcpAndFile) {
   const testing::ReservedPort port;
   two_ranks_through(port.tcp());

@@ -186,7 +186,7 @@ TEST(DropIn, GradientsZeroedInPlaceStayInTheirBucketWithDdpsResult) {
       int64_t all_bytes = 0, others_bytes = 0;  // every gradient; those of parameters another rank owns
       for (const auto& p : net->params) {
         all_bytes += static_cast<int64_t>(p.nbytes());
-        if (Introspection::owner(oss, p) != g->rank()) others_bytes += static_cast<int64_t>(p.nbytes());
+        if (oss.owner(p) != g->rank()) others_bytes += static_cast<int64_t>(p.nbytes());
       }
       ASSERT_LT(others_bytes, all_bytes) << "every rank owns a parameter here";
       for (int step = 0; step < 6; ++step) {
@@ -448,7 +448,7 @@ TEST(DropIn, AccumulationThatCannotBeToldFromClearingIsAnErrorOnEveryRank) {
     OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
             OSSOptions().partition(PartitionMode::kSplit));
     ShardedDDP ddp(net, oss);
-    ASSERT_EQ(Introspection::owners(oss, net->w).size(), 2u) << "w must be split for this test";
+    ASSERT_EQ(oss.owners(net->w).size(), 2u) << "w must be split for this test";
     auto x = testing::seeded_randn({3, 8}, 10 + g->rank()).to(at::kDouble);
     for (int step = 0; step < 2; ++step) {  // cleared through the OSS: fine
       oss.zero_grad();

@@ -132,7 +132,7 @@ struct DdpParity {
         testing::allreduce_grads(ref, *g);
         // After backward a rank holds gradients only for parameters it owns.
         for (size_t i = 0; i < ref.size(); ++i) {
-          if (opts.size() == 1 && Introspection::owner(*oss_a, net->params[i]) != g->rank()) {
+          if (opts.size() == 1 && oss_a->owner(net->params[i]) != g->rank()) {
             ASSERT_FALSE(net->params[i].grad().defined()) << "non-owner kept the gradient of parameter " << i;
           }
         }
@@ -515,7 +515,7 @@ TEST(ShardedDDP, RefreshWhileNoSyncGradientsWaitIsAnError) {
     }
     ddp.reduce();
     ddp.refresh_trainable();
-    EXPECT_FALSE(net->params[0].grad().defined() && Introspection::owner(oss, net->params[0]) != g->rank());
+    EXPECT_FALSE(net->params[0].grad().defined() && oss.owner(net->params[0]) != g->rank());
   });
 }
 
@@ -587,15 +587,15 @@ TEST(ShardedDDP, RepartitionBetweenBackwardAndStepMovesTheReducedGradients) {
         ref[0].mutable_grad().reset();  // OSS never moves a frozen parameter; plain Adam would
         ref[2].mutable_grad().reset();
         std::vector<int> owners_before;
-        for (auto& p : net->params) owners_before.push_back(Introspection::owner(oss, p));
+        for (auto& p : net->params) owners_before.push_back(oss.owner(p));
         ddp.refresh_trainable();
         ASSERT_EQ(Introspection::partition_version(oss), 1);
         int moved_trainable = 0;
-        for (int i : {1, 3, 4}) moved_trainable += Introspection::owner(oss, net->params[i]) != owners_before[i];
+        for (int i : {1, 3, 4}) moved_trainable += oss.owner(net->params[i]) != owners_before[i];
         ASSERT_GT(moved_trainable, 0) << "the test needs a trainable parameter that changes owner";
       }
       for (auto& p : net->params) {
-        if (Introspection::owner(oss, p) != g->rank()) EXPECT_FALSE(p.grad().defined()) << "a non-owner holds a gradient";
+        if (oss.owner(p) != g->rank()) EXPECT_FALSE(p.grad().defined()) << "a non-owner holds a gradient";
       }
       ref_opt.step();
       oss.step();
@@ -679,7 +679,7 @@ TEST(ShardedDDP, BucketsAreTheOptimizersLayoutBuckets) {
     for (size_t i : {0u, 2u}) EXPECT_EQ(oss.layout().pieces()[oss.layout().pieces_of(i)[0]].bucket, -1);
     run_step(2);  // the next forward re-partitions for the agreed set
     for (const auto& b : oss.layout().buckets()) {
-      for (size_t k : b.pieces) EXPECT_EQ(Introspection::owner(oss, net->params[oss.layout().pieces()[k].param]), b.owner);
+      for (size_t k : b.pieces) EXPECT_EQ(oss.owner(net->params[oss.layout().pieces()[k].param]), b.owner);
     }
     // The parameters are views of the layout's buffer, at the ranges it gives.
     for (size_t i = 0; i < net->params.size(); ++i) {
@@ -710,7 +710,7 @@ TEST(ShardedDDP, SplitRangesOfADominantTensorKeepParityAndHoldOneWorldthOfTheGra
         OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
         ShardedDDP ddp(net, oss, ShardedDDPOptions().reduce_bucket_bytes(bucket_bytes));
         ASSERT_TRUE(Introspection::split(oss));
-        ASSERT_EQ(Introspection::owners(oss, net->params[1]).size(), static_cast<size_t>(world));
+        ASSERT_EQ(oss.owners(net->params[1]).size(), static_cast<size_t>(world));
         for (int step = 0; step < 7; ++step) {
           for (Params* q : {&ref, &net->params}) {
             (*q)[1].requires_grad_(step < 2 || step > 3);  // D frozen at steps 2 and 3

@@ -58,7 +58,7 @@ TEST(ManyRanks, ParityThroughAFreezeAndACheckpointAtSixteenThirtyTwoAndSixtyFour
       // 39 elements over the ranks: at 64, some ranks own nothing at all.
       std::set<int> owning;
       for (const auto& p : params) {
-        for (int r : Introspection::owners(oss, p)) owning.insert(r);
+        for (int r : oss.owners(p)) owning.insert(r);
       }
       if (world == 64) ASSERT_LT(static_cast<int>(owning.size()), world);
       for (int step = 0; step < 6; ++step) {

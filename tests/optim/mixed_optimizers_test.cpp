@@ -133,7 +133,7 @@ TEST(MixedOptimizers, MuonAndAdamWMatchASingleProcessReferenceThroughFreezes) {
         // The matrices stay whole on one owner; the rest is cut into equal ranges.
         for (size_t i : kMatrices) {
           EXPECT_TRUE(Introspection::kept_whole(oss, Introspection::index_of(oss, params[i]))) << where;
-          EXPECT_EQ(Introspection::owners(oss, params[i]).size(), 1u) << where << ", parameter " << i;
+          EXPECT_EQ(oss.owners(params[i]).size(), 1u) << where << ", parameter " << i;
         }
         EXPECT_EQ(Introspection::kept_whole(oss, Introspection::index_of(oss, params[6])), mode == PartitionMode::kWholeParameters) << where;
       }
@@ -159,7 +159,7 @@ TEST(MixedOptimizers, WholeMatricesAreBalancedByNewtonSchulzCost) {
     std::vector<double> cost(4, 0.0);
     double largest = 0, total = 0;
     for (const auto& m : matrices) {
-      const int owner = Introspection::owner(oss, m);
+      const int owner = oss.owner(m);
       ASSERT_GE(owner, 0);
       cost[owner] += muon_cost(m.sizes());
       largest = std::max(largest, muon_cost(m.sizes()));
@@ -196,14 +196,14 @@ TEST(MixedOptimizers, FreezingMatricesRebalancesTheirCost) {
     OSS oss(params, optimizer<Muon>(muon_options()), g);
     Muon ref_opt(ref, muon_options());
     // Each matrix whole on one owner, in row buckets (Note [Rows of whole parameters]).
-    for (const auto& p : params) ASSERT_EQ(Introspection::owners(oss, p).size(), 1u) << oss.describe();
+    for (const auto& p : params) ASSERT_EQ(oss.owners(p).size(), 1u) << oss.describe();
     ASSERT_TRUE(oss.layout().groups().at(0).rows) << oss.describe();
     for (int step = 0; step < 6; ++step) {
       // The two square matrices on one rank frozen from step 2: the other rank has the work.
       if (step == 2) {
         std::vector<size_t> on_zero;
         for (size_t i = 0; i < 4; ++i) {
-          if (Introspection::owner(oss, params[i]) == 0) on_zero.push_back(i);
+          if (oss.owner(params[i]) == 0) on_zero.push_back(i);
         }
         ASSERT_EQ(on_zero.size(), 2u) << oss.describe();
         for (size_t i : on_zero) params[i].requires_grad_(false), ref[i].requires_grad_(false);
@@ -222,7 +222,7 @@ TEST(MixedOptimizers, FreezingMatricesRebalancesTheirCost) {
         EXPECT_GE(Introspection::partition_version(oss), 1) << oss.describe();
         std::vector<int> owners;
         for (size_t i = 0; i < 4; ++i) {
-          if (params[i].requires_grad()) owners.push_back(Introspection::owner(oss, params[i]));
+          if (params[i].requires_grad()) owners.push_back(oss.owner(params[i]));
         }
         ASSERT_EQ(owners.size(), 2u);
         EXPECT_NE(owners[0], owners[1]) << oss.describe();

@@ -3,12 +3,14 @@
 #include "harness.h"
 #include "model.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/nn/utils/clip_grad.h>
 #include <torch/csrc/api/include/torch/optim.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <fstream>
+#include <set>
 #include <shardopt/testing/introspection.h>
 
 using shardopt::testing::Introspection;
@@ -465,6 +467,56 @@ TEST(OSS, StateBytesAreSharded) {
     g->allreduce(sum);
     EXPECT_EQ(sum.item<int64_t>(), total);
     EXPECT_NEAR(static_cast<double>(mine.item<int64_t>()), total / 2.0, total * 0.03);
+  });
+}
+
+// owner() and owners() (public: the API contract's "rank that owns its state"): with whole
+// parameters each parameter has one owner, and the state bytes a rank holds are those of the
+// parameters it owns; in row buckets a parameter cut across the ranks answers -1 and owners()
+// lists both.
+TEST(OSS, OwnerAndOwnersNameTheRanksThatHoldTheState) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    Params q;
+    for (int i = 0; i < 6; ++i) q.push_back(at::zeros({100 + i}).requires_grad_());
+    OSS whole(q, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g,
+              OSSOptions().partition(PartitionMode::kWholeParameters));
+    for (auto& t : q) t.mutable_grad() = at::ones_like(t);
+    whole.step();
+    int64_t mine = 0;
+    std::set<int> seen;
+    for (auto& t : q) {
+      const int owner = whole.owner(t);
+      ASSERT_TRUE(owner == 0 || owner == 1) << owner;
+      EXPECT_EQ(whole.owners(t), std::vector<int>{owner});
+      seen.insert(owner);
+      if (owner == g->rank()) mine += 2 * t.numel() * 4;  // exp_avg + exp_avg_sq
+    }
+    EXPECT_EQ(seen.size(), 2u) << "both ranks own parameters";
+    EXPECT_EQ(whole.local_state_bytes(), mine);
+    EXPECT_THROW(
+        {
+          try {
+            whole.owner(at::zeros({3}));
+          } catch (const c10::Error& e) {
+            EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr("is not a parameter of this OSS"));
+            throw;
+          }
+        },
+        c10::Error);
+
+    Params r{at::zeros({4000}).requires_grad_(), at::zeros({10}).requires_grad_(), at::zeros({7}).requires_grad_()};
+    r[2].requires_grad_(false);
+    OSS split(r, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    r[0].mutable_grad() = at::ones_like(r[0]);
+    r[1].mutable_grad() = at::ones_like(r[1]);
+    split.step();
+    EXPECT_EQ(split.owner(r[0]), -1);
+    EXPECT_EQ(split.owners(r[0]), (std::vector<int>{0, 1}));
+    ASSERT_EQ(split.owners(r[1]).size(), 1u);
+    EXPECT_EQ(split.owner(r[1]), split.owners(r[1])[0]);
+    // A frozen parameter has an owner too: the rank that keeps its state (or will, once stepped).
+    ASSERT_EQ(split.owners(r[2]).size(), 1u);
+    EXPECT_EQ(split.owner(r[2]), split.owners(r[2])[0]);
   });
 }
 

@@ -108,7 +108,7 @@ TEST(PythonInterop, ConsolidatedStateLoadsIntoTorchOptimAndTakesTheSameStep) {
     run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
       Params p = testing::make_params();
       OSS oss(p, c.factory, g, OSSOptions().partition(PartitionMode::kSplit));
-      ASSERT_EQ(Introspection::owners(oss, p[0]).size(), 2u) << "w1 is split across both ranks: the state dict stitches it";
+      ASSERT_EQ(oss.owners(p[0]).size(), 2u) << "w1 is split across both ranks: the state dict stitches it";
       three_steps_then_consolidate(oss, p, *g);
       if (g->rank() == 0) {
         write_step_input(in_path, c.name, p, oss.state_dict());

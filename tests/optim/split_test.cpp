@@ -50,11 +50,11 @@ struct SplitParity {
       auto ref_opt = factory({optim::OptimizerParamGroup(ref)});
       OSS oss(mine, factory, g);
       ASSERT_TRUE(Introspection::split(oss)) << oss.describe();
-      EXPECT_EQ(Introspection::owners(oss, mine[kD]).size(), static_cast<size_t>(world)) << "D spans every rank";
-      EXPECT_EQ(Introspection::owner(oss, mine[kD]), -1);
+      EXPECT_EQ(oss.owners(mine[kD]).size(), static_cast<size_t>(world)) << "D spans every rank";
+      EXPECT_EQ(oss.owner(mine[kD]), -1);
       if (world >= 3) {
         // A rank in the middle of D owns no whole parameter.
-        for (const auto& p : mine) EXPECT_NE(Introspection::owner(oss, p), 1);
+        for (const auto& p : mine) EXPECT_NE(oss.owner(p), 1);
       }
       for (int step = 0; step < steps; ++step) {
         // D is frozen for steps 2 and 3, A at step 5.
@@ -258,7 +258,7 @@ TEST(Split, OptimizersThatAreNotElementWiseKeepWholeParametersOrAreRefused) {
     OSS oss(p, sign, g, OSSOptions().rebalance(false));
     EXPECT_FALSE(Introspection::split(oss));
     EXPECT_NE(oss.describe().find("whole parameters"), std::string::npos) << oss.describe();
-    for (const auto& t : p) EXPECT_GE(Introspection::owner(oss, t), 0);
+    for (const auto& t : p) EXPECT_GE(oss.owner(t), 0);
     for (int step = 0; step < 3; ++step) {
       oss.zero_grad();
       ref_opt.zero_grad();

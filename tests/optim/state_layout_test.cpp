@@ -215,7 +215,7 @@ TEST(StateLayout, RegisteredWholeTensorOptimizerKeepsItsShapesThroughMovesAndChe
     OSS oss(params, optimizer<RowScaled>(DecayOptions()), g, OSSOptions().partition(PartitionMode::kSplit));
     for (size_t i = 0; i < params.size(); ++i) {
       EXPECT_TRUE(Introspection::kept_whole(oss, i));
-      EXPECT_EQ(Introspection::owners(oss, params[i]).size(), 1u) << "parameter " << i;
+      EXPECT_EQ(oss.owners(params[i]).size(), 1u) << "parameter " << i;
     }
   });
 }

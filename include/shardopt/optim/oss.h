@@ -237,6 +237,15 @@ class OSS : public torch::optim::Optimizer {
   // share of the whole-tensor optimizers' cost, the bytes of optimizer state it holds (by the
   // optimizers' declared state sizes), and how many parameters it holds whole and in part.
   std::string describe() const;
+  // The rank (of process_group()) that holds all of `param`'s optimizer state and steps it (a
+  // frozen parameter's: the rank that keeps its state for when it is unfrozen); -1 when its state
+  // is split across several ranks (owners() lists them: row buckets cut element-wise optimizers'
+  // parameters across owners). Follows re-partitions. An error for a tensor that is not one of
+  // this OSS's parameters.
+  int owner(const torch::Tensor& param) const;
+  // The ranks that hold pieces of `param`'s state, in element order (one for a parameter kept
+  // whole).
+  std::vector<int> owners(const torch::Tensor& param) const;
   // Where each parameter lives in the flat buffers, and the gradient buckets (the planner's view:
   // layout().options().split() says whether parameters are split across owners, and
   // layout().imbalance() how far the busiest rank's trainable elements are above 1/world). The
@@ -294,11 +303,6 @@ class OSS : public torch::optim::Optimizer {
   // Collective. step() calls it after the step when it checks the trainable set itself;
   // ShardedDDP at the forward after its check confirmed the set.
   bool rebalance();
-  // The rank that owns `param`'s optimizer state, or -1 when it is split across several ranks
-  // (owners() lists them) or frozen without state yet.
-  int owner(const torch::Tensor& param) const;
-  // The ranks that hold pieces of `param`'s state, in element order.
-  std::vector<int> owners(const torch::Tensor& param) const;
   // All parameters, in global order (groups concatenated).
   const std::vector<torch::Tensor>& all_params() const { return params_; }
   size_t index_of(const torch::Tensor& param) const;

@@ -18,11 +18,6 @@ namespace shardopt::testing {
 
 struct Introspection {
   // ---- OSS's partition and holdings ----
-  // The rank that owns `param`'s optimizer state, or -1 when it is split across several ranks
-  // (owners() lists them) or frozen without state yet.
-  static int owner(const OSS& oss, const at::Tensor& param) { return oss.owner(param); }
-  // The ranks that hold pieces of `param`'s state, in element order.
-  static std::vector<int> owners(const OSS& oss, const at::Tensor& param) { return oss.owners(param); }
   // All parameters, in global order (groups concatenated), and where one of them is.
   static const std::vector<at::Tensor>& all_params(const OSS& oss) { return oss.all_params(); }
   static size_t index_of(const OSS& oss, const at::Tensor& param) { return oss.index_of(param); }

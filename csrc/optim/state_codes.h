@@ -1,0 +1,41 @@
+// 8-bit optimizer state: blockwise codes from the dynamic maps (Note [8-bit state] in
+// state_codes.cpp). Internal to csrc/optim: the fused step's 8-bit loops (fused_kernels.h) and
+// whatever turns codes into fp32 values and back (consolidation, loading) use these.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <utility>
+
+namespace shardopt::detail {
+
+// Elements per block; each block has one fp32 scale (its absolute maximum).
+inline constexpr int64_t kStateBlock = 256;
+// Tensors with fewer elements keep fp32 state.
+inline constexpr int64_t kMinCodedNumel = 4096;
+
+// Whether a tensor of `numel` elements keeps its moments in codes: decided on the whole tensor,
+// never on a shard of it.
+inline bool coded_numel(int64_t numel) { return numel >= kMinCodedNumel; }
+// The blocks of a tensor of `numel` elements (the last one may be short).
+inline int64_t state_blocks(int64_t numel) { return (numel + kStateBlock - 1) / kStateBlock; }
+
+// The dynamic map (bitsandbytes' create_dynamic_map, 7 exponent bits, as torchao 0.18 builds it):
+// 256 values in ascending order, in [-1, 1] signed (first moments, momentum) or [0, 1] unsigned
+// (second moments).
+const std::array<float, 256>& dynamic_map(bool is_signed);
+
+// One block: `n` (at most kStateBlock) values to codes, each the map's nearest value to value /
+// scale, where scale is the block's absolute maximum (at least 1e-12); returns the scale.
+float quantise_block(const float* values, int64_t n, const float* map, uint8_t* codes);
+// One block back: map[code] * scale.
+void dequantise_block(const uint8_t* codes, int64_t n, float scale, const float* map, float* values);
+
+// A whole contiguous fp32 tensor to codes (uint8, its shape) and scales (fp32, one per block from
+// element 0), and back. CPU.
+std::pair<at::Tensor, at::Tensor> quantise(const at::Tensor& values, bool is_signed);
+at::Tensor dequantise(const at::Tensor& codes, const at::Tensor& scales, bool is_signed);
+
+}  // namespace shardopt::detail
