@@ -170,16 +170,19 @@ std::string Agreement::disagreement(const std::vector<std::vector<int64_t>>& all
   return out.str() + suffix;
 }
 
+bool Agreement::agrees(ProcessGroup& group) const {
+  if (group.size() == 1) return true;
+  // max(h) == -max(-h) exactly when every rank has the same h.
+  const auto h = static_cast<int64_t>(hash() >> 1);
+  at::Tensor t = at::tensor({h, -h}, at::kLong);
+  group.allreduce(t, Reduction::kMax);
+  const int64_t* v = t.data_ptr<int64_t>();
+  return v[0] == -v[1];
+}
+
 void Agreement::check(ProcessGroup& group, Mode mode) const {
   if (group.size() == 1) return;
-  if (mode == Mode::kHashFirst) {
-    // max(h) == -max(-h) exactly when every rank has the same h.
-    const auto h = static_cast<int64_t>(hash() >> 1);
-    at::Tensor t = at::tensor({h, -h}, at::kLong);
-    group.allreduce(t, Reduction::kMax);
-    const int64_t* v = t.data_ptr<int64_t>();
-    if (v[0] == -v[1]) return;
-  }
+  if (mode == Mode::kHashFirst && agrees(group)) return;
   const std::string message = disagreement(group.allgather_ints(encode()));
   SHARDOPT_CHECK(message.empty(), message);
 }

@@ -463,7 +463,10 @@ void ShardedDDP::finish_param_sync() {
 void ShardedDDP::start_mask_check() {
   CommPhase phase("forward (trainability check)");
   if (global_->size() == 1) return;
-  const auto v = static_cast<int64_t>(detail::mask_agreement(built_mask(), [this](size_t i) { return name(i); }).hash() >> 1);
+  // With the optimizers' options (Note [Optimizers agree across ranks] in csrc/optim/options_agreement.cpp).
+  uint64_t h = detail::mask_agreement(built_mask(), [this](size_t i) { return name(i); }).hash();
+  for (const OSS* opt : optimizers_) h = (h ^ opt->options_hash()) * 1099511628211ull;
+  const auto v = static_cast<int64_t>(h >> 1);
   mask_check_buffer_ = at::tensor({v, -v}, at::kLong);
   mask_check_ = global_->allreduce_async(mask_check_buffer_, Reduction::kMax);
 }
@@ -475,6 +478,7 @@ void ShardedDDP::await_mask_check() {
   if (check[0] == -check[1]) return;
   // The buckets are still those the check was started for: they are built again only after it.
   detail::agree_on_mask(*global_, built_mask(), /*exhaustive=*/true, [this](size_t i) { return name(i); });
+  for (const OSS* opt : optimizers_) opt->check_options_alike();
 }
 
 void ShardedDDP::refresh_trainable() {

@@ -85,6 +85,7 @@ struct Sgd8Segment {
   void sgd(const SgdSegment<double>* segments, size_t count, const SgdScalars& s);    \
   void adam8(const Adam8Segment* segments, size_t count, const AdamScalars& s);       \
   void sgd8(const Sgd8Segment* segments, size_t count, const SgdScalars& s);          \
+  float quantise_block(const float* values, int64_t n, const float* map, uint8_t* codes); \
   }
 SHARDOPT_FUSED_KERNELS(kernels_default)
 SHARDOPT_FUSED_KERNELS(kernels_avx2)
@@ -94,6 +95,8 @@ SHARDOPT_FUSED_KERNELS(kernels_avx512)
 // The 8-bit loops of the widest build this CPU runs (cpu_kernel_level()).
 void adam8_step(const Adam8Segment* segments, size_t count, const AdamScalars& s);
 void sgd8_step(const Sgd8Segment* segments, size_t count, const SgdScalars& s);
+// state_codes.h's quantise_block in that build (the same bits, a vector at a time).
+float quantise_block_fast(const float* values, int64_t n, const float* map, uint8_t* codes);
 
 // Runs body(segment, begin, end) over the elements of every segment (sizes[segment] each) in one
 // parallel region on LibTorch's intra-op threads (Note [The fused step's threads] in

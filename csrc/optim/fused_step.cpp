@@ -353,6 +353,14 @@ void detail::sgd8_step(const Sgd8Segment* segments, size_t count, const SgdScala
   }
 }
 
+float detail::quantise_block_fast(const float* values, int64_t n, const float* map, uint8_t* codes) {
+  switch (cpu_kernel_level()) {
+    case 2: return kernels_avx512::quantise_block(values, n, map, codes);
+    case 1: return kernels_avx2::quantise_block(values, n, map, codes);
+    default: return kernels_default::quantise_block(values, n, map, codes);
+  }
+}
+
 void detail::parallel_segments(const std::vector<int64_t>& sizes, int64_t grain,
                                const std::function<void(size_t, int64_t, int64_t)>& body) {
   int64_t n = 0;

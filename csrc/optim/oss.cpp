@@ -189,6 +189,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
   }
 
   set_units(std::move(units));
+  check_options_alike();  // Note [Optimizers agree across ranks]
 
   mixed_ = options_.mixed_precision().enabled() || !options_.mixed_precision().problem().empty();
   if (mixed_) master_sources_ = detail::cast_to_param_dtype(*global_group_, params_, options_.mixed_precision());
@@ -241,6 +242,7 @@ void OSS::set_units(std::vector<Unit> units) {
     units_[u].codec = detail::find_codec(*made);
     // Nothing is switched off silently: without a codec, state cannot move between ranks.
     const optim::Optimizer& ref = *made;
+    units_[u].class_name = c10::demangle(typeid(ref).name());
     SHARDOPT_CHECK(units_[u].codec || !options_.rebalance(), "OSS: the optimizer ", c10::demangle(typeid(ref).name()),
                    " is not registered (shardopt knows Adam, AdamW, SGD, RMSprop, Adagrad and Muon; "
                    "shardopt::register_optimizer in shardopt/optim/state_layout.h says how another one's state is "

@@ -9,6 +9,7 @@
 #include "cuda/kernels_adapter.h"
 #include "optim/fused_step_mixed.h"
 #include "optim/master_weights.h"
+#include "optim/options_agreement.h"
 #include "optim/shard_store.h"
 #include "optim/trainable.h"
 
@@ -36,10 +37,41 @@ bool OSS::steps(size_t param) const {
   return store_->trainable()[param] != 0 && params_[param].requires_grad();
 }
 
+std::vector<detail::GroupOptions> OSS::group_options() const {
+  std::vector<detail::GroupOptions> out;
+  for (size_t g = 0; g < std::min(param_groups_.size(), unit_of_group_.size()); ++g) {
+    const Unit& unit = units_[unit_of_group_[g]];
+    detail::GroupOptions o;
+    if (unit.codec) {
+      o.optimizer = unit.codec->name;
+      for (const auto& item : unit.codec->encode_options(param_groups_[g].options())) {
+        o.options.emplace_back(item.key().toStringRef(), detail::option_text(item.value()));
+      }
+    } else {
+      o.optimizer = unit.class_name;
+    }
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+uint64_t OSS::options_hash() const { return detail::options_hash(group_options()); }
+
+void OSS::check_options_alike() const { detail::check_options_alike(*global_group_, group_options()); }
+
 std::vector<uint8_t> OSS::agreed_trainable(bool force) {
   CommPhase phase("step (trainability check)");
   auto mask = detail::trainable_mask(params_);
-  detail::agree_on_mask(*global_group_, mask, force, [](size_t i) { return "parameter " + std::to_string(i); });
+  const auto name = [](size_t i) { return "parameter " + std::to_string(i); };
+  // The trainable set and the optimizers' options in one hash (Note [Optimizers agree across
+  // ranks]); the full comparisons only when it differs, or when asked.
+  if (!force) {
+    Agreement agreement = detail::mask_agreement(mask, name);
+    agreement.field("the optimizers' options", static_cast<int64_t>(options_hash() >> 1));
+    if (agreement.agrees(*global_group_)) return mask;
+  }
+  detail::agree_on_mask(*global_group_, mask, /*exhaustive=*/true, name);
+  check_options_alike();
   return mask;
 }
 

@@ -65,7 +65,7 @@ const std::array<float, 256>& dynamic_map(bool is_signed) {
 
 float quantise_block(const float* values, int64_t n, const float* map, uint8_t* codes) {
   float absmax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) absmax = std::max(absmax, std::fabs(values[i]));
+  for (int64_t i = 0; i < n; ++i) absmax = absmax_step(absmax, std::fabs(values[i]));
   const float scale = std::max(absmax, 1e-12f);
   for (int64_t i = 0; i < n; ++i) {
     const float x = values[i] / scale;

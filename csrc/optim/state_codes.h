@@ -28,8 +28,12 @@ inline int64_t state_blocks(int64_t numel) { return (numel + kStateBlock - 1) / 
 const std::array<float, 256>& dynamic_map(bool is_signed);
 
 // One block: `n` (at most kStateBlock) values to codes, each the map's nearest value to value /
-// scale, where scale is the block's absolute maximum (at least 1e-12); returns the scale.
+// scale, where scale is the block's absolute maximum (at least 1e-12; NaN when a value is NaN, as
+// torch's amax); returns the scale. (The fused step's builds have vector versions with the same
+// bits: fused_kernels.h.)
 float quantise_block(const float* values, int64_t n, const float* map, uint8_t* codes);
+// The absolute maximum's running step: NaN, once seen, stays.
+inline float absmax_step(float absmax, float a) { return (a > absmax || a != a) && absmax == absmax ? a : absmax; }
 // One block back: map[code] * scale.
 void dequantise_block(const uint8_t* codes, int64_t n, float scale, const float* map, float* values);
 

@@ -5,6 +5,7 @@
 #include "model.h"
 #include "parity.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/nn/module.h>
 #include <torch/csrc/api/include/torch/nn/utils/clip_grad.h>
@@ -812,6 +813,28 @@ TEST(ShardedDDP, NoSyncHoldsWholeGradientsUntilTheReductionAndShardsAccumulateIn
         }
       });
     }
+  }
+}
+
+// Under a ShardedDDP the step leaves the trainability check to the forward, whose overlapped
+// all-reduce carries the optimizers' options too (Note [Optimizers agree across ranks]): a
+// learning rate changed on rank 1 alone fails on both ranks before any gradient is reduced.
+TEST(ShardedDDP, AnOptionChangedOnOneRankFailsAtTheNextForwardOnEveryRank) {
+  auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<TinyNet>();
+    OSS oss(net->parameters(), optimizer<optim::SGD>(optim::SGDOptions(0.1).momentum(0.9)), g);
+    ShardedDDP ddp(net, oss);
+    for (int step = 0; step < 2; ++step) {
+      if (step == 1 && g->rank() == 1) static_cast<optim::SGDOptions&>(oss.param_groups()[0].options()).lr(0.05);
+      ddp.zero_grad(true);
+      auto d = testing::rank_data(step, g->rank(), 4);
+      ((ddp.forward(d.x, true) - d.y).pow(2).sum()).backward();
+      oss.step();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(errors[r], ::testing::HasSubstr("ranks disagree on param group 0's lr (SGD): 0.1 on rank 0 but 0.05 on rank 1"))
+        << "rank " << r;
   }
 }
 

@@ -520,5 +520,49 @@ TEST(OSS, OwnerAndOwnersNameTheRanksThatHoldTheState) {
   });
 }
 
+// Note [Optimizers agree across ranks]: a rank that builds its optimizer with another option or
+// another class, or changes param_groups() alone, fails on every rank, naming the group, the option
+// and each rank's value; a learning-rate change made on every rank alike steps on.
+TEST(OSS, RanksWhoseOptimizersDifferFailNamingTheOptionOnEveryRank) {
+  const auto expect_on_both = [](const std::vector<std::string>& errors, const std::string& needle) {
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_THAT(errors[r], ::testing::HasSubstr(needle)) << "rank " << r;
+      EXPECT_THAT(errors[r], ::testing::HasSubstr("every rank must build its optimizers alike")) << "rank " << r;
+    }
+  };
+  auto lr = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    OSS oss(testing::make_params(), optimizer<optim::Adam>(optim::AdamOptions(g->rank() == 0 ? 1e-3 : 2e-3)), g);
+  });
+  expect_on_both(lr, "ranks disagree on param group 0's lr (Adam): 0.001 on rank 0 but 0.002 on rank 1");
+  auto kind = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    Params p = testing::make_params();
+    if (g->rank() == 1) {
+      OSS oss(p, optimizer<optim::SGD>(optim::SGDOptions(1e-3)), g);
+    } else {
+      OSS oss(p, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    }
+  });
+  expect_on_both(kind, "ranks disagree on param group 0's optimizer: Adam on rank 0 but SGD on rank 1");
+
+  // After construction: every rank lowers the learning rate alike (a scheduler) and steps on; then
+  // rank 1 alone changes the weight decay, and the next step fails before it steps.
+  std::vector<Params> after(2);
+  auto changed = testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+    Params p = testing::make_params();
+    OSS oss(p, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    for (int step = 0; step < 3; ++step) {
+      for (auto& t : p) t.mutable_grad() = at::full_like(t, 0.1 * (step + 1));
+      if (step == 1) static_cast<optim::AdamOptions&>(oss.param_groups()[0].options()).lr(5e-4);
+      if (step == 2 && g->rank() == 1) static_cast<optim::AdamOptions&>(oss.param_groups()[0].options()).weight_decay(0.1);
+      if (step == 2) after[g->rank()] = testing::clone_params(p);
+      oss.step();
+    }
+  });
+  expect_on_both(changed, "ranks disagree on param group 0's weight_decay (Adam): 0 on rank 0 but 0.1 on rank 1");
+  for (size_t i = 0; i < after[0].size(); ++i) {
+    EXPECT_TRUE(at::equal(after[0][i], after[1][i])) << "the ranks stepped apart before the change, parameter " << i;
+  }
+}
+
 }  // namespace
 }  // namespace shardopt

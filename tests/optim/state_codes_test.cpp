@@ -71,6 +71,48 @@ TEST(StateCodes, MapsCodesAndScalesAreTorchaosBitForBit) {
   EXPECT_EQ(compared, 5);
 }
 
+// The step's builds code a block a vector at a time: the same scale and codes as the scalar
+// quantise_block (the one checked against torchao above), in every build this CPU runs, for
+// blocks of every length, values exactly halfway between two codes, zeros, and a NaN.
+TEST(StateCodes, EveryBuildCodesABlockAsTheScalarCodeDoes) {
+  std::vector<std::vector<float>> blocks;
+  for (int64_t n : {kStateBlock, kStateBlock - 1, int64_t{100}, int64_t{7}, int64_t{1}}) {
+    const at::Tensor t = testing::seeded_randn({n}, 40 + n) * 3.0;
+    blocks.emplace_back(t.data_ptr<float>(), t.data_ptr<float>() + n);
+  }
+  for (bool is_signed : {true, false}) {
+    const auto& map = detail::dynamic_map(is_signed);
+    std::vector<float> halfway{1.0f};  // the block's maximum: every value below is value / 1
+    for (int c = 0; c + 1 < 256; c += 3) halfway.push_back(map[c] + (map[c + 1] - map[c]) * 0.5f);
+    blocks.push_back(halfway);
+  }
+  blocks.push_back(std::vector<float>(kStateBlock, 0.0f));
+  blocks.push_back({1.0f, std::nanf(""), -2.0f});
+  detail::cap_cpu_kernels(-1);
+  const int widest = detail::cpu_kernel_level();
+  int compared = 0;
+  for (int level = 0; level <= widest; ++level) {
+    detail::cap_cpu_kernels(level);
+    for (bool is_signed : {true, false}) {
+      const float* map = detail::dynamic_map(is_signed).data();
+      for (size_t b = 0; b < blocks.size(); ++b) {
+        std::vector<float> v = blocks[b];
+        if (!is_signed) for (float& x : v) x = std::fabs(x);
+        const auto n = static_cast<int64_t>(v.size());
+        std::vector<uint8_t> want(v.size()), got(v.size());
+        const float s1 = detail::quantise_block(v.data(), n, map, want.data());
+        const float s2 = detail::quantise_block_fast(v.data(), n, map, got.data());
+        EXPECT_TRUE(s1 == s2 || (std::isnan(s1) && std::isnan(s2))) << "level " << level << ", block " << b;
+        if (!std::isnan(s1)) EXPECT_EQ(want, got) << "level " << level << ", block " << b << ", signed " << is_signed;
+        ++compared;
+      }
+    }
+  }
+  detail::cap_cpu_kernels(-1);
+  RecordProperty("builds", widest + 1);
+  EXPECT_EQ(compared, (widest + 1) * 2 * static_cast<int>(blocks.size()));
+}
+
 // AdamW's scalars for step `t` (1-based), as the fused step computes them.
 detail::AdamScalars adamw_scalars(const std::vector<double>& o, int64_t t) {
   detail::AdamScalars s;

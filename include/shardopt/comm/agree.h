@@ -50,6 +50,9 @@ class Agreement {
 
   // Collective over `group`; throws on every rank when the ranks differ.
   void check(ProcessGroup& group, Mode mode = Mode::kExact) const;
+  // Whether every rank of `group` has the same hash() (the 16-byte all-reduce alone; every rank
+  // gets the same answer). Collective.
+  bool agrees(ProcessGroup& group) const;
   // The same through a store shared by `world_size` ranks; `key` names this check (a counter
   // per rank keeps repeated checks under one key apart). Waits at most the store's timeout.
   void check(c10d::Store& store, const std::string& key, int rank, int world_size) const;

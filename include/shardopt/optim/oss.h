@@ -60,6 +60,7 @@ struct ShardPlan;
 struct OptimizerCodec;
 struct FusedStepInputs;
 struct MasterRows;
+struct GroupOptions;
 // A range of one parameter's elements whose optimizer state one rank holds; `tensor` (on that
 // rank only) is what the wrapped optimizer steps: the parameter itself for the whole range, a
 // view of its elements otherwise.
@@ -321,6 +322,7 @@ class OSS : public torch::optim::Optimizer {
     std::vector<size_t> groups;  // global group indices, in the local optimizer's group order
     std::unique_ptr<torch::optim::Optimizer> local;
     const detail::OptimizerCodec* codec = nullptr;  // null: a class shardopt does not know
+    std::string class_name;                         // the optimizer's C++ class, demangled
   };
   void init(std::vector<torch::optim::OptimizerParamGroup> groups, std::vector<Unit> units);
   void set_units(std::vector<Unit> units);
@@ -341,8 +343,14 @@ class OSS : public torch::optim::Optimizer {
   void make_local();
   void sync_options_to_local();
   // The trainable set now, agreed by every rank (an error naming the first parameter where two
-  // differ). Collective.
+  // differ), and the optimizers' classes and options with it (Note [Optimizers agree across
+  // ranks]): one hash, compared in full when it differs or with `force`. Collective.
   std::vector<uint8_t> agreed_trainable(bool force);
+  // Each global group's optimizer class and options (options_agreement.h); their hash; and their
+  // full comparison across the ranks, an error naming the option on every rank (collective).
+  std::vector<detail::GroupOptions> group_options() const;
+  uint64_t options_hash() const;
+  void check_options_alike() const;
   void set_local_groups();
   // Makes `plan` current in the store, and the holdings follow it.
   void lay_out(std::shared_ptr<const detail::ShardPlan> plan);
