@@ -8,6 +8,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <zlib.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
@@ -116,8 +117,12 @@ void write_checkpoint_file(const std::string& path, const torch::IValue& payload
   const std::vector<char> body = torch::pickle_save(payload);
   const std::vector<char> header = checkpoint_header(body);
   make_folders(folder_of(path));
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // Each writer its own temporary file: two writers of one path in one process (two threads, or a
+  // save in flight beside another) never write into one file.
+  static std::atomic<uint64_t> temporaries{0};
+  const std::string tmp =
+      path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(temporaries.fetch_add(1));
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   SHARDOPT_CHECK(fd >= 0, "checkpoint '", path, "': cannot create '", tmp, "': ", std::strerror(errno));
   try {
     write_all(fd, header.data(), header.size(), path);

@@ -22,6 +22,7 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <thread>
 #include <unistd.h>
 
 extern char** environ;
@@ -96,6 +97,39 @@ Runs interrupted_and_not(int w1, int w2, OptimizerStateLayout layout, const std:
     if (g->rank() == 0) resumed = testing::clone_params(net->params);
   });
   return {straight, resumed, saved, loaded};
+}
+
+// Two writers of one path in one process (threads; a save in flight beside another) each write
+// a temporary file of their own: every write succeeds, the file is whole afterwards and holds one
+// writer's payload, and no temporary file is left.
+TEST(CheckpointFile, WritersOfOnePathInOneProcessLeaveOneWholeFile) {
+  const std::string dir = ::testing::TempDir() + "shardopt_writers_" + std::to_string(::getpid());
+  const std::string path = dir + "/one.ckpt";
+  std::vector<std::string> errors(4);
+  std::vector<std::thread> writers;
+  for (int w = 0; w < 4; ++w) {
+    writers.emplace_back([&, w] {
+      try {
+        for (int k = 0; k < 8; ++k) write_checkpoint_file(path, at::full({1 << 18}, static_cast<float>(w)));
+      } catch (const std::exception& e) {
+        errors[w] = e.what();
+      }
+    });
+  }
+  for (auto& t : writers) t.join();
+  for (int w = 0; w < 4; ++w) EXPECT_EQ(errors[w], "") << "writer " << w;
+  const at::Tensor got = read_checkpoint_file(path).toTensor();
+  ASSERT_EQ(got.numel(), 1 << 18);
+  const float first = got[0].item<float>();
+  EXPECT_TRUE(first >= 0 && first < 4 && at::equal(got, at::full_like(got, first))) << "a mix of writers' bytes";
+  int left = 0;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d)) left += std::string(e->d_name).find(".tmp.") != std::string::npos;
+    ::closedir(d);
+  }
+  EXPECT_EQ(left, 0) << "temporary files left in " << dir;
+  std::remove(path.c_str());
+  ::rmdir(dir.c_str());
 }
 
 TEST(Checkpoint, ResumeAtTheSameWorldSizeIsBitExact) {
