@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -24,7 +25,10 @@ std::vector<std::string> run_ranks_collect_errors(
     threads.emplace_back([&, r] {
       try {
         at::set_num_threads(1);
-        auto group = init_process_group(store, InitOptions().backend("gloo").rank(r).world_size(world_size).timeout(timeout));
+        // (The clock of a test's timeout starts once the group has formed: forming 8 or 64
+        // ranks' groups on two loaded cores may take longer than a failure test allows.)
+        auto group = init_process_group(store, InitOptions().backend("gloo").rank(r).world_size(world_size).timeout(timeout)
+                                                   .setup_timeout(std::max<std::chrono::milliseconds>(timeout, std::chrono::seconds(60))));
         fn(group);
       } catch (const std::exception& e) {
         errors[r] = e.what();

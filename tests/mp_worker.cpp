@@ -7,8 +7,8 @@
 //   mp_worker async_saves PATH       saves to PATH with save_checkpoint_async without end, a 32 MB
 //                            buffer in the module; prints "saved K" once save K is on disk
 //   mp_worker sharded_saves PATH N     N steps of the tiny net, a sharded checkpoint to PATH after
-//                            each (TrainingState step k); rank 0 writes the parameters it
-//                            saved to PATH.params-k
+//                            each (TrainingState step k); rank 0 writes the parameters and
+//                            the consolidated optimizer state it saved to PATH.params-k
 //   mp_worker hello          one all-reduce; prints rank, world size, local rank
 //   mp_worker die_in PHASE R rank R kills itself with SIGKILL in PHASE at step 2
 //   mp_worker soak STEPS DIR  a long run: memory, threads, descriptors and parity (tools/soak.sh)
@@ -109,11 +109,13 @@ void sharded_saves(std::shared_ptr<ProcessGroup> group, const std::string& path,
     shardopt::testing::loss_of(ddp.forward(data.x), data, 4 * group->size()).backward();
     oss.step();
     oss.finish_param_sync();
+    oss.consolidate_state_dict(0);
     if (group->rank() == 0) {
       c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
       c10::List<at::Tensor> params;
       for (const auto& p : net->params) params.push_back(p.detach().clone());
       d.insert("params", params);
+      d.insert("optimizer", oss.state_dict());
       write_checkpoint_file(path + ".params-" + std::to_string(k), d);
     }
     TrainingState state;

@@ -304,10 +304,23 @@ int main(int argc, char** argv) {
                                     " (global) must be a positive multiple of the world size " + std::to_string(ranks));
       }
       if (!launched && ranks > 0) return run_local_ranks(ranks, argv, train_options.survive_failures);
-      const char* world = shardopt::env_var("WORLD_SIZE");
-      if (launched && ranks > 0 && world && std::atoi(world) != ranks) {
-        throw std::invalid_argument("-n " + std::to_string(ranks) + " contradicts WORLD_SIZE=" + world +
-                                    " from the launcher");
+      if (launched && ranks > 0) {
+        const shardopt::LaunchEnv env = shardopt::read_launch_env(/*need_master=*/false);
+        if (env.world_size == 1 && ranks > 1 && env.convention != "RANK/WORLD_SIZE") {
+          // One task of srun or mpirun (a shell inside an allocation): it starts the ranks asked
+          // for, as without a launcher; they must not read that task's variables as their own.
+          std::printf("shardopt: one %s task (%s=1): -n %d starts %d ranks on this node\n", env.convention.c_str(),
+                      env.variables[1].c_str(), ranks, ranks);
+          std::fflush(stdout);
+          for (const auto& v : env.variables) ::unsetenv(v.c_str());
+          return run_local_ranks(ranks, argv, train_options.survive_failures);
+        }
+        if (env.world_size != ranks) {
+          throw std::invalid_argument("-n " + std::to_string(ranks) + " contradicts " + env.variables[1] + "=" +
+                                      std::to_string(env.world_size) + " from " +
+                                      (env.convention == "RANK/WORLD_SIZE" ? std::string("the launcher") : env.convention) +
+                                      " (drop -n, or ask the launcher for " + std::to_string(ranks) + " ranks)");
+        }
       }
       if (!launched) {  // one rank, no launcher: a world of one
         setenv("RANK", "0", 1);

@@ -27,6 +27,8 @@ struct AsyncSave {
   std::thread writer;
   std::atomic<bool> finished{false};
   std::atomic<bool> cancelled{false};  // the writer stops waiting on the others (an exception unwinds)
+  std::atomic<bool> orphaned{false};   // its group is gone before the ranks agreed (orphan_pending_save)
+  std::atomic<bool> reported{false};   // an orphan's failure was reported
   std::string error;     // this rank's failure ("" when none), written before `finished`
   bool settled = false;  // every rank agreed on the result (wait(), or a later save or load)
   std::mutex join_mu;
@@ -47,6 +49,14 @@ std::map<const OSS*, std::shared_ptr<AsyncSave>>& registry() {
   return *saves;
 }
 
+// A failed save whose group is gone before the ranks agreed on its result (Resilient replaced
+// it after a rank failed): this rank reports its own failure alone, rather than not at all.
+void warn_alone(const AsyncSave& save) {
+  if (save.error.empty()) return;
+  TORCH_WARN("shardopt: the background save of checkpoint '", save.path, "' failed on this rank: ", save.error,
+             " (its group was replaced before the ranks agreed on the result: this rank reports it alone)");
+}
+
 // Collective: joins this rank's writer and agrees on the result, once. `group` is the group of
 // the optimizer asking: a save left by an optimizer of another group (one since destroyed, whose
 // address a new one took) is only joined, without a collective on a group that may be gone.
@@ -59,7 +69,10 @@ void settle(const std::shared_ptr<AsyncSave>& save, const ProcessGroup* group) {
     auto it = registry().find(save->optimizer);
     if (it != registry().end() && it->second == save) registry().erase(it);
   }
-  if (group != save->group) return;
+  if (group != save->group) {
+    warn_alone(*save);
+    return;
+  }
   CommPhase phase("saving a checkpoint (the background write)");
   agree_on_failure(*save->group, save->error, "saving", save->path);
 }
@@ -140,7 +153,7 @@ std::string write_in_background(const CheckpointSnapshot& snap, const c10::intru
     if (error.empty()) error = "checkpoint '" + snap.path + "': the rendezvous store failed: " + strip_prefix(e.what());
   }
   if (committed) {
-    remove_parts_except(snap.path, snap.sharded ? snap.id : -1);
+    remove_stale_parts(snap, snap.sharded ? snap.id : -1);
   } else if (known_uncommitted) {
     unlink_parts(snap);  // no main file names them
   }
@@ -150,6 +163,41 @@ std::string write_in_background(const CheckpointSnapshot& snap, const c10::intru
 }
 
 }  // namespace
+
+// Saves whose group went before they were settled, kept until their writers finish (a writer
+// may still wait on the store for the others: recovery does not wait for it).
+std::vector<std::shared_ptr<AsyncSave>>& orphans() {
+  static auto* saves = new std::vector<std::shared_ptr<AsyncSave>>();
+  return *saves;
+}
+
+// An orphan's failure, once, by whichever comes last: orphan_pending_save or its writer.
+void report_orphan(AsyncSave& save) {
+  if (save.orphaned.load() && save.finished.load() && !save.reported.exchange(true)) warn_alone(save);
+}
+
+void orphan_pending_save(const OSS& optimizer) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto& left = orphans();
+  for (size_t i = 0; i < left.size();) {  // those whose writers are done
+    if (left[i]->finished.load()) {
+      left[i]->join();
+      left[i] = left.back();
+      left.pop_back();
+    } else {
+      ++i;
+    }
+  }
+  auto it = registry().find(&optimizer);
+  if (it == registry().end()) return;
+  std::shared_ptr<AsyncSave> save = it->second;
+  registry().erase(it);
+  if (save->settled) return;
+  save->settled = true;
+  save->orphaned.store(true);
+  report_orphan(*save);
+  left.push_back(std::move(save));
+}
 
 void settle_pending_save(OSS& optimizer) {
   std::shared_ptr<AsyncSave> save;
@@ -229,13 +277,14 @@ PendingCheckpoint save_async(const std::string& path, torch::nn::Module& module,
       try {
         detail::write_parts(snap);
         write_checkpoint_file(snap.path, snap.main);
-        detail::remove_parts_except(snap.path, snap.sharded ? snap.id : -1);
+        detail::remove_stale_parts(snap, snap.sharded ? snap.id : -1);
       } catch (const std::exception& e) {
         detail::unlink_parts(snap);
         s->error = detail::strip_prefix(e.what());
       }
     }
     s->finished.store(true);
+    detail::report_orphan(*s);
   });
   return PendingCheckpoint(std::move(save));
 }

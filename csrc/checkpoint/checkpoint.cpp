@@ -26,7 +26,6 @@ namespace shardopt {
 namespace {
 using detail::agree_on_failure;
 using detail::ErrorFeedbackState;
-using detail::remove_parts_except;
 using detail::strip_prefix;
 
 using Dict = c10::impl::GenericDict;
@@ -65,14 +64,22 @@ std::string legacy_shard_path(const std::string& path, int64_t rank, int64_t wor
   return path + ".optim-" + std::to_string(rank) + "-of-" + std::to_string(world);
 }
 
-// Removes the part files (optimizer parts and residuals) beside `path` whose save is not
-// `keep_id` (all of them for -1): parts of earlier saves, whatever their number, and parts
-// without an id. Other files beside it stay.
-// Errors are ignored: a part the main file does not name is never read.
 }  // namespace
 
+// Note [Each rank removes its own parts]
+// Once a save committed, the parts of earlier saves are of no use, but only the rank that writes
+// a name may remove what is under it: rank r removes "<path>.optim-r-of-<shard world>.<id>" and
+// "<path>.feedback-r-of-<world>.<id>" of other ids. Nothing orders one rank's cleanup after save
+// A with another rank's write of save B: with three ranks, rank 0's broadcast of B's id lets rank
+// 1 write its part of B while rank 2 still cleans up after A, and a cleanup that removed every
+// part but A's removed rank 1's part of B, after A's had gone too (both checkpoints lost). A
+// rank's own names are written and removed in its own order. Rank 0 also removes the names no
+// rank of this save writes (parts of another world size, and parts without an id): nobody writes
+// them while it does. The temporary files of writers killed before their rename go the same way
+// (the main file's on rank 0). Errors are ignored: a part the main file does not name is never read.
 namespace detail {
-void remove_parts_except(const std::string& path, int64_t keep_id) {
+void remove_stale_parts(const CheckpointSnapshot& snap, int64_t keep_id) {
+  const std::string& path = snap.path;
   const size_t slash = path.rfind('/');
   const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash);
   const std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
@@ -83,9 +90,24 @@ void remove_parts_except(const std::string& path, int64_t keep_id) {
   DIR* d = ::opendir(dir.c_str());
   if (!d) return;
   while (const dirent* entry = ::readdir(d)) {
-    const std::string name = entry->d_name;
+    std::string name = entry->d_name;
+    // A temporary file ("<file>.tmp.<pid>.<n>", write_checkpoint_file) whose writer was killed:
+    // stale once its save or a later one committed, removed by whoever writes <file>.
+    bool temporary = false;
+    if (const size_t tmp = name.find(".tmp."); tmp != std::string::npos) {
+      const std::string writer = name.substr(tmp + 5);
+      const size_t dot = writer.find('.');
+      if (dot == std::string::npos || !digits(writer.substr(0, dot)) || !digits(writer.substr(dot + 1))) continue;
+      name.resize(tmp);
+      temporary = true;
+      if (name == base) {  // the main file's: rank 0 writes it
+        if (snap.rank == 0) ::unlink((dir + "/" + entry->d_name).c_str());
+        continue;
+      }
+    }
     std::string prefix = base + ".optim-";
-    if (name.rfind(prefix, 0) != 0) prefix = base + ".feedback-";
+    int64_t written_at = snap.shard_world;  // the world whose ranks write names of this kind
+    if (name.rfind(prefix, 0) != 0) prefix = base + ".feedback-", written_at = snap.world;
     if (name.rfind(prefix, 0) != 0) continue;
     const size_t of = name.find("-of-", prefix.size());
     if (of == std::string::npos) continue;
@@ -96,8 +118,11 @@ void remove_parts_except(const std::string& path, int64_t keep_id) {
     if (!digits(rank) || !digits(world) || (!id.empty() && id.find_first_not_of("0123456789abcdef") != std::string::npos)) {
       continue;
     }
-    if (!keep.empty() && id == keep) continue;
-    ::unlink((dir + "/" + name).c_str());
+    if (!temporary && !keep.empty() && id == keep) continue;
+    const int64_t r = std::stoll(rank), w = std::stoll(world);
+    const bool written_now = !id.empty() && w == written_at && r < w;
+    const bool mine = written_now && r == snap.rank;
+    if (mine || (!written_now && snap.rank == 0)) ::unlink((dir + "/" + entry->d_name).c_str());
   }
   ::closedir(d);
 }
@@ -320,6 +345,9 @@ CheckpointSnapshot take_snapshot(const std::string& path, torch::nn::Module& mod
   const int shard_world = optimizer.process_group().size();
   CheckpointSnapshot snap;
   snap.path = path;
+  snap.rank = rank;
+  snap.shard_world = shard_world;
+  snap.world = world;
   snap.sharded = options.optimizer_state() == OptimizerStateLayout::kSharded;
   // One id ties the shard files to their main file (Note [Parts carry their save's id]).
   at::Tensor id = at::full({1}, rank == 0 ? new_checkpoint_id() : int64_t{0}, at::kLong);
@@ -403,7 +431,7 @@ void save(const std::string& path, torch::nn::Module& module, OSS& optimizer, co
     throw;
   }
   // Committed: the main file names this save's parts; every earlier part is of no use.
-  remove_parts_except(path, snap.sharded ? snap.id : -1);
+  detail::remove_stale_parts(snap, snap.sharded ? snap.id : -1);
 }
 
 // This rank's error-feedback residuals in the checkpoint whose main file is `d`, or None where it

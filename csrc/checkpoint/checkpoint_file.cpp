@@ -133,18 +133,27 @@ void write_checkpoint_file(const std::string& path, const torch::IValue& payload
     ::unlink(tmp.c_str());
     throw;
   }
-  ::close(fd);
+  if (::close(fd) != 0) {  // (a network file system may report a failed write only here)
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    SHARDOPT_CHECK(false, "checkpoint '", path, "': closing the temporary file failed: ", std::strerror(err));
+  }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
     SHARDOPT_CHECK(false, "checkpoint '", path, "': cannot rename the temporary file into place: ", std::strerror(err));
   }
-  // The rename itself is durable once the folder is.
-  const int dir = ::open(folder_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {
-    ::fsync(dir);
-    ::close(dir);
-  }
+  // The rename itself is durable once the folder is. A file system that cannot sync a folder
+  // (EINVAL) has nothing more to make durable; any other failure is the save's.
+  const std::string folder = folder_of(path);
+  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  SHARDOPT_CHECK(dir >= 0, "checkpoint '", path, "': cannot open its folder '", folder, "' to sync it: ",
+                 std::strerror(errno));
+  const int synced = ::fsync(dir);
+  const int err = errno;
+  ::close(dir);
+  SHARDOPT_CHECK(synced == 0 || err == EINVAL, "checkpoint '", path, "': syncing its folder '", folder,
+                 "' failed (the file is in place but may not survive a power loss): ", std::strerror(err));
 }
 
 torch::IValue read_checkpoint_file(const std::string& path) {

@@ -26,6 +26,9 @@ struct CheckpointSnapshot {
   std::vector<Part> parts;
   bool writes_main = false;  // rank 0
   c10::IValue main;          // the main file's payload, on rank 0
+  // Who wrote it: this rank, the optimizer parts' world (the shard group's size) and the
+  // residuals' world (the global group's size). Note [Each rank removes its own parts].
+  int rank = 0, shard_world = 1, world = 1;
 };
 
 // Collective over optimizer.global_group(): everything the save writes, as it is now, with the
@@ -44,8 +47,11 @@ void check_ddp_saves(const std::string& path, const ShardedDDP& ddp, const OSS& 
 void write_parts(const CheckpointSnapshot& snap);
 void unlink_parts(const CheckpointSnapshot& snap);
 
-// Removes the part files beside `path` whose save is not `keep_id` (all of them for -1).
-void remove_parts_except(const std::string& path, int64_t keep_id);
+// After `snap` committed: removes the part files beside `snap.path` of earlier saves that this
+// rank may remove (Note [Each rank removes its own parts]): those not of save `keep_id` (all for
+// -1) under the names this rank writes, and on rank 0 those under names no rank of this save
+// writes (other world sizes, parts without an id).
+void remove_stale_parts(const CheckpointSnapshot& snap, int64_t keep_id);
 
 // Collective: every rank learns whether any rank failed; the failing rank's own message is thrown
 // there, the others name it.
@@ -53,6 +59,11 @@ void agree_on_failure(ProcessGroup& group, const std::string& error, const std::
 
 // An exception's message without the "shardopt: " prefix and the backtrace.
 std::string strip_prefix(const std::string& message);
+
+// Local: `optimizer` is about to be replaced with its group (Resilient lost a rank). Joins its
+// save in flight, if any; an unsettled failure is a warning on this rank (nobody is left to agree
+// on it), and the save is forgotten.
+void orphan_pending_save(const OSS& optimizer);
 
 // Collective: finishes the asynchronous save still in flight for `optimizer`, if any (every rank
 // has one or none alike): waits for this rank's writer and throws on every rank if any rank's

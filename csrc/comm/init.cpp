@@ -119,6 +119,12 @@ void check_backend_usable(const std::string& backend) {
   SHARDOPT_CHECK(detail::nccl_usable(), "backend 'nccl' was requested but no CUDA device is visible");
 }
 
+// InitOptions::check_desync, or SHARDOPT_CHECK_DESYNC=1.
+bool checks_desync(const InitOptions& options) {
+  const char* env = env_var("SHARDOPT_CHECK_DESYNC");
+  return options.check_desync() || (env && std::string(env) == "1");
+}
+
 // Every rank learns, before any backend connects, whether the ranks were started alike: a rank
 // that chose another backend or world size would otherwise leave the others waiting.
 void agree_on_init(c10d::Store& store, const InitOptions& options, const std::string& backend) {
@@ -134,14 +140,16 @@ void agree_on_init(c10d::Store& store, const InitOptions& options, const std::st
       .field("backend", backend == "nccl" ? 1 : 0,
              [](const std::vector<int64_t>& v) { return std::string(v[0] ? "nccl" : "gloo"); })
       .field("timeout (ms)", static_cast<int64_t>(options.timeout().count()))
+      // (A rank that checks sends a check before each collective that the others never expect.)
+      .field("desync check (check_desync or SHARDOPT_CHECK_DESYNC=1)", checks_desync(options) ? 1 : 0,
+             [](const std::vector<int64_t>& v) { return std::string(v[0] ? "on" : "off"); })
       .hint("start every rank with the same options")
       .check(store, "init_process_group", options.rank(), options.world_size());
 }
 
-// InitOptions::check_desync, or SHARDOPT_CHECK_DESYNC=1.
-bool checks_desync(const InitOptions& options) {
-  const char* env = env_var("SHARDOPT_CHECK_DESYNC");
-  return options.check_desync() || (env && std::string(env) == "1");
+// How long forming the group may take (InitOptions::setup_timeout).
+std::chrono::milliseconds setup_timeout(const InitOptions& options) {
+  return options.setup_timeout().count() > 0 ? options.setup_timeout() : options.timeout();
 }
 
 std::shared_ptr<ProcessGroup> finish_group(std::shared_ptr<ProcessGroup> group, const c10::intrusive_ptr<c10d::Store>& store,
@@ -278,12 +286,14 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
   check_backend_usable(backend);
   ProcessGroup::BackendFactory factory;
   if (backend == "nccl") {
+    // (NCCL's own timeout is its watchdog's over every collective: the group's.)
     factory = [timeout = options.timeout()](const c10::intrusive_ptr<c10d::Store>& s, int rank, int size) {
       return detail::make_nccl_backend(s, rank, size, timeout);
     };
   } else {
     const bool loopback = host.empty() || is_loopback(host);
-    factory = [timeout = options.timeout(), loopback, interfaces = socket_interfaces(),
+    // (Gloo's context timeout bounds its connections; every collective passes the group's own.)
+    factory = [timeout = setup_timeout(options), loopback, interfaces = socket_interfaces(),
                batch = options.transport_thread_batch(),
                nice = options.transport_thread_nice()](const c10::intrusive_ptr<c10d::Store>& s, int rank, int size) {
       return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<c10d::ProcessGroupGloo>(
@@ -322,14 +332,14 @@ std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& 
     // with "connection closed" instead of its own error. A barrier on the new backend (not counted
     // in the group's stats) returns only when every rank has connected.
     c10d::BarrierOptions barrier;
-    barrier.timeout = options.timeout();
-    if (options.world_size() > 1) pg->barrier(barrier)->wait(options.timeout());
+    barrier.timeout = setup_timeout(options);
+    if (options.world_size() > 1) pg->barrier(barrier)->wait(setup_timeout(options));
     auto group = std::make_shared<ProcessGroup>(pg, options.timeout());
     detail::GroupSetup::backend_factory(*group, factory);
     return finish_group(group, store, options);
   } catch (const std::exception& e) {
     SHARDOPT_CHECK(false, "rank ", options.rank(), " of ", options.world_size(),
-                " could not connect to its peers within ", options.timeout().count(),
+                " could not connect to its peers within ", setup_timeout(options).count(),
                 " ms (init_method '", options.init_method(), "'; a rank may not have started): ", e.what());
   }
 }
@@ -340,6 +350,8 @@ void check_rank(const InitOptions& options) {
               options.rank(), " is outside [0, ", options.world_size(), ")");
   SHARDOPT_CHECK(options.timeout().count() > 0, "timeout must be positive, got ",
               options.timeout().count(), " ms");
+  SHARDOPT_CHECK(options.setup_timeout().count() >= 0, "setup_timeout must be positive (or 0: the timeout), got ",
+                 options.setup_timeout().count(), " ms");
   SHARDOPT_CHECK(options.transport_thread_nice() >= 0 && options.transport_thread_nice() <= 39,
                  "transport_thread_nice must be in [0, 39] (nice levels below the caller), got ",
                  options.transport_thread_nice());
@@ -381,7 +393,7 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
   opts.isServer = options.rank() == 0 && !store_served_by_launcher();
   opts.numWorkers = options.world_size();
   opts.waitWorkers = false;
-  opts.timeout = options.timeout();
+  opts.timeout = setup_timeout(options);
   // A loopback rendezvous listens on loopback only: rank 0 binds the socket itself and hands it
   // to the store.
   // Any other host's store listens on every interface, binding the port itself (an fd of -1 given
@@ -400,7 +412,7 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
     return c10::make_intrusive<c10d::PrefixStore>(std::string("/worker/attempt_") + (attempt ? attempt : "0"), store);
   } catch (const std::exception& e) {
     SHARDOPT_CHECK(false, "rank ", options.rank(), " could not reach the store at ", host, ":",
-                port, " within ", options.timeout().count(), " ms: ", e.what());
+                port, " within ", setup_timeout(options).count(), " ms: ", e.what());
   }
 }
 
@@ -428,7 +440,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const c10::intrusive_ptr<c10d::
   check_rank(options);
   resolve_backend(options.backend());
   if (options.backend() != "nccl") socket_interfaces();  // a name this host lacks fails here, before the rendezvous
-  store->setTimeout(options.timeout());
+  store->setTimeout(setup_timeout(options));
   return make_group(store, options, "");
 }
 
@@ -462,7 +474,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
     rank_from_env(options);
     check_rank(options);
     auto store = c10::make_intrusive<c10d::FileStore>(path, options.world_size());
-    store->setTimeout(options.timeout());
+    store->setTimeout(setup_timeout(options));
     return make_group(store, options, "");
   }
   SHARDOPT_CHECK(false, "malformed init_method '", method,

@@ -131,6 +131,7 @@ LaunchEnv read_launch_env(bool need_master) {
   SHARDOPT_CHECK(chosen, "no launcher variables: set RANK and WORLD_SIZE (or run under tools/launch, torchrun, "
                  "mpirun or srun, whose OMPI_COMM_WORLD_*, PMI_* or SLURM_* variables are read too)");
   e.convention = chosen->name;
+  e.variables = {chosen->rank, chosen->size, chosen->local_rank, chosen->local_size};
   e.rank = *env_int(chosen->rank);
   e.world_size = *env_int(chosen->size);
   SHARDOPT_CHECK(e.world_size >= 1, chosen->size, " must be at least 1, got ", e.world_size);

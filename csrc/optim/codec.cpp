@@ -12,7 +12,10 @@
 #include <torch/csrc/api/include/torch/optim/rmsprop.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 
+#include <ATen/ops/zeros.h>
+
 #include <algorithm>
+#include <array>
 #include <map>
 #include <mutex>
 #include <typeindex>
@@ -414,23 +417,81 @@ void register_layout(std::type_index type, const std::string& type_name, Optimiz
   r.codecs.insert_or_assign(type, codec_of(std::move(layout)));
 }
 
-const OptimizerCodec* find_codec(const optim::Optimizer& optimizer) {
+namespace {
+
+// The codecs of the built-in classes, in built_in()'s order.
+const std::array<OptimizerCodec, 5>& built_in_codecs() {
   using AdamCodec = AdamLike<optim::AdamOptions, optim::AdamParamState, false>;
   using AdamWCodec = AdamLike<optim::AdamWOptions, optim::AdamWParamState, true>;
-  static const OptimizerCodec adam = make_codec<AdamCodec>("Adam");
-  static const OptimizerCodec adamw = make_codec<AdamWCodec>("AdamW");
-  static const OptimizerCodec sgd = make_codec<SGDCodec>("SGD");
-  static const OptimizerCodec rmsprop = make_codec<RMSpropCodec>("RMSprop");
-  static const OptimizerCodec adagrad = make_codec<AdagradCodec>("Adagrad");
-  const auto& type = typeid(optimizer);
-  if (type == typeid(optim::Adam)) return &adam;
-  if (type == typeid(optim::AdamW)) return &adamw;
-  if (type == typeid(optim::SGD)) return &sgd;
-  if (type == typeid(optim::RMSprop)) return &rmsprop;
-  if (type == typeid(optim::Adagrad)) return &adagrad;
-  // Muon is registered through the public call, the first time any optimizer is looked up.
+  static const std::array<OptimizerCodec, 5> codecs = {
+      make_codec<AdamCodec>("Adam"), make_codec<AdamWCodec>("AdamW"), make_codec<SGDCodec>("SGD"),
+      make_codec<RMSpropCodec>("RMSprop"), make_codec<AdagradCodec>("Adagrad")};
+  return codecs;
+}
+
+// Muon is registered through the public call, the first time any optimizer is looked up.
+void register_muon_once() {
   static std::once_flag muon;
   std::call_once(muon, [] { register_muon(); });
+}
+
+// Whether `codec` keeps each state entry of `values` (per-element tensors): decoded and encoded
+// again, an entry it does not keep is gone. Probed on one-element tensors.
+std::vector<std::string> not_kept(const OptimizerCodec& codec, const GenericDict& values) {
+  GenericDict probe = make_string_dict();
+  std::vector<std::string> tensors;
+  for (const auto& v : values) {
+    if (!is_state_tensor(v)) continue;
+    tensors.push_back(v.key().toStringRef());
+    probe.insert(v.key(), at::zeros({1}));
+  }
+  if (tensors.empty()) return {};
+  if (values.contains("step")) probe.insert("step", values.at("step"));
+  const GenericDict kept = codec.encode_state(*codec.decode_state(probe));
+  std::vector<std::string> out;
+  for (const auto& name : tensors) {
+    if (!kept.contains(name)) out.push_back(name);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> entries_not_kept(const OptimizerCodec& codec, const GenericDict& values) {
+  return not_kept(codec, values);
+}
+
+std::string optimizers_keeping(const std::string& entry) {
+  GenericDict one = make_string_dict();
+  one.insert(entry, at::zeros({1}));
+  std::vector<std::string> names;
+  for (const auto& codec : built_in_codecs()) {
+    if (not_kept(codec, one).empty()) names.push_back(codec.name);
+  }
+  register_muon_once();
+  {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (const auto& [type, codec] : r.codecs) {
+      if (not_kept(codec, one).empty()) names.push_back(codec.name);
+    }
+  }
+  std::string text;
+  for (size_t i = 0; i < names.size(); ++i) {
+    text += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + names[i];
+  }
+  return text;
+}
+
+const OptimizerCodec* find_codec(const optim::Optimizer& optimizer) {
+  const auto& codecs = built_in_codecs();
+  const auto& type = typeid(optimizer);
+  if (type == typeid(optim::Adam)) return &codecs[0];
+  if (type == typeid(optim::AdamW)) return &codecs[1];
+  if (type == typeid(optim::SGD)) return &codecs[2];
+  if (type == typeid(optim::RMSprop)) return &codecs[3];
+  if (type == typeid(optim::Adagrad)) return &codecs[4];
+  register_muon_once();
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   auto it = r.codecs.find(std::type_index(type));

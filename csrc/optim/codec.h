@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace shardopt::detail {
 
@@ -49,6 +50,12 @@ struct OptimizerCodec {
 const OptimizerCodec* find_codec(const torch::optim::Optimizer& optimizer);
 // The same; throws naming the type when there is none.
 const OptimizerCodec& codec_for(const torch::optim::Optimizer& optimizer);
+// The state tensors of a saved parameter's state (`values`) that `codec` does not keep: state
+// saved by another optimizer class.
+std::vector<std::string> entries_not_kept(const OptimizerCodec& codec, const GenericDict& values);
+// The optimizers shardopt knows (built in and registered) that keep state entry `entry`, as text:
+// "SGD, RMSprop or Muon"; empty when none does.
+std::string optimizers_keeping(const std::string& entry);
 // Whether an entry of an encoded state is a per-element state tensor (exp_avg, momentum_buffer,
 // ...), shaped like its parameter, rather than the "step" counter or a scalar.
 bool is_state_tensor(const GenericDict::iterator::value_type& entry);

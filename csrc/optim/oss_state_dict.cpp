@@ -238,6 +238,15 @@ std::unordered_map<size_t, GenericDict> OSS::saved_entries(const GenericDict& di
     const size_t i = it->second;
     const auto values = entry.value().toGenericDict();
     const auto& codec = detail::codec_for(*unit_of(i).local);
+    // State saved by another class (SGD's into Adam) would be dropped without a word.
+    const auto foreign = detail::entries_not_kept(codec, values);
+    if (!foreign.empty()) {
+      const std::string keepers = detail::optimizers_keeping(foreign[0]);
+      SHARDOPT_CHECK(false, "load_state_dict: the state of parameter ", i, " holds '", foreign[0], "', which ",
+                     codec.name, " does not keep: it was saved by another optimizer",
+                     keepers.empty() ? std::string() : " (" + keepers + " keeps '" + foreign[0] + "')",
+                     "; load it into the optimizer that saved it");
+    }
     for (const auto& v : values) {
       if (!detail::is_state_tensor(v)) continue;
       const auto& t = v.value().toTensor();

@@ -4,6 +4,7 @@
 #include <shardopt/check.h>
 #include <shardopt/version.h>
 
+#include "checkpoint/snapshot.h"
 #include "resilience/group_recovery.h"
 #include "resilience/copies.h"
 
@@ -126,6 +127,7 @@ std::optional<Admission> Resilient::admit_waiting(int64_t step) {
   const detail::FlatCopy own = current_->own;  // (install() refreshes the copies)
   const int my_old = replicated_ ? optimizer_->process_group().rank() : group_->rank();
   try {
+    detail::orphan_pending_save(*optimizer_);  // its group is being replaced
     ddp_.reset();
     optimizer_.reset();
     std::shared_ptr<ProcessGroup> old = group_;

@@ -3,6 +3,7 @@
 #include <shardopt/check.h>
 #include <shardopt/version.h>
 
+#include "checkpoint/snapshot.h"
 #include "resilience/group_recovery.h"
 #include "resilience/copies.h"
 #include "resilience/survivors.h"
@@ -406,6 +407,7 @@ Recovery Resilient::recover_from(int64_t failed_step, const std::string& phase) 
 
   // The broken group's objects go; its backend is kept, not destroyed (it may be blocked on the dead).
   CommPhase rebuilding("recovery (rebuilding the group and the shards)");
+  detail::orphan_pending_save(*optimizer_);  // its group is being replaced
   ddp_.reset();
   optimizer_.reset();
   detail::GroupRecovery::abandon(*old);

@@ -6,9 +6,11 @@
 #include <shardopt/ddp/sharded_ddp.h>
 
 #include "checkpoint/checkpoint_support.h"
+#include "checkpoint/snapshot.h"
 #include "harness.h"
 
 #include <gtest/gtest.h>
+#include <c10/util/Exception.h>
 
 #include <chrono>
 #include <cstdio>
@@ -183,6 +185,40 @@ TEST(AsyncSave, AFailedWriteIsAnErrorOnEveryRankAtWaitOrAtTheNextSave) {
     EXPECT_NE(errors[1].find("saving checkpoint '" + bad + "' failed on rank 0"), std::string::npos) << when << errors[1];
     EXPECT_EQ(load_fresh(good, 1).step, 1) << when << "the previous checkpoint stays, and no later save ran";
   }
+  remove_tree(dir);
+}
+
+// Resilient replaces the optimizer and its group after a rank failed (detail::orphan_pending_save
+// first): a failed background save of the old group is not lost. Nobody is left to agree on it,
+// so this rank reports it alone, as a warning, and it fails no later save.
+TEST(AsyncSave, AFailureWhoseGroupWasReplacedIsAWarningOnThatRank) {
+  struct Warnings : c10::WarningHandler {
+    std::vector<std::string> seen;
+    void process(const c10::Warning& w) override { seen.push_back(w.msg()); }
+  };
+  const auto dir = temp_dir("async-orphan");
+  const std::string good = dir + "/good.ckpt", blocker = dir + "/not-a-folder";
+  std::ofstream(blocker) << "a file where a folder should be";
+  const std::string bad = blocker + "/last.ckpt";
+  run_ranks(1, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    auto oss = std::make_unique<OSS>(net->parameters(), adam(), g);
+    TrainingState state;
+    state.step = 1;
+    { PendingCheckpoint pending = save_checkpoint_async(bad, *net, *oss, state); }  // joined, not agreed on
+    Warnings warnings;
+    {
+      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      detail::orphan_pending_save(*oss);
+    }
+    ASSERT_EQ(warnings.seen.size(), 1u);
+    EXPECT_NE(warnings.seen[0].find("background save of checkpoint '" + bad + "' failed on this rank"),
+              std::string::npos) << warnings.seen[0];
+    EXPECT_NE(warnings.seen[0].find("is not a folder"), std::string::npos) << warnings.seen[0];
+    oss = std::make_unique<OSS>(net->parameters(), adam(), g);  // the replacement
+    EXPECT_NO_THROW(save_checkpoint(good, *net, *oss, state));
+  });
+  EXPECT_EQ(load_fresh(good, 1).step, 1);
   remove_tree(dir);
 }
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <cstdlib>
 #include <thread>
 
 namespace shardopt {
@@ -150,6 +151,32 @@ TEST(Agree, ProcessGroupCreationChecksTheRanksWereStartedAlike) {
   }
   for (auto& t : threads) t.join();
   expect_everywhere(errors, "init_process_group: ranks disagree on timeout (ms): 20000 on rank 0 but 30000 on rank 1");
+}
+
+// SHARDOPT_CHECK_DESYNC=1 (or check_desync) on some ranks only: the checking ranks' first
+// collective would wait for checks the others never send. Refused as the group forms, everywhere.
+TEST(Agree, ProcessGroupCreationChecksEveryRankChecksDesyncAlike) {
+  // (The suite runs with SHARDOPT_CHECK_DESYNC=1 or 0: here check_desync alone decides. Set
+  // before any thread of this test starts.)
+  const char* was = std::getenv("SHARDOPT_CHECK_DESYNC");
+  const std::string saved = was ? was : "";
+  ::unsetenv("SHARDOPT_CHECK_DESYNC");
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        init_process_group(store, InitOptions().backend("gloo").rank(r).world_size(2).check_desync(r == 1));
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (was) ::setenv("SHARDOPT_CHECK_DESYNC", saved.c_str(), 1);
+  expect_everywhere(errors, "init_process_group: ranks disagree on desync check (check_desync or "
+                            "SHARDOPT_CHECK_DESYNC=1): off on rank 0 but on on rank 1");
 }
 
 }  // namespace

@@ -14,7 +14,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
+#include <future>
 #include <cstdlib>
 #include <map>
 #include <set>
@@ -225,6 +227,53 @@ std::pair<int, int> own_scheduling() {
 // Gloo's transport thread, and it alone, takes the scheduling InitOptions asks for (Note [The
 // transport thread's scheduling]): rank 0 asks for 7 nice levels down without SCHED_BATCH,
 // rank 1 takes the defaults (SCHED_BATCH, the caller's nice value).
+// A rank that starts late (a slow scheduler, a loaded machine) delays forming the group, not its
+// collectives' deadline: with setup_timeout the group forms after rank 1's 2 s delay although the
+// collectives' timeout is 1 s, and a collective rank 1 skips still fails within that 1 s. Without
+// it, forming the group takes the collectives' timeout and fails.
+TEST(Comm, TheCollectivesClockStartsOnceTheGroupHasFormed) {
+  using std::chrono::milliseconds;
+  for (const milliseconds setup : {milliseconds(30000), milliseconds(0)}) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    std::string errors[2];
+    std::thread ranks[2];
+    std::promise<void> rank_0_done;
+    std::shared_future<void> done = rank_0_done.get_future().share();
+    for (int r = 0; r < 2; ++r) {
+      ranks[r] = std::thread([&, r] {
+        try {
+          if (r == 1) std::this_thread::sleep_for(std::chrono::seconds(2));  // started late, not a handshake
+          auto g = init_process_group(store, InitOptions().backend("gloo").rank(r).world_size(2)
+                                                 .timeout(milliseconds(1000)).setup_timeout(setup));
+          at::Tensor t = at::ones({4});
+          if (r == 0) {
+            try {
+              g->allreduce(t);  // rank 1 skips it
+            } catch (...) {
+              rank_0_done.set_value();
+              throw;
+            }
+            rank_0_done.set_value();
+          } else {
+            done.wait_for(std::chrono::seconds(30));  // rank 1 stays until rank 0 gave up waiting for it
+          }
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      });
+    }
+    for (auto& t : ranks) t.join();
+    if (setup.count() > 0) {
+      EXPECT_NE(errors[0].find("allreduce"), std::string::npos) << errors[0];
+      EXPECT_NE(errors[0].find("timed out (timeout 1000 ms)"), std::string::npos) << errors[0];
+      EXPECT_EQ(errors[0].find("could not connect"), std::string::npos) << errors[0];
+      EXPECT_EQ(errors[1], "");
+    } else {
+      EXPECT_NE(errors[0].find("within 1000 ms"), std::string::npos) << errors[0];
+    }
+  }
+}
+
 TEST(Comm, TransportThreadSchedulingIsSetForItAlone) {
   const auto before = thread_scheduling();
   auto store = c10::make_intrusive<c10d::HashStore>();

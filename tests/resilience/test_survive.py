@@ -383,12 +383,16 @@ class HungRank(Base):
         self.assertEqual(ends.get(2), "was killed by signal 15", out)
         self.assertRegex(out, r"launch: rank 2 did not finish within 5 s of rank \d; stopped it")
         self.assertRegex(out, r"recovered: rank 2 died \(seen in [^\n]*\) at step \d+; rolled back")
-        # From the stop to each survivor's recovery: the hung-rank timeout (10 s) and a recovery,
-        # far less than the 60 s a collective would wait for the stopped rank.
+        # The launcher (--keep-going) reports the stopped rank's end: not every rank exited 0.
+        self.assertEqual(p.returncode, 1, out)
+        # From the stop to each survivor's recovery: the hung-rank timeout (10 s), not less (a rank
+        # is not dropped before it was silent that long), and a recovery (about 2 s measured,
+        # docs/benchmarks.md; 5 s allowed here), far less than the 60 s a collective would wait.
         stopped = int(re.search(r"\[rank 2\] stopping at (\d+)", out).group(1))
         for r in (0, 1, 3):
             recovered = int(re.search(rf"\[rank {r}\] recovered at (\d+)", out).group(1))
-            self.assertLess((recovered - stopped) / 1e9, 20, out)
+            self.assertGreaterEqual((recovered - stopped) / 1e9, 10, out)
+            self.assertLess((recovered - stopped) / 1e9, 15, out)
 
 
 class BadInput(Base):

@@ -35,6 +35,7 @@ struct LaunchEnv {
   std::string master_addr;
   int master_port = 0;
   std::string convention;  // which launcher's variables gave the rank ("RANK/WORLD_SIZE", "Open MPI", ...)
+  std::vector<std::string> variables;  // that convention's: rank, world size, local rank, local world size
 };
 
 // Reads the launcher's variables. `need_master`: also the rendezvous address and port (env://).

@@ -48,6 +48,11 @@ struct InitOptions {
   TORCH_ARG(int, rank) = -1;                       // -1: from the environment
   TORCH_ARG(int, world_size) = -1;                 // -1: from the environment
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  // How long forming a group may take: reaching the store, every rank's arrival at the
+  // rendezvous and Gloo's connections (a rank started late, a slow scheduler), here and when the
+  // group forms subgroups or recovers; the store's waits. 0: `timeout`. The collectives' clock
+  // starts once the group has formed. (NCCL: its communicators take `timeout`.)
+  TORCH_ARG(std::chrono::milliseconds, setup_timeout) = std::chrono::milliseconds(0);
   // Check before every collective that all ranks call the same one (sequence number and kind,
   // size, root): ranks out of step get an error naming each rank's call instead of a hang or a
   // silent mix-up. Costs one small all-reduce per collective. Also on when the environment has
