@@ -182,7 +182,7 @@ void BM_PairedAtenVsOssStepGpt2(benchmark::State& state) {
 }
 
 // The host's share: as many tensors as GPT-2 small has (148) but of 64 elements each, so the time
-// is the per-tensor bookkeeping of a step, the part a GPU waits on (docs/benchmarks.md, "Many
+// is the per-tensor bookkeeping of a step, the part a GPU waits on (docs/benchmarks-log.md, "Many
 // parameters in few launches").
 void BM_PairedAtenVsOssStepHost(benchmark::State& state) {
   at::set_num_threads(static_cast<int>(state.range(0)));

@@ -14,6 +14,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <fstream>
@@ -41,8 +42,10 @@ namespace shardopt {
 // serves it (torchrun, `shardopt train -n N`: shardopt/comm/store_server.h) any rank can die and
 // be named.
 
+std::string detail::heartbeat_key(int rank) { return "shardopt/heartbeat/" + std::to_string(rank); }
+
 namespace {
-std::string heartbeat_key(int rank) { return "shardopt/heartbeat/" + std::to_string(rank); }
+using detail::heartbeat_key;
 
 // Every rank's heartbeat count: a check and one multi-get where the store has them and every
 // counter exists (a constant number of requests however many ranks there are), else one request
@@ -140,8 +143,12 @@ std::string this_process() {
   return boot + "/" + std::string(ns, static_cast<size_t>(n)) + "|" + pid + "|" + start;
 }
 
+std::chrono::milliseconds survivors_silence(std::chrono::milliseconds group_timeout) {
+  return std::clamp<std::chrono::milliseconds>(group_timeout, kHeartbeatTimeout, kHungTimeout);
+}
+
 RankWatch watch_ranks(c10d::Store& store, int size, int self, const std::string& flag_prefix,
-                      bool flag_counts_as_known) {
+                      bool flag_counts_as_known, std::chrono::milliseconds silence) {
   RankWatch w{std::vector<bool>(size), std::vector<bool>(size), std::vector<bool>(size), std::vector<bool>(size)};
   const std::string me = this_process();
   const std::string machine = me.substr(0, me.find('|'));
@@ -170,7 +177,7 @@ RankWatch watch_ranks(c10d::Store& store, int size, int self, const std::string&
       }
       all_known = all_known && (w.beat[r] || w.exited[r] || w.flagged[r]);
     }
-    if (all_known || std::chrono::steady_clock::now() - start >= kHeartbeatTimeout) break;
+    if (all_known || std::chrono::steady_clock::now() - start >= silence) break;
     std::this_thread::sleep_for(poll);
   }
   for (int r = 0; r < size; ++r) {

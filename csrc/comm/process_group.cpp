@@ -360,7 +360,7 @@ void ProcessGroup::allreduce(at::Tensor& tensor, Reduction op) {
 // tensor and adds them, in rank order, when the work is waited on. With the owners of the
 // buckets spread over the ranks, each rank sends (N-1)/N of the gradients per step, and with
 // the parameter broadcast (Gloo's sends (N-1)/N of the buffer per rank) a step moves
-// 2(N-1)/N, what a ring all-reduce moves (docs/benchmarks.md, bytes on the wire). Tags come
+// 2(N-1)/N, what a ring all-reduce moves (docs/benchmarks-log.md, bytes on the wire). Tags come
 // from a per-group sequence, the same on every rank because every rank issues its collectives
 // in the same order; they start above the tags callers of send/recv use.
 PendingWork ProcessGroup::track_all(CommStats::Kind kind, int64_t bytes,

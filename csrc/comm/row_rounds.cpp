@@ -23,7 +23,7 @@ namespace shardopt::detail {
 // Note [Rows]'s direct transfers cost each rank 2(size - 1) point-to-point operations per
 // collective. Where every transfer is latency (small rows, many ranks) that count is the cost:
 // at 16 ranks a 40,960-float bucket's reduce-scatter took 16-19 ms by direct transfers and 9-11
-// ms in four rounds of one peer each, its all-gather 14-17 against 7-9 (docs/benchmarks.md,
+// ms in four rounds of one peer each, its all-gather 14-17 against 7-9 (docs/benchmarks-log.md,
 // "Ranks as processes at world 16"). So at a size of at least kRoundsMinSize, on Gloo and for
 // CPU buffers on the exact wire, the rows go in rounds, log2(size) at a power of two:
 // - reduce-scatter, recursive halving: at distance d = size/2, size/4, .., 1, a rank keeps the
@@ -55,7 +55,7 @@ namespace shardopt::detail {
 //   the division, in one pass: sum_to), but as a work on the worker thread, which sums each
 //   bucket as its rows arrive, during backward, instead of on the rank's thread when it waits
 //   for the bucket. On the GPT-2 shape that took the step to 0.85-0.92x of the direct transfers'
-//   time at two ranks and 0.90-0.98x at four (docs/benchmarks.md, "Large rows summed on the
+//   time at two ranks and 0.90-0.98x at four (docs/benchmarks-log.md, "Large rows summed on the
 //   worker thread"); on small rows the worker's hand-off cost more than the sum it moved (the
 //   small model's step 1.17, 1.04, 1.07 and 0.98x at two ranks with every row on the
 //   worker), hence the bound.

@@ -25,7 +25,7 @@ namespace shardopt {
 // updated row copied to every rank (an all-gather). One collective each, whatever the world
 // size. On NCCL they are NCCL's own, in place (the output row inside the input buffer, as NCCL
 // allows). On Gloo, whose reduce-scatter is an all-reduce and whose all-gather was measured at
-// 4.5x the per-owner path (docs/benchmarks.md), they are direct transfers, as in Note [Reduce to
+// 4.5x the per-owner path (docs/benchmarks-log.md), they are direct transfers, as in Note [Reduce to
 // one owner]: at step k = 1 .. size-1, rank r sends row (r + k) % size to its owner and receives
 // its own row from rank (r - k) % size, so each rank sends (size - 1) / size of the buffer, the
 // least any scheme can, and no two ranks send to the same rank at the same step. The owner sums
@@ -47,7 +47,7 @@ namespace shardopt {
 // row with padding between its two parts travels packed into one. Each live element is summed
 // as in a whole row (the same rank order, the same bits); the padding of the result keeps this
 // rank's own values. NCCL's reduce-scatter and all-gather need equal rows, and the compressed
-// wires cut whole rows into blocks: there the padding travels (docs/benchmarks.md measures both).
+// wires cut whole rows into blocks: there the padding travels (docs/benchmarks-log.md measures both).
 namespace {
 
 int64_t nbytes(const at::Tensor& t) {

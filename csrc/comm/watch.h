@@ -20,6 +20,8 @@ inline constexpr std::chrono::seconds kHeartbeatTimeout(3);
 // overloaded machine, and a false alarm costs the whole group a recovery.
 inline constexpr std::chrono::seconds kHungTimeout(10);
 
+// The store key of rank r's heartbeat counter (Note [Roll call]).
+std::string heartbeat_key(int rank);
 // The store key under which rank r of a group records which process it is.
 std::string process_key(int rank);
 // The key a rank sets for rank r of its group when r's heartbeat stood still for
@@ -40,9 +42,14 @@ struct RankWatch {
 
 // Watches ranks [0, size) other than `self` until each one is known: its counter moved, its
 // process exited, or (when `flag_counts_as_known`) its flag is set; a rank still unknown after
-// kHeartbeatTimeout has stopped answering. Returns as soon as every rank is known: no fixed
-// sleep. Store errors propagate.
+// `silence` has stopped answering. Returns as soon as every rank is known: no fixed sleep. Store
+// errors propagate.
 RankWatch watch_ranks(c10d::Store& store, int size, int self, const std::string& flag_prefix,
-                      bool flag_counts_as_known);
+                      bool flag_counts_as_known, std::chrono::milliseconds silence = kHeartbeatTimeout);
+
+// How long the survivors of a broken group wait for a rank's heartbeat before they count it gone
+// (Note [Who is gone]): the group's timeout (a collective waiting on that rank would have failed
+// by then), at least kHeartbeatTimeout and at most kHungTimeout.
+std::chrono::milliseconds survivors_silence(std::chrono::milliseconds group_timeout);
 
 }  // namespace shardopt::detail

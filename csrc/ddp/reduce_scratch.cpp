@@ -15,7 +15,7 @@ namespace shardopt {
 // another rank owns) needs memory only while its reduction is in flight. Allocating it afresh
 // for every bucket of every backward puts the whole model's gradients in flight at once, and
 // glibc hands such large blocks back to the system between steps, so every step faults them in
-// again, page by page, zeroed by the kernel (docs/benchmarks.md, "Where the rows' cost on the
+// again, page by page, zeroed by the kernel (docs/benchmarks-log.md, "Where the rows' cost on the
 // GPT-2 shape goes"). So at most kScratchBuckets buckets hold scratch at once: a bucket that
 // needs it while that many do waits for the oldest launched one (its reduction, and the sum
 // its owner does, finish there, in the backward's hook, as DeepSpeed's ZeRO-2 waits for its

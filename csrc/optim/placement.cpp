@@ -52,7 +52,7 @@ std::vector<int64_t> Placement::partition_weights() const {
 // GPT-2-shaped model at two ranks 125-139 ms in backward against 98-111 ms with whole
 // parameters: for the first half of backward every reduction went to one rank) and kAuto split
 // only above 3%. A row bucket is reduce-scattered to every rank at once, and the same model
-// steps in 152 and 171 ms split against 150 and 176 ms whole, interleaved (docs/benchmarks.md).
+// steps in 152 and 171 ms split against 150 and 176 ms whole, interleaved (docs/benchmarks-log.md).
 
 // Note [Ownership by kind]
 // Each parameter's optimizer says how its state may be cut (shardopt/optim/state_layout.h): an

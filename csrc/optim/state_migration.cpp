@@ -367,7 +367,7 @@ void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Opt
 // first learns every member's ranges (one all-gather of five numbers per range), so that all lay
 // out alike for the state they will hold, and know who sends what to whom. No member holds more
 // than its own share of the state, and a recovery at world 8 moves a few MB per survivor where
-// broadcasting every shard to every survivor moved the whole state (docs/benchmarks.md).
+// broadcasting every shard to every survivor moved the whole state (docs/benchmarks-log.md).
 void scatter_shard_ranges(ProcessGroup& members, const std::function<int(int member)>& rank_of,
                           const std::function<torch::optim::Optimizer&(size_t param)>& local_of,
                           const std::vector<ShardRange>& ranges, const std::vector<GenericDict>& mine,

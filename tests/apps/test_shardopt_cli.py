@@ -87,6 +87,12 @@ def max_abs_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def mean_abs_diff(a, b):
+    """The mean over every element of every tensor."""
+    total = sum((a[k] - b[k]).abs().double().sum().item() for k in a)
+    return total / sum(a[k].numel() for k in a)
+
+
 class CliTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="shardopt-cli-")
@@ -341,12 +347,15 @@ class CliTest(unittest.TestCase):
         self.assertGreater(acc_full, 60.0)
         self.assertLess(abs(acc - acc_full), 1.0, p.stdout)
         # The parameters, not only the accuracy: the same global batches at world 4, 3 and 4 again
-        # end where the uninterrupted run ends, up to the order of float sums (1.6e-6 measured
-        # over 54 steps); a lost or doubled Adam step at lr 1e-3 moves a parameter by about 1e-3.
+        # end where the uninterrupted run ends, up to the order of float sums. Adam turns that
+        # order into up to 3.9e-4 on the few elements whose second moment is tiny (measured with
+        # MKL_CBWR=COMPATIBLE, as CI runs; 1.6e-6 without), 1.5e-7 on average. A lost or doubled
+        # step at lr 1e-3 moves nearly every parameter by up to 1e-3: the mean tells them apart.
         a = read_checkpoint.load(self.path("full/last.ckpt"))
         b = read_checkpoint.load(self.path("survived/last.ckpt"))
         self.assertEqual(a["step"], b["step"])
-        self.assertLessEqual(max_abs_diff(a["model"], b["model"]), 2e-5, p.stdout)
+        self.assertLessEqual(max_abs_diff(a["model"], b["model"]), 1e-3, p.stdout)
+        self.assertLessEqual(mean_abs_diff(a["model"], b["model"]), 1e-5, p.stdout)
 
     def test_survive_failures_bad_input_is_one_line(self):
         p = run(["train", "--epochs", "1", "--train-samples", "640", "--survive-failures"], check=False)
@@ -497,7 +506,7 @@ class CliTest(unittest.TestCase):
     def test_vit_trains_on_int8_wires_like_the_exact_wire(self):
         # The Vision Transformer, its embedding and first block frozen for part of the epoch: int8
         # gradients and parameters end within half a point of the exact wires' accuracy from the same
-        # seed (the full schedule's figures are in docs/benchmarks.md).
+        # seed (the full schedule's figures are in docs/benchmarks-log.md).
         args = ["train", "-n", "2", "--model", "vit", "--epochs", "1", *SMALL_ALL_TESTS, "--freeze", "embed@s30",
                 "--freeze", "block0@s30", "--unfreeze", "embed@s70", "--unfreeze", "block0@s70"]
         exact = run([*args, "--checkpoint-dir", self.path("exact")])

@@ -387,7 +387,7 @@ class HungRank(Base):
         self.assertEqual(p.returncode, 1, out)
         # From the stop to each survivor's recovery: the hung-rank timeout (10 s), not less (a rank
         # is not dropped before it was silent that long), and a recovery (about 2 s measured,
-        # docs/benchmarks.md; 5 s allowed here), far less than the 60 s a collective would wait.
+        # docs/benchmarks-log.md; 5 s allowed here), far less than the 60 s a collective would wait.
         stopped = int(re.search(r"\[rank 2\] stopping at (\d+)", out).group(1))
         for r in (0, 1, 3):
             recovered = int(re.search(rf"\[rank {r}\] recovered at (\d+)", out).group(1))

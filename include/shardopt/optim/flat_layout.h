@@ -48,7 +48,7 @@
 // in the bucket's row length, the larger of its share of one rank (bucket_bytes / world_size) and
 // the longest parameter any owner has next. Rows are as long as the bucket's longest, so shorter
 // rows carry padding: memory in the parameter buffer, and bytes on the wire, that a bucket per
-// owner does not have (docs/benchmarks.md measures it). In return every bucket is one
+// owner does not have (docs/benchmarks-log.md measures it). In return every bucket is one
 // reduce-scatter and one all-gather, the same executor and sync as the element-wise rows, and
 // the count is bounded by the parameters' bytes over bucket_bytes, never by the world size.
 //

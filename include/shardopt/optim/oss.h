@@ -91,7 +91,7 @@ struct OptimizerGroup {
 
 // How every rank's copy of the parameters is made current after the owners stepped.
 // kBroadcast is the default; kAllgather issues one collective per flat buffer whatever the world
-// size (docs/benchmarks.md compares them).
+// size (docs/benchmarks-log.md compares them).
 enum class ParamSync {
   kBroadcast,  // one broadcast per owner and flat buffer, of the owner's used elements
   kAllgather,  // one all-gather per flat buffer of its shards as equal rows (Note [Rows]: direct
