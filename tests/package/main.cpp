@@ -1,5 +1,6 @@
 // A user's program against the installed package: one rank, OSS(Adam) over a Linear layer, one
-// step, a checkpoint saved and loaded.
+// step, a checkpoint saved and loaded. Started by the installed launcher (RANK set), each rank
+// joins the launcher's group instead and sums its rank with the others.
 #include <shardopt/shardopt.h>
 #include <shardopt/checkpoint.h>
 // The paths docs/api.md names for each piece, as a user includes them.
@@ -13,8 +14,16 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 
 int main(int argc, char** argv) {
+  if (std::getenv("RANK")) {  // under shardopt-launch
+    auto group = shardopt::init_process_group(shardopt::InitOptions().backend("gloo"));
+    auto sum = torch::full({1}, static_cast<float>(group->rank()));
+    group->allreduce(sum);
+    std::printf("consumer rank %d of %d: sum of ranks %g\n", group->rank(), group->size(), sum.item<float>());
+    return 0;
+  }
   auto group = shardopt::init_process_group(c10::make_intrusive<c10d::HashStore>(),
                                             shardopt::InitOptions().backend("gloo").rank(0).world_size(1));
   torch::nn::Linear model(4, 2);

@@ -14,4 +14,5 @@ cmake -S "$here" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" -D
   || { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/build" > "$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
 "$work/build/consumer" "$work"
+"$work/prefix/bin/shardopt-launch" -n 2 --timeout 120 "$work/build/consumer"
 "$work/prefix/bin/shardopt" --version
