@@ -125,9 +125,39 @@ bool checks_desync(const InitOptions& options) {
   return options.check_desync() || (env && std::string(env) == "1");
 }
 
+void agree_on_init_fields(c10d::Store& store, const InitOptions& options, const std::string& backend);
+
+// The store key a process claims its rank under, before the agreement below.
+std::string claim_key(int rank) { return "shardopt/init/claimed/" + std::to_string(rank); }
+
+// A rank that two processes claimed, or -1.
+int rank_claimed_twice(c10d::Store& store, int world_size) {
+  for (int r = 0; r < world_size; ++r) {
+    if (store.add(claim_key(r), 0) > 1) return r;
+  }
+  return -1;
+}
+
 // Every rank learns, before any backend connects, whether the ranks were started alike: a rank
-// that chose another backend or world size would otherwise leave the others waiting.
+// that chose another backend or world size would otherwise leave the others waiting. A process
+// started with a rank another process already has (two with RANK=1) fails at once naming it; the
+// others, waiting for the rank nobody took, name it at their timeout instead of only the missing
+// rank.
 void agree_on_init(c10d::Store& store, const InitOptions& options, const std::string& backend) {
+  const std::string twice = " was started twice: two processes have RANK (or the launcher's rank variable) ";
+  SHARDOPT_CHECK(store.add(claim_key(options.rank()), 1) == 1, "init_process_group: rank ", options.rank(), twice,
+                 options.rank(), " in a world of ", options.world_size(), "; each rank must be started once");
+  try {
+    agree_on_init_fields(store, options, backend);
+  } catch (const c10::Error& e) {
+    const int dup = rank_claimed_twice(store, options.world_size());
+    if (dup < 0) throw;
+    SHARDOPT_CHECK(false, "init_process_group: rank ", dup, twice, dup, ", so another rank never came (rank ",
+                   options.rank(), " of ", options.world_size(), ": ", e.what_without_backtrace(), ")");
+  }
+}
+
+void agree_on_init_fields(c10d::Store& store, const InitOptions& options, const std::string& backend) {
   // SHARDOPT_ANNOUNCE_VERSION replaces the announced shardopt version (to test the refusal).
   // SHARDOPT_ANNOUNCE_TORCH_VERSION the LibTorch version.
   const char* announced = env_var("SHARDOPT_ANNOUNCE_VERSION");

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <chrono>
 #include <cstdlib>
 #include <thread>
 
@@ -151,6 +152,33 @@ TEST(Agree, ProcessGroupCreationChecksTheRanksWereStartedAlike) {
   }
   for (auto& t : threads) t.join();
   expect_everywhere(errors, "init_process_group: ranks disagree on timeout (ms): 20000 on rank 0 but 30000 on rank 1");
+}
+
+// Two processes started with RANK=1 in a world of 3 (and none with 2): the second to claim rank
+// 1 fails at once, and the others, whose wait for rank 2 ends at the timeout, name the duplicate
+// rather than only the missing rank.
+TEST(Agree, ARankStartedTwiceIsNamedOnEveryRank) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const int ranks[] = {0, 1, 1};
+  std::vector<std::string> errors(3);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        init_process_group(store, InitOptions().backend("gloo").rank(ranks[t]).world_size(3)
+                                      .timeout(std::chrono::seconds(2)));
+      } catch (const std::exception& e) {
+        errors[t] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int t = 0; t < 3; ++t) {
+    EXPECT_NE(errors[t].find("init_process_group: rank 1 was started twice: two processes have RANK (or the "
+                             "launcher's rank variable) 1"),
+              std::string::npos)
+        << "process " << t << ": " << errors[t];
+  }
 }
 
 // SHARDOPT_CHECK_DESYNC=1 (or check_desync) on some ranks only: the checking ranks' first
