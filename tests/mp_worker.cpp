@@ -10,6 +10,7 @@
 //                            each (TrainingState step k); rank 0 writes the parameters and
 //                            the consolidated optimizer state it saved to PATH.params-k
 //   mp_worker hello          one all-reduce; prints rank, world size, local rank
+//   mp_worker rng_resume DIR save|load   each rank's random-number state through a checkpoint
 //   mp_worker die_in PHASE R rank R kills itself with SIGKILL in PHASE at step 2
 //   mp_worker soak STEPS DIR  a long run: memory, threads, descriptors and parity (tools/soak.sh)
 //   mp_worker wire_bytes     bytes each rank writes to the network per step: OSS + ShardedDDP
@@ -123,6 +124,33 @@ void sharded_saves(std::shared_ptr<ProcessGroup> group, const std::string& path,
     save_checkpoint(path, *net, oss, state, CheckpointOptions().optimizer_state(OptimizerStateLayout::kSharded));
     std::cout << "saved " << k << std::endl;
   }
+}
+
+// A checkpoint restores each rank's own random-number state. `save`: seeds 1000 + rank, draws,
+// saves a checkpoint, then draws what a run that went on would draw and keeps it in
+// DIR/draws-<rank>. `load`: fresh objects and another seed, loads the checkpoint, draws, and
+// compares with what the run that went on drew, bit for bit; the ranks' draws differ.
+void rng_resume(std::shared_ptr<ProcessGroup> group, const std::string& dir, const std::string& phase) {
+  auto net = std::make_shared<Net>();
+  OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), group);
+  const std::string path = dir + "/rng.ckpt", mine = dir + "/draws-" + std::to_string(group->rank());
+  if (phase == "save") {
+    at::manual_seed(1000 + group->rank());
+    at::randn({16});
+    save_checkpoint(path, *net, oss, TrainingState());
+    write_checkpoint_file(mine, at::randn({16}));
+    std::cout << "saved" << std::endl;
+    return;
+  }
+  at::manual_seed(7);
+  load_checkpoint(path, *net, oss);
+  const at::Tensor drawn = at::randn({16});
+  TORCH_CHECK(drawn.equal(read_checkpoint_file(mine).toTensor()), "rank ", group->rank(),
+              " drew other numbers after the load than the run that went on");
+  at::Tensor others = drawn.clone();
+  group->broadcast(others, 0);
+  TORCH_CHECK(group->rank() == 0 || !drawn.equal(others), "rank ", group->rank(), " drew rank 0's numbers");
+  std::cout << "rng ok on rank " << group->rank() << std::endl;
 }
 
 void ddp_parity(std::shared_ptr<ProcessGroup> group) {
@@ -446,6 +474,10 @@ int main(int argc, char** argv) {
     }
     if (std::strcmp(argv[1], "async_saves") == 0 && argc > 2) {
       async_saves(group, argv[2]);
+      return 0;
+    }
+    if (std::strcmp(argv[1], "rng_resume") == 0 && argc > 3) {
+      rng_resume(group, argv[2], argv[3]);
       return 0;
     }
     if (std::strcmp(argv[1], "sharded_saves") == 0 && argc > 3) {
