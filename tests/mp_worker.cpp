@@ -11,6 +11,7 @@
 //                            the consolidated optimizer state it saved to PATH.params-k
 //   mp_worker hello          one all-reduce; prints rank, world size, local rank
 //   mp_worker rng_resume DIR save|load   each rank's random-number state through a checkpoint
+//   mp_worker hold           one all-reduce, then the group stays open until stdin closes
 //   mp_worker die_in PHASE R rank R kills itself with SIGKILL in PHASE at step 2
 //   mp_worker soak STEPS DIR  a long run: memory, threads, descriptors and parity (tools/soak.sh)
 //   mp_worker wire_bytes     bytes each rank writes to the network per step: OSS + ShardedDDP
@@ -474,6 +475,16 @@ int main(int argc, char** argv) {
     }
     if (std::strcmp(argv[1], "async_saves") == 0 && argc > 2) {
       async_saves(group, argv[2]);
+      return 0;
+    }
+    if (std::strcmp(argv[1], "hold") == 0) {
+      // One all-reduce, then the group stays open until stdin closes (the test reads the
+      // sockets meanwhile).
+      at::Tensor t = at::ones({1});
+      group->allreduce(t);
+      std::cout << "holding on rank " << group->rank() << std::endl;
+      std::string line;
+      std::getline(std::cin, line);
       return 0;
     }
     if (std::strcmp(argv[1], "rng_resume") == 0 && argc > 3) {

@@ -182,7 +182,7 @@ def listening_addresses(port):
     return found
 
 
-class Loopback(unittest.TestCase):
+class LoopbackStore(unittest.TestCase):
     def test_a_loopback_rendezvous_listens_on_loopback_only(self):
         port = free_port()
         e = base_env()
@@ -199,6 +199,56 @@ class Loopback(unittest.TestCase):
         finally:
             p.kill()
             p.wait()
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+def tcp_sockets_of(pid):
+    """(state, local address) of every TCP socket process `pid` holds (its fds against
+    /proc/net/tcp and tcp6)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            m = re.match(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+        if m:
+            inodes.add(m.group(1))
+    found = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(name).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                found.append((fields[3], fields[1].split(":")[0]))
+    return found
+
+
+class Loopback(unittest.TestCase):
+    def test_nothing_a_loopback_group_holds_listens_beyond_this_machine(self):
+        # Two ranks hold their group open (after one all-reduce) until told to go: every TCP
+        # socket of each, the store's, Gloo's listening sockets and its connections, is on
+        # loopback.
+        port = free_port()
+        procs = []
+        for r in range(2):
+            e = base_env()
+            e.update({"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            procs.append(subprocess.Popen([WORKER, "hold"], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        try:
+            for r, p in enumerate(procs):
+                self.assertEqual(p.stdout.readline().strip(), f"holding on rank {r}")
+            for r, p in enumerate(procs):
+                sockets = tcp_sockets_of(p.pid)
+                self.assertTrue(any(state == "0A" for state, _ in sockets), f"rank {r}: no listening socket seen")
+                for state, address in sockets:
+                    self.assertIn(address, LOOPBACK, f"rank {r}: a socket in state {state} on {address}")
+        finally:
+            for p in procs:
+                p.stdin.close()
+            for p in procs:
+                p.wait(timeout=60)
 
 
 LAUNCH_HOSTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools",
