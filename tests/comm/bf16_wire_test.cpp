@@ -8,6 +8,7 @@
 #include "model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -29,8 +30,8 @@ float from_bits(uint32_t bits) {
 // `rows` rows of `row` values for rank `rank`: random ones, each rank's own, with the cases above
 // in every row.
 at::Tensor values_of(int rank, int64_t row, int rows) {
-  at::manual_seed(900 + rank);
-  at::Tensor x = at::randn({row * rows}, at::kFloat);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(900 + rank);  // this rank's own (ranks are threads)
+  at::Tensor x = at::randn({row * rows}, gen, at::kFloat);
   const float inf = std::numeric_limits<float>::infinity();
   const std::vector<float> special{
       from_bits(0x3f808000u),  // halfway between two bf16 values, the lower one even: rounds down

@@ -14,6 +14,7 @@
 #include "model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <limits>
@@ -58,12 +59,12 @@ int64_t packed_bytes(int64_t n, int64_t tail = 0) {
 // zeros, a block of tiny values, and a short last block, on the int8 wire and on the bf16 wire.
 TEST(Int8Wire, ErrorFeedbackInOnePassGivesTheBitsOfItsDefinition) {
   const int64_t n = 4 * kBlock + 97;
-  at::manual_seed(5);
-  at::Tensor x = at::randn({n}, at::kFloat);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);  // this rank's own (ranks are threads)
+  at::Tensor x = at::randn({n}, gen, at::kFloat);
   x.narrow(0, kBlock, kBlock).zero_();
   x.narrow(0, 2 * kBlock, kBlock).mul_(1e-30);
   x.narrow(0, 3 * kBlock, kBlock).mul_(1e4);
-  const at::Tensor residual = (at::randn({n}, at::kFloat) * 1e-2).to(at::kBFloat16);
+  const at::Tensor residual = (at::randn({n}, gen, at::kFloat) * 1e-2).to(at::kBFloat16);
   for (Wire wire : {Wire::kInt8, Wire::kBFloat16}) {
     SCOPED_TRACE(wire == Wire::kInt8 ? "int8" : "bf16");
     const at::Tensor v = x + residual.to(at::kFloat);
@@ -92,8 +93,8 @@ TEST(Int8Wire, RowsReduceScatterSumsTheDequantisedBlocksInFp32) {
         take(route, *g);
         const int r = g->rank();
         const int64_t row = 1000, tail = 3;  // 997 values (not a multiple of 256) then 3 exact flags
-        at::manual_seed(500 + r);
-        at::Tensor flat = at::randn({row * world}) * (r + 1);
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + r);  // this rank's own (ranks are threads)
+        at::Tensor flat = at::randn({row * world}, gen) * (r + 1);
         for (int k = 0; k < world; ++k) flat.narrow(0, k * row + row - tail, tail).fill_(1.0 + r);
         const auto all = everyones(*g, flat);
         for (bool into : {false, true}) {
@@ -140,8 +141,8 @@ TEST(Int8Wire, ABf16BucketIsSummedInFp32AndRoundedOnce) {
         take(route, *g);
         const int r = g->rank();
         const int64_t row = 700;
-        at::manual_seed(900 + r);
-        const at::Tensor flat = (at::randn({row * world}) * (r + 1)).to(at::kBFloat16);
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(900 + r);  // this rank's own (ranks are threads)
+        const at::Tensor flat = (at::randn({row * world}, gen) * (r + 1)).to(at::kBFloat16);
         const auto all = everyones(*g, flat);
         // The mean rank `owner` gets of elements [begin, begin + n) of everyone's `flat`: in fp32,
         // its own first; and the same summed in bf16, as a bf16 bucket's own dtype would.
@@ -175,8 +176,8 @@ TEST(Int8Wire, ABlockWithInfOrNanArrivesNonFinite) {
     run_ranks(2, [route](std::shared_ptr<ProcessGroup> g) {
       take(route, *g);
       for (double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
-        at::manual_seed(800 + g->rank());
-        at::Tensor flat = at::randn({2 * 600});
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(800 + g->rank());  // this rank's own (ranks are threads)
+        at::Tensor flat = at::randn({2 * 600}, gen);
         const auto all = everyones(*g, flat);
         flat[10] = bad;  // in rank 0's row, block 0, on every rank
         g->reduce_scatter_rows_async(flat, 2.0, {}, at::kChar).wait();
@@ -235,8 +236,8 @@ TEST(Int8Wire, ReduceToOneOwnerSumsTheDequantisedBlocks) {
       take(route, *g);
       const int r = g->rank();
       const int64_t n = 700, tail = 2;
-      at::manual_seed(600 + r);
-      at::Tensor t = at::randn({n});
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(600 + r);  // this rank's own (ranks are threads)
+      at::Tensor t = at::randn({n}, gen);
       const auto all = everyones(*g, t);
       const CommStats before = g->stats();
       g->reduce_mean_async(t, 1, n - tail, 3.0, at::kChar, tail).wait();
@@ -255,8 +256,8 @@ TEST(Int8Wire, AllGatherAndBroadcastLeaveEveryRankTheDequantisedValues) {
     run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
       const int r = g->rank();
       const int64_t row = 600;
-      at::manual_seed(700 + r);
-      at::Tensor flat = at::randn({row * world});
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(700 + r);  // this rank's own (ranks are threads)
+      at::Tensor flat = at::randn({row * world}, gen);
       const auto all = everyones(*g, flat);
       const CommStats before = g->stats();
       g->allgather_rows_async(flat, at::kChar).wait();
@@ -278,9 +279,9 @@ TEST(Int8Wire, AllGatherAndBroadcastLeaveEveryRankTheDequantisedValues) {
 TEST(Int8Wire, AllGatherOfAnotherTensorsValuesLeavesEveryRankThemDequantised) {
   run_ranks(3, [](std::shared_ptr<ProcessGroup> g) {
     const int64_t row = 600;
-    at::manual_seed(800 + g->rank());
-    at::Tensor flat = at::randn({row * 3});
-    const at::Tensor own = at::randn({row}) * 3, own_before = own.clone();
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(800 + g->rank());  // this rank's own (ranks are threads)
+    at::Tensor flat = at::randn({row * 3}, gen);
+    const at::Tensor own = at::randn({row}, gen) * 3, own_before = own.clone();
     const auto owns = everyones(*g, own);
     g->allgather_rows_async(flat, at::kChar, own).wait();
     for (int k = 0; k < 3; ++k) {

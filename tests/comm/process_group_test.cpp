@@ -4,6 +4,7 @@
 #include "harness.h"
 
 #include <c10/util/Exception.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
@@ -126,8 +127,8 @@ TEST(Comm, ReduceMeanDividesTheLeadingElementsAsSumThenDiv) {
         for (double divisor : {static_cast<double>(world), 7.3}) {
           const int64_t n = 40001, lead = n - 3;
           const int root = (world - 1 + static_cast<int>(divisor)) % world;
-          at::manual_seed(100 + r);
-          at::Tensor mine = at::randn({n}, at::kDouble).to(dtype);
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + r);  // this rank's own (ranks are threads)
+          at::Tensor mine = at::randn({n}, gen, at::kDouble).to(dtype);
           std::vector<at::Tensor> all;
           for (int k = 0; k < world; ++k) all.push_back(at::empty_like(mine));
           g->allgather(all, mine);

@@ -6,6 +6,7 @@
 #include "model.h"
 
 #include <c10/util/Exception.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -35,8 +36,8 @@ TEST(Rows, ReduceScatterSumsEachRowOnItsOwnerAndAllGatherSpreadsThem) {
       for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
         for (double divisor : {1.0, static_cast<double>(world)}) {
           const int64_t row = 20011;  // odd: the sum's chunks do not divide it
-          at::manual_seed(200 + r);
-          at::Tensor flat = at::randn({row * world}, at::kDouble).to(dtype);
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(200 + r);  // this rank's own (ranks are threads)
+          at::Tensor flat = at::randn({row * world}, gen, at::kDouble).to(dtype);
           const std::vector<at::Tensor> all = everyones(*g, flat);
           g->reset_stats();
           g->reduce_scatter_rows_async(flat, divisor).wait();
@@ -49,7 +50,7 @@ TEST(Rows, ReduceScatterSumsEachRowOnItsOwnerAndAllGatherSpreadsThem) {
           EXPECT_TRUE(mine.equal(expected)) << "world " << world << " " << dtype << " divisor " << divisor
                                             << ": max diff " << (mine - expected).abs().max().item<double>();
           // Each owner's row, now different on every rank, reaches every rank.
-          mine.copy_(at::randn({row}, at::kDouble).to(dtype));
+          mine.copy_(at::randn({row}, gen, at::kDouble).to(dtype));
           const std::vector<at::Tensor> owned = everyones(*g, mine.clone());
           g->allgather_rows_async(flat).wait();
           for (int k = 0; k < world; ++k) {
@@ -74,8 +75,8 @@ TEST(Rows, ReduceScatterIntoAnOutputRowSumsTheSameBits) {
       const int r = g->rank();
       for (double divisor : {1.0, static_cast<double>(world)}) {
         const int64_t row = 5003;
-        at::manual_seed(300 + r);
-        at::Tensor flat = at::randn({row * world});
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(300 + r);  // this rank's own (ranks are threads)
+        at::Tensor flat = at::randn({row * world}, gen);
         const std::vector<at::Tensor> all = everyones(*g, flat);
         at::Tensor expected = all[r].narrow(0, r * row, row).clone();
         for (int k = 0; k < world; ++k) {
@@ -127,8 +128,8 @@ TEST(Rows, RoundsAtPowerOfTwoSizesSumEachRowOnItsOwner) {
       const int64_t row = 1001;  // 4 KB of float: rounds
       for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
         for (double divisor : {1.0, static_cast<double>(world)}) {
-          at::manual_seed(400 + r);
-          at::Tensor flat = at::randint(-8, 9, {row * world}, at::kDouble).to(dtype);
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(400 + r);  // this rank's own (ranks are threads)
+          at::Tensor flat = at::randint(-8, 9, {row * world}, gen, at::kDouble).to(dtype);
           const std::vector<at::Tensor> all = everyones(*g, flat);
           at::Tensor expected = at::zeros({row}, at::kDouble);
           for (int k = 0; k < world; ++k) expected.add_(all[k].narrow(0, r * row, row).to(at::kDouble));
@@ -151,7 +152,7 @@ TEST(Rows, RoundsAtPowerOfTwoSizesSumEachRowOnItsOwner) {
           EXPECT_TRUE(elsewhere.narrow(0, r * row, row).equal(at::full({row}, 100, flat.options())))
               << "the own row of the buffer is left alone";
           // Each owner's row, different on every rank, reaches every rank.
-          at::Tensor owned_row = at::randint(-8, 9, {row}, at::kDouble).to(dtype);
+          at::Tensor owned_row = at::randint(-8, 9, {row}, gen, at::kDouble).to(dtype);
           plain.narrow(0, r * row, row).copy_(owned_row);
           const std::vector<at::Tensor> owned = everyones(*g, owned_row);
           g->reset_stats();
@@ -164,8 +165,8 @@ TEST(Rows, RoundsAtPowerOfTwoSizesSumEachRowOnItsOwner) {
         }
       }
       // Random floats: the tree's sum, within float's rounding of the exact one.
-      at::manual_seed(500 + r);
-      at::Tensor flat = at::randn({row * world});
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + r);  // this rank's own (ranks are threads)
+      at::Tensor flat = at::randn({row * world}, gen);
       const std::vector<at::Tensor> all = everyones(*g, flat);
       at::Tensor exact = at::zeros({row}, at::kDouble);
       for (int k = 0; k < world; ++k) exact.add_(all[k].narrow(0, r * row, row).to(at::kDouble));
@@ -184,9 +185,9 @@ TEST(Rows, AllGatherInRoundsAtOtherSizesGivesEveryRankEachRow) {
       const int r = g->rank();
       for (int64_t row : {int64_t{1}, int64_t{333}}) {
         for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
-          at::manual_seed(600 + r);
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(600 + r);  // this rank's own (ranks are threads)
           at::Tensor flat = at::full({row * world}, -1.0, dtype);
-          const at::Tensor mine = at::randn({row}).to(dtype);
+          const at::Tensor mine = at::randn({row}, gen).to(dtype);
           flat.narrow(0, r * row, row).copy_(mine);
           const std::vector<at::Tensor> owned = everyones(*g, mine);
           g->reset_stats();
@@ -217,8 +218,8 @@ TEST(Rows, ReduceScatterInRoundsAtOtherSizesSumsEachRowOnItsOwner) {
       const int r = g->rank();
       for (int64_t row : {int64_t{1}, int64_t{1001}}) {
         for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
-          at::manual_seed(700 + r);
-          const at::Tensor flat = at::randint(-8, 9, {row * world}, at::kDouble).to(dtype);
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(700 + r);  // this rank's own (ranks are threads)
+          const at::Tensor flat = at::randint(-8, 9, {row * world}, gen, at::kDouble).to(dtype);
           const std::vector<at::Tensor> all = everyones(*g, flat);
           at::Tensor expected = at::zeros({row}, at::kDouble);
           for (int k = 0; k < world; ++k) expected.add_(all[k].narrow(0, r * row, row).to(at::kDouble));
@@ -237,8 +238,8 @@ TEST(Rows, ReduceScatterInRoundsAtOtherSizesSumsEachRowOnItsOwner) {
           ASSERT_TRUE(out.equal(expected)) << "into, rank " << r << " at world " << world << ", " << dtype;
         }
       }
-      at::manual_seed(900 + r);
-      at::Tensor flat = at::randn({1001 * world});
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(900 + r);  // this rank's own (ranks are threads)
+      at::Tensor flat = at::randn({1001 * world}, gen);
       const std::vector<at::Tensor> all = everyones(*g, flat);
       at::Tensor exact = at::zeros({1001}, at::kDouble), chain = all[r].narrow(0, r * 1001, 1001).clone();
       for (int k = 0; k < world; ++k) {
@@ -264,8 +265,8 @@ TEST(Rows, LargeRowsBelowEightRanksSumInRankOrder) {
       const int r = g->rank();
       const int64_t row = 300000;  // 1.2 MB of float
       for (auto dtype : {at::kFloat, at::kDouble}) {
-        at::manual_seed(1100 + r);
-        const at::Tensor flat = at::randn({row * world}).to(dtype);
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(1100 + r);  // this rank's own (ranks are threads)
+        const at::Tensor flat = at::randn({row * world}, gen).to(dtype);
         const std::vector<at::Tensor> all = everyones(*g, flat);
         at::Tensor expected = all[r].narrow(0, r * row, row).clone();
         for (int k = 0; k < world; ++k) {
@@ -350,9 +351,9 @@ TEST(Rows, AllGatherOfAnotherTensorsValuesSpreadsThem) {
   for (int world : {2, 3, 8}) {
     run_ranks(world, [world](std::shared_ptr<ProcessGroup> g) {
       const int64_t row = 37;
-      at::manual_seed(300 + g->rank());
-      at::Tensor flat = at::randn({row * world});
-      const at::Tensor own = at::randn({row}), own_before = own.clone();
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(300 + g->rank());  // this rank's own (ranks are threads)
+      at::Tensor flat = at::randn({row * world}, gen);
+      const at::Tensor own = at::randn({row}, gen), own_before = own.clone();
       const auto owns = everyones(*g, own);
       g->allgather_rows_async(flat, std::nullopt, own).wait();
       for (int k = 0; k < world; ++k) {
@@ -440,8 +441,8 @@ TEST(Rows, RowsWithPaddingMoveOnlyTheirLiveElements) {
         return bytes;
       };
       for (const bool into : {false, true}) {
-        at::manual_seed(1300 + r);
-        const at::Tensor flat = at::randn({row * world});
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(1300 + r);  // this rank's own (ranks are threads)
+        const at::Tensor flat = at::randn({row * world}, gen);
         const std::vector<at::Tensor> all = everyones(*g, flat);
         at::Tensor expected = all[r].narrow(0, r * row, row).clone();
         for (int64_t at_row : {int64_t{0}, row - tail}) {
@@ -470,8 +471,8 @@ TEST(Rows, RowsWithPaddingMoveOnlyTheirLiveElements) {
           EXPECT_LE(bytes, sent + 65536) << "world " << world << ": the padded rows would write " << padded;
         }
       }
-      at::manual_seed(1400 + r);
-      at::Tensor params = at::randn({row * world});
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(1400 + r);  // this rank's own (ranks are threads)
+      at::Tensor params = at::randn({row * world}, gen);
       const at::Tensor before = params.clone();
       const std::vector<at::Tensor> owned = everyones(*g, params.narrow(0, r * row, row).clone());
       const int64_t bytes = written([&] { g->allgather_rows_async(params, std::nullopt, {}, used).wait(); });
