@@ -485,7 +485,8 @@ TrainingState load(const std::string& path, torch::nn::Module& module, OSS& opti
           file = legacy_shard_path(path, r, shards_saved);
         }
         SHARDOPT_CHECK(::access(file.c_str(), F_OK) == 0, "checkpoint '", path, "': its optimizer part ", r, " of ",
-                       shards_saved, ", '", file, "', is missing");
+                       shards_saved, ", '", file, "', is missing (a sharded checkpoint is its main file and its "
+                       "parts beside it, named after it: a main file copied or renamed alone leaves them behind)");
         const Dict s = read_checkpoint_file(file).toGenericDict();
         SHARDOPT_CHECK(s.at("checkpoint_id").toInt() == d.at("checkpoint_id").toInt(), "checkpoint '", file,
                        "' belongs to another save than '", path, "'");

@@ -216,6 +216,64 @@ TEST(CheckpointCleanup, ARanksCleanupLeavesTheOtherRanksPartsOfALaterSave) {
   remove_tree(dir);
 }
 
+// `cp last.ckpt best.ckpt` on a sharded checkpoint: the copy refuses to load on every rank, naming
+// the part it lacks and why; with its parts copied under its name too it loads, and later saves to
+// last.ckpt never remove the parts best.ckpt names.
+TEST(Checkpoint, AMainFileCopiedWithoutItsPartsRefusesAndSavesLeaveACopysParts) {
+  const auto dir = temp_dir("copy");
+  const std::string last = dir + "/last.ckpt", best = dir + "/best.ckpt";
+  const auto sharded = CheckpointOptions().optimizer_state(OptimizerStateLayout::kSharded);
+  const auto copy = [](const std::string& from, const std::string& to) {
+    std::ofstream(to, std::ios::binary) << std::ifstream(from, std::ios::binary).rdbuf();
+  };
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g);
+    ShardedDDP ddp(net, oss);
+    train(*net, oss, ddp, *g, 0, 2);
+    TrainingState state;
+    state.step = 2;
+    save_checkpoint(last, *net, oss, state, sharded);
+  });
+  copy(last, best);
+  const auto errors = testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g);
+    load_checkpoint(best, *net, oss);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("checkpoint '" + best + "': its optimizer part"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("a main file copied or renamed alone leaves them behind"), std::string::npos) << errors[r];
+  }
+  // The parts copied under best.ckpt's name too.
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name.rfind("last.ckpt.optim-", 0) == 0) copy(dir + "/" + name, dir + "/best" + name.substr(4));
+    }
+    ::closedir(d);
+  }
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g);
+    ShardedDDP ddp(net, oss);
+    EXPECT_EQ(load_checkpoint(best, *net, oss).step, 2);
+    train(*net, oss, ddp, *g, 2, 4);
+    for (int64_t step : {3, 4}) {  // two more saves to last.ckpt: each removes last.ckpt's older parts
+      TrainingState state;
+      state.step = step;
+      save_checkpoint(last, *net, oss, state, sharded);
+    }
+  });
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g);
+    EXPECT_EQ(load_checkpoint(best, *net, oss).step, 2) << "best.ckpt's parts are still there";
+    EXPECT_EQ(load_checkpoint(last, *net, oss).step, 4);
+  });
+  remove_tree(dir);
+}
+
 TEST(Checkpoint, ResumeAtTheSameWorldSizeIsBitExact) {
   for (auto layout : {OptimizerStateLayout::kConsolidated, OptimizerStateLayout::kSharded}) {
     const auto dir = temp_dir("same");
