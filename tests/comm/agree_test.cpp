@@ -137,20 +137,28 @@ TEST(Agree, ThroughAStoreAMissingRankIsNamedWithinTheTimeout) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
 }
 
-TEST(Agree, ProcessGroupCreationChecksTheRanksWereStartedAlike) {
+// init_process_group over one store, once per entry of `options` (one process each, as threads):
+// each one's error ("" when it formed its group).
+std::vector<std::string> init_errors(const std::vector<InitOptions>& options) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::string> errors(2);
+  std::vector<std::string> errors(options.size());
   std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
+  for (size_t t = 0; t < options.size(); ++t) {
+    threads.emplace_back([&, t] {
       try {
-        init_process_group(store, InitOptions().rank(r).world_size(2).timeout(std::chrono::seconds(r == 0 ? 20 : 30)));
+        init_process_group(store, options[t]);
       } catch (const std::exception& e) {
-        errors[r] = e.what();
+        errors[t] = e.what();
       }
     });
   }
   for (auto& t : threads) t.join();
+  return errors;
+}
+
+TEST(Agree, ProcessGroupCreationChecksTheRanksWereStartedAlike) {
+  const auto errors = init_errors({InitOptions().rank(0).world_size(2).timeout(std::chrono::seconds(20)),
+                                   InitOptions().rank(1).world_size(2).timeout(std::chrono::seconds(30))});
   expect_everywhere(errors, "init_process_group: ranks disagree on timeout (ms): 20000 on rank 0 but 30000 on rank 1");
 }
 
@@ -158,21 +166,11 @@ TEST(Agree, ProcessGroupCreationChecksTheRanksWereStartedAlike) {
 // 1 fails at once, and the others, whose wait for rank 2 ends at the timeout, name the duplicate
 // rather than only the missing rank.
 TEST(Agree, ARankStartedTwiceIsNamedOnEveryRank) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  const int ranks[] = {0, 1, 1};
-  std::vector<std::string> errors(3);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 3; ++t) {
-    threads.emplace_back([&, t] {
-      try {
-        init_process_group(store, InitOptions().backend("gloo").rank(ranks[t]).world_size(3)
-                                      .timeout(std::chrono::seconds(2)));
-      } catch (const std::exception& e) {
-        errors[t] = e.what();
-      }
-    });
+  std::vector<InitOptions> processes;
+  for (int rank : {0, 1, 1}) {
+    processes.push_back(InitOptions().backend("gloo").rank(rank).world_size(3).timeout(std::chrono::seconds(2)));
   }
-  for (auto& t : threads) t.join();
+  const auto errors = init_errors(processes);
   for (int t = 0; t < 3; ++t) {
     EXPECT_NE(errors[t].find("init_process_group: rank 1 was started twice: two processes have RANK (or the "
                              "launcher's rank variable) 1"),
@@ -189,19 +187,8 @@ TEST(Agree, ProcessGroupCreationChecksEveryRankChecksDesyncAlike) {
   const char* was = std::getenv("SHARDOPT_CHECK_DESYNC");
   const std::string saved = was ? was : "";
   ::unsetenv("SHARDOPT_CHECK_DESYNC");
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        init_process_group(store, InitOptions().backend("gloo").rank(r).world_size(2).check_desync(r == 1));
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  const auto errors = init_errors({InitOptions().backend("gloo").rank(0).world_size(2),
+                                   InitOptions().backend("gloo").rank(1).world_size(2).check_desync(true)});
   if (was) ::setenv("SHARDOPT_CHECK_DESYNC", saved.c_str(), 1);
   expect_everywhere(errors, "init_process_group: ranks disagree on desync check (check_desync or "
                             "SHARDOPT_CHECK_DESYNC=1): off on rank 0 but on on rank 1");
