@@ -22,6 +22,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <csignal>
 #include <sys/stat.h>
@@ -292,6 +293,53 @@ const std::vector<std::pair<const char*, std::vector<std::string>>>& resume_choi
   return choices;
 }
 
+// Note [Resuming with other values]
+// The options above must match the checkpoint. The hyperparameters below need not: a resumed run
+// trains with the values its command line gives, every one of them (before, the optimizer took
+// weight decay from the checkpoint's param groups while the learning rate came from the
+// command line), and rank 0 says, one line each, which differ from what the checkpoint was
+// written with. The freeze schedule is compared as a whole.
+struct Resumable {
+  const char* option;
+  std::function<double(const TrainOptions&)> value;
+};
+
+uint32_t schedule_hash(const TrainOptions& o) {
+  uint32_t h = 2166136261u;  // FNV-1a of the freeze and unfreeze flags, in order
+  for (const auto* list : {&o.freeze, &o.unfreeze}) {
+    for (const std::string& item : *list) {
+      for (const char c : item + "\n") h = (h ^ static_cast<uint8_t>(c)) * 16777619u;
+    }
+    h = (h ^ 0xffu) * 16777619u;
+  }
+  return h;
+}
+
+const std::vector<Resumable>& resumables() {
+  static const std::vector<Resumable> values = {
+      {"lr", [](const TrainOptions& o) { return o.lr; }},
+      {"weight-decay", [](const TrainOptions& o) { return o.weight_decay; }},
+      {"momentum", [](const TrainOptions& o) { return o.momentum; }},
+      {"warmup-steps", [](const TrainOptions& o) { return static_cast<double>(o.warmup_steps); }},
+      {"clip", [](const TrainOptions& o) { return o.clip; }},
+      {"epochs", [](const TrainOptions& o) { return static_cast<double>(o.epochs); }},
+      {"freeze/unfreeze schedule", [](const TrainOptions& o) { return static_cast<double>(schedule_hash(o)); }},
+  };
+  return values;
+}
+
+// The command line's weight decay (and SGD's momentum) in every param group, over what the
+// checkpoint's param groups set (the learning rate is set at every step).
+void apply_hyperparameters(OSS& oss, const TrainOptions& o) {
+  for (auto& g : oss.param_groups()) {
+    auto& options = g.options();
+    if (auto* a = dynamic_cast<optim::AdamOptions*>(&options)) a->weight_decay(o.weight_decay);
+    if (auto* w = dynamic_cast<optim::AdamWOptions*>(&options)) w->weight_decay(o.weight_decay);
+    if (auto* m = dynamic_cast<MuonOptions*>(&options)) m->weight_decay(o.weight_decay);
+    if (auto* sgd = dynamic_cast<optim::SGDOptions*>(&options)) sgd->weight_decay(o.weight_decay).momentum(o.momentum);
+  }
+}
+
 const std::string& choice_of(const TrainOptions& o, const std::string& option) {
   return option == "optimizer" ? o.optimizer : option == "model" ? o.model : o.mixed_precision;
 }
@@ -332,6 +380,18 @@ void Trainer::restore() {
   check_resume_options(path, o_, data_.train_images.size(0));
   const TrainingState state = load_checkpoint(path, *ddp_, *oss_);
   SHARDOPT_CHECK(state.sampler.has_value(), "checkpoint '", o_.checkpoint_dir, "/last.ckpt' has no sampler position");
+  apply_hyperparameters(*oss_, o_);  // Note [Resuming with other values]
+  for (const auto& r : resumables()) {
+    const auto it = state.scalars.find(std::string("value ") + r.option);
+    if (rank_ != 0 || it == state.scalars.end() || it->second == r.value(o_)) continue;
+    if (std::string(r.option) == "freeze/unfreeze schedule") {
+      std::printf("resumed with another --freeze/--unfreeze schedule than the checkpoint was written with: this "
+                  "run's is in effect\n");
+    } else {
+      std::printf("resumed with --%s %s (the checkpoint was written with %s): this run's value is in effect\n",
+                  r.option, fmt::format("{}", r.value(o_)).c_str(), fmt::format("{}", it->second).c_str());
+    }
+  }
   sampler_->restore(*state.sampler);
   if (scaler_ && state.scalars.count("loss_scale")) {
     scaler_->load(state.scalars.at("loss_scale"),
@@ -618,6 +678,7 @@ void Trainer::save(int64_t next_epoch_step) {
     const auto it = std::find(values.begin(), values.end(), choice_of(o_, option));
     state.scalars[std::string("option ") + option] = static_cast<double>(it - values.begin());
   }
+  for (const auto& r : resumables()) state.scalars[std::string("value ") + r.option] = r.value(o_);
   if (scaler_) {
     state.scalars["loss_scale"] = scaler_->get_scale();
     state.scalars["loss_scale_growth_tracker"] = static_cast<double>(scaler_->growth_tracker());

@@ -649,6 +649,22 @@ class CliTest(unittest.TestCase):
             self.assertIn(needle, lines[0])
         p = run(["train", *tiny(), "--optimizer", "sgd", "--lr", "0.05", "--checkpoint-dir", self.dir, "--resume"])
         self.assertIn("resumed from", p.stdout)
+        self.assertNotIn("resumed with", p.stdout)
+        # Hyperparameters may differ: the command line's values are in effect, every one of them
+        # (weight decay too, which the checkpoint's param groups carry), and rank 0 says, one line
+        # each, which differ from the checkpoint's.
+        longer = ["--epochs", "2", *tiny()[2:], "--optimizer", "sgd", "--lr", "0.05", "--weight-decay", "0.01",
+                  "--freeze", "conv@s6"]
+        p = run(["train", *longer, "--checkpoint-dir", self.dir, "--resume"])
+        said = [l for l in p.stdout.splitlines() if l.startswith("resumed with")]
+        self.assertEqual(said, ["resumed with --weight-decay 0.01 (the checkpoint was written with 0): this run's "
+                                "value is in effect",
+                                "resumed with --epochs 2 (the checkpoint was written with 1): this run's value is in "
+                                "effect",
+                                "resumed with another --freeze/--unfreeze schedule than the checkpoint was written "
+                                "with: this run's is in effect"], p.stdout)
+        groups = read_checkpoint.load(f"{self.dir}/last.ckpt")["optimizer"]["param_groups"]
+        self.assertEqual([g["weight_decay"] for g in groups], [0.01] * len(groups))
 
     def test_memory_report_measures_one_worldth(self):
         out = self.path("mem")
