@@ -232,9 +232,24 @@ class CliTest(unittest.TestCase):
             self.assertTrue(torch.equal(masters[i].to(torch.bfloat16), a["model"][k]), k)
         # fp16 runs through the sharded loss scaler and says what it skipped. On the ViT: PyTorch's
         # CPU convolution backward in fp16 takes about 60x fp32's (1.4 s a step for the CNN).
-        fp16 = run(["train", "-n", "2", *TINY_VIT, "--mixed-precision", "fp16"])
+        fp16_args = ["train", "-n", "2", *TINY_VIT, "--mixed-precision", "fp16"]
+        fp16 = run([*fp16_args, "--checkpoint-dir", self.path("fp16")])
         self.assertRegex(fp16.stdout, r"fp16: \d+ steps skipped for inf/nan gradients, loss scale \d+")
         self.assertRegex(fp16.stdout, r"test accuracy \d+\.\d+%")
+        # The loss scale and its growth tracker travel in the checkpoint: stopped during the
+        # freeze and resumed, the fp16 run ends where the straight one does, bit for bit, scale
+        # included.
+        part = [*fp16_args, "--checkpoint-dir", self.path("fp16-part"), "--checkpoint-every", "5"]
+        run([*part, "--stop-after-steps", "15"])
+        run([*part, "--resume"])
+        a = read_checkpoint.load(self.path("fp16/last.ckpt"))
+        b = read_checkpoint.load(self.path("fp16-part/last.ckpt"))
+        self.assertIn("loss_scale", a["scalars"])
+        self.assertEqual(a["scalars"]["loss_scale"], b["scalars"]["loss_scale"])
+        self.assertEqual(a["scalars"]["loss_scale_growth_tracker"], b["scalars"]["loss_scale_growth_tracker"])
+        self.assertTrue(any(v.dtype == torch.float16 for v in a["model"].values()))
+        for k in a["model"]:
+            self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
 
     @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device visible: not run")
     def test_cuda_trains_freezes_and_resumes_bit_exact(self):
