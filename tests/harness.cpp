@@ -4,7 +4,9 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <ftw.h>
 #include <netinet/in.h>
+#include <stdlib.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -73,6 +75,19 @@ int64_t written_bytes() {
     if (key == "wchar:") return value;
   }
   TORCH_CHECK(false, "/proc/self/io has no wchar");
+}
+
+// (POSIX calls, not std::filesystem: libtorch.so carries its own copy of those symbols.)
+std::string temp_dir(const std::string& name) {
+  std::string pattern = "/tmp/shardopt-" + name + "-XXXXXX";
+  const char* made = ::mkdtemp(pattern.data());
+  TORCH_CHECK(made, "mkdtemp failed for ", pattern);
+  return made;
+}
+
+void remove_tree(const std::string& dir) {
+  ::nftw(dir.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+         FTW_DEPTH | FTW_PHYS);
 }
 
 }  // namespace shardopt::testing

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 namespace shardopt::testing {
 
@@ -24,6 +25,10 @@ std::vector<std::string> run_ranks_collect_errors(
 // Bytes this process has written with write/writev, all its threads together (/proc/self/io's
 // wchar; Gloo's TCP transport writes with writev).
 int64_t written_bytes();
+
+// A new folder /tmp/shardopt-<name>-XXXXXX, and its removal with everything in it.
+std::string temp_dir(const std::string& name);
+void remove_tree(const std::string& dir);
 
 // A TCP port on 127.0.0.1 kept for a tcp:// rendezvous in a test: a socket bound to it (not
 // listening, SO_REUSEADDR) stays open while this object lives, so no other process gets the port,

@@ -143,16 +143,28 @@ int rank_claimed_twice(c10d::Store& store, int world_size) {
 // started with a rank another process already has (two with RANK=1) fails at once naming it; the
 // others, waiting for the rank nobody took, name it at their timeout instead of only the missing
 // rank.
-void agree_on_init(c10d::Store& store, const InitOptions& options, const std::string& backend) {
+// `address` names the store ("127.0.0.1:29500"; empty for a store the caller made): the rank
+// another process holds may be another job's, started on the same port.
+void agree_on_init(c10d::Store& store, const InitOptions& options, const std::string& backend,
+                   const std::string& address) {
   const std::string twice = " was started twice: two processes have RANK (or the launcher's rank variable) ";
+  const std::string other_job = address.empty() ? "" : " (or another job's rendezvous is at " + address +
+                                " too: give each job its own MASTER_PORT)";
   SHARDOPT_CHECK(store.add(claim_key(options.rank()), 1) == 1, "init_process_group: rank ", options.rank(), twice,
-                 options.rank(), " in a world of ", options.world_size(), "; each rank must be started once");
+                 options.rank(), " in a world of ", options.world_size(), "; each rank must be started once",
+                 other_job);
   try {
     agree_on_init_fields(store, options, backend);
   } catch (const c10::Error& e) {
-    const int dup = rank_claimed_twice(store, options.world_size());
+    // (Rank 0 may have refused the same disagreement and gone, taking the store's server with it:
+    // the disagreement is then this rank's error, not the store's.)
+    int dup = -1;
+    try {
+      dup = rank_claimed_twice(store, options.world_size());
+    } catch (const std::exception&) {
+    }
     if (dup < 0) throw;
-    SHARDOPT_CHECK(false, "init_process_group: rank ", dup, twice, dup, ", so another rank never came (rank ",
+    SHARDOPT_CHECK(false, "init_process_group: rank ", dup, twice, dup, other_job, ", so another rank never came (rank ",
                    options.rank(), " of ", options.world_size(), ": ", e.what_without_backtrace(), ")");
   }
 }
@@ -306,13 +318,14 @@ void ignore_sigpipe_by_default() {
   if ((current.sa_flags & SA_SIGINFO) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
 }
 
+// `host` and `port` are the store's address, where this process reached it by one (else "" and 0).
 std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                         const InitOptions& options, const std::string& host) {
+                                         const InitOptions& options, const std::string& host, int port = 0) {
   const std::string backend = resolve_backend(options.backend());
   // Note [Closed rendezvous]: a job is under way in this store; it admits this process rather
   // than the first rendezvous, which is long over.
   const bool joining = rendezvous_closed(*store);
-  if (!joining) agree_on_init(*store, options, backend);
+  if (!joining) agree_on_init(*store, options, backend, host.empty() ? "" : host + ":" + std::to_string(port));
   check_backend_usable(backend);
   ProcessGroup::BackendFactory factory;
   if (backend == "nccl") {
@@ -484,7 +497,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
     if (options.world_size() < 0) options.world_size(e.world_size);
     check_rank(options);
     auto store = tcp_store(e.master_addr, e.master_port, options);
-    return make_group(store, options, e.master_addr);
+    return make_group(store, options, e.master_addr, e.master_port);
   }
   if (method.rfind("tcp://", 0) == 0) {
     std::string rest = method.substr(6);
@@ -495,7 +508,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions options) {
     int port = parse_int(rest.substr(colon + 1), "the port of init_method '" + method + "'");
     rank_from_env(options);
     check_rank(options);
-    return make_group(tcp_store(host, port, options), options, host);
+    return make_group(tcp_store(host, port, options), options, host, port);
   }
   if (method.rfind("file://", 0) == 0) {
     std::string path = method.substr(7);

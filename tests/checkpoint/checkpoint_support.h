@@ -5,14 +5,12 @@
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/oss.h>
 
+#include "harness.h"
 #include "model.h"
 
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/nn/module.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
-
-#include <ftw.h>
-#include <stdlib.h>
 
 #include <string>
 #include <vector>
@@ -36,19 +34,6 @@ struct Net : torch::nn::Module {
 
 inline OptimizerFactory adam() {
   return optimizer<torch::optim::Adam>(torch::optim::AdamOptions(2e-2).weight_decay(0.01));
-}
-
-// (POSIX calls, not std::filesystem: libtorch.so carries its own copy of those symbols.)
-inline std::string temp_dir(const std::string& name) {
-  std::string pattern = "/tmp/shardopt-ckpt-" + name + "-XXXXXX";
-  const char* made = ::mkdtemp(pattern.data());
-  TORCH_CHECK(made, "mkdtemp failed for ", pattern);
-  return made;
-}
-
-inline void remove_tree(const std::string& dir) {
-  ::nftw(dir.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-         FTW_DEPTH | FTW_PHYS);
 }
 
 // Steps [from, to) of a run whose global batch is split over the group; w2 and b2 frozen for

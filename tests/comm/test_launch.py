@@ -250,6 +250,41 @@ class Loopback(unittest.TestCase):
             for p in procs:
                 p.wait(timeout=60)
 
+    def test_a_second_job_on_the_same_port_fails_at_once_naming_it(self):
+        # Job A's two ranks hold their group on a port; job B is started on the same port. B's
+        # rank 0 cannot serve the store there, and B's rank 1, which reaches A's store, is told
+        # its rank is taken there: each fails in one line naming the port, long before the 20 s
+        # timeout, and A is left alone.
+        port = free_port()
+        envs = []
+        for r in range(2):
+            e = base_env()
+            e.update({"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            envs.append(e)
+        job_a = [subprocess.Popen([WORKER, "hold"], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for e in envs]
+        try:
+            for r, p in enumerate(job_a):
+                self.assertEqual(p.stdout.readline().strip(), f"holding on rank {r}")
+            t0 = time.monotonic()
+            job_b = finish(start(envs, "hello"))
+            elapsed = time.monotonic() - t0
+            for r, (code, out) in enumerate(job_b):
+                self.assertNotEqual(code, 0, out)
+                lines = [l for l in out.splitlines() if l.strip()]
+                self.assertEqual(len(lines), 1, out)
+                self.assertIn(f"127.0.0.1:{port}", lines[0])
+            self.assertIn("cannot listen on", job_b[0][1])
+            self.assertIn("another job's rendezvous is at", job_b[1][1])
+            self.assertLess(elapsed, 10)
+            for p in job_a:
+                self.assertIsNone(p.poll(), "job A still runs")
+        finally:
+            for p in job_a:
+                p.stdin.close()
+            for r, p in enumerate(job_a):
+                self.assertEqual(p.wait(timeout=60), 0, f"job A's rank {r}")
+
 
 LAUNCH_HOSTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools",
                             "launch_hosts")
@@ -371,17 +406,24 @@ class RankDeath(unittest.TestCase):
         self.assertLess(elapsed, 20 + 10)
 
     def test_rank_0_killed_under_the_launcher_is_named(self):
-        # tools/launch serves the store (it restarts itself under the project's Python, which has
-        # PyTorch's TCPStore): rank 0's death leaves the store up, and the others name rank 0.
+        # tools/launch serves the store apart from the ranks, with shardopt-store or, without it,
+        # PyTorch's TCPStore (it restarts itself under the project's Python, which has torch):
+        # either way rank 0's death leaves the store up, and the others name rank 0.
         launch = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "launch")
-        p = subprocess.run([sys.executable, launch, "-n", "3", "--keep-going", WORKER, "die_in", "backward", "0"],
-                           env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
-        self.assertNotEqual(p.returncode, 0)
-        for r in (1, 2):
-            self.assertRegex(p.stdout, rf"\[rank {r}\] shardopt: .*rank 0 stopped answering")
-            self.assertIn(f"launch: rank {r} exited with code 1", p.stdout)
-        self.assertIn("launch: rank 0 was killed by signal 9", p.stdout)
-        self.assertNotIn("cannot be reached", p.stdout)
+        self.assertTrue(os.environ.get("SHARDOPT_STORE"), "ctest names the shardopt-store it built")
+        for server in ("shardopt-store", "torch"):
+            with self.subTest(server=server):
+                e = base_env()
+                if server == "torch":
+                    e.pop("SHARDOPT_STORE")
+                p = subprocess.run([sys.executable, launch, "-n", "3", "--keep-going", WORKER, "die_in", "backward", "0"],
+                                   env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+                self.assertNotEqual(p.returncode, 0)
+                for r in (1, 2):
+                    self.assertRegex(p.stdout, rf"\[rank {r}\] shardopt: .*rank 0 stopped answering")
+                    self.assertIn(f"launch: rank {r} exited with code 1", p.stdout)
+                self.assertIn("launch: rank 0 was killed by signal 9", p.stdout)
+                self.assertNotIn("cannot be reached", p.stdout)
 
     def test_the_store_host_killed(self):
         out, elapsed = self.run_phase("step", victim=0)

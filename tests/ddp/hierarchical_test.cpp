@@ -183,7 +183,8 @@ TEST(Hierarchical, ASizeThatDoesNotDivideIsAnErrorOnEveryRank) {
 // A checkpoint saved with blocks loads into a flat layout and another world size, and back.
 TEST(Hierarchical, CheckpointsLoadBetweenHierarchicalAndFlat) {
   for (auto layout : {OptimizerStateLayout::kConsolidated, OptimizerStateLayout::kSharded}) {
-    const std::string path = "/tmp/shardopt-hier-" + std::to_string(::getpid()) + ".ckpt";
+    const std::string dir = testing::temp_dir("hier");
+    const std::string path = dir + "/run.ckpt";
     Params saved_params;
     std::mutex mu;
     testing::run_ranks(4, [&](std::shared_ptr<ProcessGroup> g) {
@@ -212,7 +213,7 @@ TEST(Hierarchical, CheckpointsLoadBetweenHierarchicalAndFlat) {
         }
       });
     }
-    ::unlink(path.c_str());
+    testing::remove_tree(dir);  // the main file and the sharded layout's parts
   }
 }
 

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdio>
+#include <string>
 #include <unistd.h>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -15,7 +16,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (data[0] & 1) {  // a valid envelope around a decoded payload
     bytes = shardopt::checkpoint_bytes(shardopt::fuzz::Decoder(data + 1, size - 1).value());
   }
-  static const std::string path = "/tmp/shardopt-checkpoint-fuzz-" + std::to_string(::getpid()) + ".ckpt";
+  // (removed when the fuzzer exits)
+  static const struct File {
+    std::string path = "/tmp/shardopt-checkpoint-fuzz-" + std::to_string(::getpid()) + ".ckpt";
+    ~File() { std::remove(path.c_str()); }
+  } file;
+  const std::string& path = file.path;
   FILE* f = std::fopen(path.c_str(), "wb");
   if (!f) return 0;
   std::fwrite(bytes.data(), 1, bytes.size(), f);

@@ -9,8 +9,10 @@ the test class (so that ctest can run the classes side by side).
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import unittest
 import unittest.mock
 
@@ -64,8 +66,8 @@ class Base(unittest.TestCase):
         return out
 
     def setUp(self):
-        import tempfile
         self.tmp = tempfile.mkdtemp(prefix="survive-")
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
 
 
 class EachPhaseBuddy5(Base):
