@@ -1,4 +1,4 @@
-// Precompiled header for tests, benchmarks and examples (not for the library itself).
+// Precompiled header for the tests and their rank programs (built without optimisation).
 #pragma once
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

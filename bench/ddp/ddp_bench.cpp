@@ -36,6 +36,7 @@
 #include <torch/csrc/api/include/torch/optim/adam.h>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>

@@ -13,7 +13,7 @@ namespace shardopt::detail {
 
 // Note [Adjacent tensors in one pass]
 // The store keeps a run of pieces' state at the same offsets as the parameter buffer holds the
-// pieces (Note [Shard store]), mixed precision's masters too, and a gradient bucket holds its
+// pieces (Note [State slabs]), mixed precision's masters too, and a gradient bucket holds its
 // gradients in the same order. So the tensors of parameters adjacent in the buffer are adjacent
 // in every operand of the step, and such entries join into one segment: one kernel launch on
 // CUDA instead of one per tensor, one item of the CPU pass. Entries are taken in address order

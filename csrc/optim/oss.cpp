@@ -210,6 +210,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
   holdings_.assign(params_.size(), {});
   store_ = std::make_unique<detail::ShardStore>(params_, group_, options_.layout(), options_.sync(),
                                                 options_.param_wire(), placement_.partition, placement_.whole_kind);
+  slabs_ = std::make_unique<detail::StateSlabs>();
   if (placement_.split) {
     // A parameter frozen from the start keeps its state where it would be if all were trainable.
     lay_out(store_->make_plan(std::vector<uint8_t>(params_.size(), 1), store_->partition()));
@@ -424,11 +425,11 @@ void OSS::settle_state() {
 void OSS::place_state() {
   // An optimizer shardopt does not know keeps its own state.
   if (!all_registered() || settled_version_ != store_->plan_version()) return;
-  store_->plan_slots(group_->rank(), settled_, [this](size_t i, const at::Tensor& key) {
+  slabs_->plan_slots(store_->layout(), group_->rank(), settled_, [this](size_t i, const at::Tensor& key) {
     return unit_of(i).local->state().count(compat::state_key(key)) != 0;
   });
-  for (auto& unit : units_) store_->adopt(*unit.local, *unit.codec);
-  if (masters_) store_->adopt_masters(settled_, group_->rank());
+  for (auto& unit : units_) slabs_->adopt(*unit.local, *unit.codec);
+  if (masters_) slabs_->adopt_masters(settled_, group_->rank());
 }
 
 at::Tensor OSS::owned_grad(size_t i, const detail::Holding& h) const {

@@ -117,7 +117,8 @@ bool OSS::step_with(std::optional<double> inv_scale) {
   sync_options_to_local();
   // The rows the sync packs straight from the masters (Note [Syncing from the masters]).
   const detail::MasterRows from_masters =
-      masters_ ? store_->master_rows(holdings_, group_->rank()) : detail::MasterRows{};
+      masters_ ? store_->master_rows(holdings_, group_->rank(), slabs_->slabs_of(detail::kMasterSlab))
+               : detail::MasterRows{};
   const bool stepped = step_shard(inv_scale, from_masters);
   if (stepped) {  // what has state now (a step the scaler skipped made none)
     auto& has_state = store_->stepped();
@@ -166,7 +167,7 @@ class StepGradients {
 // step): no upcast copy, no write-back pass.
 bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& from_masters) {
   detail::FusedStepInputs in;
-  in.allocate = [this](const at::Tensor& t, const char* kind) { return store_->fresh_slot(t, kind); };
+  in.allocate = [this](const at::Tensor& t, const char* kind) { return slabs_->fresh_slot(t, kind); };
   std::vector<std::pair<size_t, const detail::Holding*>> stepped;
   // Per optimizer: whether its masters may take the mixed CUDA kernel (Adam and AdamW).
   std::vector<uint8_t> mixed_kernel(units_.size(), 0);

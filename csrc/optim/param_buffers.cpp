@@ -227,7 +227,7 @@ void ShardStore::sync_params(const std::vector<at::Tensor>& own_rows) {
 // Note [Syncing from the masters]
 // Under a compressed parameter wire (Note [Parameter wire]) the owners step fp32 masters, which
 // live in their group's master slab at their slots: for a row bucket, at the offsets of this
-// rank's row (Note [Shard store]), with zeros in the gaps between pieces, as the parameter
+// rank's row (Note [State slabs]), with zeros in the gaps between pieces, as the parameter
 // buffer has. So where every piece of this rank's row of a row bucket has its master there, the
 // sync packs the row straight from the slab and sets the row of the parameters to what the others
 // decode, in one pass (WireCodec::encode_rounding), and the step writes none of those masters
@@ -237,7 +237,8 @@ void ShardStore::sync_params(const std::vector<at::Tensor>& own_rows) {
 // skipped) is packed from its exact master, not from the rounded value its parameter holds, so
 // every sync is a function of the masters alone. Elsewhere (a master of its own, an exact wire,
 // parameters in another dtype than their masters, one rank) the step writes back as before.
-MasterRows ShardStore::master_rows(const std::vector<std::vector<Holding>>& holdings, int rank) const {
+MasterRows ShardStore::master_rows(const std::vector<std::vector<Holding>>& holdings, int rank,
+                                   const std::vector<at::Tensor>& master_slabs) const {
   MasterRows out;
   const FlatLayout& lay = layout();
   if (group_->size() == 1 || wire_ == Wire::kExact || holdings.size() != lay.num_params()) return out;
@@ -246,7 +247,7 @@ MasterRows ShardStore::master_rows(const std::vector<std::vector<Holding>>& hold
     if (!b.rows() || b.numel() == 0) continue;
     const at::Tensor& buffer = buffers_.at(b.group);
     const auto wire = wire_dtype(wire_, buffer.scalar_type());
-    const at::Tensor masters = slab(b.group, kMasterSlab);
+    const at::Tensor masters = b.group < master_slabs.size() ? master_slabs[b.group] : at::Tensor();
     if (!wire || *wire == buffer.scalar_type() || !masters.defined() ||
         masters.scalar_type() != buffer.scalar_type() || masters.device() != buffer.device() ||
         masters.numel() < b.in_shard.end) {

@@ -1,24 +1,20 @@
-// ShardStore: the memory a rank's shard of the optimizer owns, addressed through the FlatLayout
-// (Note [Shard store] in shard_store.cpp). Internal to shardopt; OSS composes it, and a ShardedDDP
-// receives it from the one call OSS::hand_over.
+// ShardStore: what a rank's shard shares with the ShardedDDP it is handed to, addressed through
+// the FlatLayout. Internal to shardopt; OSS composes it, and a ShardedDDP receives it from the one
+// call OSS::hand_over. The optimizer state is not here: it lives in OSS's StateSlabs
+// (state_slabs.h).
 //
 // It holds the current plan (the trainable set, the partition and the layout: Note [Shard plan]),
-// the flat parameter buffers laid out for it, and the parameter sync after the step. For each (device, dtype)
-// group of the layout it holds one flat slab per kind of optimizer state ("exp_avg",
-// "exp_avg_sq", "momentum_buffer", ...) and mixed precision's fp32 masters in a slab of their
-// own. The state tensors torch::optim sees are
-// views into the slabs, so state_dict(), checkpoints and the codecs see the same tensors as
-// before, and the fused step reads each run of state from one slab. It also holds the reduced
-// gradients of the split ranges this rank owns (ShardedDDP hands them over here; a whole
-// parameter's gradient is its own .grad, as under DDP), and which gradients the last
+// the flat parameter buffers laid out for it, and the parameter sync after the step. It also
+// holds the reduced gradients of the split ranges this rank owns (ShardedDDP hands them over here;
+// a whole parameter's gradient is its own .grad, as under DDP), and which gradients the last
 // zero_grad(false) zeroed.
 #pragma once
 
 #include <shardopt/optim/flat_layout.h>
 #include <shardopt/optim/oss.h>
 
-#include "optim/codec.h"
 #include "optim/shard_plan.h"
+#include "optim/state_slabs.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
@@ -36,21 +32,6 @@
 #include <vector>
 
 namespace shardopt::detail {
-
-// The slab kind of mixed precision's fp32 master weights, beside the state's kinds.
-inline constexpr const char* kMasterSlab = "master";
-
-// Where one holding's state lives in its group's slabs.
-struct Slot {
-  size_t group = 0;
-  int64_t offset = 0;  // elements into each slab of the group
-  int64_t numel = 0;
-  std::vector<int64_t> sizes;  // the holding tensor's shape (the state tensors' shape)
-  bool kept = false;           // a frozen parameter's kept state (after the trainable region)
-  bool operator==(const Slot& o) const {
-    return group == o.group && offset == o.offset && numel == o.numel && sizes == o.sizes && kept == o.kept;
-  }
-};
 
 // The rows of masters the parameter sync packs from (Note [Syncing from the masters] in
 // param_buffers.cpp): per layout bucket this rank's row of its master slab, or undefined (empty:
@@ -128,44 +109,14 @@ class ShardStore {
   // After a step: the sync above, or with overlap on (and kBroadcast), one broadcast per bucket
   // left in flight. Collective.
   void sync_after_step(const std::vector<at::Tensor>& own_rows = {});
-  // The rows of this rank's masters (its `holdings`) the sync can pack from (Note [Syncing from
-  // the masters]). Local.
-  MasterRows master_rows(const std::vector<std::vector<Holding>>& holdings, int rank) const;
+  // The rows of this rank's masters (its `holdings`, in `master_slabs`: per layout group, its
+  // master slab) the sync can pack from (Note [Syncing from the masters]). Local.
+  MasterRows master_rows(const std::vector<std::vector<Holding>>& holdings, int rank,
+                         const std::vector<at::Tensor>& master_slabs) const;
   // Waits for the broadcasts in flight: all, or those of parameter `param`'s buckets. Local.
   void finish_param_sync();
   void finish_param_sync(size_t param);
   bool param_sync_in_flight() const { return sync_in_flight_ > 0; }
-
-  // ---- optimizer state ----
-  // Places this rank's state (its slots): every holding of `rank` that is a piece of the layout's
-  // trainable run at its place in the rank's shard (the same offsets as the parameter buffer), and
-  // each other holding with state in `local` (a frozen parameter's kept state) after it. When the
-  // slots differ from the last ones, new slabs are made as state arrives (adopt(), fresh_slot()),
-  // and the old ones are freed once no state tensor refers to them.
-  // `has_state(param, tensor)` says whether the optimizer of `param` holds state for `tensor`.
-  void plan_slots(int rank, const std::vector<std::vector<Holding>>& holdings,
-                  const std::function<bool(size_t param, const at::Tensor& tensor)>& has_state);
-
-  // A zeroed view of `tensor`'s slot (a holding tensor: it keys the state) in the slab of `kind`,
-  // shaped like it; undefined when it has no slot or the dtype or device differ from the slab's.
-  at::Tensor fresh_slot(const at::Tensor& tensor, const char* kind);
-
-  // Moves every state tensor of `local` that is not in its slot into it (one local copy each) and
-  // makes the state hold the slab's view; returns the bytes copied. State without a slot stays as
-  // it is.
-  int64_t adopt(torch::optim::Optimizer& local, const OptimizerCodec& codec);
-
-  // Mixed precision: moves the master of each holding of `rank` (the holding's fp32 tensor, which
-  // keys its state) that has a slot into its group's master slab (kMasterSlab) at the slot, keeping
-  // the tensor (set_data); returns the bytes copied. A master without a slot keeps its storage.
-  int64_t adopt_masters(const std::vector<std::vector<Holding>>& holdings, int rank);
-
-  // The slab of `kind` in `group`; undefined before any state of that kind arrived.
-  at::Tensor slab(size_t group, const std::string& kind) const;
-  // The slot of holding tensor `tensor`, or null.
-  const Slot* slot_of(const at::Tensor& tensor) const;
-  // Bytes of all slabs.
-  int64_t bytes() const;
 
   // ---- owned gradients (Note [Owned gradients]) ----
   // The reduced gradient of range `range` of parameter `param` (in OSS's order) that this rank
@@ -188,10 +139,6 @@ class ShardStore {
   bool zeroed(const at::Tensor& grad) const;
 
  private:
-  // The slab of `kind` in `group` for state like `like`, made when missing; undefined when `like`
-  // does not fit the group's slabs.
-  at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like);
-
   // Starts the broadcast of every bucket from its owner, in reverse bucket order.
   void start_param_sync(const std::vector<at::Tensor>& own_rows);
   // Re-cuts the gradient buckets at `bytes` (0: one per parameter); data moves only when new row
@@ -213,9 +160,6 @@ class ShardStore {
   std::vector<PendingWork> bucket_sync_;  // per layout bucket: its broadcast, while in flight (kBroadcast)
   std::vector<PendingWork> group_sync_;   // per flat buffer: its all-gather, while in flight (kAllgather)
   size_t sync_in_flight_ = 0;             // buckets not finished yet
-  std::unordered_map<const void*, Slot> slots_;  // holding tensor (TensorImpl) -> slot
-  std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region
-  std::vector<std::map<std::string, at::Tensor>> slabs_;  // per group: kind -> slab
   std::map<std::tuple<size_t, int64_t, int64_t>, at::Tensor> grads_;  // (param, begin, end) -> gradient
   struct Zeroed {
     c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> grad;

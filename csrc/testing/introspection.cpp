@@ -55,20 +55,20 @@ int64_t Introspection::holders_changed(const std::vector<at::Tensor>& before, co
 }
 
 std::optional<Introspection::StateSlot> Introspection::state_slot(const OSS& oss, const at::Tensor& stepped) {
-  const detail::Slot* slot = oss.store_->slot_of(stepped);
+  const detail::Slot* slot = oss.slabs_->slot_of(stepped);
   if (!slot) return std::nullopt;
   return StateSlot{slot->group, slot->offset, slot->numel, slot->kept};
 }
 
 at::Tensor Introspection::state_slab(const OSS& oss, size_t group, const std::string& kind) {
-  return oss.store_->slab(group, kind);
+  return oss.slabs_->slab(group, kind);
 }
 
 const Partition& Introspection::partition(const OSS& oss) { return oss.store_->partition(); }
 
 void Introspection::sync_params(OSS& oss) { oss.store_->sync_params(); }
 
-int64_t Introspection::slab_bytes(const OSS& oss) { return oss.store_->bytes(); }
+int64_t Introspection::slab_bytes(const OSS& oss) { return oss.slabs_->bytes(); }
 
 at::Tensor Introspection::grad_slab(const ShardedDDP& ddp, size_t optimizer, size_t group) {
   return ddp.grad_slabs_.at(optimizer)->slab(group);

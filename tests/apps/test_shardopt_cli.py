@@ -487,7 +487,7 @@ class CliTest(unittest.TestCase):
 
     def test_compressed_wires_train_like_the_exact_wire(self):
         # The same seed and schedule; only the way gradients and parameters travel differs.
-        args = ["train", "-n", "2", "--epochs", "2", *SMALL_ALL_TESTS, *SCHEDULE, "--metrics", "off"]
+        args = ["train", "-n", "2", "--epochs", "2", *SMALL_ALL_TESTS, *SCHEDULE]
         exact = run([*args, "--checkpoint-dir", self.path("exact")])
         self.assertIn("/10000)", exact.stdout)  # every test image scored
         accuracy = lambda p: float(re.findall(r"test accuracy (\d+\.\d+)%", p.stdout)[-1])

@@ -6,6 +6,7 @@
 #include <shardopt/ddp/sharded_ddp.h>
 
 #include "checkpoint/checkpoint_support.h"
+#include "checkpoint/fsync_faults.h"
 #include "checkpoint/snapshot.h"
 #include "harness.h"
 
@@ -19,6 +20,7 @@
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <thread>
 #include <fstream>
 #include <mutex>
 #include <string>
@@ -119,6 +121,46 @@ TEST(AsyncSave, HoldsTheStateAtTheCallWhileTrainingGoesOn) {
     EXPECT_TRUE(same_tree(a.state, b.state)) << "the optimizer state at the call";
     remove_tree(dir);
   }
+}
+
+// The call returns while its files are still being written: the writers are held in their first
+// file's fsync until both ranks have returned and trained two more steps, and a synchronous save
+// would have come back with done() true. While they write, after the release, the training
+// group's collective counts do not move: the writers run no collective on it. The file then holds
+// the state at the call.
+TEST(AsyncSave, TheCallReturnsBeforeItsFilesAreWrittenAndItsWritersRunNoCollective) {
+  const auto dir = temp_dir("async-held");
+  const std::string path = dir + "/run.ckpt";
+  const auto most = std::chrono::seconds(20);
+  const int ran_out_before = testing::file_fsync_waits_ran_out();
+  testing::hold_file_fsync(most);
+  struct Release {
+    ~Release() { testing::release_file_fsync(); }  // whatever happens, later tests are not held
+  } release;
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g);
+    ShardedDDP ddp(net, oss);
+    train(*net, oss, ddp, *g, 0, 3);
+    TrainingState state;
+    state.step = 3;
+    PendingCheckpoint pending =
+        save_checkpoint_async(path, *net, oss, state, CheckpointOptions().optimizer_state(OptimizerStateLayout::kSharded));
+    EXPECT_FALSE(pending.done()) << "the call came back only once its files were written";
+    train(*net, oss, ddp, *g, 3, 5);
+    g->barrier();
+    const int64_t calls = g->stats().total_calls();
+    if (g->rank() == 0) testing::release_file_fsync();
+    const auto deadline = std::chrono::steady_clock::now() + most;
+    while (!pending.done() && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+    EXPECT_TRUE(pending.done());
+    EXPECT_EQ(g->stats().total_calls(), calls) << "a writer ran a collective on the training group: "
+                                               << g->stats().to_string();
+    pending.wait();
+  });
+  EXPECT_EQ(testing::file_fsync_waits_ran_out(), ran_out_before) << "the writers were not held, or never released";
+  EXPECT_EQ(load_fresh(path, 2).step, 3);
+  remove_tree(dir);
 }
 
 // A second save finishes the first before it snapshots, and a load with a save in flight finishes

@@ -4,6 +4,7 @@
 #include <shardopt/ddp/sharded_ddp.h>
 
 #include "checkpoint/checkpoint_support.h"
+#include "checkpoint/fsync_faults.h"
 #include "checkpoint/snapshot.h"
 #include "harness.h"
 #include "model.h"
@@ -103,40 +104,18 @@ Runs interrupted_and_not(int w1, int w2, OptimizerStateLayout layout, const std:
   return {straight, resumed, saved, loaded};
 }
 
-// Two writers of one path in one process (threads; a save in flight beside another) each write
-// a temporary file of their own: every write succeeds, the file is whole afterwards and holds one
-// writer's payload, and no temporary file is left.
-// Fault injection: while set, syncing a folder fails with EIO. (This binary's fsync comes before
-// the C library's, for the library's code linked into it.)
-std::atomic<bool> fail_folder_fsync{false};
-
-}  // namespace
-}  // namespace shardopt
-
-extern "C" int fsync(int fd) {
-  struct stat st {};
-  if (shardopt::fail_folder_fsync.load() && ::fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
-    errno = EIO;
-    return -1;
-  }
-  return static_cast<int>(::syscall(SYS_fsync, fd));
-}
-
-namespace shardopt {
-namespace {
-
 // The rename is durable only once its folder is synced: a folder whose sync fails fails the
 // write, naming the folder, rather than reporting a save that a power loss may undo.
 TEST(CheckpointFile, AFolderWhoseSyncFailsFailsTheWrite) {
   const std::string dir = temp_dir("fsync");
-  fail_folder_fsync = true;
+  testing::fail_folder_fsync = true;
   std::string error;
   try {
     write_checkpoint_file(dir + "/one.ckpt", at::ones({4}));
   } catch (const std::exception& e) {
     error = e.what();
   }
-  fail_folder_fsync = false;
+  testing::fail_folder_fsync = false;
   EXPECT_NE(error.find("syncing its folder '" + dir + "' failed"), std::string::npos) << error;
   EXPECT_NE(error.find("Input/output error"), std::string::npos) << error;
   write_checkpoint_file(dir + "/one.ckpt", at::ones({4}));  // and with the sync working, it passes
@@ -144,6 +123,9 @@ TEST(CheckpointFile, AFolderWhoseSyncFailsFailsTheWrite) {
   remove_tree(dir);
 }
 
+// Two writers of one path in one process (threads; a save in flight beside another) each write
+// a temporary file of their own: every write succeeds, the file is whole afterwards and holds one
+// writer's payload, and no temporary file is left.
 TEST(CheckpointFile, WritersOfOnePathInOneProcessLeaveOneWholeFile) {
   const std::string dir = ::testing::TempDir() + "shardopt_writers_" + std::to_string(::getpid());
   const std::string path = dir + "/one.ckpt";

@@ -224,31 +224,41 @@ def tcp_sockets_of(pid):
     return found
 
 
+def loopback_envs(port, world=2):
+    """Each rank's environment for an env:// rendezvous on 127.0.0.1:`port`."""
+    envs = []
+    for r in range(world):
+        e = base_env()
+        e.update({"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        envs.append(e)
+    return envs
+
+
 class Loopback(unittest.TestCase):
-    def test_nothing_a_loopback_group_holds_listens_beyond_this_machine(self):
-        # Two ranks hold their group open (after one all-reduce) until told to go: every TCP
-        # socket of each, the store's, Gloo's listening sockets and its connections, is on
-        # loopback.
-        port = free_port()
-        procs = []
-        for r in range(2):
-            e = base_env()
-            e.update({"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-            procs.append(subprocess.Popen([WORKER, "hold"], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        try:
-            for r, p in enumerate(procs):
-                self.assertEqual(p.stdout.readline().strip(), f"holding on rank {r}")
-            for r, p in enumerate(procs):
-                sockets = tcp_sockets_of(p.pid)
-                self.assertTrue(any(state == "0A" for state, _ in sockets), f"rank {r}: no listening socket seen")
-                for state, address in sockets:
-                    self.assertIn(address, LOOPBACK, f"rank {r}: a socket in state {state} on {address}")
-        finally:
+    def hold(self, envs):
+        """Ranks that hold their group open (after one all-reduce) until this test ends; each must
+        then exit 0."""
+        procs = [subprocess.Popen([WORKER, "hold"], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for e in envs]
+
+        def release():
             for p in procs:
                 p.stdin.close()
-            for p in procs:
-                p.wait(timeout=60)
+            for r, p in enumerate(procs):
+                self.assertEqual(p.wait(timeout=60), 0, f"holding rank {r}")
+        self.addCleanup(release)
+        for r, p in enumerate(procs):
+            self.assertEqual(p.stdout.readline().strip(), f"holding on rank {r}")
+        return procs
+
+    def test_nothing_a_loopback_group_holds_listens_beyond_this_machine(self):
+        # Every TCP socket of each rank holding its group, the store's, Gloo's listening sockets
+        # and its connections, is on loopback.
+        for r, p in enumerate(self.hold(loopback_envs(free_port()))):
+            sockets = tcp_sockets_of(p.pid)
+            self.assertTrue(any(state == "0A" for state, _ in sockets), f"rank {r}: no listening socket seen")
+            for state, address in sockets:
+                self.assertIn(address, LOOPBACK, f"rank {r}: a socket in state {state} on {address}")
 
     def test_a_second_job_on_the_same_port_fails_at_once_naming_it(self):
         # Job A's two ranks hold their group on a port; job B is started on the same port. B's
@@ -256,35 +266,20 @@ class Loopback(unittest.TestCase):
         # its rank is taken there: each fails in one line naming the port, long before the 20 s
         # timeout, and A is left alone.
         port = free_port()
-        envs = []
-        for r in range(2):
-            e = base_env()
-            e.update({"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-            envs.append(e)
-        job_a = [subprocess.Popen([WORKER, "hold"], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for e in envs]
-        try:
-            for r, p in enumerate(job_a):
-                self.assertEqual(p.stdout.readline().strip(), f"holding on rank {r}")
-            t0 = time.monotonic()
-            job_b = finish(start(envs, "hello"))
-            elapsed = time.monotonic() - t0
-            for r, (code, out) in enumerate(job_b):
-                self.assertNotEqual(code, 0, out)
-                lines = [l for l in out.splitlines() if l.strip()]
-                self.assertEqual(len(lines), 1, out)
-                self.assertIn(f"127.0.0.1:{port}", lines[0])
-            self.assertIn("cannot listen on", job_b[0][1])
-            self.assertIn("another job's rendezvous is at", job_b[1][1])
-            self.assertLess(elapsed, 10)
-            for p in job_a:
-                self.assertIsNone(p.poll(), "job A still runs")
-        finally:
-            for p in job_a:
-                p.stdin.close()
-            for r, p in enumerate(job_a):
-                self.assertEqual(p.wait(timeout=60), 0, f"job A's rank {r}")
-
+        job_a = self.hold(loopback_envs(port))
+        t0 = time.monotonic()
+        job_b = finish(start(loopback_envs(port), "hello"))
+        elapsed = time.monotonic() - t0
+        for r, (code, out) in enumerate(job_b):
+            self.assertNotEqual(code, 0, out)
+            lines = [l for l in out.splitlines() if l.strip()]
+            self.assertEqual(len(lines), 1, out)
+            self.assertIn(f"127.0.0.1:{port}", lines[0])
+        self.assertIn("cannot listen on", job_b[0][1])
+        self.assertIn("another job's rendezvous is at", job_b[1][1])
+        self.assertLess(elapsed, 10)
+        for p in job_a:
+            self.assertIsNone(p.poll(), "job A still runs")
 
 LAUNCH_HOSTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools",
                             "launch_hosts")
@@ -469,6 +464,31 @@ class Launcher(unittest.TestCase):
         for rank, pid in enumerate(int(x) for x in re.findall(r"\[rank \d\] (\d+)", out)):
             with self.assertRaises(ProcessLookupError, msg=f"rank {rank} (pid {pid}) still runs"):
                 os.kill(pid, 0)
+
+    def test_a_rank_reporting_the_failure_gets_until_30_s_after_it(self):
+        # Rank 0 fails at about 3 s. Rank 1 has said in the store that it saw a failure (its
+        # failure key, as a rank in its roll call does) and needs 12 s more to finish: it is not
+        # stopped at the 5 s grace, and ends by itself. Rank 2, silent, is stopped at the 5 s grace.
+        python = os.environ["SHARDOPT_PYTHON"]  # the project's Python: rank 1 writes to the store
+        code = ("import os, sys, time\n"
+                "r = int(os.environ['RANK'])\n"
+                "if r == 0: time.sleep(3); sys.exit(3)\n"
+                "if r == 1:\n"
+                "    from torch.distributed import TCPStore\n"
+                "    store = TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False)\n"
+                "    store.set('/worker/attempt_0/shardopt/failed/1', 'seen')\n"
+                "    print('reporting', flush=True); time.sleep(12); print('reported', flush=True); sys.exit(1)\n"
+                "time.sleep(600)\n")
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, self.LAUNCH, "-n", "3", python, "-c", code], env=base_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=90)
+        elapsed = time.monotonic() - t0
+        self.assertEqual(p.returncode, 1, p.stdout)
+        self.assertIn("launch: rank 0 exited with code 3; stopped the other ranks", p.stdout)
+        self.assertIn("[rank 1] reporting", p.stdout)
+        self.assertIn("[rank 1] reported", p.stdout)  # not stopped at the 5 s grace
+        self.assertGreater(elapsed, 12, p.stdout)
+        self.assertLess(elapsed, 40, p.stdout)
 
     def test_a_rank_that_writes_half_a_line_does_not_stall_the_launcher(self):
         # Rank 1 writes text without a newline and waits; rank 0 fails. The launcher still gives

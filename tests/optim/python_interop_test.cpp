@@ -65,17 +65,33 @@ void write_step_input(const std::string& path, const std::string& name, const Pa
   std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
-// Runs optim_interop.py `command` IN OUT and checks that the parameters Python wrote to OUT are
-// `want` within `tolerance` (relative).
+// One step Python takes from an input file: where it writes the parameters, what they must be
+// (within `tolerance`, relative), and what to call them in a failure.
+struct PythonStep {
+  std::string in_path, out_path;
+  Params want;
+  std::string what;
+};
+
+// Runs optim_interop.py `command` IN OUT ... over `steps` (one interpreter) and checks that the
+// parameters Python wrote to each OUT are its `want`.
+void expect_python_steps(const std::string& command, const std::vector<PythonStep>& steps, double tolerance) {
+  std::string args = command;
+  for (const auto& s : steps) args += " " + s.in_path + " " + s.out_path;
+  const std::string cmd = python(args);
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  for (const auto& s : steps) {
+    auto after_py = torch::pickle_load(read_file(s.out_path)).toList();
+    ASSERT_EQ(after_py.size(), s.want.size()) << s.what;
+    for (size_t i = 0; i < s.want.size(); ++i) {
+      EXPECT_LE(testing::rel_diff(s.want[i], after_py.get(i).toTensor()), tolerance) << s.what << " " << i;
+    }
+  }
+}
+
 void expect_python_step(const std::string& command, const std::string& in_path, const std::string& out_path,
                         const Params& want, double tolerance, const std::string& what) {
-  const std::string cmd = python(command + " " + in_path + " " + out_path);
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  auto after_py = torch::pickle_load(read_file(out_path)).toList();
-  ASSERT_EQ(after_py.size(), want.size());
-  for (size_t i = 0; i < want.size(); ++i) {
-    EXPECT_LE(testing::rel_diff(want[i], after_py.get(i).toTensor()), tolerance) << what << " " << i;
-  }
+  expect_python_steps(command, {{in_path, out_path, want, what}}, tolerance);
 }
 
 // Gradients summed over ranks of a global batch of 12: the same on every world size.
@@ -99,6 +115,7 @@ void three_steps_then_consolidate(OSS& oss, const Params& p, ProcessGroup& g) {
 }
 
 TEST(PythonInterop, ConsolidatedStateLoadsIntoTorchOptimAndTakesTheSameStep) {
+  std::vector<PythonStep> steps;
   for (const auto& c : cases()) {
     SCOPED_TRACE(c.name);
     const std::string dir = ::testing::TempDir();
@@ -119,8 +136,9 @@ TEST(PythonInterop, ConsolidatedStateLoadsIntoTorchOptimAndTakesTheSameStep) {
         after_cpp = testing::clone_params(p);
       }
     });
-    expect_python_step("step", in_path, out_path, after_cpp, 1e-6, std::string(c.name) + " parameter");
+    steps.push_back({in_path, out_path, after_cpp, std::string(c.name) + " parameter"});
   }
+  expect_python_steps("step", steps, 1e-6);
 }
 
 // Mixed precision: the consolidated state (with "master_weights") loads into torch.optim.Adam
@@ -164,11 +182,14 @@ TEST(PythonInterop, MixedPrecisionStateResumesInTorchOptimFromTheMasters) {
 }
 
 TEST(PythonInterop, TorchOptimStateLoadsIntoOssAtWorldSizesTwoAndThree) {
+  const auto path_of = [](const Case& c) { return ::testing::TempDir() + "/torch_" + c.name + "_state.pt"; };
+  std::string make = "make";
+  for (const auto& c : cases()) make += std::string(" ") + c.name + " " + path_of(c);
+  const std::string cmd = python(make);
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   for (const auto& c : cases()) {
     SCOPED_TRACE(c.name);
-    const std::string path = ::testing::TempDir() + "/torch_" + c.name + "_state.pt";
-    const std::string cmd = python(std::string("make ") + c.name + " " + path);
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    const std::string path = path_of(c);
     const auto blob = torch::pickle_load(read_file(path)).toGenericDict();
     const auto saved_params = blob.at("params").toList(), grads = blob.at("grads").toList(),
                after = blob.at("after").toList();

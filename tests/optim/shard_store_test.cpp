@@ -1,4 +1,4 @@
-// The shard store (Note [Shard store] in csrc/optim/shard_store.cpp): the optimizer state each
+// The shard store (Note [State slabs] in csrc/optim/state_slabs.cpp): the optimizer state each
 // rank holds lives in one flat slab per kind of state, the tensors torch::optim sees are views
 // into them with the values an unsharded torch::optim holds, the fused pass over a run of the
 // slab equals the per-tensor step bit for bit, a new layout moves exactly the state whose

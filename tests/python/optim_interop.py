@@ -1,11 +1,13 @@
 """Moves optimizer state between shardopt's OSS (C++) and torch.optim (Python).
 
-    optim_interop.py step IN OUT   IN holds {"optimizer": name, "params", "grads", "state"} written by
+    optim_interop.py step IN OUT [IN OUT ...]
+                                   IN holds {"optimizer": name, "params", "grads", "state"} written by
                                    torch::pickle_save (a consolidated OSS state); loads the state
                                    into torch.optim.<name>, takes one step with the grads, writes
                                    the parameters to OUT (torch.save). With mixed precision the
                                    state's fp32 "master_weights" are the parameters.
-    optim_interop.py make NAME OUT runs torch.optim.<NAME> for three steps on fixed parameters and
+    optim_interop.py make NAME OUT [NAME OUT ...]
+                                   runs torch.optim.<NAME> for three steps on fixed parameters and
                                    gradients, writes {"params", "state", "grads", "after"} to OUT:
                                    the state, the next step's gradients and the parameters after
                                    that step.
@@ -15,6 +17,8 @@
     optim_interop.py muon-make OUT as `make`, for torch.optim.Muon on the matrices and AdamW on the
                                    vectors; the state is the two combined in OSS's layout (the
                                    Muon group first), the parameters in that order.
+
+`step` and `make` take several pairs, one after the other (one interpreter start for them all).
 
 An OSS of several optimizer groups has one state dict in PyTorch's layout: one param group per
 optimizer, the parameters numbered across the groups in order. split() and combine() convert
@@ -155,5 +159,10 @@ def muon_make(dst: str) -> None:
 
 
 if __name__ == "__main__":
-    {"step": lambda: step(sys.argv[2], sys.argv[3]), "make": lambda: make(sys.argv[2], sys.argv[3]),
-     "muon-step": lambda: muon_step(sys.argv[2], sys.argv[3]), "muon-make": lambda: muon_make(sys.argv[2])}[sys.argv[1]]()
+    command, args = sys.argv[1], sys.argv[2:]
+    if command in ("step", "make"):
+        assert args and len(args) % 2 == 0, f"{command} takes pairs of arguments, got {args}"
+        for a, b in zip(args[::2], args[1::2]):
+            (step if command == "step" else make)(a, b)
+    else:
+        {"muon-step": lambda: muon_step(args[0], args[1]), "muon-make": lambda: muon_make(args[0])}[command]()

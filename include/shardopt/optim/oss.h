@@ -55,6 +55,7 @@ class ShardedDDP;
 class ShardedGradScaler;
 namespace detail {
 class ShardStore;
+class StateSlabs;
 struct HandOver;
 struct ShardPlan;
 struct OptimizerCodec;
@@ -364,7 +365,7 @@ class OSS : public torch::optim::Optimizer {
   // Moves optimizer state (and owned gradients) from the settled holdings to the current ones.
   // Collective; a no-op when nothing moved.
   void settle_state();
-  // Puts the settled state into the store's slabs (Note [Shard store]). Local.
+  // Puts the settled state into its slabs (Note [State slabs]). Local.
   void place_state();
   // The saved state entries of a state dict, by parameter index (shapes checked).
   std::unordered_map<size_t, c10::impl::GenericDict> saved_entries(const c10::impl::GenericDict& dict) const;
@@ -403,9 +404,11 @@ class OSS : public torch::optim::Optimizer {
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::vector<Unit> units_;
   std::vector<size_t> unit_of_group_, local_group_of_;  // per global group: its unit, its index there
-  // The partition, the parameter buffers, the slabs the local optimizer's state lives in, and the
-  // owned gradients (a ShardedDDP receives it from hand_over()).
+  // The partition, the parameter buffers and the owned gradients (a ShardedDDP receives it from
+  // hand_over()).
   std::unique_ptr<detail::ShardStore> store_;
+  // The slabs the local optimizers' state lives in (Note [State slabs]): OSS's alone.
+  std::unique_ptr<detail::StateSlabs> slabs_;
   // The plan's trainable set changed since the partition was decided (Note [Rebalance after a
   // freeze]): the next rebalance() decides again.
   bool repartition_due_ = false;

@@ -88,7 +88,7 @@ struct Introspection {
   static int64_t holders_changed(const std::vector<at::Tensor>& before, const std::vector<at::Tensor>& after);
 
   // Where the state of `stepped` (a tensor of local_optimizer()) lives in the store's slabs
-  // (Note [Shard store] in csrc/optim/shard_store.cpp); nullopt when it has no slot.
+  // (Note [State slabs] in csrc/optim/state_slabs.cpp); nullopt when it has no slot.
   struct StateSlot {
     size_t group = 0;
     int64_t offset = 0;

@@ -1,5 +1,4 @@
-#include "optim/shard_store.h"
-#include "optim/param_buffers.h"
+#include "optim/state_slabs.h"
 
 #include <shardopt/compat.h>
 
@@ -8,7 +7,7 @@
 
 namespace shardopt::detail {
 
-// Note [Shard store]
+// Note [State slabs]
 // A rank's optimizer state lives in flat slabs, one per (layout group, kind of state), laid out
 // like the rank's shard of the group's parameter buffer: the state of a trainable piece owned here
 // is at the piece's offset in the shard (FlatLayout's in_shard), so a run of adjacent pieces has
@@ -28,9 +27,8 @@ namespace shardopt::detail {
 // pieces has its master, its state and its low-precision parameters each in one range. An
 // optimizer shardopt has no codec for keeps its state, and its masters, as it makes them.
 
-void ShardStore::plan_slots(int rank, const std::vector<std::vector<Holding>>& holdings,
+void StateSlabs::plan_slots(const FlatLayout& layout, int rank, const std::vector<std::vector<Holding>>& holdings,
                             const std::function<bool(size_t param, const at::Tensor& tensor)>& has_state) {
-  const FlatLayout& layout = plan_->layout;
   const auto& groups = layout.groups();
   std::vector<int64_t> numel(groups.size(), 0);
   for (size_t g = 0; g < groups.size(); ++g) numel[g] = groups[g].used.at(rank);
@@ -65,20 +63,31 @@ void ShardStore::plan_slots(int rank, const std::vector<std::vector<Holding>>& h
   slabs_.assign(groups.size(), {});  // the old slabs live on in the views until adopt() copies them
 }
 
-at::Tensor ShardStore::slab_for(size_t group, const std::string& kind, const at::Tensor& like) {
+at::Tensor StateSlabs::slab_for(size_t group, const std::string& kind, const at::Tensor& like) {
   auto& slabs = slabs_.at(group);
   auto it = slabs.find(kind);
   if (it == slabs.end()) {
     // Zeros: the gaps between pieces (alignment) stay finite, whatever steps over them.
-    at::Tensor slab = at::zeros({slab_numel_[group]}, like.options().requires_grad(false));
+    at::Tensor slab = at::zeros({slab_numel_[group]}, like.options().dtype(stored_dtype(kind, like)).requires_grad(false));
     it = slabs.emplace(kind, std::move(slab)).first;
   }
   const at::Tensor& slab = it->second;
-  if (slab.scalar_type() != like.scalar_type() || slab.device() != like.device()) return at::Tensor();
+  if (slab.scalar_type() != stored_dtype(kind, like) || slab.device() != like.device()) return at::Tensor();
   return slab;
 }
 
-at::Tensor ShardStore::fresh_slot(const at::Tensor& tensor, const char* kind) {
+at::ScalarType StateSlabs::stored_dtype(const std::string& kind, const at::Tensor& like) {
+  (void)kind;
+  return like.scalar_type();
+}
+
+std::vector<at::Tensor> StateSlabs::slabs_of(const std::string& kind) const {
+  std::vector<at::Tensor> out(slabs_.size());
+  for (size_t g = 0; g < slabs_.size(); ++g) out[g] = slab(g, kind);
+  return out;
+}
+
+at::Tensor StateSlabs::fresh_slot(const at::Tensor& tensor, const char* kind) {
   auto it = slots_.find(tensor.unsafeGetTensorImpl());
   if (it == slots_.end()) return at::Tensor();
   const Slot& slot = it->second;
@@ -88,7 +97,7 @@ at::Tensor ShardStore::fresh_slot(const at::Tensor& tensor, const char* kind) {
   return slab.narrow(0, slot.offset, slot.numel).view(slot.sizes).zero_();
 }
 
-int64_t ShardStore::adopt(torch::optim::Optimizer& local, const OptimizerCodec& codec) {
+int64_t StateSlabs::adopt(torch::optim::Optimizer& local, const OptimizerCodec& codec) {
   int64_t copied = 0;
   at::NoGradGuard no_grad;
   for (auto& [key, state] : local.state()) {
@@ -109,7 +118,7 @@ int64_t ShardStore::adopt(torch::optim::Optimizer& local, const OptimizerCodec& 
   return copied;
 }
 
-int64_t ShardStore::adopt_masters(const std::vector<std::vector<Holding>>& holdings, int rank) {
+int64_t StateSlabs::adopt_masters(const std::vector<std::vector<Holding>>& holdings, int rank) {
   int64_t copied = 0;
   at::NoGradGuard no_grad;
   for (const auto& list : holdings) {
@@ -130,18 +139,18 @@ int64_t ShardStore::adopt_masters(const std::vector<std::vector<Holding>>& holdi
   return copied;
 }
 
-at::Tensor ShardStore::slab(size_t group, const std::string& kind) const {
+at::Tensor StateSlabs::slab(size_t group, const std::string& kind) const {
   if (group >= slabs_.size()) return at::Tensor();
   auto it = slabs_[group].find(kind);
   return it == slabs_[group].end() ? at::Tensor() : it->second;
 }
 
-const Slot* ShardStore::slot_of(const at::Tensor& tensor) const {
+const Slot* StateSlabs::slot_of(const at::Tensor& tensor) const {
   auto it = slots_.find(tensor.unsafeGetTensorImpl());
   return it == slots_.end() ? nullptr : &it->second;
 }
 
-int64_t ShardStore::bytes() const {
+int64_t StateSlabs::bytes() const {
   int64_t total = 0;
   for (const auto& group : slabs_) {
     for (const auto& [kind, slab] : group) total += static_cast<int64_t>(slab.nbytes());

@@ -1,0 +1,92 @@
+// StateSlabs: where a rank's optimizer state lives, owned by OSS (Note [State slabs] in
+// state_slabs.cpp). Internal to shardopt.
+//
+// For each (device, dtype) group of the layout it holds one flat slab per kind of state
+// ("exp_avg", "exp_avg_sq", "momentum_buffer", ...) and mixed precision's fp32 masters in a slab
+// of their own (kMasterSlab). The state tensors torch::optim sees are views into the slabs, so
+// state_dict(), checkpoints and the codecs see the same tensors as before, and the fused step
+// reads each run of state from one slab. A slab's dtype is its kind's stored dtype
+// (stored_dtype), which the state's format decides, not the parameter's.
+#pragma once
+
+#include <shardopt/optim/flat_layout.h>
+#include <shardopt/optim/oss.h>
+
+#include "optim/codec.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/api/include/torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace shardopt::detail {
+
+// The slab kind of mixed precision's fp32 master weights, beside the state's kinds.
+inline constexpr const char* kMasterSlab = "master";
+
+// Where one holding's state lives in its group's slabs.
+struct Slot {
+  size_t group = 0;
+  int64_t offset = 0;  // elements into each slab of the group
+  int64_t numel = 0;
+  std::vector<int64_t> sizes;  // the holding tensor's shape (the state tensors' shape)
+  bool kept = false;           // a frozen parameter's kept state (after the trainable region)
+  bool operator==(const Slot& o) const {
+    return group == o.group && offset == o.offset && numel == o.numel && sizes == o.sizes && kept == o.kept;
+  }
+};
+
+class StateSlabs {
+ public:
+  // Places this rank's state (its slots) for `layout`: every holding of `rank` that is a piece of
+  // the layout's trainable run at its place in the rank's shard (the same offsets as the parameter
+  // buffer), and each other holding with state (a frozen parameter's kept state) after it. When
+  // the slots differ from the last ones, new slabs are made as state arrives (adopt(),
+  // fresh_slot()), and the old ones are freed once no state tensor refers to them.
+  // `has_state(param, tensor)` says whether the optimizer of `param` holds state for `tensor`.
+  void plan_slots(const FlatLayout& layout, int rank, const std::vector<std::vector<Holding>>& holdings,
+                  const std::function<bool(size_t param, const at::Tensor& tensor)>& has_state);
+
+  // A zeroed view of `tensor`'s slot (a holding tensor: it keys the state) in the slab of `kind`,
+  // shaped like it; undefined when it has no slot or the slab cannot hold its state (another
+  // device, or a dtype the kind is not stored in).
+  at::Tensor fresh_slot(const at::Tensor& tensor, const char* kind);
+
+  // Moves every state tensor of `local` that is not in its slot into it (one local copy each) and
+  // makes the state hold the slab's view; returns the bytes copied. State without a slot stays as
+  // it is.
+  int64_t adopt(torch::optim::Optimizer& local, const OptimizerCodec& codec);
+
+  // Mixed precision: moves the master of each holding of `rank` (the holding's fp32 tensor, which
+  // keys its state) that has a slot into its group's master slab (kMasterSlab) at the slot, keeping
+  // the tensor (set_data); returns the bytes copied. A master without a slot keeps its storage.
+  int64_t adopt_masters(const std::vector<std::vector<Holding>>& holdings, int rank);
+
+  // The slab of `kind` in `group`; undefined before any state of that kind arrived.
+  at::Tensor slab(size_t group, const std::string& kind) const;
+  // Per layout group, its slab of `kind` (undefined where there is none).
+  std::vector<at::Tensor> slabs_of(const std::string& kind) const;
+  // The slot of holding tensor `tensor`, or null.
+  const Slot* slot_of(const at::Tensor& tensor) const;
+  // Bytes of all slabs.
+  int64_t bytes() const;
+
+ private:
+  // The dtype the state of `kind` is stored in, for state tensors like `like`: today every kind
+  // keeps the dtype torch::optim makes it in (the stepped tensor's).
+  static at::ScalarType stored_dtype(const std::string& kind, const at::Tensor& like);
+  // The slab of `kind` in `group` for state like `like`, made when missing; undefined when `like`
+  // does not fit the group's slabs.
+  at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like);
+
+  std::unordered_map<const void*, Slot> slots_;  // holding tensor (TensorImpl) -> slot
+  std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region
+  std::vector<std::map<std::string, at::Tensor>> slabs_;  // per group: kind -> slab
+};
+
+}  // namespace shardopt::detail
