@@ -7,6 +7,13 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 work="$(mktemp -d /tmp/shardopt-package-XXXXXX)"
 trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" > /dev/null
+# The tests' view of the insides is not part of the package; the rendezvous store the launcher
+# starts is.
+if [[ -e "$work/prefix/include/shardopt/testing" ]]; then
+  echo "package: include/shardopt/testing/ was installed" >&2
+  exit 1
+fi
+[[ -x "$work/prefix/bin/shardopt-store" ]] || { echo "package: bin/shardopt-store was not installed" >&2; exit 1; }
 compiler="$(grep -E '^CMAKE_CXX_COMPILER:' "$build/CMakeCache.txt" | cut -d= -f2)"
 launcher="$(grep -E '^CMAKE_CXX_COMPILER_LAUNCHER:' "$build/CMakeCache.txt" | cut -d= -f2 || true)"
 cmake -S "$here" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release \
