@@ -388,13 +388,15 @@ class HungRank(Base):
         self.assertRegex(out, r"recovered: rank 2 died \(seen in [^\n]*\) at step \d+; rolled back")
         # The launcher (--keep-going) reports the stopped rank's end: not every rank exited 0.
         self.assertEqual(p.returncode, 1, out)
-        # From the stop to each survivor's recovery: the hung-rank timeout (10 s), not less (a rank
-        # is not dropped before it was silent that long), and a recovery (about 2 s measured,
-        # docs/benchmarks-log.md; 5 s allowed here), far less than the 60 s a collective would wait.
+        # From the stop to each survivor's recovery: the hung-rank timeout (10 s) of silence, and a
+        # recovery (about 2 s measured, docs/benchmarks-log.md; 5 s allowed here), far less than the
+        # 60 s a collective would wait. The silence starts at the stopped rank's last heartbeat, which
+        # comes up to one beat period (1 s) before it prints its stop: not less than 9 s after that
+        # (a stressed run measured 9.69 s).
         stopped = int(re.search(r"\[rank 2\] stopping at (\d+)", out).group(1))
         for r in (0, 1, 3):
             recovered = int(re.search(rf"\[rank {r}\] recovered at (\d+)", out).group(1))
-            self.assertGreaterEqual((recovered - stopped) / 1e9, 10, out)
+            self.assertGreaterEqual((recovered - stopped) / 1e9, 9, out)
             self.assertLess((recovered - stopped) / 1e9, 15, out)
 
 
