@@ -1,6 +1,8 @@
 // The AdamW step on 8-bit moments (Note [8-bit state] in csrc/optim/state_codes.cpp: each block
-// of 256 decoded, stepped and coded again) against the fused step on fp32 moments, over one
-// 12M-element fp32 shard, in the widest build this CPU runs. Argument: intra-op threads.
+// of 256 decoded, stepped and coded again) and on bf16 moments (Note [State formats] in
+// csrc/optim/state_slabs.cpp: each block widened, stepped and rounded back) against the fused step
+// on fp32 moments, over one 12M-element fp32 shard, in the widest build this CPU runs. Argument:
+// intra-op threads.
 //
 //   build/bench/state_codes_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include "csrc/optim/fused_kernels.h"
@@ -36,6 +38,8 @@ void step(const AdamSegment<float>& segment, const AdamScalars& s) {
 }
 template <>
 void step(const Adam8Segment& segment, const AdamScalars& s) { adam8_step(&segment, 1, s); }
+template <>
+void step(const Adam16Segment& segment, const AdamScalars& s) { adam16_step(&segment, 1, s); }
 
 void BM_AdamWFp32Moments(benchmark::State& state) {
   at::set_num_threads(static_cast<int>(state.range(0)));
@@ -59,7 +63,19 @@ void BM_AdamW8BitMoments(benchmark::State& state) {
   state.counters["state bytes/elem"] = 2 + 8.0 / kStateBlock;
 }
 
+void BM_AdamWBf16Moments(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  at::Tensor p = at::randn({kN}) * 0.02, g = at::randn({kN}) * 1e-3;
+  at::Tensor m = at::zeros({kN}, at::kBFloat16), v = at::zeros({kN}, at::kBFloat16);
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  const Adam16Segment segment{p.data_ptr<float>(), g.data_ptr<float>(), bits(m), bits(v), nullptr, kN};
+  const AdamScalars s = scalars();
+  for (auto _ : state) step(segment, s);
+  state.counters["state bytes/elem"] = 4;
+}
+
 BENCHMARK(BM_AdamWFp32Moments)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AdamWBf16Moments)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_AdamW8BitMoments)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace

@@ -75,6 +75,25 @@ struct Sgd8Segment {
   int64_t n;
 };
 
+// One tensor's memory for a step on bf16 state (OSSOptions::state_format(StateFormat::kBFloat16)):
+// the fp32 parameter and gradient, and each state tensor as bf16 bits, `n` elements each. Each
+// block of kStateBlock elements is widened to fp32, stepped as on fp32 state, and rounded back to
+// nearest even. `vmax` may be null without AMSGrad, `buf` without momentum.
+struct Adam16Segment {
+  float* p;
+  const float* g;
+  uint16_t* m;
+  uint16_t* v;
+  uint16_t* vmax;
+  int64_t n;
+};
+struct Sgd16Segment {
+  float* p;
+  const float* g;
+  uint16_t* buf;
+  int64_t n;
+};
+
 // One set per instruction set. Each call steps every segment of the list with the same scalars,
 // in one parallel region (parallel_segments).
 #define SHARDOPT_FUSED_KERNELS(ns)                                                    \
@@ -85,6 +104,8 @@ struct Sgd8Segment {
   void sgd(const SgdSegment<double>* segments, size_t count, const SgdScalars& s);    \
   void adam8(const Adam8Segment* segments, size_t count, const AdamScalars& s);       \
   void sgd8(const Sgd8Segment* segments, size_t count, const SgdScalars& s);          \
+  void adam16(const Adam16Segment* segments, size_t count, const AdamScalars& s);     \
+  void sgd16(const Sgd16Segment* segments, size_t count, const SgdScalars& s);        \
   float quantise_block(const float* values, int64_t n, const float* map, uint8_t* codes); \
   }
 SHARDOPT_FUSED_KERNELS(kernels_default)
@@ -95,6 +116,9 @@ SHARDOPT_FUSED_KERNELS(kernels_avx512)
 // The 8-bit loops of the widest build this CPU runs (cpu_kernel_level()).
 void adam8_step(const Adam8Segment* segments, size_t count, const AdamScalars& s);
 void sgd8_step(const Sgd8Segment* segments, size_t count, const SgdScalars& s);
+// The bf16-state loops of that build.
+void adam16_step(const Adam16Segment* segments, size_t count, const AdamScalars& s);
+void sgd16_step(const Sgd16Segment* segments, size_t count, const SgdScalars& s);
 // state_codes.h's quantise_block in that build (the same bits, a vector at a time).
 float quantise_block_fast(const float* values, int64_t n, const float* map, uint8_t* codes);
 

@@ -63,6 +63,18 @@ bool dense_cpu_float(const at::Tensor& t) {
   return t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
 }
 
+// A bf16 state tensor's memory as its bits (the fused step's bf16 loops).
+uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// A state tensor the fused step takes beside parameter `p`: dense in p's dtype, or bf16 beside an
+// fp32 CPU parameter (OSSOptions::state_format(StateFormat::kBFloat16)).
+bool fits_state(const at::Tensor& t, const at::Tensor& p) {
+  if (t.defined() && t.scalar_type() == at::kBFloat16 && p.scalar_type() == at::kFloat && p.device().is_cpu()) {
+    return t.layout() == at::kStrided && t.is_contiguous() && t.device().is_cpu() && t.numel() == p.numel();
+  }
+  return dense_cpu_float(t) && t.scalar_type() == p.scalar_type();
+}
+
 bool amsgrad_of(const optim::OptimizerOptions& o) {
   if (const auto* a = dynamic_cast<const optim::AdamOptions*>(&o)) return a->amsgrad();
   if (const auto* w = dynamic_cast<const optim::AdamWOptions*>(&o)) return w->amsgrad();
@@ -152,10 +164,14 @@ int64_t adam_run(std::vector<AdamEntry> run, const AdamScalars& s, int64_t step)
   run = detail::joined_adjacent(std::move(run));
   std::vector<detail::AdamSegment<float>> f32;
   std::vector<detail::AdamSegment<double>> f64;
+  std::vector<detail::Adam16Segment> bf16;
   std::vector<detail::CudaAdamOperands> cuda;
   for (const auto& e : run) {
     if (e.copy.defined() || e.p.is_cuda()) {
       cuda.push_back({e.p, e.g, e.m, e.v, e.vmax, e.copy});
+    } else if (e.m.scalar_type() == at::kBFloat16) {
+      bf16.push_back({e.p.data_ptr<float>(), e.g.data_ptr<float>(), bf16_bits(e.m), bf16_bits(e.v),
+                      e.vmax.defined() ? bf16_bits(e.vmax) : nullptr, e.p.numel()});
     } else if (e.p.scalar_type() == at::kFloat) {
       f32.push_back(adam_segment<float>(e));
     } else {
@@ -164,6 +180,7 @@ int64_t adam_run(std::vector<AdamEntry> run, const AdamScalars& s, int64_t step)
   }
   if (!f32.empty()) adam_kernel(f32, s);
   if (!f64.empty()) adam_kernel(f64, s);
+  if (!bf16.empty()) detail::adam16_step(bf16.data(), bf16.size(), s);
   if (!cuda.empty()) detail::cuda_adam(cuda, s, step);
   return static_cast<int64_t>(run.size());
 }
@@ -228,9 +245,12 @@ int64_t sgd_run(std::vector<SgdEntry> run, const SgdScalars& s) {
   run = detail::joined_adjacent(std::move(run));
   std::vector<detail::SgdSegment<float>> f32;
   std::vector<detail::SgdSegment<double>> f64;
+  std::vector<detail::Sgd16Segment> bf16;
   for (const auto& e : run) {
     if (e.p.is_cuda()) {
       detail::cuda_sgd(e.p, e.g, e.buf, s);
+    } else if (e.buf.defined() && e.buf.scalar_type() == at::kBFloat16) {
+      bf16.push_back({e.p.data_ptr<float>(), e.g.data_ptr<float>(), bf16_bits(e.buf), e.p.numel()});
     } else if (e.p.scalar_type() == at::kFloat) {
       f32.push_back({e.p.data_ptr<float>(), e.g.data_ptr<float>(), e.buf.defined() ? e.buf.data_ptr<float>() : nullptr,
                      e.p.numel()});
@@ -241,6 +261,7 @@ int64_t sgd_run(std::vector<SgdEntry> run, const SgdScalars& s) {
   }
   if (!f32.empty()) sgd_kernel(f32, s);
   if (!f64.empty()) sgd_kernel(f64, s);
+  if (!bf16.empty()) detail::sgd16_step(bf16.data(), bf16.size(), s);
   return static_cast<int64_t>(run.size());
 }
 
@@ -350,6 +371,22 @@ void detail::sgd8_step(const Sgd8Segment* segments, size_t count, const SgdScala
     case 2: return kernels_avx512::sgd8(segments, count, s);
     case 1: return kernels_avx2::sgd8(segments, count, s);
     default: return kernels_default::sgd8(segments, count, s);
+  }
+}
+
+void detail::adam16_step(const Adam16Segment* segments, size_t count, const AdamScalars& s) {
+  switch (cpu_kernel_level()) {
+    case 2: return kernels_avx512::adam16(segments, count, s);
+    case 1: return kernels_avx2::adam16(segments, count, s);
+    default: return kernels_default::adam16(segments, count, s);
+  }
+}
+
+void detail::sgd16_step(const Sgd16Segment* segments, size_t count, const SgdScalars& s) {
+  switch (cpu_kernel_level()) {
+    case 2: return kernels_avx512::sgd16(segments, count, s);
+    case 1: return kernels_avx2::sgd16(segments, count, s);
+    default: return kernels_default::sgd16(segments, count, s);
   }
 }
 
@@ -526,17 +563,17 @@ std::string detail::fused_step_unsupported(const optim::Optimizer& optimizer, co
       if (it == optimizer.state().end()) continue;
       if (adam || adamw) {
         const auto& st = static_cast<const optim::AdamParamState&>(*it->second);
-        for (const auto& t : {st.exp_avg(), st.exp_avg_sq()}) {
-          if (!dense_cpu_float(t) || t.scalar_type() != p.scalar_type()) return "an Adam state tensor is not dense";
+        if (!fits_state(st.exp_avg(), p) || !fits_state(st.exp_avg_sq(), p) ||
+            st.exp_avg().scalar_type() != st.exp_avg_sq().scalar_type()) {
+          return "an Adam state tensor is not dense";
         }
-        if (amsgrad_of(group.options()) && !dense_cpu_float(st.max_exp_avg_sq())) {
+        if (amsgrad_of(group.options()) && (!fits_state(st.max_exp_avg_sq(), p) ||
+                                            st.max_exp_avg_sq().scalar_type() != st.exp_avg().scalar_type())) {
           return "an AMSGrad state tensor is not dense";
         }
       } else {
         const auto& buf = static_cast<const optim::SGDParamState&>(*it->second).momentum_buffer();
-        if (buf.defined() && (!dense_cpu_float(buf) || buf.scalar_type() != p.scalar_type())) {
-          return "a momentum buffer is not dense";
-        }
+        if (buf.defined() && !fits_state(buf, p)) return "a momentum buffer is not dense";
       }
     }
   }

@@ -17,7 +17,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/api/include/torch/optim/lbfgs.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
@@ -194,6 +197,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
   mixed_ = options_.mixed_precision().enabled() || !options_.mixed_precision().problem().empty();
   if (mixed_) master_sources_ = detail::cast_to_param_dtype(*global_group_, params_, options_.mixed_precision());
   check_param_wire();
+  check_state_format();
   masters_ = mixed_ || options_.param_wire() != Wire::kExact;
   if (masters_ && !mixed_ && global_group_->size() > 1) {
     // The masters start from the same values on every rank (Note [Parameter wire]).
@@ -210,7 +214,7 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
   holdings_.assign(params_.size(), {});
   store_ = std::make_unique<detail::ShardStore>(params_, group_, options_.layout(), options_.sync(),
                                                 options_.param_wire(), placement_.partition, placement_.whole_kind);
-  slabs_ = std::make_unique<detail::StateSlabs>();
+  slabs_ = std::make_unique<detail::StateSlabs>(options_.state_format());
   if (placement_.split) {
     // A parameter frozen from the start keeps its state where it would be if all were trainable.
     lay_out(store_->make_plan(std::vector<uint8_t>(params_.size(), 1), store_->partition()));
@@ -244,6 +248,8 @@ void OSS::set_units(std::vector<Unit> units) {
     // Nothing is switched off silently: without a codec, state cannot move between ranks.
     const optim::Optimizer& ref = *made;
     units_[u].class_name = c10::demangle(typeid(ref).name());
+    units_[u].fused_kind = dynamic_cast<const optim::Adam*>(&ref) || dynamic_cast<const optim::AdamW*>(&ref) ||
+                           dynamic_cast<const optim::SGD*>(&ref);
     SHARDOPT_CHECK(units_[u].codec || !options_.rebalance(), "OSS: the optimizer ", c10::demangle(typeid(ref).name()),
                    " is not registered (shardopt knows Adam, AdamW, SGD, RMSprop, Adagrad and Muon; "
                    "shardopt::register_optimizer in shardopt/optim/state_layout.h says how another one's state is "
@@ -319,8 +325,40 @@ void OSS::check_params_across_ranks() {
   }
   agreement.field("param_wire", static_cast<int64_t>(options_.param_wire()),
                   [](const std::vector<int64_t>& v) { return wire_name(static_cast<Wire>(v[0])); });
+  agreement.field("state_format", static_cast<int64_t>(options_.state_format()),
+                  [](const std::vector<int64_t>& v) { return state_format_name(static_cast<StateFormat>(v[0])); });
   agreement.hint("every rank must pass the same parameters, in the same order and groups, and the same "
-                 "OSSOptions::param_wire").check(*group_);
+                 "OSSOptions::param_wire and state_format").check(*group_);
+}
+
+std::string state_format_name(StateFormat format) {
+  switch (format) {
+    case StateFormat::kFloat32: return "fp32";
+    case StateFormat::kBFloat16: return "bf16";
+  }
+  return "unknown";
+}
+
+// After the ranks agreed on the parameters and state_format (check_params_across_ranks) and on
+// the optimizers (check_options_alike): every rank refuses alike.
+void OSS::check_state_format() const {
+  const StateFormat format = options_.state_format();
+  if (format == StateFormat::kFloat32) return;
+  const std::string option = std::string("OSSOptions::state_format(") + state_format_name(format) + ")";
+  SHARDOPT_CHECK(options_.fused_step(), option, " needs the fused step, which keeps the state in that format; "
+                 "leave OSSOptions::fused_step on");
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const Unit& unit = units_[unit_of_group_[g]];
+    SHARDOPT_CHECK(unit.fused_kind, option, ": param group ", g, "'s optimizer is ", unit.class_name, ", whose state this "
+                   "format does not hold; it holds Adam's, AdamW's and SGD's (use StateFormat::kFloat32)");
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    SHARDOPT_CHECK(p.device().is_cpu(), option, ": parameter ", i, " is on ", p.device(),
+                   "; this format is stepped on the CPU only (use StateFormat::kFloat32 on CUDA)");
+    SHARDOPT_CHECK(mixed_ || p.scalar_type() == at::kFloat, option, ": parameter ", i, " is ", p.scalar_type(),
+                   "; this format holds the state of fp32 parameters (or of mixed precision's fp32 masters)");
+  }
 }
 
 // After the ranks agreed on param_wire (check_params_across_ranks) and on mixed precision.

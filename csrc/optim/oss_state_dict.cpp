@@ -55,10 +55,11 @@ c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>
 }
 
 // Whole-parameter state stitched from ranges as they arrive, without holding more than the full
-// state and the shard being added.
+// state and the shard being added. With `widen`, bf16 state tensors become fp32 (Note [State
+// formats]).
 class Stitcher {
  public:
-  explicit Stitcher(const std::vector<at::Tensor>& params) : params_(params) {}
+  Stitcher(const std::vector<at::Tensor>& params, bool widen) : params_(params), widen_(widen) {}
 
   void add(const c10::impl::GenericList& shard) {
     for (const c10::IValue& item : shard.vec()) {
@@ -77,10 +78,10 @@ class Stitcher {
       const bool all = begin == 0 && end == params_[i].numel();
       for (const auto& v : d.at("state").toGenericDict()) {
         if (!detail::is_state_tensor(v) || (all && fresh)) {  // a whole range: as it is, whatever its shape
-          if (fresh) full.insert(v.key(), v.value());
+          if (fresh) full.insert(v.key(), detail::is_state_tensor(v) ? c10::IValue(widened(v.value().toTensor())) : v.value());
           continue;
         }
-        const at::Tensor t = v.value().toTensor().reshape(-1);
+        const at::Tensor t = widened(v.value().toTensor().reshape(-1));
         if (fresh) full.insert(v.key(), at::empty({params_[i].numel()}, t.options()));
         full.at(v.key()).toTensor().narrow(0, begin, end - begin).copy_(t);
       }
@@ -127,7 +128,12 @@ class Stitcher {
   }
 
  private:
+  at::Tensor widened(const at::Tensor& t) const {
+    return widen_ && t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
+  }
+
   const std::vector<at::Tensor>& params_;
+  const bool widen_;
   std::map<size_t, std::pair<GenericDict, int64_t>> parts_;  // param -> (state, elements filled)
   std::map<size_t, std::pair<at::Tensor, int64_t>> masters_;  // param -> (master, elements filled)
 };
@@ -151,7 +157,7 @@ void OSS::consolidate_state_dict(int recipient) {
 
   // One shard in flight at a time: the recipient holds the full state plus at most one
   // serialized shard.
-  Stitcher stitcher(params_);
+  Stitcher stitcher(params_, options_.state_format() != StateFormat::kFloat32);
   for (int r = 0; r < group_->size(); ++r) {
     if (r == recipient) {
       if (rank == recipient) stitcher.add(own_shard(holdings_, local_of, rank, masters_));
@@ -198,7 +204,7 @@ torch::IValue OSS::state_shard(bool own_storage) {
 
 torch::IValue OSS::state_dict_from_shards(const std::vector<torch::IValue>& shards) const {
   SHARDOPT_CHECK(!shards.empty(), "state_dict_from_shards needs at least one shard");
-  Stitcher stitcher(params_);
+  Stitcher stitcher(params_, options_.state_format() != StateFormat::kFloat32);
   for (size_t r = 0; r < shards.size(); ++r) {
     SHARDOPT_CHECK(shards[r].isGenericDict() && shards[r].toGenericDict().contains("shard"),
                    "state_dict_from_shards: shard ", r, " is not a state_shard() value");

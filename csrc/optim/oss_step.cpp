@@ -210,6 +210,13 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
     }
   }
   stepped_fused_ = std::all_of(fused_.begin(), fused_.end(), [](uint8_t f) { return f != 0; });
+  if (options_.state_format() != StateFormat::kFloat32 && !stepped_fused_) {
+    for (size_t u = 0; u < units_.size(); ++u) {
+      SHARDOPT_CHECK(fused_[u], "OSSOptions::state_format(", state_format_name(options_.state_format()), ") on rank ",
+                     group_->rank(), ": the fused step, which keeps the state in that format, cannot step ",
+                     units_[u].class_name, " now: ", detail::fused_step_unsupported(*units_[u].local, in));
+    }
+  }
   if (inv_scale && !scale_in_step(in, *inv_scale)) return false;
   fused_segments_ = 0;
   for (size_t u = 0; u < units_.size(); ++u) {

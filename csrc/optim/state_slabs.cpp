@@ -76,9 +76,22 @@ at::Tensor StateSlabs::slab_for(size_t group, const std::string& kind, const at:
   return slab;
 }
 
-at::ScalarType StateSlabs::stored_dtype(const std::string& kind, const at::Tensor& like) {
-  (void)kind;
-  return like.scalar_type();
+// Note [State formats]
+// OSSOptions::state_format decides the dtype each kind of state is stored in on its owner.
+// kFloat32 keeps torch::optim's (the stepped tensor's dtype). kBFloat16 stores fp32 state in bf16:
+// the fused step (Adam, AdamW, SGD) widens each block of the state to fp32, steps it with the fp32
+// step's arithmetic and rounds it back to nearest even, so the result of an element depends on
+// that element alone: the same bits at every world size and partition. State made or loaded in
+// fp32 (a consolidated state dict, state moved from another rank, which travels widened) is
+// rounded the same way when adopt() copies it into its slab; widening is exact, so state that
+// leaves and comes back keeps its bits. The consolidated state_dict() widens it to fp32, the
+// layout PyTorch's optimizers load. Mixed precision's masters (kMasterSlab) stay fp32.
+at::ScalarType StateSlabs::stored_dtype(const std::string& kind, const at::Tensor& like) const {
+  const at::ScalarType dtype = like.scalar_type();
+  if (format_ == StateFormat::kBFloat16 && kind != kMasterSlab && (dtype == at::kFloat || dtype == at::kBFloat16)) {
+    return at::kBFloat16;
+  }
+  return dtype;
 }
 
 std::vector<at::Tensor> StateSlabs::slabs_of(const std::string& kind) const {
@@ -88,12 +101,14 @@ std::vector<at::Tensor> StateSlabs::slabs_of(const std::string& kind) const {
 }
 
 at::Tensor StateSlabs::fresh_slot(const at::Tensor& tensor, const char* kind) {
-  auto it = slots_.find(tensor.unsafeGetTensorImpl());
-  if (it == slots_.end()) return at::Tensor();
-  const Slot& slot = it->second;
-  at::Tensor slab = slab_for(slot.group, kind, tensor);
-  if (!slab.defined()) return at::Tensor();
   at::NoGradGuard no_grad;
+  auto it = slots_.find(tensor.unsafeGetTensorImpl());
+  const at::Tensor slab = it == slots_.end() ? at::Tensor() : slab_for(it->second.group, kind, tensor);
+  if (!slab.defined()) {
+    const at::ScalarType dtype = stored_dtype(kind, tensor);
+    return dtype == tensor.scalar_type() ? at::Tensor() : at::zeros(tensor.sizes(), tensor.options().dtype(dtype));
+  }
+  const Slot& slot = it->second;
   return slab.narrow(0, slot.offset, slot.numel).view(slot.sizes).zero_();
 }
 

@@ -43,6 +43,8 @@ struct Slot {
 
 class StateSlabs {
  public:
+  explicit StateSlabs(StateFormat format = StateFormat::kFloat32) : format_(format) {}
+
   // Places this rank's state (its slots) for `layout`: every holding of `rank` that is a piece of
   // the layout's trainable run at its place in the rank's shard (the same offsets as the parameter
   // buffer), and each other holding with state (a frozen parameter's kept state) after it. When
@@ -53,8 +55,8 @@ class StateSlabs {
                   const std::function<bool(size_t param, const at::Tensor& tensor)>& has_state);
 
   // A zeroed view of `tensor`'s slot (a holding tensor: it keys the state) in the slab of `kind`,
-  // shaped like it; undefined when it has no slot or the slab cannot hold its state (another
-  // device, or a dtype the kind is not stored in).
+  // shaped like it. Where it has no slot or the slab cannot hold its state (another device): a
+  // zeroed tensor in the kind's stored dtype when that is not `tensor`'s, else undefined.
   at::Tensor fresh_slot(const at::Tensor& tensor, const char* kind);
 
   // Moves every state tensor of `local` that is not in its slot into it (one local copy each) and
@@ -77,13 +79,15 @@ class StateSlabs {
   int64_t bytes() const;
 
  private:
-  // The dtype the state of `kind` is stored in, for state tensors like `like`: today every kind
-  // keeps the dtype torch::optim makes it in (the stepped tensor's).
-  static at::ScalarType stored_dtype(const std::string& kind, const at::Tensor& like);
+  // The dtype the state of `kind` is stored in, for state tensors like `like` (Note [State
+  // formats]): under kFloat32 the dtype torch::optim makes it in (the stepped tensor's); under
+  // kBFloat16 bf16 for fp32 (or bf16) state; masters stay as they are.
+  at::ScalarType stored_dtype(const std::string& kind, const at::Tensor& like) const;
   // The slab of `kind` in `group` for state like `like`, made when missing; undefined when `like`
   // does not fit the group's slabs.
   at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like);
 
+  StateFormat format_;
   std::unordered_map<const void*, Slot> slots_;  // holding tensor (TensorImpl) -> slot
   std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region
   std::vector<std::map<std::string, at::Tensor>> slabs_;  // per group: kind -> slab

@@ -112,6 +112,17 @@ enum class PartitionMode {
                      // parameter boundaries; a whole-tensor optimizer's parameters stay whole
 };
 
+// How each owner keeps its optimizer state (Note [State formats] in csrc/optim/state_slabs.cpp).
+enum class StateFormat {
+  kFloat32,   // as torch::optim keeps it: in the stepped tensors' dtype (the default)
+  kBFloat16,  // Adam's, AdamW's and SGD's state in bf16: each step widens it to fp32, steps, and
+              // rounds it back to nearest even (fp32 CPU parameters, or fp32 masters under mixed
+              // precision; the fused step)
+};
+
+// "fp32", "bf16": the names the command-line tools take.
+std::string state_format_name(StateFormat format);
+
 struct OSSOptions {
   TORCH_ARG(ParamSync, sync) = ParamSync::kBroadcast;
   TORCH_ARG(PartitionMode, partition) = PartitionMode::kAuto;
@@ -151,6 +162,11 @@ struct OSSOptions {
   // the same with int8 blocks and fp32 scales (Note [Int8 wire]), every rank's
   // parameters the dequantised masters.
   TORCH_ARG(Wire, param_wire) = Wire::kExact;
+  // The format of the optimizer state on its owner. kFloat32 (the default): as torch::optim keeps
+  // it. kBFloat16 halves the state's bytes; the masters under mixed precision stay fp32. The
+  // consolidated state_dict() holds fp32 state, as PyTorch's optimizers load it; loading rounds it
+  // back. Every rank must pass the same format.
+  TORCH_ARG(StateFormat, state_format) = StateFormat::kFloat32;
 };
 
 // What the last re-partition did on this rank.
@@ -324,6 +340,7 @@ class OSS : public torch::optim::Optimizer {
     std::unique_ptr<torch::optim::Optimizer> local;
     const detail::OptimizerCodec* codec = nullptr;  // null: a class shardopt does not know
     std::string class_name;                         // the optimizer's C++ class, demangled
+    bool fused_kind = false;                        // Adam, AdamW or SGD: the fused step's
   };
   void init(std::vector<torch::optim::OptimizerParamGroup> groups, std::vector<Unit> units);
   void set_units(std::vector<Unit> units);
@@ -336,6 +353,7 @@ class OSS : public torch::optim::Optimizer {
   bool all_registered() const;
   void check_params_across_ranks();
   void check_param_wire() const;
+  void check_state_format() const;
   // With shard_group_size: splits the group into blocks and replica groups; group_ becomes the block.
   void form_blocks();
   // What placement needs of each parameter: its shape, dtype, trainability (`trainable`), and its
