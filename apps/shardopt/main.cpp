@@ -145,6 +145,10 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
                    "(compressed: fp32 masters on the owners, every rank's parameters the rounded masters)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))
       ->capture_default_str();
+  train.add_option("--state-format", o.state_format, "fp32 or bf16: how the owners keep the optimizer state (bf16: "
+                   "half the bytes, Adam, AdamW and SGD; OSSOptions::state_format)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
 }
 
 // ZeRO-2's gradient wire and error feedback, as `memory` and `plan` take them.

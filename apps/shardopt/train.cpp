@@ -277,6 +277,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
 std::unique_ptr<OSS> Trainer::make_oss(std::shared_ptr<ProcessGroup> group) const {
   OSSOptions oss_options;
   oss_options.param_wire(wire_from_name(o_.param_wire));
+  oss_options.state_format(o_.state_format == "bf16" ? StateFormat::kBFloat16 : StateFormat::kFloat32);
   if (o_.mixed_precision != "off") {
     oss_options.mixed_precision(MixedPrecision().param_dtype(o_.mixed_precision == "bf16" ? at::kBFloat16 : at::kHalf));
   }
@@ -298,7 +299,8 @@ const std::vector<std::pair<const char*, std::vector<std::string>>>& resume_choi
 // trains with the values its command line gives, every one of them (before, the optimizer took
 // weight decay from the checkpoint's param groups while the learning rate came from the
 // command line), and rank 0 says, one line each, which differ from what the checkpoint was
-// written with. The freeze schedule is compared as a whole.
+// written with. The freeze schedule is compared as a whole. The optimizer state's format may
+// change too: its state is converted as it loads (Note [State formats]).
 struct Resumable {
   const char* option;
   std::function<double(const TrainOptions&)> value;
@@ -324,6 +326,7 @@ const std::vector<Resumable>& resumables() {
       {"clip", [](const TrainOptions& o) { return o.clip; }},
       {"epochs", [](const TrainOptions& o) { return static_cast<double>(o.epochs); }},
       {"freeze/unfreeze schedule", [](const TrainOptions& o) { return static_cast<double>(schedule_hash(o)); }},
+      {"state-format", [](const TrainOptions& o) { return o.state_format == "bf16" ? 1.0 : 0.0; }},
   };
   return values;
 }
@@ -387,6 +390,9 @@ void Trainer::restore() {
     if (std::string(r.option) == "freeze/unfreeze schedule") {
       std::printf("resumed with another --freeze/--unfreeze schedule than the checkpoint was written with: this "
                   "run's is in effect\n");
+    } else if (std::string(r.option) == "state-format") {
+      std::printf("resumed with --state-format %s (the checkpoint was written with %s): its optimizer state was "
+                  "converted\n", o_.state_format.c_str(), it->second == 1.0 ? "bf16" : "fp32");
     } else {
       std::printf("resumed with --%s %s (the checkpoint was written with %s): this run's value is in effect\n",
                   r.option, fmt::format("{}", r.value(o_)).c_str(), fmt::format("{}", it->second).c_str());
@@ -555,6 +561,7 @@ int Trainer::run() {
                      {"mixed_precision", o_.mixed_precision},
                      {"gradient_wire", o_.gradient_wire},
                      {"param_wire", o_.param_wire},
+                     {"state_format", o_.state_format},
                      {"error_feedback", o_.error_feedback},
                      {"device", o_.device},
                      {"params", model_numel()},

@@ -551,6 +551,9 @@ std::string OSS::describe() const {
                                 "optimizers' parameters whole per owner, balanced by cost, in row buckets"
                               : "whole-tensor optimizers' parameters whole per owner, balanced by cost, in row buckets")
       << ", trainable imbalance " << layout().imbalance() * 100.0 << "%";
+  if (options_.state_format() != StateFormat::kFloat32) {
+    out << ", optimizer state in " << state_format_name(options_.state_format());
+  }
   if (!placement_.split && options_.partition() == PartitionMode::kAuto) {
     if (!all_registered()) {
       out << " (the wrapped optimizer is not one shardopt knows the state layout of)";
@@ -576,7 +579,9 @@ std::string OSS::describe() const {
         const auto& options = param_groups_[group_of_[i]].options();
         const int64_t numel = all ? unit.codec->state_numel(options, params_[i].sizes())
                                   : unit.codec->state_numel(options, {h.in_param.size()});
-        const int64_t element = masters_ ? 4 : static_cast<int64_t>(params_[i].element_size());
+        const int64_t element = options_.state_format() == StateFormat::kBFloat16 ? 2
+                                : masters_                                          ? 4
+                                                   : static_cast<int64_t>(params_[i].element_size());
         state_bytes[h.rank] += numel * element;
         if (placement_.whole_kind[i] && store_->trainable()[i]) {
           const double c = unit.codec->cost(params_[i].sizes());

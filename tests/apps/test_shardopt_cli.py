@@ -518,6 +518,38 @@ class CliTest(unittest.TestCase):
             self.assertTrue(torch.equal(masters[i].to(torch.bfloat16).float(), a["model"][k]), k)
             self.assertFalse(torch.equal(masters[i], a["model"][k]), f"{k}: nothing was rounded")
 
+    def test_bf16_state_halves_the_state_and_resumes_bit_exact(self):
+        # --state-format bf16: the owners keep Adam's moments in bf16; the consolidated checkpoint
+        # holds them widened to fp32, the sharded one as they are, and a run stopped during the
+        # freeze and resumed from its sharded checkpoint ends where the straight one does, bit for
+        # bit.
+        args = ["train", "-n", "2", *TINY, "--state-format", "bf16"]
+        full = run([*args, "--checkpoint-dir", self.path("full")])
+        self.assertIn("optimizer state in bf16", full.stdout)
+        self.assertGreater(float(re.findall(r"test accuracy (\d+\.\d+)%", full.stdout)[-1]), 60.0, full.stdout)
+        part = [*args, "--checkpoint-dir", self.path("part"), "--checkpoint-every", "5", "--sharded-checkpoint"]
+        run([*part, "--stop-after-steps", "15"])
+        run([*part, "--resume"])
+        a = read_checkpoint.load(self.path("full/last.ckpt"))
+        b = read_checkpoint.load(self.path("part/last.ckpt"))
+        for k in a["model"]:
+            self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
+        for i, state in a["optimizer"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = state[key]
+                self.assertEqual(t.dtype, torch.float32, f"{i} {key}")
+                self.assertTrue(torch.equal(t, t.bfloat16().float()), f"{i} {key}: not bf16 values")
+        # Each rank's state is half the fp32 run's; an fp32 checkpoint resumes in bf16, converted,
+        # and the run says so.
+        state_bytes = lambda p: [int(x) for x in re.findall(r"rank \d: state (\d+) bytes", p.stdout)]
+        fp32 = ["train", "-n", "2", *TINY, "--checkpoint-dir", self.path("fp32"), "--checkpoint-every", "5"]
+        first = run([*fp32, "--stop-after-steps", "15"])
+        self.assertEqual([2 * n for n in state_bytes(full)], state_bytes(first), f"{full.stdout}\n{first.stdout}")
+        resumed = run([*fp32, "--state-format", "bf16", "--resume"])
+        self.assertIn("resumed with --state-format bf16 (the checkpoint was written with fp32): its optimizer state "
+                      "was converted", resumed.stdout)
+        self.assertIn("optimizer state in bf16", resumed.stdout)
+
     def test_vit_trains_on_int8_wires_like_the_exact_wire(self):
         # The Vision Transformer, its embedding and first block frozen for part of the epoch: int8
         # gradients and parameters end within half a point of the exact wires' accuracy from the same
