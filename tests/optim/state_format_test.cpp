@@ -6,11 +6,13 @@
 // fp32 that PyTorch's layout expects and that loads back to the same bits, and bad options refused
 // on every rank.
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/mixed_precision.h>
 #include <shardopt/optim/muon.h>
 #include <shardopt/optim/oss.h>
 
 #include "harness.h"
 #include "model.h"
+#include "named_net.h"
 
 #include <gtest/gtest.h>
 #include <ATen/ATen.h>
@@ -238,6 +240,42 @@ TEST(StateFormat, Bf16SgdMomentumFollowsAReferenceThatRoundsItsBuffer) {
   for (size_t i = 0; i < ref.size(); ++i) {
     EXPECT_LE((got[i] - ref[i]).abs().max().item<double>(), 1e-6) << "parameter " << i;
   }
+}
+
+// Under mixed precision (bf16 parameters, each rank its own data through ShardedDDP) the masters
+// stay fp32 and only the moments are bf16: half the state's bytes, and the consolidated dict's
+// masters are fp32 values whose bf16 rounding is the model.
+TEST(StateFormat, Bf16StateUnderMixedPrecisionKeepsTheMastersFp32) {
+  testing::run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    std::map<StateFormat, int64_t> state_bytes;
+    for (const StateFormat format : {StateFormat::kFloat32, StateFormat::kBFloat16}) {
+      auto net = std::make_shared<testing::NamedNet>();
+      OSS oss(net->parameters(), optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g,
+              OSSOptions().state_format(format).mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
+      ShardedDDP ddp(net, oss);
+      for (int step = 0; step < 3; ++step) {
+        const auto data = testing::rank_data(step, g->rank(), 3);
+        if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+        ddp.zero_grad();
+        testing::loss_of(ddp.forward(data.x), data, 3).backward();
+        oss.step();
+      }
+      state_bytes[format] = oss.local_state_bytes();
+      oss.consolidate_state_dict(0);
+      if (g->rank() != 0 || format != StateFormat::kBFloat16) continue;
+      const auto saved = oss.state_dict().toGenericDict();
+      const auto masters = saved.at("master_weights").toGenericDict();
+      for (size_t i = 0; i < net->params.size(); ++i) {
+        const at::Tensor m = masters.at(static_cast<int64_t>(i)).toTensor();
+        EXPECT_EQ(m.scalar_type(), at::kFloat) << "master " << i;
+        EXPECT_TRUE(m.to(at::kBFloat16).equal(net->params[i].detach())) << "master " << i;
+        const auto state = saved.at("state").toGenericDict().at(static_cast<int64_t>(i)).toGenericDict();
+        EXPECT_EQ(state.at("exp_avg").toTensor().scalar_type(), at::kFloat) << "parameter " << i;
+      }
+    }
+    EXPECT_GT(state_bytes[StateFormat::kBFloat16], 0);
+    EXPECT_EQ(state_bytes[StateFormat::kBFloat16] * 2, state_bytes[StateFormat::kFloat32]) << "rank " << g->rank();
+  });
 }
 
 TEST(StateFormat, WhatBf16StateCannotHoldIsRefusedOnEveryRankNamingIt) {
