@@ -151,6 +151,14 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
       ->capture_default_str();
 }
 
+// ZeRO-1/2's optimizer state format, as `memory` and `plan` take it.
+void add_state_format_option(CLI::App& app, std::string& format) {
+  app.add_option("--state-format", format, "fp32 or bf16: how ZeRO-1/2's owners keep the optimizer state (bf16: "
+                                           "half the bytes, Adam's; OSSOptions::state_format)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+}
+
 // ZeRO-2's gradient wire and error feedback, as `memory` and `plan` take them.
 void add_gradient_wire_options(CLI::App& app, std::string& wire, bool& feedback) {
   app.add_option("--gradient-wire", wire, "exact, bf16 or int8: how ZeRO-2's gradients travel to their owners "
@@ -176,6 +184,7 @@ void add_memory_options(CLI::App& memory, MemoryOptions& o) {
       ->capture_default_str();
   memory.add_option("--steps", o.steps, "steps before each measurement")->capture_default_str();
   add_gradient_wire_options(memory, o.gradient_wire, o.error_feedback);
+  add_state_format_option(memory, o.state_format);
   memory.add_option("--freeze-fraction", o.freeze_fraction, "fraction of the parameters (leading layers) frozen for "
                                                             "the second measurement")->capture_default_str();
   memory.add_option("-o,--out", o.out_dir, "folder for memory.json, memory.csv and memory.png")->capture_default_str();
@@ -213,6 +222,7 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
       ->check(number_in(0, 0.999999, "in [0, 1)"))
       ->capture_default_str();
   add_gradient_wire_options(plan, o.gradient_wire, o.error_feedback);
+  add_state_format_option(plan, o.state_format);
   plan.add_option("--param-wire", o.param_wire, "exact, bf16 or int8: how ZeRO-1/2's parameter sync travels, "
                                                 "compressed with fp32 masters on the owners (OSSOptions::param_wire)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))

@@ -29,6 +29,7 @@ struct MemoryOptions {
   double freeze_fraction = 0.5;  // of the parameters (leading layers), frozen for the second measurement
   std::string gradient_wire = "exact";  // ZeRO-2's gradients on the wire (ShardedDDPOptions::gradient_wire)
   bool error_feedback = false;          // ZeRO-2: error feedback's residuals (ShardedDDPOptions::error_feedback)
+  std::string state_format = "fp32";    // ZeRO-1/2's optimizer state on its owners (OSSOptions::state_format)
   std::string out_dir = "memory-report";
   std::string python;            // interpreter with matplotlib for the chart; empty: the build's
   // Set by the driver for the ranks it starts.

@@ -200,6 +200,7 @@ nlohmann::json report_json(const std::vector<Row>& rows, const ModelSpec& spec, 
                        {"gradient_wire", row.config.gradient_wire},
                        {"param_wire", row.config.param_wire},
                        {"error_feedback", row.config.error_feedback},
+                       {"state_format", row.config.state_format},
                        {"split", row.plan.split},
                        {"buckets", row.plan.buckets},
                        {"trainable", row.plan.trainable},
@@ -242,6 +243,8 @@ void write_csv(const std::vector<Row>& rows, const std::string& path) {
 int run_plan(const PlanOptions& o) {
   const auto started = std::chrono::steady_clock::now();
   const ModelSpec spec = model_spec(o.preset, o.spec);
+  SHARDOPT_CHECK(o.state_format == "fp32" || o.optimizer != "muon", "--state-format ", o.state_format,
+                 " holds Adam's state, not Muon's; use --state-format fp32 with --optimizer muon");
   SHARDOPT_CHECK(o.intra_node_gbps > 0, "--intra-node-bandwidth must be positive, got ", o.intra_node_gbps);
   SHARDOPT_CHECK(o.inter_node_gbps > 0, "--inter-node-bandwidth must be positive, got ", o.inter_node_gbps);
   SHARDOPT_CHECK(o.ranks_per_node >= 1, "--ranks-per-node must be positive, got ", o.ranks_per_node);
@@ -275,6 +278,7 @@ int run_plan(const PlanOptions& o) {
       c.gradient_wire = o.gradient_wire;
       c.param_wire = o.param_wire;
       c.error_feedback = o.error_feedback;
+      c.state_format = o.state_format;
       for (auto& plan : plan_config(spec, c)) {
         Row row{c, std::move(plan), 0.0, 0.0, 0, {}, 0};
         add_comm_time(o, row);

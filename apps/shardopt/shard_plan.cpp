@@ -105,6 +105,8 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
   // masters of what they own (Note [Parameter wire]).
   const bool param_wire = c.param_wire != "exact" && c.mode != "ddp";
   const double sync = param_wire ? on_wire(c.param_wire) : low;
+  // The state is fp32, or bf16 under --state-format bf16 (Note [State formats]); masters stay fp32.
+  const double state_bytes = c.state_format == "bf16" ? 2.0 : 4.0;
   out.ranks.assign(layout.world_size(), RankPlan());
   for (int r = 0; r < layout.world_size(); ++r) out.ranks[r].rank = r;
   double buffers = 0;
@@ -115,7 +117,7 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
     if (!held) continue;  // frozen without state (never stepped): nothing held
     for (const auto& [rank, range] : *held) {
       const auto n = static_cast<double>(range.size());
-      out.ranks[rank].state += n * state_per_element[i] * 4.0;  // the state is fp32
+      out.ranks[rank].state += n * state_per_element[i] * state_bytes;
       if (bf16 || param_wire) out.ranks[rank].masters += n * 4.0;
     }
   }

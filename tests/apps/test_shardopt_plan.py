@@ -87,6 +87,14 @@ class PlanTest(unittest.TestCase):
         self.assertEqual(frozen[0]["scenario"], "34% frozen")
         # Muon keeps its matrices whole on owners balanced by cost, Adam splits the rest: the ranks
         # hold different amounts of state, so the comparison covers placements that are not even.
+        # bf16 state (--state-format bf16): Adam's two moments in 2 bytes each instead of 4, and under
+        # zero2-bf16 the fp32 masters beside them (memory counts them as state): 8 bytes of 12.
+        bf16 = self.compare(["--spec", spec, "--state-format", "bf16"], "zero1,zero2,zero2-bf16", "adam")
+        fp32 = {(r["mode"], r["world"], r["scenario"], r["rank"]): r["state"] for r in rows}
+        for r in bf16:
+            full = fp32[(r["mode"], r["world"], r["scenario"], r["rank"])]
+            self.assertGreater(full, 0, r)
+            self.assertEqual(r["state"] * (3 if r["mode"].endswith("bf16") else 4), full * 2, r)
         muon = self.compare(["--spec", spec], "zero1,zero2", "muon")
         states = {r["state"] for r in muon if r["mode"] == "zero2" and r["world"] == 4}
         self.assertGreater(len(states), 1, muon)
@@ -359,6 +367,8 @@ class PlanTest(unittest.TestCase):
             (["--hop-latency-us", "-1"], "--hop-latency-us: must be non-negative, got -1"),
             (["--preset", "gpt2-small", "--freeze-fraction", "0.3"],
              "--freeze-fraction 0.3 freezes no layer: the first, 'wte', is alone more than that fraction"),
+            (["--optimizer", "muon", "--state-format", "bf16"],
+             "--state-format bf16 holds Adam's state, not Muon's; use --state-format fp32 with --optimizer muon"),
         ]
         for args, message in cases:
             p = run(["plan", *args, "-o", self.path("p")], check=False)
