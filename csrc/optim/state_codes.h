@@ -34,6 +34,23 @@ const std::array<float, 256>& dynamic_map(bool is_signed);
 float quantise_block(const float* values, int64_t n, const float* map, uint8_t* codes);
 // The absolute maximum's running step: NaN, once seen, stays.
 inline float absmax_step(float absmax, float a) { return (a > absmax || a != a) && absmax == absmax ? a : absmax; }
+// The code of x (a value already divided by its block's scale) as quantise_block finds it, by
+// table (Note [Codes by table] in state_codes.cpp): x's sign, its exponent (clamped to
+// [kTableMinExponent, 127]: every smaller magnitude has the code of 0) and the top 7 bits of its
+// mantissa pick a cell; the cell's code, plus one where x is at least the cell's threshold, is the
+// code. Built for the two dynamic maps.
+inline constexpr int kTableMinExponent = 97;  // 2^-30, far below the maps' smallest value but 0
+inline constexpr int kTableMantissaBits = 7;
+inline constexpr int kTableCellsPerSign = (127 - kTableMinExponent + 1) << kTableMantissaBits;
+struct CodeTable {
+  std::array<float, 2 * kTableCellsPerSign> code;       // the code's number, as a float (vector gathers)
+  std::array<float, 2 * kTableCellsPerSign> threshold;  // +inf: the cell holds one code
+};
+// The table of `map` when it is one of the dynamic maps, else null.
+const CodeTable* code_table(const float* map);
+// One value's code as quantise_block finds it (the binary search), for x = value / scale.
+int code_of(float x, const float* map);
+
 // One block back: map[code] * scale.
 void dequantise_block(const uint8_t* codes, int64_t n, float scale, const float* map, float* values);
 

@@ -113,6 +113,61 @@ TEST(StateCodes, EveryBuildCodesABlockAsTheScalarCodeDoes) {
   EXPECT_EQ(compared, (widest + 1) * 2 * static_cast<int>(blocks.size()));
 }
 
+// The vector builds find codes by table (Note [Codes by table]): for every float next to a cell's
+// threshold, every map value and halfway point, and a million values spread over every magnitude
+// of both signs, the code the table gives equals the binary search's.
+TEST(StateCodes, TheTableGivesTheSearchsCodeForEveryValueTried) {
+  detail::cap_cpu_kernels(-1);
+  const int widest = detail::cpu_kernel_level();
+  for (int level = 0; level <= widest; ++level)
+  for (bool is_signed : {true, false}) {
+    detail::cap_cpu_kernels(level);
+    const float* map = detail::dynamic_map(is_signed).data();
+    const detail::CodeTable* table = detail::code_table(map);
+    ASSERT_NE(table, nullptr);
+    std::vector<float> xs;
+    int boundaries = 0;
+    for (float t : table->threshold) {
+      if (std::isinf(t)) continue;
+      ++boundaries;
+      for (float x : {t, std::nextafter(t, -2.0f), std::nextafter(t, 2.0f)}) xs.push_back(x);
+    }
+    for (int c = 0; c < 256; ++c) {
+      xs.push_back(map[c]);
+      if (c + 1 < 256) xs.push_back(map[c] + (map[c + 1] - map[c]) * 0.5f);
+    }
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+    const at::Tensor uniform = at::rand({500000}, gen) * 2 - 1;
+    const at::Tensor magnitudes = at::pow(10.0, at::rand({500000}, gen) * -12);  // 1e-12 .. 1
+    const at::Tensor signs = at::where(at::rand({500000}, gen) < 0.5, -1.0, 1.0);
+    const at::Tensor spread = (magnitudes * signs).to(at::kFloat).contiguous();
+    xs.insert(xs.end(), uniform.data_ptr<float>(), uniform.data_ptr<float>() + uniform.numel());
+    xs.insert(xs.end(), spread.data_ptr<float>(), spread.data_ptr<float>() + spread.numel());
+    xs.insert(xs.end(), {0.0f, -0.0f, 1e-38f, -1e-38f, 1e-45f, -1.0f, 1.0f});
+    // Blocks led by 1.0: the scale is 1 and every value is coded as it is.
+    int64_t differ = 0, tried = 0;
+    for (size_t at = 0; at < xs.size(); at += kStateBlock - 1) {
+      std::vector<float> block{1.0f};
+      for (size_t j = at; j < std::min(xs.size(), at + kStateBlock - 1); ++j) {
+        block.push_back(is_signed ? xs[j] : std::fabs(xs[j]));
+      }
+      const auto n = static_cast<int64_t>(block.size());
+      std::vector<uint8_t> want(block.size()), got(block.size());
+      ASSERT_EQ(detail::quantise_block(block.data(), n, map, want.data()), 1.0f);
+      ASSERT_EQ(detail::quantise_block_fast(block.data(), n, map, got.data()), 1.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        differ += want[j] != got[j];
+        if (want[j] != got[j] && differ < 5) ADD_FAILURE() << "x " << block[j] << ": " << int(want[j]) << " vs " << int(got[j]);
+      }
+      tried += n;
+    }
+    EXPECT_EQ(differ, 0) << "level " << level << ", signed " << is_signed;
+    EXPECT_GT(tried, 1000000);
+    EXPECT_GT(boundaries, 200) << "signed " << is_signed;  // the map's boundaries, nearly one per code
+  }
+  detail::cap_cpu_kernels(-1);
+}
+
 // AdamW's scalars for step `t` (1-based), as the fused step computes them.
 detail::AdamScalars adamw_scalars(const std::vector<double>& o, int64_t t) {
   detail::AdamScalars s;
