@@ -344,15 +344,18 @@ void FlatLayout::cut_kept(const std::vector<LayoutParam>& params, const std::vec
   // A whole-kind group's frozen parameters keep their state with their owner (the partition
   // spreads them, as for whole parameters).
   auto in_run = [&](size_t i) { return !params[i].trainable && params[i].keeps_state && groups_[group_of[i]].split; };
+  // Aligned as the trainable run is: each parameter starts, and each range is cut, at a multiple of
+  // `align` elements, so every cut in a parameter is at a multiple of `align` of it.
+  const int64_t align = options_.align();
   std::vector<int64_t> run(groups_.size(), 0), start(params.size(), 0);
   for (size_t i = params.size(); i-- > 0;) {
     if (!in_run(i)) continue;
-    start[i] = run[group_of[i]];
-    run[group_of[i]] += params[i].numel;
+    start[i] = align_up(run[group_of[i]], align);
+    run[group_of[i]] = start[i] + params[i].numel;
   }
   for (size_t i = params.size(); i-- > 0;) {
     if (!in_run(i)) continue;
-    const int64_t per_rank = std::max<int64_t>(1, (run[group_of[i]] + world_size_ - 1) / world_size_);
+    const int64_t per_rank = align_up(std::max<int64_t>(1, (run[group_of[i]] + world_size_ - 1) / world_size_), align);
     const int64_t end = start[i] + params[i].numel;
     int64_t at = start[i];
     do {

@@ -48,11 +48,12 @@ void StateSlabs::plan_slots(const FlatLayout& layout, int rank, const std::vecto
           placed = true;
         }
       }
-      if (!placed) {  // kept state: a slot only for state that exists
+      if (!placed) {  // kept state: a slot only for state that exists, aligned as the shard is
         if (!has_state(i, h.tensor)) continue;
         slot.kept = true;
-        slot.offset = numel[slot.group];
-        numel[slot.group] += slot.numel;
+        const int64_t align = layout.options().align();
+        slot.offset = (numel[slot.group] + align - 1) / align * align;
+        numel[slot.group] = slot.offset + slot.numel;
       }
       slots.emplace(h.tensor.unsafeGetTensorImpl(), std::move(slot));
     }

@@ -414,6 +414,37 @@ TEST(FlatLayout, BadInputIsNamed) {
 
 // Split mode: the frozen parameters with state form a kept run in reverse order, cut into equal
 // ranges, one per rank; frozen ones without state and trainable ones keep nothing.
+// With `align` (blocks of 8-bit state: Note [8-bit state]), every piece of a split parameter, and
+// every range of its kept state, starts at a multiple of `align` elements of the parameter: each
+// block has one owner and one keeper, whatever the world size and the trainable set.
+TEST(FlatLayout, AlignedSplitsCutEveryParameterAtAMultipleOfTheAlignment) {
+  std::mt19937 rng(5);
+  int cuts = 0, kept_cuts = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int world = 1 + static_cast<int>(rng() % 9);
+    std::vector<LayoutParam> params;
+    const int count = 1 + static_cast<int>(rng() % 12);
+    for (int i = 0; i < count; ++i) {
+      params.push_back(param(static_cast<int64_t>(rng() % 5000), 0, rng() % 3 != 0));
+      params.back().keeps_state = !params.back().trainable && rng() % 2 == 0;
+    }
+    const auto bucket = static_cast<int64_t>(rng() % 3) * 4096;
+    const auto layout = FlatLayout::plan(params, world, LayoutOptions().split(true).align(256).bucket_bytes(bucket));
+    for (const Piece& piece : layout.pieces()) {
+      EXPECT_EQ(piece.in_param.begin % 256, 0) << "trial " << trial << ", parameter " << piece.param;
+      cuts += piece.in_param.begin > 0;
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      for (const auto& keeping : layout.keepers_of(i)) {
+        EXPECT_EQ(keeping.in_param.begin % 256, 0) << "trial " << trial << ", kept parameter " << i;
+        kept_cuts += keeping.in_param.begin > 0;
+      }
+    }
+  }
+  EXPECT_GT(cuts, 100);  // parameters were cut, trainable and kept
+  EXPECT_GT(kept_cuts, 20);
+}
+
 TEST(FlatLayout, KeptStateIsCutIntoEqualRangesAcrossTheRanks) {
   std::vector<LayoutParam> params = {param(6, 0, false), param(5, 0), param(4, 0, false), param(3, 0, false)};
   params[0].keeps_state = params[2].keeps_state = true;  // parameter 3 was never stepped
