@@ -16,11 +16,16 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <arpa/inet.h>
 #include <cerrno>
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <mutex>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <ifaddrs.h>
@@ -424,6 +429,106 @@ int loopback_listen_fd(const std::string& host, int& port, const std::string& wh
   return fd;
 }
 
+// Note [Waiting for the store]
+// A rank that connects to the store (every rank but a serving rank 0) keeps trying until the
+// setup timeout: the store may not be up yet. An address nothing answers at (a wrong MASTER_ADDR,
+// a firewall) looks the same from here, so the wait is said out loud: while the rank connects, a
+// timer prints one line every kStoreWaitNotice naming the rank, the address and how long it has
+// waited, and at the setup timeout (give or take a try) the rank fails in one line. c10d's own
+// log of each failed try (an error with a backtrace) is held back meanwhile.
+constexpr std::chrono::seconds kStoreWaitNotice(30);
+
+// c10's log level raised to FATAL while any of these lives (c10d's connection errors are said
+// once, here); ranks that are threads of one process connect at once, so the first one in saves
+// the level and the last one out restores it.
+class QuietC10Log {
+ public:
+  QuietC10Log() {
+    std::lock_guard<std::mutex> lock(mu());
+    if (users()++ == 0) saved() = FLAGS_caffe2_log_level, FLAGS_caffe2_log_level = 3;
+  }
+  ~QuietC10Log() {
+    std::lock_guard<std::mutex> lock(mu());
+    if (--users() == 0) FLAGS_caffe2_log_level = saved();
+  }
+  QuietC10Log(const QuietC10Log&) = delete;
+  QuietC10Log& operator=(const QuietC10Log&) = delete;
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  static int& users() {
+    static int n = 0;
+    return n;
+  }
+  static int& saved() {
+    static int level = 0;
+    return level;
+  }
+};
+
+// Prints the waiting line every kStoreWaitNotice until it is destroyed.
+class StoreWaitNotices {
+ public:
+  StoreWaitNotices(int rank, const std::string& host, int port, std::chrono::milliseconds total)
+      : thread_([this, rank, host, port, total] {
+          const auto start = std::chrono::steady_clock::now();
+          auto next = start + kStoreWaitNotice;
+          std::unique_lock<std::mutex> lock(mu_);
+          while (!done_.wait_until(lock, next, [this] { return finished_; })) {
+            const auto waited = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - start);
+            std::fprintf(stderr, "shardopt: rank %d has waited %lld s for the store at %s:%d (MASTER_ADDR, "
+                         "MASTER_PORT); still trying, until the setup timeout of %lld s\n", rank,
+                         static_cast<long long>(waited.count()), host.c_str(), port,
+                         static_cast<long long>(std::chrono::duration_cast<std::chrono::seconds>(total).count()));
+            std::fflush(stderr);
+            next += kStoreWaitNotice;
+          }
+        }) {}
+  ~StoreWaitNotices() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      finished_ = true;
+    }
+    done_.notify_all();
+    thread_.join();
+  }
+  StoreWaitNotices(const StoreWaitNotices&) = delete;
+  StoreWaitNotices& operator=(const StoreWaitNotices&) = delete;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable done_;
+  bool finished_ = false;
+  std::thread thread_;  // last: started once the members it uses exist
+};
+
+// Connects in tries of at most kStoreTry, until the setup timeout: c10d's client retries a try
+// that timed out once more, so a single try of the whole timeout could take twice as long.
+c10::intrusive_ptr<c10d::TCPStore> connect_store(const std::string& host, c10d::TCPStoreOptions opts, int rank) {
+  if (opts.isServer) return c10::make_intrusive<c10d::TCPStore>(host, opts);
+  constexpr std::chrono::milliseconds kStoreTry(5000);
+  const auto total = std::chrono::duration_cast<std::chrono::milliseconds>(opts.timeout);
+  const auto deadline = std::chrono::steady_clock::now() + total;
+  const QuietC10Log quiet;
+  const StoreWaitNotices notices(rank, host, opts.port, total);
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    opts.timeout = std::max(std::chrono::milliseconds(1), std::min(left, kStoreTry));
+    try {
+      auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
+      store->setTimeout(total);
+      return store;
+    } catch (const std::exception& e) {
+      if (std::string(e.what()).find("timed out") == std::string::npos || std::chrono::steady_clock::now() >= deadline) {
+        throw;
+      }
+    }
+  }
+}
+
 c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, const InitOptions& options) {
   // Port 0: a world of one whose rank serves the store on any free loopback port.
   const bool any_port = port == 0 && options.world_size() == 1 && is_loopback(host) && host != "::1" &&
@@ -447,12 +552,20 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, int port, con
   }
   opts.port = static_cast<uint16_t>(port);
   try {
-    auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
+    auto store = connect_store(host, opts, options.rank());
     if (!store_served_by_launcher()) return store;
     // The launcher's store outlives the workers: each attempt of a job torchrun restarts keeps its
     // keys (the group's addresses, heartbeats, agreements) apart, under torch.distributed's prefix.
     const char* attempt = env_var("TORCHELASTIC_RESTART_COUNT");
     return c10::make_intrusive<c10d::PrefixStore>(std::string("/worker/attempt_") + (attempt ? attempt : "0"), store);
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    SHARDOPT_CHECK(false, "rank ", options.rank(), " could not reach the store at ", host, ":", port, " within ",
+                   setup_timeout(options).count(), " ms: ",
+                   what.find("timed out") != std::string::npos
+                       ? "nothing answered there (rank 0 serves it at MASTER_ADDR:MASTER_PORT: is that address "
+                         "reachable from this host, and rank 0 started?)"
+                       : what);
   } catch (const std::exception& e) {
     SHARDOPT_CHECK(false, "rank ", options.rank(), " could not reach the store at ", host, ":",
                 port, " within ", setup_timeout(options).count(), " ms: ", e.what());

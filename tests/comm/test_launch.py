@@ -234,6 +234,31 @@ def loopback_envs(port, world=2):
     return envs
 
 
+class UnreachableStore(unittest.TestCase):
+    def test_a_rank_says_every_30_s_which_address_it_waits_for_then_fails_in_one_line(self):
+        # MASTER_ADDR names an address nothing answers at (TEST-NET-1, reserved for documentation):
+        # rank 1 says at 30 s that it is still waiting for the store there, and fails at its 35 s
+        # setup timeout in one line naming the address; nothing else is printed (no c10d log of
+        # each try, no backtrace).
+        port = free_port()
+        env = base_env()
+        env.update({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": str(port),
+                    "SHARDOPT_TEST_TIMEOUT_S": "35"})
+        t0 = time.monotonic()
+        p = subprocess.run([WORKER, "hello"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           timeout=120)
+        elapsed = time.monotonic() - t0
+        self.assertNotEqual(p.returncode, 0, p.stderr)
+        lines = [l for l in p.stderr.splitlines() if l.strip()]
+        self.assertEqual(len(lines), 2, p.stderr)
+        self.assertIn(f"rank 1 has waited 30 s for the store at 192.0.2.1:{port} (MASTER_ADDR, MASTER_PORT); still "
+                      "trying, until the setup timeout of 35 s", lines[0])
+        self.assertIn(f"rank 1 could not reach the store at 192.0.2.1:{port} within 35000 ms: nothing answered there",
+                      lines[1])
+        self.assertGreaterEqual(elapsed, 35)
+        self.assertLess(elapsed, 35 + 15)  # a try of at most 5 s past the timeout, and start-up
+
+
 class Loopback(unittest.TestCase):
     def hold(self, envs):
         """Ranks that hold their group open (after one all-reduce) until this test ends; each must
