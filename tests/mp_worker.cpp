@@ -99,6 +99,25 @@ void async_saves(std::shared_ptr<ProcessGroup> group, const std::string& path) {
   }
 }
 
+// One step of the tiny net and one sharded checkpoint, saved in the background and waited for
+// (`async`) or not: "saved" on success; an error otherwise.
+void one_sharded_save(std::shared_ptr<ProcessGroup> group, const std::string& path, bool async) {
+  auto net = std::make_shared<Net>();
+  OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), group);
+  ShardedDDP ddp(net, oss);
+  auto data = shardopt::testing::rank_data(1, group->rank(), 4);
+  oss.zero_grad(true);
+  shardopt::testing::loss_of(ddp.forward(data.x), data, 4 * group->size()).backward();
+  oss.step();
+  const auto options = CheckpointOptions().optimizer_state(OptimizerStateLayout::kSharded);
+  if (async) {
+    save_checkpoint_async(path, ddp, oss, TrainingState(), options).wait();
+  } else {
+    save_checkpoint(path, ddp, oss, TrainingState(), options);
+  }
+  std::cout << "saved" << std::endl;
+}
+
 // Steps of the tiny net with a sharded checkpoint after each (for the test that kills a rank
 // between a save's parts and its main file).
 void sharded_saves(std::shared_ptr<ProcessGroup> group, const std::string& path, int saves) {
@@ -489,6 +508,10 @@ int main(int argc, char** argv) {
     }
     if (std::strcmp(argv[1], "rng_resume") == 0 && argc > 3) {
       rng_resume(group, argv[2], argv[3]);
+      return 0;
+    }
+    if (std::strcmp(argv[1], "one_sharded_save") == 0 && argc > 3) {
+      one_sharded_save(group, argv[2], std::strcmp(argv[3], "async") == 0);
       return 0;
     }
     if (std::strcmp(argv[1], "sharded_saves") == 0 && argc > 3) {

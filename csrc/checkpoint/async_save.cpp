@@ -99,7 +99,9 @@ std::string text(const std::vector<uint8_t>& bytes) { return {bytes.begin(), byt
 // went wrong. Every other writer waits for that key. The keys do not outlive the save: rank 0
 // deletes the part keys once it has set "<id>/main", and the last writer to read "<id>/main"
 // deletes it. Once the main file is in, each writer removes the previous saves' parts; if it is not, each removes its own new part, which nothing names. No
-// collective of the training group is called: the training loop may be in one meanwhile.
+// collective of the training group is called: the training loop may be in one meanwhile. Rank 0
+// commits only when it sees every part (Note [A folder every rank sees]); when it does not, every
+// writer reports rank 0's reason.
 std::string write_in_background(const CheckpointSnapshot& snap, const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                 int world, std::chrono::milliseconds timeout, const std::atomic<bool>& cancelled) {
   std::string error;
@@ -124,6 +126,7 @@ std::string write_in_background(const CheckpointSnapshot& snap, const c10::intru
         const std::string v = text(store->get(key));
         if (v != "ok") parts = "rank " + std::to_string(r) + " could not write its part: " + v;
       }
+      if (parts.empty()) parts = unseen_parts(snap);  // Note [A folder every rank sees]
       if (parts.empty()) {
         try {
           write_checkpoint_file(snap.path, snap.main);
@@ -139,8 +142,11 @@ std::string write_in_background(const CheckpointSnapshot& snap, const c10::intru
       for (int r = 0; r < world; ++r) store->deleteKey(base + "part/" + std::to_string(r));
       if (world == 1) store->deleteKey(base + "main");
     } else if (poll_for(*store, base + "main", timeout, cancelled)) {
-      committed = text(store->get(base + "main")) == "ok";
+      const std::string main = text(store->get(base + "main"));
+      committed = main == "ok";
       known_uncommitted = !committed;
+      // Rank 0's reason is every rank's: each names what kept the save from committing.
+      if (!committed && error.empty()) error = "saving checkpoint '" + snap.path + "' failed on rank 0: " + main;
       if (store->add(base + "read", 1) == world - 1) {
         store->deleteKey(base + "main");
         store->deleteKey(base + "read");

@@ -326,6 +326,36 @@ void check_ddp_saves(const std::string& path, const ShardedDDP& ddp, const OSS& 
                  "': the ShardedDDP given does not reduce gradients for the OSS given");
 }
 
+// Note [A folder every rank sees]
+// A sharded checkpoint is its main file (rank 0's) and every rank's parts, so the folder must be
+// one that every rank sees: a node-local folder on several nodes would leave each node's parts
+// on that node, and the save would "succeed" and fail only at the load. After every rank wrote
+// its parts, each rank looks for all of them; the main file is written only when every rank sees
+// every part, and otherwise the save fails on each rank that misses one, naming what it misses
+// (and on the others, naming those ranks). The background save does the same through the store:
+// each writer says which parts it cannot see, rank 0 commits only when no writer misses one, and
+// every writer reports rank 0's reason.
+std::string unseen_parts(const CheckpointSnapshot& snap) {
+  if (!snap.sharded) return {};
+  std::vector<std::string> missing;
+  for (int r = 0; r < snap.shard_world; ++r) {
+    const std::string file = shard_path(snap.path, r, snap.shard_world, snap.id);
+    if (::access(file.c_str(), F_OK) != 0) missing.push_back(file);
+  }
+  for (int r = 0; snap.feedback && r < snap.world; ++r) {
+    const std::string file = feedback_path(snap.path, r, snap.world, snap.id);
+    if (::access(file.c_str(), F_OK) != 0) missing.push_back(file);
+  }
+  if (missing.empty()) return {};
+  std::string list;
+  for (size_t k = 0; k < missing.size() && k < 4; ++k) list += (k ? ", '" : "'") + missing[k] + "'";
+  if (missing.size() > 4) list += " and " + std::to_string(missing.size() - 4) + " more";
+  return "checkpoint '" + snap.path + "': rank " + std::to_string(snap.rank) + " cannot see " +
+         std::to_string(missing.size()) + " of the parts the other ranks wrote (" + list +
+         "): a sharded checkpoint's folder must be one every rank sees (a shared file system), not a folder of "
+         "each node's own";
+}
+
 void write_parts(const CheckpointSnapshot& snap) {
   for (const auto& part : snap.parts) write_checkpoint_file(part.path, part.value);
 }
@@ -372,6 +402,7 @@ CheckpointSnapshot take_snapshot(const std::string& path, torch::nn::Module& mod
   }
   // Residuals are every rank's own: in a sharded save only (Note [Error feedback in checkpoints]).
   const bool feedback = snap.sharded && ddp && ErrorFeedbackState::kept(*ddp);
+  snap.feedback = feedback;
   if (feedback) {
     Dict d = string_dict();
     d.insert("checkpoint_id", snap.id);
@@ -415,6 +446,11 @@ void save(const std::string& path, torch::nn::Module& module, OSS& optimizer, co
   CommPhase committing("saving a checkpoint (committing its main file)");
   at::Tensor parts_ok = at::full({1}, error.empty() ? int64_t{0} : int64_t{1}, at::kLong);
   group.allreduce(parts_ok, Reduction::kMax);
+  if (snap.sharded && parts_ok.item<int64_t>() == 0) {  // Note [A folder every rank sees]
+    error = detail::unseen_parts(snap);
+    parts_ok.fill_(error.empty() ? 0 : 1);
+    group.allreduce(parts_ok, Reduction::kMax);
+  }
   if (snap.writes_main && error.empty() && parts_ok.item<int64_t>() == 0) {
     try {
       write_checkpoint_file(path, snap.main);

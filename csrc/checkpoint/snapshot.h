@@ -29,7 +29,12 @@ struct CheckpointSnapshot {
   // Who wrote it: this rank, the optimizer parts' world (the shard group's size) and the
   // residuals' world (the global group's size). Note [Each rank removes its own parts].
   int rank = 0, shard_world = 1, world = 1;
+  bool feedback = false;  // every rank wrote residuals
 };
+
+// The parts of a sharded save (every rank's, as named in its main file) that this rank cannot
+// see, as one sentence; empty when it sees them all (Note [A folder every rank sees]).
+std::string unseen_parts(const CheckpointSnapshot& snap);
 
 // Collective over optimizer.global_group(): everything the save writes, as it is now, with the
 // error-feedback residuals of `ddp` (may be null). With `own_copies`, every tensor in it is a

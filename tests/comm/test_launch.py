@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
@@ -257,6 +258,54 @@ class UnreachableStore(unittest.TestCase):
                       lines[1])
         self.assertGreaterEqual(elapsed, 35)
         self.assertLess(elapsed, 35 + 15)  # a try of at most 5 s past the timeout, and start-up
+
+
+def private_mounts_usable():
+    """Whether a process may get a mount namespace of its own (root, util-linux's unshare)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode == 0
+
+
+class UnsharedFolder(unittest.TestCase):
+    """A sharded checkpoint's folder that is not shared: each rank mounts a folder of its own at
+    the same path (as two nodes with node-local disks would have), so neither sees the other's
+    part. The save must fail on every rank naming the parts it misses, with no main file written,
+    instead of "succeeding" and failing at the load."""
+
+    def setUp(self):
+        if not private_mounts_usable():
+            self.skipTest("needs root and mount namespaces")
+        self.dir = tempfile.mkdtemp(prefix="shardopt-unshared-")
+        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+
+    def save(self, how):
+        port = free_port()
+        envs = loopback_envs(port)
+        path = os.path.join(self.dir, "run.ckpt")
+        procs = [subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                                   f'mount -t tmpfs tmpfs "{self.dir}" && exec "$0" "$@"', WORKER, "one_sharded_save",
+                                   path, how], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for e in envs]
+        return finish(procs), path
+
+    def check(self, how):
+        outs, path = self.save(how)
+        for r, (code, out) in enumerate(outs):
+            self.assertNotEqual(code, 0, out)
+            self.assertNotIn("saved", out)
+            lines = [l for l in out.splitlines() if l.strip()]
+            self.assertEqual(len(lines), 1, out)
+            self.assertIn("a sharded checkpoint's folder must be one every rank sees", lines[0])
+            other = 1 - r if how == "sync" else 1  # (in the background, rank 0's view: rank 1's part)
+            self.assertIn(f"run.ckpt.optim-{other}-of-2.", lines[0])
+        self.assertEqual(os.listdir(self.dir), [], "nothing is written outside the ranks' own folders")
+
+    def test_a_save_fails_on_every_rank_naming_the_parts_it_cannot_see(self):
+        self.check("sync")
+
+    def test_a_background_save_fails_on_every_rank_naming_them_too(self):
+        self.check("async")
 
 
 class Loopback(unittest.TestCase):
@@ -556,5 +605,8 @@ if __name__ == "__main__":
     # make network namespaces, so that a run without them shows as skipped, not passed.
     if sys.argv[1:] == ["Hosts"] and not network_namespaces_usable():
         print("skipped: tools/launch_hosts needs root, iproute2 and network namespaces")
+        sys.exit(77)
+    if sys.argv[1:] == ["UnsharedFolder"] and not private_mounts_usable():
+        print("skipped: a folder of each rank's own needs root and mount namespaces")
         sys.exit(77)
     unittest.main()
