@@ -393,15 +393,18 @@ class CliTest(unittest.TestCase):
         # finish every step, and train (fp16: the loss scale travels in the copies, and the run
         # reports it).
         # (fp16 on the ViT: PyTorch's CPU convolution backward in fp16 takes about 60x fp32's.)
+        # The end's checkpoint shows what went through the recovery and the rejoin: the fp32 masters
+        # whose rounding is the model, the loss scale the run reports, Muon's momentum.
         for extra in (["--mixed-precision", "bf16"], ["--mixed-precision", "fp16", "--model", "vit"],
                       ["--optimizer", "muon"],
                       ["--gradient-wire", "int8", "--param-wire", "int8", "--error-feedback"]):
             with self.subTest(extra=extra):
                 env = dict(os.environ, SHARDOPT_FAULT_AT_STEP="1:12", SHARDOPT_AWAIT_JOINER_AT_STEP="15")
+                ckpt = self.path("-".join(extra).replace("--", ""))
                 p = subprocess.run([EXE, "train", "--epochs", "1", "--train-samples", "3600", "--test-samples", "500",
                                     "--batch-size", "120", "-n", "3", "--survive-failures", "--refresh-every", "5",
-                                    *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   timeout=600)
+                                    "--checkpoint-dir", ckpt, "--metrics", "off", *extra], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.assertRegex(p.stdout, r"step 12 \(epoch 1\): rank 1 died \(seen in [^)]+\)+ at step 12; rolled "
                                            r"back \d+ steps? to step 10; world size 3 -> 2")
@@ -411,8 +414,26 @@ class CliTest(unittest.TestCase):
                 self.assertRegex(p.stdout, r"global rank 1 joined at step 15; world size 2 -> 3")
                 accuracy = float(re.findall(r"test accuracy (\d+\.\d+)%", p.stdout)[-1])
                 self.assertGreater(accuracy, 50.0, p.stdout)
+                saved = read_checkpoint.load(os.path.join(ckpt, "last.ckpt"))
+                self.assertEqual(saved["step"], 30)
+                if "--mixed-precision" in extra:
+                    low = torch.bfloat16 if "bf16" in extra else torch.float16
+                    masters = saved["optimizer"]["master_weights"]
+                    for i, k in enumerate(saved["model"]):
+                        self.assertEqual(masters[i].dtype, torch.float32, k)
+                        self.assertTrue(torch.equal(masters[i].to(low), saved["model"][k]), k)
                 if "fp16" in extra:
-                    self.assertRegex(p.stdout, r"fp16: \d+ steps skipped for inf/nan gradients, loss scale \d+")
+                    scale = re.search(r"fp16: \d+ steps skipped for inf/nan gradients, loss scale (\d+)", p.stdout)
+                    self.assertIsNotNone(scale, p.stdout)
+                    self.assertEqual(saved["scalars"]["loss_scale"], float(scale.group(1)))
+                if "muon" in extra:
+                    # Muon's momentum on every 2-D weight it steps (conv kernels flattened), every
+                    # one finite and moved.
+                    buffers = [st["momentum_buffer"] for st in saved["optimizer"]["state"].values()
+                               if "momentum_buffer" in st]
+                    self.assertGreaterEqual(len(buffers), 2, saved["optimizer"]["state"].keys())
+                    for b in buffers:
+                        self.assertTrue(bool(torch.isfinite(b).all()) and b.abs().max() > 0)
 
     def test_torchrun_starts_the_ranks(self):
         p = subprocess.run([*self.torchrun(), "--no-python", "--nproc-per-node", "2",
