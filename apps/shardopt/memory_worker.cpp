@@ -161,7 +161,7 @@ void run_memory_worker(const ModelSpec& spec, const MemoryOptions& o) {
   } else {
     OSSOptions options;
     if (bf16) options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
-    if (o.state_format == "bf16") options.state_format(StateFormat::kBFloat16);
+    options.state_format(parse_state_format(o.state_format));
     auto adam = optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-4));
     oss = matrices.empty() ? std::make_unique<OSS>(params, adam, group, options)
                            : std::make_unique<OSS>(std::vector<OptimizerGroup>{{matrices, optimizer<Muon>(muon_options)},

@@ -27,7 +27,7 @@ struct PlanOptions {
   std::string gradient_wire = "exact";  // exact or bf16: how ZeRO-2's gradients travel
   bool error_feedback = false;          // ZeRO-2 on a compressed gradient wire: residuals per rank
   std::string param_wire = "exact";     // exact or bf16: how ZeRO-1/2's parameter sync travels
-  std::string state_format = "fp32";    // fp32 or bf16: ZeRO-1/2's optimizer state (OSSOptions::state_format)
+  std::string state_format = "fp32";    // fp32, bf16 or int8: ZeRO-1/2's optimizer state (OSSOptions::state_format)
   double intra_node_gbps = 450;   // GB/s each way inside a node (NVLink)
   double inter_node_gbps = 50;    // GB/s each way across nodes (InfiniBand, 400 Gb/s per GPU)
   int ranks_per_node = 8;

@@ -105,8 +105,17 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
   // masters of what they own (Note [Parameter wire]).
   const bool param_wire = c.param_wire != "exact" && c.mode != "ddp";
   const double sync = param_wire ? on_wire(c.param_wire) : low;
-  // The state is fp32, or bf16 under --state-format bf16 (Note [State formats]); masters stay fp32.
-  const double state_bytes = c.state_format == "bf16" ? 2.0 : 4.0;
+  // The state of `n` elements of a parameter of `numel`: fp32, bf16 under --state-format bf16 (Note
+  // [State formats]), under int8 a byte an element and an fp32 scale a block for parameters of at
+  // least kInt8StateMinNumel elements (a range starts on a block boundary: Note [8-bit state
+  // slabs]); masters stay fp32.
+  auto state_bytes = [&c](int64_t numel, double n) {
+    if (c.state_format == "bf16") return 2.0 * n;
+    if (c.state_format == "int8" && numel >= kInt8StateMinNumel) {
+      return n + std::ceil(n / static_cast<double>(kInt8StateBlock)) * 4.0;
+    }
+    return 4.0 * n;
+  };
   out.ranks.assign(layout.world_size(), RankPlan());
   for (int r = 0; r < layout.world_size(); ++r) out.ranks[r].rank = r;
   double buffers = 0;
@@ -117,7 +126,7 @@ void fill_ranks(ScenarioPlan& out, const PlanConfig& c, const FlatLayout& layout
     if (!held) continue;  // frozen without state (never stepped): nothing held
     for (const auto& [rank, range] : *held) {
       const auto n = static_cast<double>(range.size());
-      out.ranks[rank].state += n * state_per_element[i] * state_bytes;
+      out.ranks[rank].state += state_per_element[i] * state_bytes(shapes[i].numel(), n);
       if (bf16 || param_wire) out.ranks[rank].masters += n * 4.0;
     }
   }
@@ -293,6 +302,7 @@ std::vector<ScenarioPlan> plan_config(const ModelSpec& spec, const PlanConfig& c
   const Placement placement =
       place_params(shapes, shard_world, partition_mode(c.partition), OSSOptions().split_above_imbalance(), true);
   LayoutOptions options = OSSOptions().layout();
+  if (c.state_format == "int8") options.align(kInt8StateBlock);  // as OSS::init aligns it
   // ZeRO-2: ShardedDDP's buckets, which grow with the world size; ZeRO-1: OSS's own layout.
   const int64_t bucket_bytes = ShardedDDPOptions().reduce_bucket_bytes(c.bucket_bytes).bucket_bytes_for(c.world_size);
   options.split(placement.split).bucket_bytes(c.mode.rfind("zero2", 0) == 0 ? bucket_bytes : 0);

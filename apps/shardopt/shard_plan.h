@@ -33,7 +33,7 @@ struct PlanConfig {
   std::string gradient_wire = "exact";  // ZeRO-2's gradients on the wire: exact or bf16 (ShardedDDPOptions::gradient_wire)
   std::string param_wire = "exact";     // the parameter sync on the wire: exact or bf16 (OSSOptions::param_wire)
   bool error_feedback = false;          // ZeRO-2 on a compressed gradient wire: residuals (ShardedDDPOptions::error_feedback)
-  std::string state_format = "fp32";    // ZeRO-1/2's optimizer state: fp32 or bf16 (OSSOptions::state_format)
+  std::string state_format = "fp32";    // ZeRO-1/2's optimizer state: fp32, bf16 or int8 (OSSOptions::state_format)
 };
 
 // One rank's bytes and traffic.

@@ -277,7 +277,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
 std::unique_ptr<OSS> Trainer::make_oss(std::shared_ptr<ProcessGroup> group) const {
   OSSOptions oss_options;
   oss_options.param_wire(wire_from_name(o_.param_wire));
-  oss_options.state_format(o_.state_format == "bf16" ? StateFormat::kBFloat16 : StateFormat::kFloat32);
+  oss_options.state_format(parse_state_format(o_.state_format));
   if (o_.mixed_precision != "off") {
     oss_options.mixed_precision(MixedPrecision().param_dtype(o_.mixed_precision == "bf16" ? at::kBFloat16 : at::kHalf));
   }
@@ -326,7 +326,7 @@ const std::vector<Resumable>& resumables() {
       {"clip", [](const TrainOptions& o) { return o.clip; }},
       {"epochs", [](const TrainOptions& o) { return static_cast<double>(o.epochs); }},
       {"freeze/unfreeze schedule", [](const TrainOptions& o) { return static_cast<double>(schedule_hash(o)); }},
-      {"state-format", [](const TrainOptions& o) { return o.state_format == "bf16" ? 1.0 : 0.0; }},
+      {"state-format", [](const TrainOptions& o) { return static_cast<double>(parse_state_format(o.state_format)); }},
   };
   return values;
 }
@@ -392,7 +392,8 @@ void Trainer::restore() {
                   "run's is in effect\n");
     } else if (std::string(r.option) == "state-format") {
       std::printf("resumed with --state-format %s (the checkpoint was written with %s): its optimizer state was "
-                  "converted\n", o_.state_format.c_str(), it->second == 1.0 ? "bf16" : "fp32");
+                  "converted\n", o_.state_format.c_str(),
+                  state_format_name(static_cast<StateFormat>(static_cast<int>(it->second))).c_str());
     } else {
       std::printf("resumed with --%s %s (the checkpoint was written with %s): this run's value is in effect\n",
                   r.option, fmt::format("{}", r.value(o_)).c_str(), fmt::format("{}", it->second).c_str());

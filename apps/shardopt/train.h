@@ -35,7 +35,7 @@ struct TrainOptions {
   std::string mixed_precision = "off";  // off | bf16 | fp16 (fp16 with the sharded gradient scaler)
   std::string gradient_wire = "exact";  // exact | bf16 | int8 (ShardedDDPOptions::gradient_wire)
   std::string param_wire = "exact";     // exact | bf16 | int8 (OSSOptions::param_wire)
-  std::string state_format = "fp32";    // fp32 | bf16 (OSSOptions::state_format)
+  std::string state_format = "fp32";    // fp32 | bf16 | int8 (OSSOptions::state_format)
   bool error_feedback = false;          // ShardedDDPOptions::error_feedback
   std::string device = "cpu";        // cpu (Gloo) | cuda (NCCL, the GPU of each rank's LOCAL_RANK)
   // The metrics file (metrics_log.h) and its chart beside it: this path; empty: DIR/metrics.jsonl

@@ -11,7 +11,8 @@
 //        small     = 300 small tensors (150 layers of 16x16 + bias): overhead-bound
 // partition (sharded): auto (split ranges for Adam), split, whole (whole parameters per owner)
 // mixed-precision (sharded): off, bf16, fp16 (parameters and gradients; fp32 masters and state)
-// state-format (sharded): fp32, bf16 (OSSOptions::state_format: the owners' optimizer state in bf16)
+// state-format (sharded): fp32, bf16, int8 (OSSOptions::state_format: the owners' optimizer state in bf16 or
+// 8-bit blockwise codes)
 // Prints one JSON line per rank: median step time, peak RSS and RSS added since start-up, and for
 // `sharded` the time pre_forward() blocks per step (the trainability check is started there and
 // awaited by backward after the forward), then a freeze (--freeze): the time of the rebuild, of
@@ -155,7 +156,7 @@ int main(int argc, char** argv) {
   app.add_option("--param-wire", param_wire, "OSSOptions::param_wire (sharded): exact, bf16, int8")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}));
   std::string state_format = "fp32";
-  app.add_option("--state-format", state_format, "OSSOptions::state_format (sharded): fp32, bf16")
+  app.add_option("--state-format", state_format, "OSSOptions::state_format (sharded): fp32, bf16, int8")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   int transport_nice = shardopt::InitOptions().transport_thread_nice();
   app.add_option("--accumulate", accumulate, "micro-batches per step, each a forward and a backward")
@@ -210,7 +211,7 @@ int main(int argc, char** argv) {
       auto options =
           shardopt::OSSOptions().rebalance(rebalance).partition(mode).fused_step(fused).shard_group_size(shard_group_size).param_wire(
           shardopt::wire_from_name(param_wire));
-      if (state_format == "bf16") options.state_format(shardopt::StateFormat::kBFloat16);
+      options.state_format(shardopt::parse_state_format(state_format));
       if (mixed != "off") {
         options.mixed_precision(shardopt::MixedPrecision().param_dtype(mixed == "bf16" ? at::kBFloat16 : at::kHalf));
       }

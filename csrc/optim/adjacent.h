@@ -22,9 +22,12 @@ namespace shardopt::detail {
 // without ShardedDDP, an upcast copy), state of its own. The step is element-wise, so joining
 // changes nothing in the results.
 
-// Whether `b` begins where `a` ends, both contiguous in one storage (or both undefined).
+// Whether `b` begins where `a` ends, both contiguous in one storage (or both undefined). 8-bit
+// codes join only where `a` ends on a block boundary (256 elements: Note [8-bit state slabs]), so
+// that the joined codes' blocks, and their scales, are each tensor's.
 inline bool follows(const at::Tensor& a, const at::Tensor& b) {
   if (!a.defined() || !b.defined()) return !a.defined() && !b.defined();
+  if (a.scalar_type() == at::kByte && a.numel() % 256 != 0) return false;
   return a.is_contiguous() && b.is_contiguous() && a.scalar_type() == b.scalar_type() &&
          a.storage().is_alias_of(b.storage()) && b.storage_offset() == a.storage_offset() + a.numel();
 }

@@ -63,13 +63,24 @@ bool dense_cpu_float(const at::Tensor& t) {
   return t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
 }
 
+// The scales of 8-bit codes `codes` (kept alive in `held`), as the 8-bit loops take them.
+float* scale_data(const detail::StateScales& scales, const at::Tensor& codes, std::vector<at::Tensor>& held) {
+  at::Tensor found = scales ? scales(codes) : at::Tensor();
+  TORCH_INTERNAL_ASSERT(found.defined() && found.is_contiguous(), "8-bit state without its scales");
+  held.push_back(found);
+  return found.data_ptr<float>();
+}
+
 // A bf16 state tensor's memory as its bits (the fused step's bf16 loops).
 uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
-// A state tensor the fused step takes beside parameter `p`: dense in p's dtype, or bf16 beside an
-// fp32 CPU parameter (OSSOptions::state_format(StateFormat::kBFloat16)).
-bool fits_state(const at::Tensor& t, const at::Tensor& p) {
-  if (t.defined() && t.scalar_type() == at::kBFloat16 && p.scalar_type() == at::kFloat && p.device().is_cpu()) {
+// A state tensor the fused step takes beside parameter `p`: dense in p's dtype, or bf16 or 8-bit
+// codes with their scales (`scales`) beside an fp32 CPU parameter
+// (OSSOptions::state_format(StateFormat::kBFloat16 / kInt8)).
+bool fits_state(const at::Tensor& t, const at::Tensor& p, const detail::StateScales& scales) {
+  const bool narrow = t.defined() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kByte);
+  if (narrow && p.scalar_type() == at::kFloat && p.device().is_cpu()) {
+    if (t.scalar_type() == at::kByte && !(scales && scales(t).defined())) return false;
     return t.layout() == at::kStrided && t.is_contiguous() && t.device().is_cpu() && t.numel() == p.numel();
   }
   return dense_cpu_float(t) && t.scalar_type() == p.scalar_type();
@@ -154,7 +165,7 @@ detail::AdamSegment<T> adam_segment(const AdamEntry& e) {
 // One run: parameters with the same options and step count, adjacent ones joined (Note [Adjacent
 // tensors in one pass]). All CPU tensors of a dtype go through one parallel region; the CUDA
 // segments go to kernels/ as one list (a launch per 32). Returns the segments stepped.
-int64_t adam_run(std::vector<AdamEntry> run, const AdamScalars& s, int64_t step) {
+int64_t adam_run(std::vector<AdamEntry> run, const AdamScalars& s, int64_t step, const detail::StateScales& scales) {
   at::NoGradGuard no_grad;
   for (const auto& e : run) {
     // The state's tensors change in place: versions follow, as with torch's own step.
@@ -165,10 +176,19 @@ int64_t adam_run(std::vector<AdamEntry> run, const AdamScalars& s, int64_t step)
   std::vector<detail::AdamSegment<float>> f32;
   std::vector<detail::AdamSegment<double>> f64;
   std::vector<detail::Adam16Segment> bf16;
+  std::vector<detail::Adam8Segment> coded;
+  std::vector<at::Tensor> held;  // the coded segments' scales
   std::vector<detail::CudaAdamOperands> cuda;
   for (const auto& e : run) {
     if (e.copy.defined() || e.p.is_cuda()) {
       cuda.push_back({e.p, e.g, e.m, e.v, e.vmax, e.copy});
+    } else if (e.m.scalar_type() == at::kByte) {
+      float* const m_scale = scale_data(scales, e.m, held);
+      float* const v_scale = scale_data(scales, e.v, held);
+      float* const vmax_scale = e.vmax.defined() ? scale_data(scales, e.vmax, held) : nullptr;
+      coded.push_back({e.p.data_ptr<float>(), e.g.data_ptr<float>(), e.m.data_ptr<uint8_t>(), m_scale,
+                       e.v.data_ptr<uint8_t>(), v_scale, e.vmax.defined() ? e.vmax.data_ptr<uint8_t>() : nullptr,
+                       vmax_scale, e.p.numel()});
     } else if (e.m.scalar_type() == at::kBFloat16) {
       bf16.push_back({e.p.data_ptr<float>(), e.g.data_ptr<float>(), bf16_bits(e.m), bf16_bits(e.v),
                       e.vmax.defined() ? bf16_bits(e.vmax) : nullptr, e.p.numel()});
@@ -181,6 +201,7 @@ int64_t adam_run(std::vector<AdamEntry> run, const AdamScalars& s, int64_t step)
   if (!f32.empty()) adam_kernel(f32, s);
   if (!f64.empty()) adam_kernel(f64, s);
   if (!bf16.empty()) detail::adam16_step(bf16.data(), bf16.size(), s);
+  if (!coded.empty()) detail::adam8_step(coded.data(), coded.size(), s);
   if (!cuda.empty()) detail::cuda_adam(cuda, s, step);
   return static_cast<int64_t>(run.size());
 }
@@ -227,7 +248,7 @@ int64_t adam_like_step(optim::Optimizer& opt, bool decoupled, const detail::Fuse
                                  copy ? *copy : at::Tensor()});
     }
     for (auto& [step, run] : runs) {
-      segments += adam_run(std::move(run), scaling.applied(adam_scalars(o, decoupled, step)), step);
+      segments += adam_run(std::move(run), scaling.applied(adam_scalars(o, decoupled, step)), step, in.scales);
     }
   }
   return segments;
@@ -239,16 +260,21 @@ struct SgdEntry {
 };
 
 // As adam_run.
-int64_t sgd_run(std::vector<SgdEntry> run, const SgdScalars& s) {
+int64_t sgd_run(std::vector<SgdEntry> run, const SgdScalars& s, const detail::StateScales& scales) {
   at::NoGradGuard no_grad;
   for (const auto& e : run) e.p.unsafeGetTensorImpl()->bump_version();
   run = detail::joined_adjacent(std::move(run));
   std::vector<detail::SgdSegment<float>> f32;
   std::vector<detail::SgdSegment<double>> f64;
   std::vector<detail::Sgd16Segment> bf16;
+  std::vector<detail::Sgd8Segment> coded;
+  std::vector<at::Tensor> held;  // the coded segments' scales
   for (const auto& e : run) {
     if (e.p.is_cuda()) {
       detail::cuda_sgd(e.p, e.g, e.buf, s);
+    } else if (e.buf.defined() && e.buf.scalar_type() == at::kByte) {
+      coded.push_back({e.p.data_ptr<float>(), e.g.data_ptr<float>(), e.buf.data_ptr<uint8_t>(),
+                       scale_data(scales, e.buf, held), e.p.numel()});
     } else if (e.buf.defined() && e.buf.scalar_type() == at::kBFloat16) {
       bf16.push_back({e.p.data_ptr<float>(), e.g.data_ptr<float>(), bf16_bits(e.buf), e.p.numel()});
     } else if (e.p.scalar_type() == at::kFloat) {
@@ -262,6 +288,7 @@ int64_t sgd_run(std::vector<SgdEntry> run, const SgdScalars& s) {
   if (!f32.empty()) sgd_kernel(f32, s);
   if (!f64.empty()) sgd_kernel(f64, s);
   if (!bf16.empty()) detail::sgd16_step(bf16.data(), bf16.size(), s);
+  if (!coded.empty()) detail::sgd8_step(coded.data(), coded.size(), s);
   return static_cast<int64_t>(run.size());
 }
 
@@ -299,7 +326,7 @@ int64_t sgd_step(optim::Optimizer& opt, const detail::FusedStepInputs& in, const
       s.weight_decay = o.weight_decay();
       s.nesterov = o.nesterov();
       s.first = first == 1;
-      segments += sgd_run(std::move(runs[first]), scaling.applied(s));
+      segments += sgd_run(std::move(runs[first]), scaling.applied(s), in.scales);
     }
   }
   return segments;
@@ -563,17 +590,17 @@ std::string detail::fused_step_unsupported(const optim::Optimizer& optimizer, co
       if (it == optimizer.state().end()) continue;
       if (adam || adamw) {
         const auto& st = static_cast<const optim::AdamParamState&>(*it->second);
-        if (!fits_state(st.exp_avg(), p) || !fits_state(st.exp_avg_sq(), p) ||
+        if (!fits_state(st.exp_avg(), p, in.scales) || !fits_state(st.exp_avg_sq(), p, in.scales) ||
             st.exp_avg().scalar_type() != st.exp_avg_sq().scalar_type()) {
           return "an Adam state tensor is not dense";
         }
-        if (amsgrad_of(group.options()) && (!fits_state(st.max_exp_avg_sq(), p) ||
+        if (amsgrad_of(group.options()) && (!fits_state(st.max_exp_avg_sq(), p, in.scales) ||
                                             st.max_exp_avg_sq().scalar_type() != st.exp_avg().scalar_type())) {
           return "an AMSGrad state tensor is not dense";
         }
       } else {
         const auto& buf = static_cast<const optim::SGDParamState&>(*it->second).momentum_buffer();
-        if (buf.defined() && !fits_state(buf, p)) return "a momentum buffer is not dense";
+        if (buf.defined() && !fits_state(buf, p, in.scales)) return "a momentum buffer is not dense";
       }
     }
   }

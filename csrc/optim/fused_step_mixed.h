@@ -29,6 +29,10 @@ bool adam_like(const torch::optim::Optimizer& optimizer);
 // undefined for a new tensor of its own. OSS gives the tensor's slot in its ShardStore.
 using StateAllocator = std::function<at::Tensor(const at::Tensor& param, const char* kind)>;
 
+// The fp32 block scales of a state tensor held as 8-bit codes (Note [8-bit state slabs] in
+// state_slabs.cpp): one per kStateBlock elements from its start; undefined when it has none.
+using StateScales = std::function<at::Tensor(const at::Tensor& codes)>;
+
 // Stepped tensor (its TensorImpl) -> the gradient it steps with.
 using Gradients = std::unordered_map<const c10::TensorImpl*, at::Tensor>;
 
@@ -39,6 +43,7 @@ struct FusedStepInputs {
   // Each master in it must be an fp32 CUDA tensor stepped by the mixed kernel.
   LowPrecisionCopies copies;
   StateAllocator allocate;  // where new state goes (null: tensors of its own)
+  StateScales scales;       // the scales of 8-bit state (null: there is none)
   // The gradient scaler's unscale folded into the step (Note [Unscaling in the step] in
   // fused_step.cpp): one-element fp32 tensors on the stepped tensors' device, or undefined.
   at::Tensor inv_scale;

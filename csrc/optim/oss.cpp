@@ -11,7 +11,9 @@
 #include "optim/master_weights.h"
 #include "optim/param_buffers.h"
 #include "optim/shard_store.h"
+#include "optim/state_codes.h"
 #include "optim/state_migration.h"
+#include "optim/state_slabs.h"
 #include "optim/trainable.h"
 
 #include <ATen/ATen.h>
@@ -26,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <numeric>
 #include <sstream>
 #include <unordered_map>
 
@@ -211,6 +214,11 @@ void OSS::init(std::vector<optim::OptimizerParamGroup> groups, std::vector<Unit>
   placement_ = place_params(param_shapes(trainable), group_->size(), options_.partition(), options_.split_above_imbalance(),
                             all_registered());
   options_.layout().split(placement_.split);
+  if (options_.state_format() == StateFormat::kInt8) {
+    // Every block of 8-bit state has one owner (Note [8-bit state slabs]).
+    const int64_t align = options_.layout().align();
+    options_.layout().align(std::lcm(align, detail::kStateBlock));
+  }
   holdings_.assign(params_.size(), {});
   store_ = std::make_unique<detail::ShardStore>(params_, group_, options_.layout(), options_.sync(),
                                                 options_.param_wire(), placement_.partition, placement_.whole_kind);
@@ -335,8 +343,17 @@ std::string state_format_name(StateFormat format) {
   switch (format) {
     case StateFormat::kFloat32: return "fp32";
     case StateFormat::kBFloat16: return "bf16";
+    case StateFormat::kInt8: return "int8";
   }
   return "unknown";
+}
+
+StateFormat parse_state_format(const std::string& name) {
+  for (StateFormat f : {StateFormat::kFloat32, StateFormat::kBFloat16, StateFormat::kInt8}) {
+    if (state_format_name(f) == name) return f;
+  }
+  SHARDOPT_CHECK(false, "unknown state format '", name, "': use fp32, bf16 or int8");
+  return StateFormat::kFloat32;
 }
 
 // After the ranks agreed on the parameters and state_format (check_params_across_ranks) and on
@@ -448,6 +465,10 @@ void OSS::settle_state() {
     const detail::HoldingGrads grads{
         [this](size_t i, const detail::Holding& h) { return owned_grad(i, h); },
         [this](size_t i, const detail::Holding& h, at::Tensor g) { set_owned_grad(i, h, std::move(g)); }};
+    // 8-bit state moves in fp32 and is coded again in its new slot, to the same codes.
+    if (options_.state_format() == StateFormat::kInt8) {
+      for (auto& unit : units_) slabs_->widen(*unit.local, *unit.codec);
+    }
     detail::migrate_holdings(*group_, [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; }, settled_,
                              holdings_, grads, stats, /*carry_values=*/masters_);
     last_rebalance_ = stats;
@@ -582,7 +603,13 @@ std::string OSS::describe() const {
         const int64_t element = options_.state_format() == StateFormat::kBFloat16 ? 2
                                 : masters_                                          ? 4
                                                    : static_cast<int64_t>(params_[i].element_size());
-        state_bytes[h.rank] += numel * element;
+        if (options_.state_format() == StateFormat::kInt8 && detail::coded_numel(params_[i].numel())) {
+          // A byte an element and an fp32 scale a block, per state tensor (Note [8-bit state slabs]).
+          const int64_t tensors = numel / std::max<int64_t>(1, h.in_param.size());
+          state_bytes[h.rank] += numel + tensors * 4 * detail::state_blocks(h.in_param.size());
+        } else {
+          state_bytes[h.rank] += numel * element;
+        }
         if (placement_.whole_kind[i] && store_->trainable()[i]) {
           const double c = unit.codec->cost(params_[i].sizes());
           cost[h.rank] += c;
@@ -610,7 +637,10 @@ int64_t OSS::local_state_bytes() const {
   int64_t bytes = 0;
   for (const auto& unit : units_) {
     const auto& codec = detail::codec_for(*unit.local);
-    for (const auto& [key, state] : unit.local->state()) bytes += detail::state_tensor_bytes(codec.encode_state(*state));
+    for (const auto& [key, state] : unit.local->state()) {
+      const GenericDict encoded = codec.encode_state(*state);
+      bytes += detail::state_tensor_bytes(encoded) + slabs_->scale_bytes_of(encoded);
+    }
   }
   return bytes;
 }

@@ -7,6 +7,7 @@
 #include "optim/master_weights.h"
 #include "optim/shard_store.h"
 #include "optim/state_migration.h"
+#include "optim/state_slabs.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -27,10 +28,10 @@ namespace {
 
 // This rank's ranges with state or a master weight: [{"param", "begin", "end", "state"?,
 // "master"?}, ...] (masters with `masters`: the holdings' tensors are mixed precision's).
-// `local_of(i)` is the optimizer of parameter i.
+// `local_of(i)` is the optimizer of parameter i; 8-bit state leaves in fp32 (`slabs`).
 c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>& holdings,
                                  const std::function<optim::Optimizer&(size_t)>& local_of, int rank, bool masters,
-                                 bool own_storage = true) {
+                                 const detail::StateSlabs& slabs, bool own_storage = true) {
   c10::impl::GenericList shard(c10::AnyType::get());
   for (size_t i = 0; i < holdings.size(); ++i) {
     optim::Optimizer& local = local_of(i);
@@ -44,7 +45,7 @@ c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>
       d.insert("begin", h.in_param.begin);
       d.insert("end", h.in_param.end);
       if (has_state) {
-        GenericDict state = detail::codec_for(local).encode_state(*it->second);
+        GenericDict state = slabs.widened(detail::codec_for(local).encode_state(*it->second));
         d.insert("state", own_storage ? detail::with_own_storage(state) : state);
       }
       if (masters) d.insert("master", h.tensor.detach().reshape(-1));
@@ -160,11 +161,11 @@ void OSS::consolidate_state_dict(int recipient) {
   Stitcher stitcher(params_, options_.state_format() != StateFormat::kFloat32);
   for (int r = 0; r < group_->size(); ++r) {
     if (r == recipient) {
-      if (rank == recipient) stitcher.add(own_shard(holdings_, local_of, rank, masters_));
+      if (rank == recipient) stitcher.add(own_shard(holdings_, local_of, rank, masters_, *slabs_));
       continue;
     }
     if (rank == r) {
-      group_->send_bytes(torch::pickle_save(own_shard(holdings_, local_of, rank, masters_)), recipient, r);
+      group_->send_bytes(torch::pickle_save(own_shard(holdings_, local_of, rank, masters_, *slabs_)), recipient, r);
     } else if (rank == recipient) {
       stitcher.add(torch::pickle_load(group_->recv_bytes(r, r)).toList());
     }
@@ -195,7 +196,7 @@ torch::IValue OSS::state_shard(bool own_storage) {
   settle_state();
   GenericDict d = detail::make_string_dict();
   d.insert("shard", own_shard(holdings_, [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; },
-                              group_->rank(), masters_, own_storage));
+                              group_->rank(), masters_, *slabs_, own_storage));
   d.insert("param_groups", param_groups_value());
   d.insert("rank", static_cast<int64_t>(group_->rank()));
   d.insert("world_size", static_cast<int64_t>(group_->size()));

@@ -168,6 +168,9 @@ class StepGradients {
 bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& from_masters) {
   detail::FusedStepInputs in;
   in.allocate = [this](const at::Tensor& t, const char* kind) { return slabs_->fresh_slot(t, kind); };
+  if (options_.state_format() == StateFormat::kInt8) {
+    in.scales = [this](const at::Tensor& codes) { return slabs_->scales_of(codes); };
+  }
   std::vector<std::pair<size_t, const detail::Holding*>> stepped;
   // Per optimizer: whether its masters may take the mixed CUDA kernel (Adam and AdamW).
   std::vector<uint8_t> mixed_kernel(units_.size(), 0);

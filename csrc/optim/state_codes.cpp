@@ -195,4 +195,62 @@ at::Tensor dequantise(const at::Tensor& codes, const at::Tensor& scales, bool is
   return values;
 }
 
+// Note [Codes of decoded codes]
+// A block's codes decode to map[code] * scale. Coding those values again gives the same codes, and
+// the same scale when the block's largest magnitude decodes to the scale itself: a positive value,
+// whose code is the map's 1. The signed map's most negative value is about -0.993, not -1, so a
+// block whose largest magnitude was negative decodes to a largest magnitude of 0.993 of its scale,
+// and quantise() would give it that smaller scale: moments that left a rank decoded (moved to
+// another, consolidated, saved) would come back changed. recode() finds, per block, a scale that
+// decodes the block's codes exactly to its values: the absolute maximum, else the absolute
+// maximum divided by the magnitude of map[0], or a float within a few ulps of that (the division
+// undoes the product's rounding up to that). Decoded values are exactly such products, so their
+// own scale is found; for any other fp32 values no scale reproduces 256 values exactly, and the
+// block takes its absolute maximum, as quantise() gives it.
+namespace {
+
+// Whether `scale` codes the block's values into codes that decode exactly to them; writes the codes.
+bool decodes_exactly(const float* values, int64_t n, float scale, const float* map, uint8_t* codes) {
+  if (!(scale > 0) || !std::isfinite(scale)) return false;
+  for (int64_t i = 0; i < n; ++i) {
+    const int c = code_of(values[i] / scale, map);
+    if (map[c] * scale != values[i]) return false;
+    codes[i] = static_cast<uint8_t>(c);
+  }
+  return true;
+}
+
+float recode_block(const float* values, int64_t n, const float* map, uint8_t* codes) {
+  float absmax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) absmax = absmax_step(absmax, std::fabs(values[i]));
+  const float scale = std::max(absmax, 1e-12f);
+  if (decodes_exactly(values, n, scale, map, codes)) return scale;
+  if (map[0] < 0 && absmax > 0 && std::isfinite(absmax)) {
+    float guess = absmax / std::fabs(map[0]);
+    for (int k = 0; k < 4; ++k) guess = std::nextafter(guess, 0.0f);
+    for (int k = 0; k < 9; ++k, guess = std::nextafter(guess, std::numeric_limits<float>::infinity())) {
+      if (decodes_exactly(values, n, guess, map, codes)) return guess;
+    }
+  }
+  return quantise_block(values, n, map, codes);
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> recode(const at::Tensor& values, bool is_signed) {
+  SHARDOPT_CHECK(values.scalar_type() == at::kFloat && values.device().is_cpu(),
+                 "8-bit state codes fp32 CPU tensors, got ", values.scalar_type(), " on ", values.device());
+  const at::Tensor v = values.contiguous();
+  const int64_t n = v.numel();
+  at::Tensor codes = at::empty(v.sizes(), v.options().dtype(at::kByte));
+  at::Tensor scales = at::empty({state_blocks(n)}, v.options());
+  const float* map = dynamic_map(is_signed).data();
+  for (int64_t b = 0; b * kStateBlock < n; ++b) {
+    const int64_t begin = b * kStateBlock;
+    scales.data_ptr<float>()[b] = recode_block(v.data_ptr<float>() + begin, std::min(kStateBlock, n - begin), map,
+                                               codes.data_ptr<uint8_t>() + begin);
+  }
+  return {codes, scales};
+}
+
 }  // namespace shardopt::detail

@@ -3,6 +3,8 @@
 // whatever turns codes into fp32 values and back (consolidation, loading) use these.
 #pragma once
 
+#include <shardopt/optim/oss.h>
+
 #include <ATen/core/Tensor.h>
 
 #include <array>
@@ -12,9 +14,9 @@
 namespace shardopt::detail {
 
 // Elements per block; each block has one fp32 scale (its absolute maximum).
-inline constexpr int64_t kStateBlock = 256;
+inline constexpr int64_t kStateBlock = kInt8StateBlock;
 // Tensors with fewer elements keep fp32 state.
-inline constexpr int64_t kMinCodedNumel = 4096;
+inline constexpr int64_t kMinCodedNumel = kInt8StateMinNumel;
 
 // Whether a tensor of `numel` elements keeps its moments in codes: decided on the whole tensor,
 // never on a shard of it.
@@ -58,5 +60,10 @@ void dequantise_block(const uint8_t* codes, int64_t n, float scale, const float*
 // element 0), and back. CPU.
 std::pair<at::Tensor, at::Tensor> quantise(const at::Tensor& values, bool is_signed);
 at::Tensor dequantise(const at::Tensor& codes, const at::Tensor& scales, bool is_signed);
+// quantise() for state that may be decoded codes coming back (Note [Codes of decoded codes]):
+// each block takes the scale that decodes it exactly to its values where there is one, so that
+// recode(dequantise(codes, scales)) gives those codes and scales; other values are coded as
+// quantise() codes them.
+std::pair<at::Tensor, at::Tensor> recode(const at::Tensor& values, bool is_signed);
 
 }  // namespace shardopt::detail

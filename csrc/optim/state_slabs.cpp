@@ -1,6 +1,9 @@
 #include "optim/state_slabs.h"
 
+#include <shardopt/check.h>
 #include <shardopt/compat.h>
+
+#include "optim/state_codes.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -43,6 +46,7 @@ void StateSlabs::plan_slots(const FlatLayout& layout, int rank, const std::vecto
       for (size_t k : layout.pieces_of(i)) {
         const Piece& piece = layout.pieces()[k];
         slot.group = piece.group;
+        slot.coded = format_ == StateFormat::kInt8 && coded_numel(piece.param_numel);
         if (piece.owner == rank && piece.in_param == h.in_param) {
           slot.offset = piece.in_shard.begin;
           placed = true;
@@ -61,20 +65,101 @@ void StateSlabs::plan_slots(const FlatLayout& layout, int rank, const std::vecto
   if (slots == slots_ && numel == slab_numel_) return;
   slots_ = std::move(slots);
   slab_numel_ = std::move(numel);
-  slabs_.assign(groups.size(), {});  // the old slabs live on in the views until adopt() copies them
+  // The old slabs live on in the views until adopt() copies them (8-bit ones with their scales,
+  // in coded_).
+  slabs_.assign(groups.size(), {});
+  scales_.assign(groups.size(), {});
 }
 
-at::Tensor StateSlabs::slab_for(size_t group, const std::string& kind, const at::Tensor& like) {
+at::Tensor StateSlabs::slab_for(size_t group, const std::string& kind, const at::Tensor& like, bool coded) {
   auto& slabs = slabs_.at(group);
+  const at::ScalarType dtype = stored_dtype(kind, like, coded);
   auto it = slabs.find(kind);
   if (it == slabs.end()) {
-    // Zeros: the gaps between pieces (alignment) stay finite, whatever steps over them.
-    at::Tensor slab = at::zeros({slab_numel_[group]}, like.options().dtype(stored_dtype(kind, like)).requires_grad(false));
+    // Zeros: the gaps between pieces (alignment) stay finite, whatever steps over them; zero
+    // scales decode any code to 0.
+    at::Tensor slab = at::zeros({slab_numel_[group]}, like.options().dtype(dtype).requires_grad(false));
+    if (dtype == at::kByte) {
+      at::Tensor scales = at::zeros({state_blocks(slab_numel_[group])}, like.options().dtype(at::kFloat).requires_grad(false));
+      scales_.at(group).emplace(kind, scales);
+      // Replaced slabs nothing views any more go.
+      coded_.erase(std::remove_if(coded_.begin(), coded_.end(),
+                                  [](const auto& c) { return c.first.storage().use_count() == 1; }),
+                   coded_.end());
+      coded_.emplace_back(slab, scales);
+    }
     it = slabs.emplace(kind, std::move(slab)).first;
   }
   const at::Tensor& slab = it->second;
-  if (slab.scalar_type() != stored_dtype(kind, like) || slab.device() != like.device()) return at::Tensor();
+  if (slab.scalar_type() != dtype || slab.device() != like.device()) return at::Tensor();
   return slab;
+}
+
+bool StateSlabs::in_slab(const Slot& slot, const std::string& kind) const {
+  return format_ != StateFormat::kInt8 || slot.coded || kind == kMasterSlab;
+}
+
+at::Tensor StateSlabs::slot_scales(const Slot& slot, const std::string& kind) {
+  return scales_.at(slot.group).at(kind).narrow(0, slot.offset / kStateBlock, state_blocks(slot.numel));
+}
+
+// Note [8-bit state slabs]
+// Under StateFormat::kInt8 each moment of a parameter of at least kMinCodedNumel elements (the
+// whole parameter's count, never a shard's) lives as uint8 codes in a slab laid out like the
+// others, beside a slab of fp32 scales, one per kStateBlock elements of the slab. The layout is
+// aligned to kStateBlock (OSS sets LayoutOptions::align to a multiple of it), so every parameter
+// starts, and every cut of one (rows, split ranges, kept state) falls, on a block boundary of the
+// whole tensor: a slot's offset is a block boundary, its blocks are the tensor's blocks, and its
+// scales are the slab's from offset / kStateBlock. The codes are what torch::optim's state holds
+// (views, shaped like the parameter); the fused step finds their scales here (scales_of). Smaller
+// parameters keep fp32 state of their own, as torch::optim makes it. State leaves a rank in fp32
+// (widen, widened: consolidation, shards, moves), and adopt() codes fp32 state into its slot with
+// the tensor's own blocks, by recode(): the codes and scales of decoded codes are those codes and
+// scales (Note [Codes of decoded codes] in state_codes.cpp), so state that leaves and comes back
+// keeps its bits, and a block's result never depends on which rank holds it.
+at::Tensor StateSlabs::scales_of(const at::Tensor& codes) const {
+  if (!codes.defined() || codes.scalar_type() != at::kByte) return at::Tensor();
+  for (const auto& [slab, scales] : coded_) {
+    if (!codes.storage().is_alias_of(slab.storage())) continue;
+    const int64_t at = codes.storage_offset() - slab.storage_offset();
+    TORCH_INTERNAL_ASSERT(at % kStateBlock == 0, "8-bit state at element ", at, " of its slab is not on a block boundary");
+    return scales.narrow(0, at / kStateBlock, state_blocks(codes.numel()));
+  }
+  return at::Tensor();
+}
+
+namespace {
+
+// The first moment and momentum take the signed map, the second moments the unsigned one.
+bool signed_kind(const std::string& kind) { return kind != "exp_avg_sq" && kind != "max_exp_avg_sq"; }
+
+}  // namespace
+
+void StateSlabs::widen(torch::optim::Optimizer& local, const OptimizerCodec& codec) const {
+  at::NoGradGuard no_grad;
+  for (auto& [key, state] : local.state()) {
+    codec.place_state(*state, [&](const char* kind, const at::Tensor& t) {
+      const at::Tensor scales = scales_of(t);
+      return scales.defined() ? dequantise(t, scales, signed_kind(kind)) : t;
+    });
+  }
+}
+
+GenericDict StateSlabs::widened(const GenericDict& encoded) const {
+  if (format_ != StateFormat::kInt8) return encoded;
+  GenericDict out = make_string_dict();
+  for (const auto& v : encoded) {
+    if (is_state_tensor(v)) {
+      const at::Tensor& t = v.value().toTensor();
+      const at::Tensor scales = scales_of(t);
+      if (scales.defined()) {
+        out.insert(v.key(), dequantise(t, scales, signed_kind(v.key().toStringRef())));
+        continue;
+      }
+    }
+    out.insert(v.key(), v.value());
+  }
+  return out;
 }
 
 // Note [State formats]
@@ -87,10 +172,13 @@ at::Tensor StateSlabs::slab_for(size_t group, const std::string& kind, const at:
 // rounded the same way when adopt() copies it into its slab; widening is exact, so state that
 // leaves and comes back keeps its bits. The consolidated state_dict() widens it to fp32, the
 // layout PyTorch's optimizers load. Mixed precision's masters (kMasterSlab) stay fp32.
-at::ScalarType StateSlabs::stored_dtype(const std::string& kind, const at::Tensor& like) const {
+at::ScalarType StateSlabs::stored_dtype(const std::string& kind, const at::Tensor& like, bool coded) const {
   const at::ScalarType dtype = like.scalar_type();
   if (format_ == StateFormat::kBFloat16 && kind != kMasterSlab && (dtype == at::kFloat || dtype == at::kBFloat16)) {
     return at::kBFloat16;
+  }
+  if (format_ == StateFormat::kInt8 && coded && kind != kMasterSlab && (dtype == at::kFloat || dtype == at::kByte)) {
+    return at::kByte;
   }
   return dtype;
 }
@@ -104,12 +192,15 @@ std::vector<at::Tensor> StateSlabs::slabs_of(const std::string& kind) const {
 at::Tensor StateSlabs::fresh_slot(const at::Tensor& tensor, const char* kind) {
   at::NoGradGuard no_grad;
   auto it = slots_.find(tensor.unsafeGetTensorImpl());
-  const at::Tensor slab = it == slots_.end() ? at::Tensor() : slab_for(it->second.group, kind, tensor);
+  const bool slabbed = it != slots_.end() && in_slab(it->second, kind);
+  const at::Tensor slab = slabbed ? slab_for(it->second.group, kind, tensor, it->second.coded) : at::Tensor();
   if (!slab.defined()) {
-    const at::ScalarType dtype = stored_dtype(kind, tensor);
+    // (8-bit codes never live outside a slab: without one a coded kind keeps fp32.)
+    const at::ScalarType dtype = format_ == StateFormat::kInt8 ? tensor.scalar_type() : stored_dtype(kind, tensor, false);
     return dtype == tensor.scalar_type() ? at::Tensor() : at::zeros(tensor.sizes(), tensor.options().dtype(dtype));
   }
   const Slot& slot = it->second;
+  if (slab.scalar_type() == at::kByte) slot_scales(slot, kind).zero_();
   return slab.narrow(0, slot.offset, slot.numel).view(slot.sizes).zero_();
 }
 
@@ -121,11 +212,26 @@ int64_t StateSlabs::adopt(torch::optim::Optimizer& local, const OptimizerCodec& 
     if (it == slots_.end()) continue;
     const Slot& slot = it->second;
     codec.place_state(*state, [&](const char* kind, const at::Tensor& t) {
-      if (t.numel() != slot.numel) return t;
-      const at::Tensor slab = slab_for(slot.group, kind, t);
+      if (t.numel() != slot.numel || !in_slab(slot, kind)) return t;
+      const at::Tensor slab = slab_for(slot.group, kind, t, slot.coded);
       if (!slab.defined()) return t;
       at::Tensor view = slab.narrow(0, slot.offset, slot.numel).view(slot.sizes);
       if (t.data_ptr() == view.data_ptr() && t.sizes() == view.sizes() && t.strides() == view.strides()) return t;
+      if (slab.scalar_type() == at::kByte) {
+        at::Tensor scales = slot_scales(slot, kind);
+        if (t.scalar_type() == at::kByte) {  // codes in a replaced slab: they move with their scales
+          const at::Tensor from = scales_of(t);
+          TORCH_INTERNAL_ASSERT(from.defined(), "8-bit state without its scales");
+          view.copy_(t.reshape(slot.sizes));
+          scales.copy_(from);
+        } else {  // fp32 values: coded with the tensor's own blocks
+          auto [codes, block_scales] = recode(t.to(at::kFloat).reshape(slot.sizes), signed_kind(kind));
+          view.copy_(codes);
+          scales.copy_(block_scales);
+        }
+        copied += static_cast<int64_t>(view.nbytes() + scales.nbytes());
+        return view;
+      }
       view.copy_(t.reshape(slot.sizes));
       copied += static_cast<int64_t>(t.nbytes());
       return view;
@@ -170,6 +276,24 @@ int64_t StateSlabs::bytes() const {
   int64_t total = 0;
   for (const auto& group : slabs_) {
     for (const auto& [kind, slab] : group) total += static_cast<int64_t>(slab.nbytes());
+  }
+  return total + scale_bytes();
+}
+
+int64_t StateSlabs::scale_bytes_of(const GenericDict& encoded) const {
+  int64_t total = 0;
+  for (const auto& v : encoded) {
+    if (!is_state_tensor(v)) continue;
+    const at::Tensor scales = scales_of(v.value().toTensor());
+    if (scales.defined()) total += static_cast<int64_t>(scales.nbytes());
+  }
+  return total;
+}
+
+int64_t StateSlabs::scale_bytes() const {
+  int64_t total = 0;
+  for (const auto& group : scales_) {
+    for (const auto& [kind, scales] : group) total += static_cast<int64_t>(scales.nbytes());
   }
   return total;
 }

@@ -36,8 +36,11 @@ struct Slot {
   int64_t numel = 0;
   std::vector<int64_t> sizes;  // the holding tensor's shape (the state tensors' shape)
   bool kept = false;           // a frozen parameter's kept state (after the trainable region)
+  bool coded = false;          // StateFormat::kInt8 and a parameter of at least kMinCodedNumel elements:
+                               // its state is 8-bit codes and block scales (Note [8-bit state slabs])
   bool operator==(const Slot& o) const {
-    return group == o.group && offset == o.offset && numel == o.numel && sizes == o.sizes && kept == o.kept;
+    return group == o.group && offset == o.offset && numel == o.numel && sizes == o.sizes && kept == o.kept &&
+           coded == o.coded;
   }
 };
 
@@ -55,13 +58,27 @@ class StateSlabs {
                   const std::function<bool(size_t param, const at::Tensor& tensor)>& has_state);
 
   // A zeroed view of `tensor`'s slot (a holding tensor: it keys the state) in the slab of `kind`,
-  // shaped like it. Where it has no slot or the slab cannot hold its state (another device): a
-  // zeroed tensor in the kind's stored dtype when that is not `tensor`'s, else undefined.
+  // shaped like it (a coded slot: zeroed codes whose scales are zeroed too, which decode to 0).
+  // Where it has no slot or the slab cannot hold its state (another device, fp32 state beside
+  // 8-bit slabs): a zeroed tensor in the kind's stored dtype when that is not `tensor`'s, else
+  // undefined.
   at::Tensor fresh_slot(const at::Tensor& tensor, const char* kind);
 
-  // Moves every state tensor of `local` that is not in its slot into it (one local copy each) and
-  // makes the state hold the slab's view; returns the bytes copied. State without a slot stays as
-  // it is.
+  // The fp32 block scales of 8-bit codes that view a slab of these (current, or replaced by the
+  // last plan_slots() and still viewed): one per kStateBlock elements from the codes' start, which
+  // is a block boundary. Undefined when `codes` views none of them.
+  at::Tensor scales_of(const at::Tensor& codes) const;
+  // Every 8-bit state tensor of `local` replaced by its fp32 values (decoded with its scales):
+  // before state moves between ranks, which it does in fp32; adopt() codes it again, to the same
+  // codes and scales (Note [8-bit state slabs]).
+  void widen(torch::optim::Optimizer& local, const OptimizerCodec& codec) const;
+  // `encoded` (an encoded state, state_dict layout) with each 8-bit state tensor replaced by its
+  // fp32 values, for consolidation and shards.
+  GenericDict widened(const GenericDict& encoded) const;
+
+  // Moves every state tensor of `local` that is not in its slot into it (one local copy each; into
+  // a coded slot fp32 state is coded, and codes come with their scales) and makes the state hold
+  // the slab's view; returns the bytes copied. State without a slot stays as it is.
   int64_t adopt(torch::optim::Optimizer& local, const OptimizerCodec& codec);
 
   // Mixed precision: moves the master of each holding of `rank` (the holding's fp32 tensor, which
@@ -75,22 +92,35 @@ class StateSlabs {
   std::vector<at::Tensor> slabs_of(const std::string& kind) const;
   // The slot of holding tensor `tensor`, or null.
   const Slot* slot_of(const at::Tensor& tensor) const;
-  // Bytes of all slabs.
+  // Bytes of all slabs (8-bit slabs' scales included).
   int64_t bytes() const;
+  // Bytes of the current 8-bit slabs' scales.
+  int64_t scale_bytes() const;
+  // Bytes of the scales of the 8-bit state tensors of `encoded` (an encoded state).
+  int64_t scale_bytes_of(const GenericDict& encoded) const;
 
  private:
   // The dtype the state of `kind` is stored in, for state tensors like `like` (Note [State
   // formats]): under kFloat32 the dtype torch::optim makes it in (the stepped tensor's); under
   // kBFloat16 bf16 for fp32 (or bf16) state; masters stay as they are.
-  at::ScalarType stored_dtype(const std::string& kind, const at::Tensor& like) const;
+  // Under kInt8: uint8 codes in a coded slot, fp32 state (not in a slab) elsewhere.
+  at::ScalarType stored_dtype(const std::string& kind, const at::Tensor& like, bool coded) const;
+  // Whether `slot`'s state of `kind` lives in a slab (not: fp32 state of a small tensor under kInt8).
+  bool in_slab(const Slot& slot, const std::string& kind) const;
+  // The scales of `slot` in the scale slab of `kind` (a coded slot).
+  at::Tensor slot_scales(const Slot& slot, const std::string& kind);
   // The slab of `kind` in `group` for state like `like`, made when missing; undefined when `like`
   // does not fit the group's slabs.
-  at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like);
+  at::Tensor slab_for(size_t group, const std::string& kind, const at::Tensor& like, bool coded = false);
 
   StateFormat format_;
   std::unordered_map<const void*, Slot> slots_;  // holding tensor (TensorImpl) -> slot
   std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region
   std::vector<std::map<std::string, at::Tensor>> slabs_;  // per group: kind -> slab
+  std::vector<std::map<std::string, at::Tensor>> scales_;  // per group: kind -> its 8-bit slab's scales
+  // Every 8-bit slab (codes) with its scales, current and replaced; a replaced one is dropped once
+  // nothing views it.
+  std::vector<std::pair<at::Tensor, at::Tensor>> coded_;
 };
 
 }  // namespace shardopt::detail

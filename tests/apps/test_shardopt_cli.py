@@ -571,6 +571,37 @@ class CliTest(unittest.TestCase):
                       "was converted", resumed.stdout)
         self.assertIn("optimizer state in bf16", resumed.stdout)
 
+    def test_int8_state_keeps_a_quarter_of_the_state_and_resumes_bit_exact(self):
+        # --state-format int8: the owners keep Adam's moments of the larger tensors in 8-bit blockwise
+        # codes; the consolidated checkpoint holds them decoded to fp32 (loadable by torch.optim), and
+        # a run stopped during the freeze and resumed from its sharded checkpoint ends where the
+        # straight one does, bit for bit. Each rank's state is at most 0.3 of the fp32 run's.
+        args = ["train", "-n", "2", *TINY, "--state-format", "int8"]
+        full = run([*args, "--checkpoint-dir", self.path("full")])
+        self.assertIn("optimizer state in int8", full.stdout)
+        self.assertGreater(float(re.findall(r"test accuracy (\d+\.\d+)%", full.stdout)[-1]), 60.0, full.stdout)
+        part = [*args, "--checkpoint-dir", self.path("part"), "--checkpoint-every", "5", "--sharded-checkpoint"]
+        run([*part, "--stop-after-steps", "15"])
+        run([*part, "--resume"])
+        a = read_checkpoint.load(self.path("full/last.ckpt"))
+        b = read_checkpoint.load(self.path("part/last.ckpt"))
+        for k in a["model"]:
+            self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
+        coded = 0
+        for i, state in a["optimizer"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = state[key]
+                self.assertEqual(t.dtype, torch.float32, f"{i} {key}")
+                if t.numel() >= 4096:  # decoded codes: at most 256 values in each block of 256
+                    coded += 1
+                    blocks = t.reshape(-1)[: t.numel() // 256 * 256].reshape(-1, 256)
+                    self.assertTrue(all(len(torch.unique(row)) < 200 for row in blocks[:8]), f"{i} {key}: not codes")
+        self.assertGreater(coded, 0)
+        state_bytes = lambda p: [int(x) for x in re.findall(r"rank \d: state (\d+) bytes", p.stdout)]
+        fp32 = run(["train", "-n", "2", *TINY, "--stop-after-steps", "15"])
+        for int8, f32 in zip(state_bytes(full), state_bytes(fp32), strict=True):
+            self.assertLessEqual(int8, 0.3 * f32, f"{full.stdout}\n{fp32.stdout}")
+
     def test_vit_trains_on_int8_wires_like_the_exact_wire(self):
         # The Vision Transformer, its embedding and first block frozen for part of the epoch: int8
         # gradients and parameters end within half a point of the exact wires' accuracy from the same

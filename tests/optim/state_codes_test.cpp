@@ -275,3 +275,33 @@ TEST(StateCodes, SgdOn8BitMomentumStaysNearFp32Sgd) {
 
 }  // namespace
 }  // namespace shardopt
+
+namespace shardopt {
+namespace {
+
+// State that leaves a rank decoded (fp32) and is coded again must come back with its codes and its
+// scales (Note [Codes of decoded codes]): quantise() alone gives a block whose largest magnitude
+// was negative a smaller scale (the signed map ends at about -0.993, not -1); recode() does not,
+// and codes fp32 values that are no decoded codes as quantise() does.
+TEST(StateCodes, RecodingDecodedCodesGivesBackTheirCodesAndScales) {
+  const int64_t n = 40 * kStateBlock + 3;
+  for (const bool is_signed : {true, false}) {
+    at::Tensor x = testing::seeded_randn({n}, 21) * at::exp(testing::seeded_randn({n}, 22) * 3);
+    if (!is_signed) x = x * x;
+    const auto [codes, scales] = detail::quantise(x, is_signed);
+    const at::Tensor decoded = detail::dequantise(codes, scales, is_signed);
+    const auto [again, again_scales] = detail::recode(decoded, is_signed);
+    EXPECT_TRUE(again.equal(codes)) << (is_signed ? "signed" : "unsigned");
+    EXPECT_TRUE(again_scales.equal(scales)) << (is_signed ? "signed" : "unsigned");
+    const auto [plain, plain_scales] = detail::quantise(x, is_signed);
+    const auto [fresh, fresh_scales] = detail::recode(x, is_signed);
+    EXPECT_TRUE(fresh.equal(plain) && fresh_scales.equal(plain_scales)) << "fp32 values coded otherwise";
+    if (is_signed) {
+      const auto [naive, naive_scales] = detail::quantise(decoded, is_signed);
+      EXPECT_FALSE(naive_scales.equal(scales)) << "no block's largest magnitude was negative: nothing tested";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace shardopt

@@ -118,10 +118,24 @@ enum class StateFormat {
   kBFloat16,  // Adam's, AdamW's and SGD's state in bf16: each step widens it to fp32, steps, and
               // rounds it back to nearest even (fp32 CPU parameters, or fp32 masters under mixed
               // precision; the fused step)
+  kInt8,      // Adam's, AdamW's and SGD's state in 8-bit codes (bitsandbytes' and torchao's
+              // AdamW8bit scheme): blocks of 256 consecutive elements of the whole tensor, one fp32
+              // absmax each, codes from the dynamic maps (signed for the first moment and momentum,
+              // unsigned for second moments); tensors under 4,096 elements keep fp32 state. Each
+              // step decodes a block, steps it in fp32 and codes the new moments. The layout is
+              // aligned to 256 elements so that every block has one owner: the same bits at every
+              // world size (Note [8-bit state slabs] in csrc/optim/state_slabs.cpp)
 };
 
-// "fp32", "bf16": the names the command-line tools take.
+// kInt8's blocks: elements per block (one fp32 scale each), and the fewest elements a tensor has
+// for its state to be coded (smaller ones keep fp32 state).
+inline constexpr int64_t kInt8StateBlock = 256;
+inline constexpr int64_t kInt8StateMinNumel = 4096;
+
+// "fp32", "bf16", "int8": the names the command-line tools take.
 std::string state_format_name(StateFormat format);
+// The format named `name` (one of those); throws naming the valid ones otherwise.
+StateFormat parse_state_format(const std::string& name);
 
 struct OSSOptions {
   TORCH_ARG(ParamSync, sync) = ParamSync::kBroadcast;
@@ -163,9 +177,10 @@ struct OSSOptions {
   // parameters the dequantised masters.
   TORCH_ARG(Wire, param_wire) = Wire::kExact;
   // The format of the optimizer state on its owner. kFloat32 (the default): as torch::optim keeps
-  // it. kBFloat16 halves the state's bytes; the masters under mixed precision stay fp32. The
-  // consolidated state_dict() holds fp32 state, as PyTorch's optimizers load it; loading rounds it
-  // back. Every rank must pass the same format.
+  // it. kBFloat16 halves the state's bytes, kInt8 keeps about a quarter (codes and scales); the
+  // masters under mixed precision stay fp32. The consolidated state_dict() holds fp32 state, as
+  // PyTorch's optimizers load it; loading rounds (bf16) or codes (int8) it back, to the same bits.
+  // Every rank must pass the same format.
   TORCH_ARG(StateFormat, state_format) = StateFormat::kFloat32;
 };
 

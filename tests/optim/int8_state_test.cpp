@@ -1,0 +1,431 @@
+// OSSOptions::state_format(StateFormat::kInt8) (Note [8-bit state slabs] in
+// csrc/optim/state_slabs.cpp): the owners keep Adam's, AdamW's and SGD's moments of tensors of at
+// least 4,096 elements in 8-bit blockwise codes. Checked against a single-process reference
+// written here with ATen's operators (nearest map value by search, one absmax per 256 elements of
+// the whole tensor), against torchao 0.18's AdamW8bit through OSS, for the same bits at worlds 1
+// to 4 and 16 with split rows and whole parameters through a freeze, an unfreeze and a
+// re-partition, for codes and scales being what is kept (the state's bytes), for a consolidated
+// state dict in fp32 that loads back to the same codes, at another world size, and for what it
+// cannot hold being refused on every rank.
+#include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/optim/mixed_precision.h>
+#include <shardopt/optim/muon.h>
+#include <shardopt/optim/oss.h>
+
+#include "optim/state_codes.h"
+
+#include "harness.h"
+#include "model.h"
+#include "named_net.h"
+
+#include <gtest/gtest.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/api/include/torch/optim/rmsprop.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
+#include <torch/csrc/api/include/torch/serialize.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace shardopt {
+namespace {
+
+namespace optim = torch::optim;
+using Params = std::vector<at::Tensor>;
+
+constexpr double kLr = 1e-3, kWeightDecay = 0.01;
+constexpr int kSteps = 8;
+
+// Tensors that are coded (a multiple of the block, one with a short last block, one over several
+// rows of 16 ranks) and two small ones that keep fp32 state.
+Params make_params() {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
+  Params out;
+  for (const auto& sizes : std::vector<std::vector<int64_t>>{{64, 80}, {4099}, {37, 29}, {96, 64}, {7}}) {
+    out.push_back(at::randn(sizes, gen).set_requires_grad(true));
+  }
+  return out;
+}
+
+// The gradient of parameter i at `step`: the same on every rank (what OSS steps after the
+// all-reduce), different per step and parameter, with a spread of magnitudes within each tensor.
+at::Tensor grad_of(size_t i, int step, const at::Tensor& p) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * static_cast<uint64_t>(step) + i);
+  return at::randn(p.sizes(), gen) * at::exp(at::randn(p.sizes(), gen)) * (0.1 + 0.05 * static_cast<double>(i));
+}
+
+// Parameter 0 is frozen for steps 3 and 4 and trains again from step 5.
+bool frozen_at(size_t i, int step) { return i == 0 && (step == 3 || step == 4); }
+
+// Blockwise 8-bit codes written with ATen's operators: each block of 256 elements of the whole
+// tensor divided by its absolute maximum, each value the nearest entry of the map (a search over
+// all 256), independent of the fused loops' tables.
+struct ReferenceCodes {
+  at::Tensor codes, scales;
+
+  static ReferenceCodes of(const at::Tensor& x, bool is_signed) {
+    const auto& m = detail::dynamic_map(is_signed);
+    const at::Tensor map = at::from_blob(const_cast<float*>(m.data()), {256}, at::kFloat).clone();
+    const int64_t n = x.numel(), blocks = detail::state_blocks(n);
+    at::Tensor padded = at::zeros({blocks * detail::kStateBlock});
+    padded.narrow(0, 0, n).copy_(x.reshape(-1));
+    const at::Tensor rows = padded.view({blocks, detail::kStateBlock});
+    const at::Tensor scales = rows.abs().amax(1).clamp_min(1e-12);
+    const at::Tensor normed = rows / scales.unsqueeze(1);
+    const at::Tensor codes = (normed.unsqueeze(-1) - map).abs().argmin(-1).reshape(-1).narrow(0, 0, n);
+    return {codes, scales};
+  }
+  at::Tensor decoded(bool is_signed) const {
+    const auto& m = detail::dynamic_map(is_signed);
+    const at::Tensor map = at::from_blob(const_cast<float*>(m.data()), {256}, at::kFloat);
+    const at::Tensor each = scales.repeat_interleave(detail::kStateBlock).narrow(0, 0, codes.numel());
+    return map.index({codes}) * each;
+  }
+};
+
+// AdamW with fp32 arithmetic whose moments of coded tensors are kept as reference codes between
+// steps (smaller tensors: fp32), written with ATen's operators.
+struct Int8AdamWReference {
+  Params params;
+  std::map<size_t, std::pair<at::Tensor, at::Tensor>> moments;  // decoded values
+  std::map<size_t, int64_t> steps;
+
+  void step(size_t i, const at::Tensor& g) {
+    at::NoGradGuard no_grad;
+    at::Tensor& p = params[i];
+    auto [it, fresh] = moments.try_emplace(i);
+    if (fresh) it->second = {at::zeros({p.numel()}), at::zeros({p.numel()})};
+    const int64_t t = ++steps[i];
+    const double b1 = 0.9, b2 = 0.999, eps = 1e-8;
+    const at::Tensor flat = g.reshape(-1);
+    p.mul_(1 - kLr * kWeightDecay);
+    const at::Tensor m = it->second.first * b1 + flat * (1 - b1);
+    const at::Tensor v = it->second.second * b2 + flat * flat * (1 - b2);
+    const at::Tensor denom = v.sqrt() / std::sqrt(1 - std::pow(b2, t)) + eps;
+    p.sub_((m / denom * (kLr / (1 - std::pow(b1, t)))).view(p.sizes()));
+    if (detail::coded_numel(p.numel())) {
+      it->second = {ReferenceCodes::of(m, true).decoded(true), ReferenceCodes::of(v, false).decoded(false)};
+    } else {
+      it->second = {m, v};
+    }
+  }
+};
+
+OSSOptions int8_options(PartitionMode partition) {
+  return OSSOptions().partition(partition).state_format(StateFormat::kInt8);
+}
+
+// Runs kSteps of AdamW under OSS at `world` (freezing parameter 0 for two steps) and returns
+// rank 0's final parameters (every rank holds the same after the sync).
+Params train(int world, const OSSOptions& options) {
+  Params out;
+  std::mutex mu;
+  testing::run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+    Params params = make_params();
+    OSS oss(params, optimizer<optim::AdamW>(optim::AdamWOptions(kLr).weight_decay(kWeightDecay)), g, options);
+    for (int step = 0; step < kSteps; ++step) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        params[i].requires_grad_(!frozen_at(i, step));
+        params[i].mutable_grad() = frozen_at(i, step) ? at::Tensor() : grad_of(i, step, params[i]);
+      }
+      oss.step();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    if (g->rank() == 0) {
+      for (const auto& p : params) out.push_back(p.detach().clone());
+    }
+  });
+  return out;
+}
+
+double max_difference(const Params& a, const Params& b) {
+  double d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
+  return d;
+}
+
+void expect_bitwise_equal(const Params& a, const Params& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << what << ", parameter " << i;
+}
+
+// Rank 0's bytes on every rank.
+std::vector<char> broadcast_bytes(const std::vector<char>& bytes, ProcessGroup& g) {
+  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  g.broadcast(size, 0);
+  at::Tensor blob = at::zeros({size.item<int64_t>()}, at::kByte);
+  if (g.rank() == 0) std::memcpy(blob.data_ptr(), bytes.data(), bytes.size());
+  g.broadcast(blob, 0);
+  const char* data = static_cast<const char*>(blob.data_ptr());
+  return std::vector<char>(data, data + blob.numel());
+}
+
+TEST(Int8State, AdamWFollowsABlockwiseReferenceThroughAFreeze) {
+  Int8AdamWReference ref{make_params(), {}, {}};
+  for (auto& p : ref.params) p = p.detach().clone();
+  for (int step = 0; step < kSteps; ++step) {
+    for (size_t i = 0; i < ref.params.size(); ++i) {
+      if (!frozen_at(i, step)) ref.step(i, grad_of(i, step, ref.params[i]));
+    }
+  }
+  const Params int8 = train(2, int8_options(PartitionMode::kSplit));
+  const Params fp32 = train(2, OSSOptions().partition(PartitionMode::kSplit));
+  const double from_ref = max_difference(int8, ref.params), from_fp32 = max_difference(int8, fp32);
+  RecordProperty("int8_to_reference", std::to_string(from_ref));
+  RecordProperty("int8_to_fp32", std::to_string(from_fp32));
+  // The fused loops' fmadd against ATen's separate multiply and add: now and then a moment lands
+  // on the other side of a code's threshold.
+  EXPECT_LT(from_ref, 0.1 * from_fp32) << "int8 to the reference " << from_ref << ", int8 to fp32 " << from_fp32;
+  // The small tensors keep fp32 state: their parameters are fp32 AdamW's.
+  for (const size_t small : {2, 4}) EXPECT_LE((int8[small] - fp32[small]).abs().max().item<double>(), 1e-6) << small;
+}
+
+TEST(Int8State, TheSameBitsAtEveryWorldSizeAndPartition) {
+  const Params at_one = train(1, int8_options(PartitionMode::kSplit));
+  for (const PartitionMode partition : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
+    for (int world : {2, 3, 4, 16}) {
+      const std::string what = "world " + std::to_string(world) +
+                               (partition == PartitionMode::kSplit ? ", split rows" : ", whole parameters");
+      expect_bitwise_equal(at_one, train(world, int8_options(partition)), what);
+    }
+  }
+}
+
+// torchao 0.18's AdamW8bit and fp32 AdamW over the same parameters and gradients
+// (tests/python/state_codes_reference.py adamw8), replayed through OSS at two ranks with kInt8.
+TEST(Int8State, AdamWThroughOSSEndsFarNearerTorchaosAdamW8bitThanTorchaosEndsToFp32) {
+  const std::string out = ::testing::TempDir() + "int8_state_adamw8_" + std::to_string(::getpid()) + ".pt";
+  const std::string cmd = std::string(SHARDOPT_PYTHON_EXE) + " " + SHARDOPT_SOURCE_DIR +
+                          "/tests/python/state_codes_reference.py adamw8 " + out;
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream in(out, std::ios::binary);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::remove(out.c_str());
+  const auto ref = torch::pickle_load(bytes).toGenericDict();
+  auto tensors = [](const c10::IValue& list) {
+    Params t;
+    for (const auto& v : list.toListRef()) t.push_back(v.toTensor());
+    return t;
+  };
+  std::vector<double> o;
+  for (const auto& v : ref.at("options").toListRef()) o.push_back(v.toDouble());
+  const Params init = tensors(ref.at("init")), torchao = tensors(ref.at("torchao")), fp32 = tensors(ref.at("fp32"));
+  const auto steps = ref.at("grads").toListRef();
+  Params ours;
+  testing::run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    Params params;
+    for (const auto& p : init) params.push_back(p.clone().set_requires_grad(true));
+    OSS oss(params, optimizer<optim::AdamW>(optim::AdamWOptions(o[0]).betas({o[1], o[2]}).eps(o[3]).weight_decay(o[4])),
+            g, int8_options(PartitionMode::kSplit));
+    for (const auto& step : steps) {
+      const Params grads = tensors(step);
+      for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i].clone();
+      oss.step();
+    }
+    if (g->rank() == 1) ours = params;
+  });
+  const double ours_to_torchao = max_difference(ours, torchao), torchao_to_fp32 = max_difference(torchao, fp32);
+  RecordProperty("ours_to_torchao", std::to_string(ours_to_torchao));
+  RecordProperty("torchao_to_fp32", std::to_string(torchao_to_fp32));
+  EXPECT_GT(torchao_to_fp32, 1e-4) << "8-bit state changed nothing in torchao";
+  EXPECT_LT(ours_to_torchao, 0.05 * torchao_to_fp32) << "ours to torchao " << ours_to_torchao << ", torchao to fp32 "
+                                                     << torchao_to_fp32;
+}
+
+// The state's bytes are the codes' and the scales' (a byte an element and 4 bytes a block for the
+// coded tensors, 8 bytes an element for the small ones, Adam's two moments), not fp32 copies; the
+// consolidated dict holds fp32 values that code to themselves; loading it at another world size
+// codes it back to the same codes (the next steps are bit for bit those of the run that never
+// stopped).
+TEST(Int8State, KeepsCodesAndScalesAndItsStateDictIsFp32AndResumesAtAnotherWorldSize) {
+  // The straight run at world 3, and what it saved after 3 steps.
+  Params straight;
+  std::vector<char> saved_bytes;
+  std::mutex mu;
+  auto step_all = [](Params& params, OSS& oss, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grad_of(i, step, params[i]);
+      oss.step();
+    }
+  };
+  testing::run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+    Params params = make_params();
+    OSS oss(params, optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g, int8_options(PartitionMode::kSplit));
+    step_all(params, oss, 0, 3);
+    // Every rank's bytes, from its own ranges of each parameter.
+    const auto total = at::full({1}, oss.local_state_bytes(), at::kLong);
+    at::Tensor sum = total.clone();
+    g->allreduce(sum);
+    oss.consolidate_state_dict(0);
+    if (g->rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      const auto state = oss.state_dict().toGenericDict().at("state").toGenericDict();
+      EXPECT_EQ(state.size(), params.size());
+      for (const auto& entry : state) {
+        const at::Tensor& p = params[entry.key().toInt()];
+        for (const char* kind : {"exp_avg", "exp_avg_sq"}) {
+          const at::Tensor t = entry.value().toGenericDict().at(kind).toTensor();
+          EXPECT_EQ(t.scalar_type(), at::kFloat) << kind << " of parameter " << entry.key().toInt();
+          EXPECT_EQ(t.sizes(), p.sizes()) << kind << " of parameter " << entry.key().toInt();
+          if (!detail::coded_numel(p.numel())) continue;
+          const bool is_signed = std::string(kind) == "exp_avg";
+          auto [codes, scales] = detail::recode(t.contiguous(), is_signed);
+          EXPECT_TRUE(detail::dequantise(codes, scales, is_signed).equal(t))
+              << kind << " of parameter " << entry.key().toInt() << ": not decoded codes";
+        }
+      }
+      int64_t expected = 0;
+      for (const auto& p : params) {
+        expected += detail::coded_numel(p.numel()) ? 2 * (p.numel() + 4 * detail::state_blocks(p.numel())) : 8 * p.numel();
+      }
+      // (Split ranges of a coded tensor start on block boundaries: its blocks are counted once.)
+      EXPECT_EQ(sum.item<int64_t>(), expected) << "the state is not codes and scales";
+      saved_bytes = torch::pickle_save(oss.state_dict());
+    }
+    step_all(params, oss, 3, 6);
+    if (g->rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      straight = params;
+    }
+  });
+  ASSERT_FALSE(saved_bytes.empty());
+  testing::run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    // The parameters the straight run had after 3 steps: the same run's first 3 steps at world 2.
+    Params params = make_params();
+    {
+      OSS first(params, optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g, int8_options(PartitionMode::kSplit));
+      step_all(params, first, 0, 3);
+    }
+    OSS resumed(params, optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g, int8_options(PartitionMode::kSplit));
+    resumed.load_state_dict(torch::pickle_load(broadcast_bytes(g->rank() == 0 ? saved_bytes : std::vector<char>{}, *g)));
+    step_all(params, resumed, 3, 6);
+    if (g->rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      expect_bitwise_equal(straight, params, "resumed at world 2 from world 3");
+    }
+  });
+}
+
+// SGD's momentum buffer in codes (the signed map) against a reference that codes it with ATen's
+// operators after each step.
+TEST(Int8State, SgdMomentumFollowsAReferenceThatCodesItsBuffer) {
+  constexpr double kMomentum = 0.9;
+  Params ref = make_params();
+  for (auto& p : ref) p = p.detach().clone();
+  std::map<size_t, at::Tensor> buf;  // decoded
+  for (int step = 0; step < kSteps; ++step) {
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const at::Tensor g = (grad_of(i, step, ref[i]) + kWeightDecay * ref[i]).reshape(-1);
+      const at::Tensor b = buf.count(i) ? buf[i] * kMomentum + g : g;
+      ref[i].sub_((b * kLr).view(ref[i].sizes()));
+      buf[i] = detail::coded_numel(b.numel()) ? ReferenceCodes::of(b, true).decoded(true) : b;
+    }
+  }
+  Params got, fp32;
+  for (const StateFormat format : {StateFormat::kInt8, StateFormat::kFloat32}) {
+    testing::run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+      Params params = make_params();
+      OSS oss(params, optimizer<optim::SGD>(optim::SGDOptions(kLr).momentum(kMomentum).weight_decay(kWeightDecay)), g,
+              OSSOptions().partition(PartitionMode::kSplit).state_format(format));
+      for (int step = 0; step < kSteps; ++step) {
+        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grad_of(i, step, params[i]);
+        oss.step();
+      }
+      if (g->rank() == 1) (format == StateFormat::kInt8 ? got : fp32) = params;
+    });
+  }
+  const double from_ref = max_difference(got, ref), from_fp32 = max_difference(got, fp32);
+  EXPECT_LT(from_ref, 0.1 * from_fp32) << "int8 to the reference " << from_ref << ", int8 to fp32 " << from_fp32;
+}
+
+// The test model whose one tensor (D, 6,400 elements) is coded, as a module for ShardedDDP.
+struct DominantNet : torch::nn::Module {
+  DominantNet() {
+    auto p = testing::make_dominant_params();
+    const char* names[] = {"A", "D", "C", "b"};
+    for (size_t i = 0; i < p.size(); ++i) params.push_back(register_parameter(names[i], p[i]));
+  }
+  at::Tensor forward(at::Tensor x) { return testing::dominant_output(params, x); }
+  std::vector<at::Tensor> params;
+};
+
+// Each rank its own data through ShardedDDP with bf16 parameters: the masters stay fp32 and are
+// the model's values, only the moments are codes (a rank's state bytes under 0.4 of fp32 state's:
+// D's codes, and the small tensors' fp32 state), and the run stays near the fp32 state's.
+TEST(Int8State, UnderMixedPrecisionAndShardedDDPTheMastersStayFp32) {
+  testing::run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    std::map<StateFormat, at::Tensor> weights;
+    std::map<StateFormat, int64_t> state_bytes;
+    for (const StateFormat format : {StateFormat::kFloat32, StateFormat::kInt8}) {
+      auto net = std::make_shared<DominantNet>();
+      OSS oss(net->parameters(), optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g,
+              OSSOptions().state_format(format).mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
+      ShardedDDP ddp(net, oss);
+      for (int step = 0; step < 3; ++step) {
+        const auto data = testing::rank_data(step, g->rank(), 3);
+        if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+        ddp.zero_grad();
+        testing::loss_of(ddp.forward(data.x), data, 3).backward();
+        oss.step();
+      }
+      state_bytes[format] = oss.local_state_bytes();
+      oss.consolidate_state_dict(0);
+      if (g->rank() == 0) {
+        const auto saved = oss.state_dict().toGenericDict();
+        const auto masters = saved.at("master_weights").toGenericDict();
+        for (size_t i = 0; i < net->params.size(); ++i) {
+          const at::Tensor m = masters.at(static_cast<int64_t>(i)).toTensor();
+          EXPECT_EQ(m.scalar_type(), at::kFloat) << "master " << i;
+          EXPECT_TRUE(m.to(at::kBFloat16).equal(net->params[i].detach())) << "master " << i;
+        }
+      }
+      weights[format] = net->params[1].detach().to(at::kFloat);
+    }
+    EXPECT_GT(state_bytes[StateFormat::kInt8], 0);
+    EXPECT_LT(state_bytes[StateFormat::kInt8] * 5, state_bytes[StateFormat::kFloat32] * 2) << "rank " << g->rank();
+    EXPECT_LE((weights[StateFormat::kInt8] - weights[StateFormat::kFloat32]).abs().max().item<double>(), 0.05);
+  });
+}
+
+TEST(Int8State, WhatInt8StateCannotHoldIsRefusedOnEveryRankNamingIt) {
+  auto refused = [](const std::function<void(std::shared_ptr<ProcessGroup>)>& make, const std::string& needle) {
+    const auto errors = testing::run_ranks_collect_errors(2, make);
+    for (size_t r = 0; r < errors.size(); ++r) {
+      EXPECT_NE(errors[r].find(needle), std::string::npos) << "rank " << r << ": " << errors[r];
+    }
+  };
+  refused([](std::shared_ptr<ProcessGroup> g) {
+    OSS oss(make_params(), optimizer<optim::RMSprop>(optim::RMSpropOptions(kLr)), g, int8_options(PartitionMode::kAuto));
+  }, "OSSOptions::state_format(int8): param group 0's optimizer is torch::optim::RMSprop");
+  refused([](std::shared_ptr<ProcessGroup> g) {
+    Params params = make_params();
+    std::vector<OptimizerGroup> groups;
+    groups.push_back({{params[3]}, optimizer<Muon>(MuonOptions(0.02))});
+    groups.push_back({{params[0], params[1], params[2], params[4]}, optimizer<optim::AdamW>(optim::AdamWOptions(kLr))});
+    OSS oss(std::move(groups), g, int8_options(PartitionMode::kAuto));
+  }, "param group 0's optimizer is shardopt::Muon");
+  refused([](std::shared_ptr<ProcessGroup> g) {
+    OSS oss(make_params(), optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g,
+            OSSOptions().state_format(g->rank() == 0 ? StateFormat::kBFloat16 : StateFormat::kInt8));
+  }, "state_format");
+  EXPECT_EQ(parse_state_format("int8"), StateFormat::kInt8);
+  try {
+    parse_state_format("int4");
+    ADD_FAILURE() << "int4 was taken";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("unknown state format 'int4': use fp32, bf16 or int8"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+}  // namespace
+}  // namespace shardopt
