@@ -146,8 +146,8 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))
       ->capture_default_str();
   train.add_option("--state-format", o.state_format, "fp32, bf16 or int8: how the owners keep the optimizer state "
-                   "(bf16: half the bytes; int8: 8-bit blockwise codes, about a quarter; Adam, AdamW and SGD; "
-                   "OSSOptions::state_format)")
+                   "(bf16: half the bytes, Adam, AdamW and SGD; int8: 8-bit blockwise codes, about a quarter, "
+                   "Adam, AdamW, SGD and Muon; OSSOptions::state_format)")
       ->check(CLI::IsMember({"fp32", "bf16", "int8"}))
       ->capture_default_str();
 }
@@ -155,8 +155,8 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
 // ZeRO-1/2's optimizer state format, as `memory` and `plan` take it.
 void add_state_format_option(CLI::App& app, std::string& format) {
   app.add_option("--state-format", format, "fp32, bf16 or int8: how ZeRO-1/2's owners keep the optimizer state "
-                                           "(bf16: half the bytes; int8: 8-bit blockwise codes; Adam's; "
-                                           "OSSOptions::state_format)")
+                                           "(bf16: half the bytes, Adam's; int8: 8-bit blockwise codes, Adam's "
+                                           "and Muon's; OSSOptions::state_format)")
       ->check(CLI::IsMember({"fp32", "bf16", "int8"}))
       ->capture_default_str();
 }

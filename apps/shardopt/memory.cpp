@@ -151,8 +151,8 @@ int run_memory(const MemoryOptions& o, char** argv) {
   }
   SHARDOPT_CHECK(!under_a_launcher(), "shardopt memory starts its own ranks for each world size; run it without a launcher");
   SHARDOPT_CHECK(o.steps > 0, "--steps must be positive, got ", o.steps);
-  SHARDOPT_CHECK(o.state_format == "fp32" || o.optimizer != "muon", "--state-format ", o.state_format,
-                 " holds Adam's state, not Muon's; use --state-format fp32 with --optimizer muon");
+  SHARDOPT_CHECK(o.state_format != "bf16" || o.optimizer != "muon", "--state-format bf16 holds Adam's state, not "
+                 "Muon's; use --state-format fp32 or int8 with --optimizer muon");
   SHARDOPT_CHECK(o.freeze_fraction >= 0 && o.freeze_fraction < 1, "--freeze-fraction must be in [0, 1), got ", o.freeze_fraction);
   SHARDOPT_CHECK(!o.error_feedback || o.gradient_wire != "exact", "--error-feedback needs a compressed --gradient-wire "
                  "(bf16 or int8), got exact");

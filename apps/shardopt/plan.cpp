@@ -243,8 +243,8 @@ void write_csv(const std::vector<Row>& rows, const std::string& path) {
 int run_plan(const PlanOptions& o) {
   const auto started = std::chrono::steady_clock::now();
   const ModelSpec spec = model_spec(o.preset, o.spec);
-  SHARDOPT_CHECK(o.state_format == "fp32" || o.optimizer != "muon", "--state-format ", o.state_format,
-                 " holds Adam's state, not Muon's; use --state-format fp32 with --optimizer muon");
+  SHARDOPT_CHECK(o.state_format != "bf16" || o.optimizer != "muon", "--state-format bf16 holds Adam's state, not "
+                 "Muon's; use --state-format fp32 or int8 with --optimizer muon");
   SHARDOPT_CHECK(o.intra_node_gbps > 0, "--intra-node-bandwidth must be positive, got ", o.intra_node_gbps);
   SHARDOPT_CHECK(o.inter_node_gbps > 0, "--inter-node-bandwidth must be positive, got ", o.inter_node_gbps);
   SHARDOPT_CHECK(o.ranks_per_node >= 1, "--ranks-per-node must be positive, got ", o.ranks_per_node);

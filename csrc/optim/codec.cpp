@@ -366,6 +366,9 @@ OptimizerCodec codec_of(OptimizerLayout layout) {
     return numel;
   };
   codec.cost = l->cost ? l->cost : std::function<double(at::IntArrayRef)>(&numel_cost);
+  for (const auto& entry : l->tensors) {
+    if (entry.codes != StateCodes::kNone) codec.compressible.push_back(entry.name);
+  }
   codec.entry_shape = [l](const std::string& name, at::IntArrayRef sizes) {
     for (const auto& entry : l->tensors) {
       if (entry.name == name && entry.shape) return entry.shape(sizes);
@@ -379,6 +382,9 @@ OptimizerCodec codec_of(OptimizerLayout layout) {
 struct Registry {
   std::mutex mutex;
   std::map<std::type_index, OptimizerCodec> codecs;
+  // 8-bit state entries by name: whether each takes the signed map (signed_state()).
+  std::map<std::string, bool> signed_codes{
+      {"exp_avg", true}, {"exp_avg_sq", false}, {"max_exp_avg_sq", false}, {"momentum_buffer", true}};
 };
 
 Registry& registry() {
@@ -414,7 +420,22 @@ void register_layout(std::type_index type, const std::string& type_name, Optimiz
   }
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& entry : layout.tensors) {
+    if (entry.codes == StateCodes::kNone) continue;
+    const bool is_signed = entry.codes == StateCodes::kSigned;
+    auto [it, fresh] = r.signed_codes.emplace(entry.name, is_signed);
+    SHARDOPT_CHECK(fresh || it->second == is_signed, "register_optimizer for ", cls, ": state entry '", entry.name,
+                   "' is compressible with the ", is_signed ? "signed" : "unsigned", " map, but 8-bit '", entry.name,
+                   "' takes the ", it->second ? "signed" : "unsigned", " one (an entry name has one map)");
+  }
   r.codecs.insert_or_assign(type, codec_of(std::move(layout)));
+}
+
+bool signed_state(const std::string& entry) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.signed_codes.find(entry);
+  return it == r.signed_codes.end() || it->second;
 }
 
 namespace {
@@ -423,9 +444,15 @@ namespace {
 const std::array<OptimizerCodec, 5>& built_in_codecs() {
   using AdamCodec = AdamLike<optim::AdamOptions, optim::AdamParamState, false>;
   using AdamWCodec = AdamLike<optim::AdamWOptions, optim::AdamWParamState, true>;
-  static const std::array<OptimizerCodec, 5> codecs = {
-      make_codec<AdamCodec>("Adam"), make_codec<AdamWCodec>("AdamW"), make_codec<SGDCodec>("SGD"),
-      make_codec<RMSpropCodec>("RMSprop"), make_codec<AdagradCodec>("Adagrad")};
+  static const std::array<OptimizerCodec, 5> codecs = [] {
+    std::array<OptimizerCodec, 5> c = {make_codec<AdamCodec>("Adam"), make_codec<AdamWCodec>("AdamW"),
+                                       make_codec<SGDCodec>("SGD"), make_codec<RMSpropCodec>("RMSprop"),
+                                       make_codec<AdagradCodec>("Adagrad")};
+    // What the fused step keeps in 8-bit codes (Note [8-bit state slabs]).
+    c[0].compressible = c[1].compressible = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    c[2].compressible = {"momentum_buffer"};
+    return c;
+  }();
   return codecs;
 }
 
@@ -516,7 +543,7 @@ GenericDict with_own_storage(const GenericDict& encoded) {
   for (const auto& v : encoded) {
     if (is_state_tensor(v)) {
       const at::Tensor& t = v.value().toTensor();
-      out.insert(v.key(), t.storage().nbytes() > t.nbytes() ? t.clone(at::MemoryFormat::Contiguous) : t);
+      out.insert(v.key(), t.clone(at::MemoryFormat::Contiguous));
     } else {
       out.insert(v.key(), v.value());
     }

@@ -43,6 +43,14 @@ struct OptimizerCodec {
   std::function<std::vector<int64_t>(const std::string& entry, at::IntArrayRef sizes)> entry_shape;
   // The cost of one parameter's update (whole-tensor optimizers balance it; Note [Ownership by kind]).
   std::function<double(at::IntArrayRef sizes)> cost;
+  // The state entries StateFormat::kInt8 may keep in 8-bit codes (Note [8-bit state slabs]).
+  std::vector<std::string> compressible;
+  bool compresses(const std::string& entry) const {
+    for (const auto& c : compressible) {
+      if (c == entry) return true;
+    }
+    return false;
+  }
 };
 
 // The codec for `optimizer`'s concrete type (Adam, AdamW, SGD, RMSprop, Adagrad, Muon, or one
@@ -59,11 +67,16 @@ std::string optimizers_keeping(const std::string& entry);
 // Whether an entry of an encoded state is a per-element state tensor (exp_avg, momentum_buffer,
 // ...), shaped like its parameter, rather than the "step" counter or a scalar.
 bool is_state_tensor(const GenericDict::iterator::value_type& entry);
-// `encoded` with every state tensor that views part of a larger storage (a ShardStore slab) copied
-// to a storage of its own: what is serialized (pickling a view writes its whole storage).
+// `encoded` with every state tensor copied to a storage of its own: a value the next step does
+// not change (state outside a slab, such as a small tensor's fp32 state beside 8-bit slabs, is
+// stepped in place), and what is serialized (pickling a view writes its whole storage).
 GenericDict with_own_storage(const GenericDict& encoded);
 // Registers shardopt::Muon through the public registration (muon.cpp); find_codec calls it once.
 void register_muon();
+// Whether 8-bit state entry `entry` takes the signed dynamic map (first moments, momentum) or the
+// unsigned one (exp_avg_sq, max_exp_avg_sq, and the entries registrations mark
+// StateCodes::kUnsigned): one map per entry name, process-wide.
+bool signed_state(const std::string& entry);
 // Bytes of the state tensors in an encoded state.
 int64_t state_tensor_bytes(const GenericDict& state);
 

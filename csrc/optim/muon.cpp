@@ -231,6 +231,9 @@ void register_muon() {
               })
           .option("flatten", [](MuonOptions& o) -> bool& { return o.flatten(); })
           .tensor("momentum_buffer", [](MuonParamState& s) -> at::Tensor& { return s.momentum_buffer(); })
+          // Under StateFormat::kInt8 the momentum is coded like Adam's first moment (a signed EMA of
+          // the gradients): the signed dynamic map, blocks of 256 of the whole matrix.
+          .compressible("momentum_buffer", StateCodes::kSigned)
           .cost(&muon_cost));
 }
 

@@ -366,6 +366,15 @@ void OSS::check_state_format() const {
                  "leave OSSOptions::fused_step on");
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const Unit& unit = units_[unit_of_group_[g]];
+    if (format == StateFormat::kInt8) {
+      // Adam, AdamW and SGD through the fused step; Muon and registered optimizers that mark a
+      // state tensor compressible through their own step on decoded state (Note [8-bit state slabs]).
+      SHARDOPT_CHECK(unit.fused_kind || (unit.codec && !unit.codec->compressible.empty()), option, ": param group ", g,
+                     "'s optimizer is ", unit.class_name, ", whose state this format does not hold; it holds Adam's, "
+                     "AdamW's, SGD's, Muon's and those of registered optimizers that mark a state tensor compressible "
+                     "(OptimizerRegistration::compressible; or use StateFormat::kFloat32)");
+      continue;
+    }
     SHARDOPT_CHECK(unit.fused_kind, option, ": param group ", g, "'s optimizer is ", unit.class_name, ", whose state this "
                    "format does not hold; it holds Adam's, AdamW's and SGD's (use StateFormat::kFloat32)");
   }

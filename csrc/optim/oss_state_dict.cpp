@@ -6,6 +6,7 @@
 #include "optim/codec.h"
 #include "optim/master_weights.h"
 #include "optim/shard_store.h"
+#include "optim/state_codes.h"
 #include "optim/state_migration.h"
 #include "optim/state_slabs.h"
 
@@ -28,10 +29,11 @@ namespace {
 
 // This rank's ranges with state or a master weight: [{"param", "begin", "end", "state"?,
 // "master"?}, ...] (masters with `masters`: the holdings' tensors are mixed precision's).
-// `local_of(i)` is the optimizer of parameter i; 8-bit state leaves in fp32 (`slabs`).
+// `local_of(i)` is the optimizer of parameter i. 8-bit state (`slabs`) leaves decoded to fp32 for
+// consolidation, as codes and scales in a shard (`coded`).
 c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>& holdings,
                                  const std::function<optim::Optimizer&(size_t)>& local_of, int rank, bool masters,
-                                 const detail::StateSlabs& slabs, bool own_storage = true) {
+                                 const detail::StateSlabs& slabs, bool coded, bool own_storage = true) {
   c10::impl::GenericList shard(c10::AnyType::get());
   for (size_t i = 0; i < holdings.size(); ++i) {
     optim::Optimizer& local = local_of(i);
@@ -45,7 +47,8 @@ c10::impl::GenericList own_shard(const std::vector<std::vector<detail::Holding>>
       d.insert("begin", h.in_param.begin);
       d.insert("end", h.in_param.end);
       if (has_state) {
-        GenericDict state = slabs.widened(detail::codec_for(local).encode_state(*it->second));
+        const GenericDict encoded = detail::codec_for(local).encode_state(*it->second);
+        GenericDict state = coded ? slabs.with_scales(encoded) : slabs.widened(encoded);
         d.insert("state", own_storage ? detail::with_own_storage(state) : state);
       }
       if (masters) d.insert("master", h.tensor.detach().reshape(-1));
@@ -77,7 +80,11 @@ class Stitcher {
       auto [it, fresh] = parts_.try_emplace(i, detail::make_string_dict(), 0);
       auto& [full, filled] = it->second;
       const bool all = begin == 0 && end == params_[i].numel();
-      for (const auto& v : d.at("state").toGenericDict()) {
+      // 8-bit state in a shard: its codes decoded with its scales (Note [8-bit state slabs]).
+      const GenericDict state = detail::decoded_state(
+          d.at("state").toGenericDict(), "the optimizer state of parameter " + std::to_string(i) + ", elements [" +
+                                             std::to_string(begin) + ", " + std::to_string(end) + ")");
+      for (const auto& v : state) {
         if (!detail::is_state_tensor(v) || (all && fresh)) {  // a whole range: as it is, whatever its shape
           if (fresh) full.insert(v.key(), detail::is_state_tensor(v) ? c10::IValue(widened(v.value().toTensor())) : v.value());
           continue;
@@ -161,11 +168,11 @@ void OSS::consolidate_state_dict(int recipient) {
   Stitcher stitcher(params_, options_.state_format() != StateFormat::kFloat32);
   for (int r = 0; r < group_->size(); ++r) {
     if (r == recipient) {
-      if (rank == recipient) stitcher.add(own_shard(holdings_, local_of, rank, masters_, *slabs_));
+      if (rank == recipient) stitcher.add(own_shard(holdings_, local_of, rank, masters_, *slabs_, /*coded=*/false));
       continue;
     }
     if (rank == r) {
-      group_->send_bytes(torch::pickle_save(own_shard(holdings_, local_of, rank, masters_, *slabs_)), recipient, r);
+      group_->send_bytes(torch::pickle_save(own_shard(holdings_, local_of, rank, masters_, *slabs_, /*coded=*/false)), recipient, r);
     } else if (rank == recipient) {
       stitcher.add(torch::pickle_load(group_->recv_bytes(r, r)).toList());
     }
@@ -196,7 +203,7 @@ torch::IValue OSS::state_shard(bool own_storage) {
   settle_state();
   GenericDict d = detail::make_string_dict();
   d.insert("shard", own_shard(holdings_, [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; },
-                              group_->rank(), masters_, *slabs_, own_storage));
+                              group_->rank(), masters_, *slabs_, /*coded=*/true, own_storage));
   d.insert("param_groups", param_groups_value());
   d.insert("rank", static_cast<int64_t>(group_->rank()));
   d.insert("world_size", static_cast<int64_t>(group_->size()));
@@ -334,6 +341,12 @@ RebalanceStats OSS::load_state_shards(const std::vector<torch::IValue>& held, co
                    "load_state_shards: a shard is not a state_shard() value");
     for (const c10::IValue& item : shard.toGenericDict().at("shard").toListRef()) {
       GenericDict d = item.toGenericDict();
+      if (d.contains("state")) {  // 8-bit state decoded; adopt() codes it again, to the same codes
+        d = d.copy();
+        d.insert_or_assign("state", detail::decoded_state(d.at("state").toGenericDict(),
+                                                          "a copied shard's state of parameter " +
+                                                              std::to_string(d.at("param").toInt())));
+      }
       words.insert(words.end(), {d.at("param").toInt(), d.at("begin").toInt(), d.at("end").toInt(),
                                  d.contains("state") ? 1 : 0, d.contains("master") ? 1 : 0});
       mine.push_back(std::move(d));

@@ -213,9 +213,15 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
     }
   }
   stepped_fused_ = std::all_of(fused_.begin(), fused_.end(), [](uint8_t f) { return f != 0; });
+  // 8-bit state of an optimizer the fused step does not take (Muon, a registered one that marks
+  // its state compressible): its own step runs on the state decoded to fp32, coded again after it.
+  auto decoded_step = [&](size_t u) {
+    return options_.state_format() == StateFormat::kInt8 && !units_[u].fused_kind && units_[u].codec &&
+           !units_[u].codec->compressible.empty();
+  };
   if (options_.state_format() != StateFormat::kFloat32 && !stepped_fused_) {
     for (size_t u = 0; u < units_.size(); ++u) {
-      SHARDOPT_CHECK(fused_[u], "OSSOptions::state_format(", state_format_name(options_.state_format()), ") on rank ",
+      SHARDOPT_CHECK(fused_[u] || decoded_step(u), "OSSOptions::state_format(", state_format_name(options_.state_format()), ") on rank ",
                      group_->rank(), ": the fused step, which keeps the state in that format, cannot step ",
                      units_[u].class_name, " now: ", detail::fused_step_unsupported(*units_[u].local, in));
     }
@@ -227,6 +233,13 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
       const detail::FusedStepResult result = detail::fused_step(*units_[u].local, in);
       fused_segments_ += result.segments;
       if (!result.stepped) return false;  // the found-inf flag: the same for every optimizer
+    } else if (decoded_step(u)) {
+      slabs_->widen(*units_[u].local, *units_[u].codec);
+      {
+        StepGradients with(*units_[u].local, in.grads);
+        units_[u].local->step();
+      }
+      slabs_->adopt(*units_[u].local, *units_[u].codec);
     } else {
       StepGradients with(*units_[u].local, in.grads);
       units_[u].local->step();

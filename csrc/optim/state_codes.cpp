@@ -2,6 +2,8 @@
 
 #include <shardopt/check.h>
 
+#include "optim/codec.h"
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -251,6 +253,44 @@ std::pair<at::Tensor, at::Tensor> recode(const at::Tensor& values, bool is_signe
                                                codes.data_ptr<uint8_t>() + begin);
   }
   return {codes, scales};
+}
+
+GenericDict decoded_state(const GenericDict& state, const std::string& what) {
+  const std::string suffix = kScalesSuffix;
+  auto scales_key = [&](const std::string& key) { return key + suffix; };
+  auto is_scales = [&](const std::string& key) {
+    return key.size() > suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  GenericDict out = make_string_dict();
+  for (const auto& v : state) {
+    const std::string& key = v.key().toStringRef();
+    if (is_scales(key)) {
+      const std::string codes_key = key.substr(0, key.size() - suffix.size());
+      SHARDOPT_CHECK(state.contains(codes_key), what, ": 8-bit state scales '", key, "' without their codes '",
+                     codes_key, "'");
+      continue;
+    }
+    if (!v.value().isTensor() || !state.contains(scales_key(key))) {
+      out.insert(v.key(), v.value());
+      continue;
+    }
+    const at::Tensor codes = v.value().toTensor();
+    const c10::IValue& s = state.at(scales_key(key));
+    SHARDOPT_CHECK(s.isTensor(), what, ": the scales of 8-bit state '", key, "' are not a tensor");
+    const at::Tensor scales = s.toTensor();
+    SHARDOPT_CHECK(codes.scalar_type() == at::kByte, what, ": 8-bit state '", key, "' holds ", codes.scalar_type(),
+                   " codes, not uint8");
+    SHARDOPT_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.numel() == state_blocks(codes.numel()),
+                   what, ": 8-bit state '", key, "' has ", codes.numel(), " codes, which take ",
+                   state_blocks(codes.numel()), " fp32 scales (one per ", kStateBlock, "), but holds ", scales.numel(),
+                   " ", scales.scalar_type(), " (truncated or not 8-bit state?)");
+    const at::Tensor bad = (scales.isfinite().logical_not() | (scales < 0)).nonzero();
+    SHARDOPT_CHECK(bad.numel() == 0, what, ": 8-bit state '", key, "' has a scale of ",
+                   bad.numel() ? scales[bad[0][0].item<int64_t>()].item<float>() : 0.0f, " at block ",
+                   bad.numel() ? bad[0][0].item<int64_t>() : 0, " (a scale is a finite absolute maximum: corrupt state)");
+    out.insert(v.key(), dequantise(codes.cpu(), scales.cpu(), signed_state(key)).to(codes.device()));
+  }
+  return out;
 }
 
 }  // namespace shardopt::detail

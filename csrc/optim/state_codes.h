@@ -7,11 +7,17 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+
 #include <array>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 namespace shardopt::detail {
+
+using GenericDict = c10::impl::GenericDict;
 
 // Elements per block; each block has one fp32 scale (its absolute maximum).
 inline constexpr int64_t kStateBlock = kInt8StateBlock;
@@ -60,6 +66,16 @@ void dequantise_block(const uint8_t* codes, int64_t n, float scale, const float*
 // element 0), and back. CPU.
 std::pair<at::Tensor, at::Tensor> quantise(const at::Tensor& values, bool is_signed);
 at::Tensor dequantise(const at::Tensor& codes, const at::Tensor& scales, bool is_signed);
+// In a shard (OSS::state_shard(): sharded checkpoints, Resilient's copies) an 8-bit state entry
+// is its codes (uint8, shaped like the range) beside its block scales under the entry's name and
+// this suffix ("exp_avg.scales": fp32, one per kStateBlock elements from the range's start).
+inline constexpr const char* kScalesSuffix = ".scales";
+// `state` (an encoded state of one range) with each 8-bit entry decoded to fp32 values and its
+// scales dropped. Throws, naming `what` and the entry, when codes and scales do not fit: codes
+// not uint8, a number of scales other than one per block, a scale that is negative, NaN or
+// infinite.
+GenericDict decoded_state(const GenericDict& state, const std::string& what);
+
 // quantise() for state that may be decoded codes coming back (Note [Codes of decoded codes]):
 // each block takes the scale that decodes it exactly to its values where there is one, so that
 // recode(dequantise(codes, scales)) gives those codes and scales; other values are coded as

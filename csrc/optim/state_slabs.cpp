@@ -95,8 +95,8 @@ at::Tensor StateSlabs::slab_for(size_t group, const std::string& kind, const at:
   return slab;
 }
 
-bool StateSlabs::in_slab(const Slot& slot, const std::string& kind) const {
-  return format_ != StateFormat::kInt8 || slot.coded || kind == kMasterSlab;
+bool StateSlabs::in_slab(const Slot& slot, const std::string& kind, const OptimizerCodec* codec) const {
+  return format_ != StateFormat::kInt8 || kind == kMasterSlab || (slot.coded && (!codec || codec->compresses(kind)));
 }
 
 at::Tensor StateSlabs::slot_scales(const Slot& slot, const std::string& kind) {
@@ -130,8 +130,7 @@ at::Tensor StateSlabs::scales_of(const at::Tensor& codes) const {
 
 namespace {
 
-// The first moment and momentum take the signed map, the second moments the unsigned one.
-bool signed_kind(const std::string& kind) { return kind != "exp_avg_sq" && kind != "max_exp_avg_sq"; }
+bool signed_kind(const std::string& kind) { return signed_state(kind); }  // (codec.h)
 
 }  // namespace
 
@@ -143,6 +142,18 @@ void StateSlabs::widen(torch::optim::Optimizer& local, const OptimizerCodec& cod
       return scales.defined() ? dequantise(t, scales, signed_kind(kind)) : t;
     });
   }
+}
+
+GenericDict StateSlabs::with_scales(const GenericDict& encoded) const {
+  if (format_ != StateFormat::kInt8) return encoded;
+  GenericDict out = make_string_dict();
+  for (const auto& v : encoded) {
+    out.insert(v.key(), v.value());
+    if (!is_state_tensor(v)) continue;
+    const at::Tensor scales = scales_of(v.value().toTensor());
+    if (scales.defined()) out.insert(v.key().toStringRef() + kScalesSuffix, scales);
+  }
+  return out;
 }
 
 GenericDict StateSlabs::widened(const GenericDict& encoded) const {
@@ -192,7 +203,7 @@ std::vector<at::Tensor> StateSlabs::slabs_of(const std::string& kind) const {
 at::Tensor StateSlabs::fresh_slot(const at::Tensor& tensor, const char* kind) {
   at::NoGradGuard no_grad;
   auto it = slots_.find(tensor.unsafeGetTensorImpl());
-  const bool slabbed = it != slots_.end() && in_slab(it->second, kind);
+  const bool slabbed = it != slots_.end() && in_slab(it->second, kind, nullptr);
   const at::Tensor slab = slabbed ? slab_for(it->second.group, kind, tensor, it->second.coded) : at::Tensor();
   if (!slab.defined()) {
     // (8-bit codes never live outside a slab: without one a coded kind keeps fp32.)
@@ -212,7 +223,7 @@ int64_t StateSlabs::adopt(torch::optim::Optimizer& local, const OptimizerCodec& 
     if (it == slots_.end()) continue;
     const Slot& slot = it->second;
     codec.place_state(*state, [&](const char* kind, const at::Tensor& t) {
-      if (t.numel() != slot.numel || !in_slab(slot, kind)) return t;
+      if (t.numel() != slot.numel || !in_slab(slot, kind, &codec)) return t;
       const at::Tensor slab = slab_for(slot.group, kind, t, slot.coded);
       if (!slab.defined()) return t;
       at::Tensor view = slab.narrow(0, slot.offset, slot.numel).view(slot.sizes);

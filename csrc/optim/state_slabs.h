@@ -73,8 +73,11 @@ class StateSlabs {
   // codes and scales (Note [8-bit state slabs]).
   void widen(torch::optim::Optimizer& local, const OptimizerCodec& codec) const;
   // `encoded` (an encoded state, state_dict layout) with each 8-bit state tensor replaced by its
-  // fp32 values, for consolidation and shards.
+  // fp32 values, for consolidation.
   GenericDict widened(const GenericDict& encoded) const;
+  // `encoded` with each 8-bit state tensor's scales beside its codes (kScalesSuffix: views of the
+  // scale slab), for shards; decoded_state() in state_codes.h reads it back.
+  GenericDict with_scales(const GenericDict& encoded) const;
 
   // Moves every state tensor of `local` that is not in its slot into it (one local copy each; into
   // a coded slot fp32 state is coded, and codes come with their scales) and makes the state hold
@@ -105,8 +108,9 @@ class StateSlabs {
   // kBFloat16 bf16 for fp32 (or bf16) state; masters stay as they are.
   // Under kInt8: uint8 codes in a coded slot, fp32 state (not in a slab) elsewhere.
   at::ScalarType stored_dtype(const std::string& kind, const at::Tensor& like, bool coded) const;
-  // Whether `slot`'s state of `kind` lives in a slab (not: fp32 state of a small tensor under kInt8).
-  bool in_slab(const Slot& slot, const std::string& kind) const;
+  // Whether `slot`'s state of `kind` lives in a slab (not, under kInt8: the fp32 state of a small
+  // tensor, or of an entry `codec` does not compress; null codec: the fused step's kinds).
+  bool in_slab(const Slot& slot, const std::string& kind, const OptimizerCodec* codec) const;
   // The scales of `slot` in the scale slab of `kind` (a coded slot).
   at::Tensor slot_scales(const Slot& slot, const std::string& kind);
   // The slab of `kind` in `group` for state like `like`, made when missing; undefined when `like`

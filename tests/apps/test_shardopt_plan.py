@@ -95,6 +95,15 @@ class PlanTest(unittest.TestCase):
             full = fp32[(r["mode"], r["world"], r["scenario"], r["rank"])]
             self.assertGreater(full, 0, r)
             self.assertEqual(r["state"] * (3 if r["mode"].endswith("bf16") else 4), full * 2, r)
+        # int8 state (--state-format int8): the embedding (47,856 elements) in codes, a byte an element
+        # and 4 bytes a block of 256, the smaller tensors in fp32; plan and memory lay the state out
+        # aligned to 256 elements alike. Summed over the ranks, about half the fp32 state's bytes.
+        int8 = self.compare(["--spec", spec, "--state-format", "int8"], "zero2", "adam")
+        for world, scenario in {(r["world"], r["scenario"]) for r in int8}:
+            ours = sum(r["state"] for r in int8 if (r["world"], r["scenario"]) == (world, scenario))
+            full = sum(fp32[k] for k in fp32 if k[0] == "zero2" and (k[1], k[2]) == (world, scenario))
+            self.assertLess(ours, 0.55 * full, (world, scenario))
+            self.assertGreater(ours, 0.45 * full, (world, scenario))
         muon = self.compare(["--spec", spec], "zero1,zero2", "muon")
         states = {r["state"] for r in muon if r["mode"] == "zero2" and r["world"] == 4}
         self.assertGreater(len(states), 1, muon)
@@ -368,7 +377,7 @@ class PlanTest(unittest.TestCase):
             (["--preset", "gpt2-small", "--freeze-fraction", "0.3"],
              "--freeze-fraction 0.3 freezes no layer: the first, 'wte', is alone more than that fraction"),
             (["--optimizer", "muon", "--state-format", "bf16"],
-             "--state-format bf16 holds Adam's state, not Muon's; use --state-format fp32 with --optimizer muon"),
+             "--state-format bf16 holds Adam's state, not Muon's; use --state-format fp32 or int8 with --optimizer muon"),
         ]
         for args, message in cases:
             p = run(["plan", *args, "-o", self.path("p")], check=False)

@@ -11,6 +11,8 @@
 #include <shardopt/optim/mixed_precision.h>
 #include <shardopt/optim/muon.h>
 #include <shardopt/optim/oss.h>
+#include <shardopt/optim/state_layout.h>
+#include <shardopt/compat.h>
 
 #include "optim/state_codes.h"
 
@@ -314,6 +316,98 @@ TEST(Int8State, KeepsCodesAndScalesAndItsStateDictIsFp32AndResumesAtAnotherWorld
   });
 }
 
+// A rank's shard (sharded checkpoints, Resilient's copies) holds the codes and their scales, not
+// fp32 values: its state bytes are the rank's state bytes. Shards saved at world 3 load at world 2
+// and the run goes on bit for bit; a shard whose scales are NaN or too few is refused, naming the
+// parameter and the entry.
+TEST(Int8State, ShardsHoldCodesAndScalesLoadAtAnotherWorldSizeAndCorruptOnesAreRefused) {
+  auto step_all = [](Params& params, OSS& oss, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grad_of(i, step, params[i]);
+      oss.step();
+    }
+  };
+  std::vector<c10::IValue> shards(3);
+  Params straight;
+  std::mutex mu;
+  testing::run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+    Params params = make_params();
+    OSS oss(params, optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g, int8_options(PartitionMode::kSplit));
+    step_all(params, oss, 0, 3);
+    const c10::IValue shard = oss.state_shard();
+    int64_t bytes = 0, coded = 0;
+    for (const auto& item : shard.toGenericDict().at("shard").toListRef()) {
+      const auto d = item.toGenericDict();
+      if (!d.contains("state")) continue;
+      const auto state = d.at("state").toGenericDict();
+      for (const auto& v : state) {
+        if (v.value().isTensor() && v.key().toStringRef() != "step") bytes += v.value().toTensor().nbytes();
+      }
+      if (detail::coded_numel(params[d.at("param").toInt()].numel())) {
+        ++coded;
+        EXPECT_EQ(state.at("exp_avg").toTensor().scalar_type(), at::kByte);
+        EXPECT_EQ(state.at("exp_avg.scales").toTensor().scalar_type(), at::kFloat);
+      }
+    }
+    EXPECT_GT(coded, 0) << "rank " << g->rank();
+    EXPECT_EQ(bytes, oss.local_state_bytes()) << "rank " << g->rank() << ": the shard holds more than the codes";
+    step_all(params, oss, 3, 6);
+    std::lock_guard<std::mutex> lock(mu);
+    shards[g->rank()] = shard;
+    if (g->rank() == 0) straight = params;
+  });
+  testing::run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    Params params = make_params();
+    {
+      OSS first(params, optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g, int8_options(PartitionMode::kSplit));
+      step_all(params, first, 0, 3);
+    }
+    OSS resumed(params, optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g, int8_options(PartitionMode::kSplit));
+    resumed.load_state_dict(resumed.state_dict_from_shards(shards));
+    step_all(params, resumed, 3, 6);
+    if (g->rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      expect_bitwise_equal(straight, params, "world 2 from world 3's shards");
+    }
+  });
+  // Corrupt copies of shard 0: a NaN scale, and scales cut short (a truncated part).
+  auto corrupted = [&](const std::function<at::Tensor(const at::Tensor&)>& damage) {
+    std::vector<c10::IValue> out = shards;
+    auto shard = shards[0].toGenericDict().copy();
+    c10::impl::GenericList list(c10::AnyType::get());
+    bool done = false;
+    for (const auto& item : shard.at("shard").toListRef()) {
+      auto d = item.toGenericDict().copy();
+      if (!done && d.contains("state") && d.at("state").toGenericDict().contains("exp_avg.scales")) {
+        auto state = d.at("state").toGenericDict().copy();
+        state.insert_or_assign("exp_avg.scales", damage(state.at("exp_avg.scales").toTensor().clone()));
+        d.insert_or_assign("state", state);
+        done = true;
+      }
+      list.push_back(d);
+    }
+    shard.insert_or_assign("shard", list);
+    out[0] = shard;
+    return out;
+  };
+  testing::run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    OSS oss(make_params(), optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g, int8_options(PartitionMode::kSplit));
+    auto expect_refused = [&](const std::vector<c10::IValue>& bad, const std::string& needle) {
+      try {
+        oss.state_dict_from_shards(bad);
+        ADD_FAILURE() << "taken: " << needle;
+      } catch (const c10::Error& e) {
+        const std::string what = e.what_without_backtrace();
+        EXPECT_NE(what.find(needle), std::string::npos) << what;
+        EXPECT_NE(what.find("8-bit state 'exp_avg'"), std::string::npos) << what;
+      }
+    };
+    expect_refused(corrupted([](at::Tensor s) { return s.fill_(NAN); }), "has a scale of nan at block 0");
+    expect_refused(corrupted([](at::Tensor s) { return s.fill_(INFINITY); }), "has a scale of inf at block 0");
+    expect_refused(corrupted([](at::Tensor s) { return s.narrow(0, 0, s.numel() - 1).clone(); }), "(truncated or");
+  });
+}
+
 // SGD's momentum buffer in codes (the signed map) against a reference that codes it with ATen's
 // operators after each step.
 TEST(Int8State, SgdMomentumFollowsAReferenceThatCodesItsBuffer) {
@@ -395,6 +489,148 @@ TEST(Int8State, UnderMixedPrecisionAndShardedDDPTheMastersStayFp32) {
   });
 }
 
+// Muon on the matrices (one coded, one small) and AdamW on the rest: Muon's momentum is coded
+// like Adam's first moment (the signed map, blocks of the whole matrix), its own step runs on the
+// decoded momentum. The same bits at worlds 1 to 4 through a freeze of an AdamW parameter; the coded
+// matrix follows plain shardopt::Muon whose momentum is coded by the reference after each step.
+Params train_mixed(int world, StateFormat format) {
+  Params out;
+  std::mutex mu;
+  testing::run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+    Params params = make_params();
+    std::vector<OptimizerGroup> groups;
+    groups.push_back({{params[3], params[2]}, optimizer<Muon>(MuonOptions(0.02))});
+    groups.push_back({{params[0], params[1], params[4]}, optimizer<optim::AdamW>(optim::AdamWOptions(kLr))});
+    OSS oss(std::move(groups), g, OSSOptions().state_format(format));
+    for (int step = 0; step < kSteps; ++step) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        params[i].requires_grad_(!frozen_at(i, step));
+        params[i].mutable_grad() = frozen_at(i, step) ? at::Tensor() : grad_of(i, step, params[i]);
+      }
+      oss.step();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    if (g->rank() == 0) {
+      for (const auto& p : params) out.push_back(p.detach().clone());
+    }
+  });
+  return out;
+}
+
+TEST(Int8State, MuonMomentumIsCodedAndGivesTheSameBitsAtEveryWorldSize) {
+  const Params at_one = train_mixed(1, StateFormat::kInt8);
+  for (int world : {2, 3, 4}) expect_bitwise_equal(at_one, train_mixed(world, StateFormat::kInt8), "world " + std::to_string(world));
+  // The reference: shardopt::Muon alone on the coded matrix, its momentum coded after each step.
+  at::Tensor p = make_params()[3].detach().clone().set_requires_grad(true);
+  Muon muon({p}, MuonOptions(0.02));
+  for (int step = 0; step < kSteps; ++step) {
+    p.mutable_grad() = grad_of(3, step, p);
+    muon.step();
+    auto& st = static_cast<MuonParamState&>(*muon.state().at(compat::state_key(p)));
+    const at::Tensor b = st.momentum_buffer().reshape(-1);
+    st.momentum_buffer(ReferenceCodes::of(b, true).decoded(true).view(st.momentum_buffer().sizes()));
+  }
+  const Params fp32 = train_mixed(2, StateFormat::kFloat32);
+  const double from_ref = (at_one[3] - p.detach()).abs().max().item<double>();
+  const double from_fp32 = (at_one[3] - fp32[3]).abs().max().item<double>();
+  EXPECT_LT(from_ref, 0.1 * from_fp32) << "int8 to the reference " << from_ref << ", int8 to fp32 " << from_fp32;
+  // The small matrix keeps fp32 momentum: fp32's bits.
+  EXPECT_TRUE(at_one[2].equal(fp32[2]));
+}
+
+// A user's optimizer, registered with its velocity marked compressible: v <- 0.9 v + g, p <- p - lr v.
+struct VelocityOptions : public optim::OptimizerCloneableOptions<VelocityOptions> {
+  VelocityOptions(double lr = 0.01) : lr_(lr) {}  // NOLINT(google-explicit-constructor)
+  TORCH_ARG(double, lr);
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+struct VelocityState : public optim::OptimizerCloneableParamState<VelocityState> {
+  TORCH_ARG(at::Tensor, velocity);
+};
+class Velocity : public optim::Optimizer {
+ public:
+  Velocity(const std::vector<optim::OptimizerParamGroup>& groups, VelocityOptions defaults)
+      : Optimizer(groups, std::make_unique<VelocityOptions>(defaults)) {}
+  at::Tensor step(LossClosure = nullptr) override {
+    at::NoGradGuard no_grad;
+    for (auto& group : param_groups_) {
+      const double lr = static_cast<const VelocityOptions&>(group.options()).lr();
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        auto& slot = state_[p.unsafeGetTensorImpl()];
+        if (!slot) {
+          auto fresh = std::make_unique<VelocityState>();
+          fresh->velocity(at::zeros_like(p));
+          slot = std::move(fresh);
+        }
+        auto& v = static_cast<VelocityState&>(*slot).velocity();
+        v.mul_(0.9).add_(p.grad());
+        p.sub_(v * lr);
+      }
+    }
+    return {};
+  }
+};
+class UncodedVelocity : public Velocity {
+  using Velocity::Velocity;
+};
+
+template <class Opt>
+void register_velocity(const char* name, bool compressible) {
+  auto r = OptimizerRegistration<Opt, VelocityOptions, VelocityState>(name, StateKind::kElementWise)
+               .option("lr", [](VelocityOptions& o) -> double& { return o.lr(); })
+               .tensor("velocity", [](VelocityState& s) -> at::Tensor& { return s.velocity(); });
+  if (compressible) r.compressible("velocity", StateCodes::kSigned);
+  register_optimizer(r);
+}
+
+TEST(Int8State, ARegisteredOptimizerThatMarksItsStateCompressibleIsCodedAtEveryWorldSize) {
+  register_velocity<Velocity>("Velocity", true);
+  register_velocity<UncodedVelocity>("UncodedVelocity", false);
+  auto run = [](int world, StateFormat format) {
+    Params out;
+    int64_t bytes = 0;
+    std::mutex mu;
+    testing::run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      Params params = make_params();
+      OSS oss(params, optimizer<Velocity>(VelocityOptions(0.01)), g,
+              OSSOptions().partition(PartitionMode::kSplit).state_format(format));
+      for (int step = 0; step < kSteps; ++step) {
+        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grad_of(i, step, params[i]);
+        oss.step();
+      }
+      at::Tensor total = at::full({1}, oss.local_state_bytes(), at::kLong);
+      g->allreduce(total);
+      std::lock_guard<std::mutex> lock(mu);
+      if (g->rank() == 0) {
+        out = params;
+        bytes = total.item<int64_t>();
+      }
+    });
+    return std::make_pair(out, bytes);
+  };
+  const auto [one, one_bytes] = run(1, StateFormat::kInt8);
+  const auto [fp32, fp32_bytes] = run(1, StateFormat::kFloat32);
+  for (int world : {2, 3}) {
+    const auto [got, bytes] = run(world, StateFormat::kInt8);
+    expect_bitwise_equal(one, got, "world " + std::to_string(world));
+    EXPECT_EQ(bytes, one_bytes) << "world " << world;
+  }
+  int64_t expected = 0;  // one state tensor: codes and scales of the coded tensors, fp32 of the small ones
+  for (const auto& p : one) expected += detail::coded_numel(p.numel()) ? p.numel() + 4 * detail::state_blocks(p.numel()) : 4 * p.numel();
+  EXPECT_EQ(one_bytes, expected);
+  EXPECT_GT(max_difference(one, fp32), 1e-6) << "the codes changed nothing";
+  const auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    OSS oss(make_params(), optimizer<UncodedVelocity>(VelocityOptions(0.01)), g, int8_options(PartitionMode::kAuto));
+  });
+  for (size_t r = 0; r < errors.size(); ++r) {
+    EXPECT_NE(errors[r].find("UncodedVelocity, whose state this format does not hold"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("OptimizerRegistration::compressible"), std::string::npos) << errors[r];
+  }
+}
+
 TEST(Int8State, WhatInt8StateCannotHoldIsRefusedOnEveryRankNamingIt) {
   auto refused = [](const std::function<void(std::shared_ptr<ProcessGroup>)>& make, const std::string& needle) {
     const auto errors = testing::run_ranks_collect_errors(2, make);
@@ -406,12 +642,9 @@ TEST(Int8State, WhatInt8StateCannotHoldIsRefusedOnEveryRankNamingIt) {
     OSS oss(make_params(), optimizer<optim::RMSprop>(optim::RMSpropOptions(kLr)), g, int8_options(PartitionMode::kAuto));
   }, "OSSOptions::state_format(int8): param group 0's optimizer is torch::optim::RMSprop");
   refused([](std::shared_ptr<ProcessGroup> g) {
-    Params params = make_params();
-    std::vector<OptimizerGroup> groups;
-    groups.push_back({{params[3]}, optimizer<Muon>(MuonOptions(0.02))});
-    groups.push_back({{params[0], params[1], params[2], params[4]}, optimizer<optim::AdamW>(optim::AdamWOptions(kLr))});
-    OSS oss(std::move(groups), g, int8_options(PartitionMode::kAuto));
-  }, "param group 0's optimizer is shardopt::Muon");
+    OSS oss(make_params(), optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g,
+            int8_options(PartitionMode::kAuto).fused_step(false));
+  }, "OSSOptions::state_format(int8) needs the fused step");
   refused([](std::shared_ptr<ProcessGroup> g) {
     OSS oss(make_params(), optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g,
             OSSOptions().state_format(g->rank() == 0 ? StateFormat::kBFloat16 : StateFormat::kInt8));

@@ -58,6 +58,11 @@ T option_value(const std::string& name, const c10::IValue& v) {
 }
 }  // namespace detail
 
+// How a state tensor may be kept under OSSOptions::state_format(StateFormat::kInt8): in 8-bit
+// codes from the signed dynamic map (values of either sign: first moments, momentum) or the
+// unsigned one (values >= 0: second moments); kNone, the default, keeps it fp32.
+enum class StateCodes { kNone, kSigned, kUnsigned };
+
 enum class StateKind {
   kElementWise,  // split into ranges like Adam's state
   kWholeTensor,  // kept whole, each parameter on one owner
@@ -75,6 +80,7 @@ struct OptimizerLayout {
     std::function<at::Tensor&(torch::optim::OptimizerParamState&)> field;
     // The entry's shape for a parameter of shape `param`; null: the parameter's shape.
     std::function<std::vector<int64_t>(at::IntArrayRef param)> shape;
+    StateCodes codes = StateCodes::kNone;  // whether 8-bit state may code it (compressible())
   };
   std::string name;  // the class's name in a saved state (PyTorch's, where it has one)
   StateKind kind = StateKind::kElementWise;
@@ -144,6 +150,22 @@ class OptimizerRegistration {
         {std::move(name),
          [field](torch::optim::OptimizerParamState& s) -> at::Tensor& { return field(static_cast<ParamState&>(s)); },
          std::move(shape)});
+    return *this;
+  }
+  // Marks state tensor `name` (registered with tensor(), shaped like its parameter) as one that
+  // OSSOptions::state_format(StateFormat::kInt8) keeps in 8-bit codes with the map `codes` names.
+  // Under kInt8 an optimizer that marks none is refused, naming it; its own step then runs on the
+  // tensors decoded to fp32, which are coded again after it.
+  OptimizerRegistration& compressible(const std::string& name, StateCodes codes = StateCodes::kSigned) {
+    for (auto& entry : layout_.tensors) {
+      if (entry.name == name) {
+        TORCH_CHECK(!entry.shape, "register_optimizer: state entry '", name, "' has a shape of its own; only "
+                    "tensors shaped like their parameter may be compressible");
+        entry.codes = codes;
+        return *this;
+      }
+    }
+    TORCH_CHECK(false, "register_optimizer: compressible('", name, "') names no state tensor registered before it");
     return *this;
   }
   // The step counter, saved as "step" (a float tensor, as PyTorch saves it).
