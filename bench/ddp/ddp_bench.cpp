@@ -157,7 +157,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"exact", "bf16", "int8"}));
   std::string state_format = "fp32";
   app.add_option("--state-format", state_format, "OSSOptions::state_format (sharded): fp32, bf16, int8")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+      ->check(CLI::IsMember({"fp32", "bf16", "int8"}));
   int transport_nice = shardopt::InitOptions().transport_thread_nice();
   app.add_option("--accumulate", accumulate, "micro-batches per step, each a forward and a backward")
       ->check(CLI::PositiveNumber);

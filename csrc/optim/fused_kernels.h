@@ -107,6 +107,7 @@ struct Sgd16Segment {
   void adam16(const Adam16Segment* segments, size_t count, const AdamScalars& s);     \
   void sgd16(const Sgd16Segment* segments, size_t count, const SgdScalars& s);        \
   float quantise_block(const float* values, int64_t n, const float* map, uint8_t* codes); \
+  void code_block(const float* values, int64_t n, float scale, const float* map, uint8_t* codes); \
   }
 SHARDOPT_FUSED_KERNELS(kernels_default)
 SHARDOPT_FUSED_KERNELS(kernels_avx2)
@@ -121,6 +122,8 @@ void adam16_step(const Adam16Segment* segments, size_t count, const AdamScalars&
 void sgd16_step(const Sgd16Segment* segments, size_t count, const SgdScalars& s);
 // state_codes.h's quantise_block in that build (the same bits, a vector at a time).
 float quantise_block_fast(const float* values, int64_t n, const float* map, uint8_t* codes);
+// Its codes for a given scale: code_of(values[i] / scale) for each value, in that build.
+void code_block_fast(const float* values, int64_t n, float scale, const float* map, uint8_t* codes);
 
 // Runs body(segment, begin, end) over the elements of every segment (sizes[segment] each) in one
 // parallel region on LibTorch's intra-op threads (Note [The fused step's threads] in

@@ -417,6 +417,14 @@ void detail::sgd16_step(const Sgd16Segment* segments, size_t count, const SgdSca
   }
 }
 
+void detail::code_block_fast(const float* values, int64_t n, float scale, const float* map, uint8_t* codes) {
+  switch (cpu_kernel_level()) {
+    case 2: return kernels_avx512::code_block(values, n, scale, map, codes);
+    case 1: return kernels_avx2::code_block(values, n, scale, map, codes);
+    default: return kernels_default::code_block(values, n, scale, map, codes);
+  }
+}
+
 float detail::quantise_block_fast(const float* values, int64_t n, const float* map, uint8_t* codes) {
   switch (cpu_kernel_level()) {
     case 2: return kernels_avx512::quantise_block(values, n, map, codes);

@@ -3,6 +3,7 @@
 #include <shardopt/check.h>
 
 #include "optim/codec.h"
+#include "optim/fused_kernels.h"
 
 #include <ATen/ATen.h>
 
@@ -211,15 +212,14 @@ at::Tensor dequantise(const at::Tensor& codes, const at::Tensor& scales, bool is
 // block takes its absolute maximum, as quantise() gives it.
 namespace {
 
-// Whether `scale` codes the block's values into codes that decode exactly to them; writes the codes.
+// Whether `scale` codes the block's values into codes that decode exactly to them; writes the codes
+// (the fused step's vector coder: the same codes as code_of).
 bool decodes_exactly(const float* values, int64_t n, float scale, const float* map, uint8_t* codes) {
   if (!(scale > 0) || !std::isfinite(scale)) return false;
-  for (int64_t i = 0; i < n; ++i) {
-    const int c = code_of(values[i] / scale, map);
-    if (map[c] * scale != values[i]) return false;
-    codes[i] = static_cast<uint8_t>(c);
-  }
-  return true;
+  code_block_fast(values, n, scale, map, codes);
+  bool exact = true;
+  for (int64_t i = 0; i < n; ++i) exact &= map[codes[i]] * scale == values[i];
+  return exact;
 }
 
 float recode_block(const float* values, int64_t n, const float* map, uint8_t* codes) {

@@ -134,9 +134,11 @@ bool signed_kind(const std::string& kind) { return signed_state(kind); }  // (co
 
 }  // namespace
 
-void StateSlabs::widen(torch::optim::Optimizer& local, const OptimizerCodec& codec) const {
+void StateSlabs::widen(torch::optim::Optimizer& local, const OptimizerCodec& codec,
+                       const std::unordered_set<const void*>* only) const {
   at::NoGradGuard no_grad;
   for (auto& [key, state] : local.state()) {
+    if (only && only->count(key) == 0) continue;
     codec.place_state(*state, [&](const char* kind, const at::Tensor& t) {
       const at::Tensor scales = scales_of(t);
       return scales.defined() ? dequantise(t, scales, signed_kind(kind)) : t;

@@ -22,6 +22,7 @@
 #include <map>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace shardopt::detail {
@@ -71,7 +72,9 @@ class StateSlabs {
   // Every 8-bit state tensor of `local` replaced by its fp32 values (decoded with its scales):
   // before state moves between ranks, which it does in fp32; adopt() codes it again, to the same
   // codes and scales (Note [8-bit state slabs]).
-  void widen(torch::optim::Optimizer& local, const OptimizerCodec& codec) const;
+  // With `only`, the state of those holding tensors (TensorImpls) alone.
+  void widen(torch::optim::Optimizer& local, const OptimizerCodec& codec,
+             const std::unordered_set<const void*>* only = nullptr) const;
   // `encoded` (an encoded state, state_dict layout) with each 8-bit state tensor replaced by its
   // fp32 values, for consolidation.
   GenericDict widened(const GenericDict& encoded) const;

@@ -688,6 +688,8 @@ class CliTest(unittest.TestCase):
         fails(["memory", "--optimizer", "muon", "--state-format", "bf16"], "--state-format bf16 holds Adam's state, not Muon's")
         fails(["train", "-n", "2", "--optimizer", "muon", "--state-format", "bf16", *SMALL],
               "OSSOptions::state_format(bf16): param group 0's optimizer is shardopt::Muon", ranks=2)
+        fails(["train", "--state-format", "int4"], "int4")
+        fails(["plan", "--state-format", "fp8"], "fp8")
         fails(["train", "--device", "tpu"], "tpu")
         if not torch.cuda.is_available():
             fails(["train", "--device", "cuda", *SMALL], "--device cuda: no CUDA device is visible")

@@ -8,6 +8,7 @@
 // state dict in fp32 that loads back to the same codes, at another world size, and for what it
 // cannot hold being refused on every rank.
 #include <shardopt/ddp/sharded_ddp.h>
+#include <shardopt/grad_scaler.h>
 #include <shardopt/optim/mixed_precision.h>
 #include <shardopt/optim/muon.h>
 #include <shardopt/optim/oss.h>
@@ -32,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -199,6 +201,8 @@ TEST(Int8State, TheSameBitsAtEveryWorldSizeAndPartition) {
       expect_bitwise_equal(at_one, train(world, int8_options(partition)), what);
     }
   }
+  // Hierarchical sharding: replica groups of two blocks of two ranks.
+  expect_bitwise_equal(at_one, train(4, int8_options(PartitionMode::kSplit).shard_group_size(2)), "world 4, blocks of 2");
 }
 
 // torchao 0.18's AdamW8bit and fp32 AdamW over the same parameters and gradients
@@ -631,6 +635,45 @@ TEST(Int8State, ARegisteredOptimizerThatMarksItsStateCompressibleIsCodedAtEveryW
   }
 }
 
+// ShardedDDP with each rank its own data, the gradient scaler and clipping: a step the scaler skips
+// (one rank's gradient overflows) leaves every code and scale as it was, on every rank.
+TEST(Int8State, AStepTheScalerSkipsLeavesEveryCodeAsItWasAndClippingWorks) {
+  testing::run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<DominantNet>();
+    OSS oss(net->parameters(), optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g,
+            OSSOptions().state_format(StateFormat::kInt8));
+    ShardedDDP ddp(net, oss);
+    ShardedGradScaler scaler(GradScalerOptions().init_scale(1024));
+    for (int step = 0; step < 4; ++step) {
+      const bool overflow = step == 2;
+      const auto data = testing::rank_data(step, g->rank(), 3);
+      if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+      unsigned hook = 0;
+      if (overflow && g->rank() == 1) {
+        hook = net->params[1].register_hook(
+            [](const at::Tensor& grad) { return at::full_like(grad, std::numeric_limits<float>::infinity()); });
+      }
+      const std::vector<char> before = torch::pickle_save(oss.state_shard());
+      const Params params_before = testing::clone_params(net->params);
+      ddp.zero_grad();
+      scaler.scale(testing::loss_of(ddp.forward(data.x), data, 3)).backward();
+      if (overflow && g->rank() == 1) net->params[1].remove_hook(hook);
+      scaler.unscale_(oss);
+      const double norm = oss.clip_grad_norm(0.5);
+      const bool stepped = scaler.step(oss);
+      scaler.update();
+      EXPECT_EQ(stepped, !overflow) << "step " << step << " on rank " << g->rank();
+      if (!overflow) EXPECT_TRUE(std::isfinite(norm)) << "step " << step;
+      const bool same = torch::pickle_save(oss.state_shard()) == before;
+      EXPECT_EQ(same, overflow) << "step " << step << " on rank " << g->rank() << ": the codes "
+                                << (overflow ? "changed in a skipped step" : "did not change in a step");
+      if (overflow) {
+        for (size_t i = 0; i < net->params.size(); ++i) EXPECT_TRUE(net->params[i].equal(params_before[i])) << i;
+      }
+    }
+  });
+}
+
 TEST(Int8State, WhatInt8StateCannotHoldIsRefusedOnEveryRankNamingIt) {
   auto refused = [](const std::function<void(std::shared_ptr<ProcessGroup>)>& make, const std::string& needle) {
     const auto errors = testing::run_ranks_collect_errors(2, make);
@@ -649,6 +692,22 @@ TEST(Int8State, WhatInt8StateCannotHoldIsRefusedOnEveryRankNamingIt) {
     OSS oss(make_params(), optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g,
             OSSOptions().state_format(g->rank() == 0 ? StateFormat::kBFloat16 : StateFormat::kInt8));
   }, "state_format");
+  // A consolidated state whose moment has the wrong size: every rank names the entry and parameter.
+  c10::IValue saved;
+  testing::run_ranks(1, [&](std::shared_ptr<ProcessGroup> g) {
+    Params params = make_params();
+    OSS oss(params, optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g, int8_options(PartitionMode::kAuto));
+    for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grad_of(i, 0, params[i]);
+    oss.step();
+    oss.consolidate_state_dict(0);
+    saved = oss.state_dict();
+    auto state = saved.toGenericDict().at("state").toGenericDict().at(1).toGenericDict();
+    state.insert_or_assign("exp_avg", state.at("exp_avg").toTensor().narrow(0, 0, 4000).clone());
+  });
+  refused([&](std::shared_ptr<ProcessGroup> g) {
+    OSS oss(make_params(), optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g, int8_options(PartitionMode::kAuto));
+    oss.load_state_dict(saved);
+  }, "state 'exp_avg' of parameter 1 has shape [4000]");
   EXPECT_EQ(parse_state_format("int8"), StateFormat::kInt8);
   try {
     parse_state_format("int4");
