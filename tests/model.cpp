@@ -2,6 +2,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <cstring>
+
 namespace shardopt::testing {
 
 void fill_seeded(const std::vector<at::Tensor>& params, uint64_t seed, double scale) {
@@ -106,6 +108,16 @@ std::vector<at::Tensor> everyones(ProcessGroup& group, const at::Tensor& mine) {
   for (int r = 0; r < group.size(); ++r) all.push_back(at::empty_like(mine));
   group.allgather(all, mine);
   return all;
+}
+
+std::vector<char> broadcast_bytes(const std::vector<char>& bytes, ProcessGroup& group) {
+  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  group.broadcast(size, 0);
+  at::Tensor blob = at::zeros({size.item<int64_t>()}, at::kByte);
+  if (group.rank() == 0 && !bytes.empty()) std::memcpy(blob.data_ptr(), bytes.data(), bytes.size());
+  group.broadcast(blob, 0);
+  const char* data = static_cast<const char*>(blob.data_ptr());
+  return std::vector<char>(data, data + blob.numel());
 }
 
 bool differs_across_ranks(const at::Tensor& t, ProcessGroup& group) {

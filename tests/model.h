@@ -51,6 +51,9 @@ double rel_diff(const at::Tensor& a, const at::Tensor& b);
 // True when every rank holds bitwise the same values in `params`.
 bool same_on_all_ranks(const std::vector<at::Tensor>& params, ProcessGroup& group);
 
+// Rank 0's `bytes` on every rank (a pickled state dict, say). Collective.
+std::vector<char> broadcast_bytes(const std::vector<char>& bytes, ProcessGroup& group);
+
 // True when every rank's `t` differs from every other rank's.
 bool differs_across_ranks(const at::Tensor& t, ProcessGroup& group);
 // Every rank's copy of `mine` (contiguous), in rank order.

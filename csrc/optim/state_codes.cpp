@@ -161,7 +161,11 @@ void dequantise_block(const uint8_t* codes, int64_t n, float scale, const float*
   for (int64_t i = 0; i < n; ++i) values[i] = map[codes[i]] * scale;
 }
 
-std::pair<at::Tensor, at::Tensor> quantise(const at::Tensor& values, bool is_signed) {
+namespace {
+
+// Each block of `values` (fp32, CPU) coded by code(block, n, map, codes) -> its scale.
+template <class Coder>
+std::pair<at::Tensor, at::Tensor> code_blocks(const at::Tensor& values, bool is_signed, const Coder& code) {
   SHARDOPT_CHECK(values.scalar_type() == at::kFloat && values.device().is_cpu(),
                  "8-bit state codes fp32 CPU tensors, got ", values.scalar_type(), " on ", values.device());
   const at::Tensor v = values.contiguous();
@@ -169,14 +173,18 @@ std::pair<at::Tensor, at::Tensor> quantise(const at::Tensor& values, bool is_sig
   at::Tensor codes = at::empty(v.sizes(), v.options().dtype(at::kByte));
   at::Tensor scales = at::empty({state_blocks(n)}, v.options());
   const float* map = dynamic_map(is_signed).data();
-  const float* in = v.data_ptr<float>();
-  uint8_t* out = codes.data_ptr<uint8_t>();
-  float* s = scales.data_ptr<float>();
   for (int64_t b = 0; b * kStateBlock < n; ++b) {
     const int64_t begin = b * kStateBlock;
-    s[b] = quantise_block(in + begin, std::min(kStateBlock, n - begin), map, out + begin);
+    scales.data_ptr<float>()[b] = code(v.data_ptr<float>() + begin, std::min(kStateBlock, n - begin), map,
+                                       codes.data_ptr<uint8_t>() + begin);
   }
   return {codes, scales};
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> quantise(const at::Tensor& values, bool is_signed) {
+  return code_blocks(values, is_signed, &quantise_block);
 }
 
 at::Tensor dequantise(const at::Tensor& codes, const at::Tensor& scales, bool is_signed) {
@@ -240,19 +248,7 @@ float recode_block(const float* values, int64_t n, const float* map, uint8_t* co
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> recode(const at::Tensor& values, bool is_signed) {
-  SHARDOPT_CHECK(values.scalar_type() == at::kFloat && values.device().is_cpu(),
-                 "8-bit state codes fp32 CPU tensors, got ", values.scalar_type(), " on ", values.device());
-  const at::Tensor v = values.contiguous();
-  const int64_t n = v.numel();
-  at::Tensor codes = at::empty(v.sizes(), v.options().dtype(at::kByte));
-  at::Tensor scales = at::empty({state_blocks(n)}, v.options());
-  const float* map = dynamic_map(is_signed).data();
-  for (int64_t b = 0; b * kStateBlock < n; ++b) {
-    const int64_t begin = b * kStateBlock;
-    scales.data_ptr<float>()[b] = recode_block(v.data_ptr<float>() + begin, std::min(kStateBlock, n - begin), map,
-                                               codes.data_ptr<uint8_t>() + begin);
-  }
-  return {codes, scales};
+  return code_blocks(values, is_signed, &recode_block);
 }
 
 GenericDict decoded_state(const GenericDict& state, const std::string& what) {

@@ -597,6 +597,14 @@ class CliTest(unittest.TestCase):
                     blocks = t.reshape(-1)[: t.numel() // 256 * 256].reshape(-1, 256)
                     self.assertTrue(all(len(torch.unique(row)) < 200 for row in blocks[:8]), f"{i} {key}: not codes")
         self.assertGreater(coded, 0)
+        # The decoded moments load into torch.optim.Adam, which steps from them.
+        params = [torch.nn.Parameter(a["model"][k].clone()) for k in a["model"]]
+        opt = torch.optim.Adam(params)
+        opt.load_state_dict(a["optimizer"])
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        self.assertTrue(all(torch.isfinite(p).all() for p in params))
         state_bytes = lambda p: [int(x) for x in re.findall(r"rank \d: state (\d+) bytes", p.stdout)]
         fp32 = run(["train", "-n", "2", *TINY, "--stop-after-steps", "15"])
         for int8, f32 in zip(state_bytes(full), state_bytes(fp32), strict=True):

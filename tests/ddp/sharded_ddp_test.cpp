@@ -3,6 +3,7 @@
 
 #include "harness.h"
 #include "model.h"
+#include "named_net.h"
 #include "parity.h"
 
 #include <gmock/gmock.h>
@@ -34,17 +35,6 @@ struct TinyNet : torch::nn::Module {
   at::Tensor forward(at::Tensor x, bool use_scale) { return testing::output(params, x, use_scale); }
   Params params;
   at::Tensor stat;
-};
-
-// The dominant-tensor model as a module: A, D (over 90% of the elements), C, b.
-struct DominantNet : torch::nn::Module {
-  DominantNet() {
-    auto p = testing::make_dominant_params();
-    const char* names[] = {"A", "D", "C", "b"};
-    for (size_t i = 0; i < p.size(); ++i) params.push_back(register_parameter(names[i], p[i]));
-  }
-  at::Tensor forward(at::Tensor x) { return testing::dominant_output(params, x); }
-  Params params;
 };
 
 struct DdpParity {
@@ -705,7 +695,7 @@ TEST(ShardedDDP, SplitRangesOfADominantTensorKeepParityAndHoldOneWorldthOfTheGra
     for (int64_t bucket_bytes : {int64_t{0}, int64_t{8} << 20}) {
       SCOPED_TRACE("world " + std::to_string(world) + " buckets " + std::to_string(bucket_bytes));
       run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
-        auto net = std::make_shared<DominantNet>();
+        auto net = std::make_shared<testing::DominantNet>();
         Params ref = testing::clone_params(net->params);
         optim::Adam ref_opt(ref, optim::AdamOptions(1e-2));
         OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
@@ -765,7 +755,7 @@ TEST(ShardedDDP, SplitRangesOfADominantTensorKeepParityAndHoldOneWorldthOfTheGra
 
 TEST(ShardedDDP, SplitGradientBytesAreOneWorldthAtWorldEight) {
   run_ranks(8, [](std::shared_ptr<ProcessGroup> g) {
-    auto net = std::make_shared<DominantNet>();
+    auto net = std::make_shared<testing::DominantNet>();
     OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
     ShardedDDP ddp(net, oss);
     auto data = testing::rank_data(0, g->rank(), 2);
@@ -787,7 +777,7 @@ TEST(ShardedDDP, NoSyncHoldsWholeGradientsUntilTheReductionAndShardsAccumulateIn
   for (int world : {2, 4}) {
     for (const bool under_no_sync : {true, false}) {
       run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
-        auto net = std::make_shared<DominantNet>();
+        auto net = std::make_shared<testing::DominantNet>();
         OSS oss(net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g);
         ShardedDDP ddp(net, oss);
         int64_t total = 0;

@@ -33,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -127,20 +128,22 @@ OSSOptions int8_options(PartitionMode partition) {
   return OSSOptions().partition(partition).state_format(StateFormat::kInt8);
 }
 
-// Runs kSteps of AdamW under OSS at `world` (freezing parameter 0 for two steps) and returns
-// rank 0's final parameters (every rank holds the same after the sync).
-Params train(int world, const OSSOptions& options) {
+// Runs kSteps under the OSS `make` builds over each rank's parameters at `world` (freezing
+// parameter 0 for two steps) and returns rank 0's final parameters (every rank holds the same
+// after the sync).
+using MakeOSS = std::function<std::unique_ptr<OSS>(Params&, std::shared_ptr<ProcessGroup>)>;
+Params train_with(int world, const MakeOSS& make) {
   Params out;
   std::mutex mu;
   testing::run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
     Params params = make_params();
-    OSS oss(params, optimizer<optim::AdamW>(optim::AdamWOptions(kLr).weight_decay(kWeightDecay)), g, options);
+    auto oss = make(params, g);
     for (int step = 0; step < kSteps; ++step) {
       for (size_t i = 0; i < params.size(); ++i) {
         params[i].requires_grad_(!frozen_at(i, step));
         params[i].mutable_grad() = frozen_at(i, step) ? at::Tensor() : grad_of(i, step, params[i]);
       }
-      oss.step();
+      oss->step();
     }
     std::lock_guard<std::mutex> lock(mu);
     if (g->rank() == 0) {
@@ -148,6 +151,14 @@ Params train(int world, const OSSOptions& options) {
     }
   });
   return out;
+}
+
+// AdamW over every parameter.
+Params train(int world, const OSSOptions& options) {
+  return train_with(world, [&](Params& params, std::shared_ptr<ProcessGroup> g) {
+    return std::make_unique<OSS>(params, optimizer<optim::AdamW>(optim::AdamWOptions(kLr).weight_decay(kWeightDecay)),
+                                 g, options);
+  });
 }
 
 double max_difference(const Params& a, const Params& b) {
@@ -159,17 +170,6 @@ double max_difference(const Params& a, const Params& b) {
 void expect_bitwise_equal(const Params& a, const Params& b, const std::string& what) {
   ASSERT_EQ(a.size(), b.size()) << what;
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << what << ", parameter " << i;
-}
-
-// Rank 0's bytes on every rank.
-std::vector<char> broadcast_bytes(const std::vector<char>& bytes, ProcessGroup& g) {
-  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
-  g.broadcast(size, 0);
-  at::Tensor blob = at::zeros({size.item<int64_t>()}, at::kByte);
-  if (g.rank() == 0) std::memcpy(blob.data_ptr(), bytes.data(), bytes.size());
-  g.broadcast(blob, 0);
-  const char* data = static_cast<const char*>(blob.data_ptr());
-  return std::vector<char>(data, data + blob.numel());
 }
 
 TEST(Int8State, AdamWFollowsABlockwiseReferenceThroughAFreeze) {
@@ -311,7 +311,7 @@ TEST(Int8State, KeepsCodesAndScalesAndItsStateDictIsFp32AndResumesAtAnotherWorld
       step_all(params, first, 0, 3);
     }
     OSS resumed(params, optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g, int8_options(PartitionMode::kSplit));
-    resumed.load_state_dict(torch::pickle_load(broadcast_bytes(g->rank() == 0 ? saved_bytes : std::vector<char>{}, *g)));
+    resumed.load_state_dict(torch::pickle_load(testing::broadcast_bytes(g->rank() == 0 ? saved_bytes : std::vector<char>{}, *g)));
     step_all(params, resumed, 3, 6);
     if (g->rank() == 0) {
       std::lock_guard<std::mutex> lock(mu);
@@ -444,17 +444,6 @@ TEST(Int8State, SgdMomentumFollowsAReferenceThatCodesItsBuffer) {
   EXPECT_LT(from_ref, 0.1 * from_fp32) << "int8 to the reference " << from_ref << ", int8 to fp32 " << from_fp32;
 }
 
-// The test model whose one tensor (D, 6,400 elements) is coded, as a module for ShardedDDP.
-struct DominantNet : torch::nn::Module {
-  DominantNet() {
-    auto p = testing::make_dominant_params();
-    const char* names[] = {"A", "D", "C", "b"};
-    for (size_t i = 0; i < p.size(); ++i) params.push_back(register_parameter(names[i], p[i]));
-  }
-  at::Tensor forward(at::Tensor x) { return testing::dominant_output(params, x); }
-  std::vector<at::Tensor> params;
-};
-
 // Each rank its own data through ShardedDDP with bf16 parameters: the masters stay fp32 and are
 // the model's values, only the moments are codes (a rank's state bytes under 0.4 of fp32 state's:
 // D's codes, and the small tensors' fp32 state), and the run stays near the fp32 state's.
@@ -463,7 +452,7 @@ TEST(Int8State, UnderMixedPrecisionAndShardedDDPTheMastersStayFp32) {
     std::map<StateFormat, at::Tensor> weights;
     std::map<StateFormat, int64_t> state_bytes;
     for (const StateFormat format : {StateFormat::kFloat32, StateFormat::kInt8}) {
-      auto net = std::make_shared<DominantNet>();
+      auto net = std::make_shared<testing::DominantNet>();
       OSS oss(net->parameters(), optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g,
               OSSOptions().state_format(format).mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
       ShardedDDP ddp(net, oss);
@@ -498,27 +487,12 @@ TEST(Int8State, UnderMixedPrecisionAndShardedDDPTheMastersStayFp32) {
 // decoded momentum. The same bits at worlds 1 to 4 through a freeze of an AdamW parameter; the coded
 // matrix follows plain shardopt::Muon whose momentum is coded by the reference after each step.
 Params train_mixed(int world, StateFormat format) {
-  Params out;
-  std::mutex mu;
-  testing::run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
-    Params params = make_params();
+  return train_with(world, [&](Params& params, std::shared_ptr<ProcessGroup> g) {
     std::vector<OptimizerGroup> groups;
     groups.push_back({{params[3], params[2]}, optimizer<Muon>(MuonOptions(0.02))});
     groups.push_back({{params[0], params[1], params[4]}, optimizer<optim::AdamW>(optim::AdamWOptions(kLr))});
-    OSS oss(std::move(groups), g, OSSOptions().state_format(format));
-    for (int step = 0; step < kSteps; ++step) {
-      for (size_t i = 0; i < params.size(); ++i) {
-        params[i].requires_grad_(!frozen_at(i, step));
-        params[i].mutable_grad() = frozen_at(i, step) ? at::Tensor() : grad_of(i, step, params[i]);
-      }
-      oss.step();
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    if (g->rank() == 0) {
-      for (const auto& p : params) out.push_back(p.detach().clone());
-    }
+    return std::make_unique<OSS>(std::move(groups), g, OSSOptions().state_format(format));
   });
-  return out;
 }
 
 TEST(Int8State, MuonMomentumIsCodedAndGivesTheSameBitsAtEveryWorldSize) {
@@ -639,7 +613,7 @@ TEST(Int8State, ARegisteredOptimizerThatMarksItsStateCompressibleIsCodedAtEveryW
 // (one rank's gradient overflows) leaves every code and scale as it was, on every rank.
 TEST(Int8State, AStepTheScalerSkipsLeavesEveryCodeAsItWasAndClippingWorks) {
   testing::run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
-    auto net = std::make_shared<DominantNet>();
+    auto net = std::make_shared<testing::DominantNet>();
     OSS oss(net->parameters(), optimizer<optim::AdamW>(optim::AdamWOptions(kLr)), g,
             OSSOptions().state_format(StateFormat::kInt8));
     ShardedDDP ddp(net, oss);

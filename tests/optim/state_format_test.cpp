@@ -110,17 +110,6 @@ Params train(int world, const OSSOptions& options) {
   return out;
 }
 
-// Rank 0's bytes on every rank.
-std::vector<char> broadcast_bytes(const std::vector<char>& bytes, ProcessGroup& g) {
-  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
-  g.broadcast(size, 0);
-  at::Tensor blob = at::zeros({size.item<int64_t>()}, at::kByte);
-  if (g.rank() == 0) std::memcpy(blob.data_ptr(), bytes.data(), bytes.size());
-  g.broadcast(blob, 0);
-  const char* data = static_cast<const char*>(blob.data_ptr());
-  return std::vector<char>(data, data + blob.numel());
-}
-
 void expect_bitwise_equal(const Params& a, const Params& b, const std::string& what) {
   ASSERT_EQ(a.size(), b.size()) << what;
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << what << ", parameter " << i;
@@ -196,7 +185,7 @@ TEST(StateFormat, Bf16StateHoldsHalfTheBytesAndItsStateDictIsFp32AndLoadsBackToT
       }
       bytes = torch::pickle_save(saved);
     }
-    loaded->load_state_dict(torch::pickle_load(broadcast_bytes(bytes, *g)));
+    loaded->load_state_dict(torch::pickle_load(testing::broadcast_bytes(bytes, *g)));
     EXPECT_EQ(loaded->local_state_bytes(), bf16->local_state_bytes());
     for (int step = 3; step < 6; ++step) {
       for (size_t i = 0; i < p16.size(); ++i) {
