@@ -2,6 +2,8 @@
 // shardopt: the fused step joins its entries with it.
 #pragma once
 
+#include "optim/state_codes.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -23,11 +25,11 @@ namespace shardopt::detail {
 // changes nothing in the results.
 
 // Whether `b` begins where `a` ends, both contiguous in one storage (or both undefined). 8-bit
-// codes join only where `a` ends on a block boundary (256 elements: Note [8-bit state slabs]), so
+// codes join only where `a` ends on a block boundary (Note [8-bit state slabs]), so
 // that the joined codes' blocks, and their scales, are each tensor's.
 inline bool follows(const at::Tensor& a, const at::Tensor& b) {
   if (!a.defined() || !b.defined()) return !a.defined() && !b.defined();
-  if (a.scalar_type() == at::kByte && a.numel() % 256 != 0) return false;
+  if (a.scalar_type() == at::kByte && a.numel() % kStateBlock != 0) return false;
   return a.is_contiguous() && b.is_contiguous() && a.scalar_type() == b.scalar_type() &&
          a.storage().is_alias_of(b.storage()) && b.storage_offset() == a.storage_offset() + a.numel();
 }
