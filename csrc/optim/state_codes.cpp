@@ -101,16 +101,15 @@ float quantise_block(const float* values, int64_t n, const float* map, uint8_t* 
 // own size, so a cell holds at most one boundary (checked as the table is built). Each cell keeps
 // the code of its lowest value and the lowest value with the next code (+inf: none), found by
 // bisection on the float order with the search itself, so the table gives the search's code for
-// every float, not an approximation of it. Magnitudes below 2^-30 (the maps' smallest nonzero
-// values are 5.5e-7) all take the code of 0, and share the cell of 2^-30.
+// every float, not an approximation of it. Magnitudes below 2^-24 (the maps' smallest boundary,
+// halfway from 0 to their smallest nonzero value, is 1.6e-7) all take the code of 0, and share the
+// cell of 2^-24 (checked as the table is built). Within a cell x's order is that of its low 16
+// mantissa bits (reversed where x is negative), so the vector coders read one 32-bit entry a value,
+// the cell's code and the key of its threshold, and compare integers: one gather from 25 KB,
+// which the L1 cache holds.
 namespace {
 
-// The floats in order as integers: non-decreasing in value, -0 and +0 alike.
-int64_t float_order(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return bits >> 31 ? -static_cast<int64_t>(bits & 0x7FFFFFFFu) : static_cast<int64_t>(bits);
-}
+// The float at `order` in the floats' order as integers (non-decreasing in value; -0 and +0 alike).
 float float_at(int64_t order) {
   const uint32_t bits = order < 0 ? static_cast<uint32_t>(-order) | 0x80000000u : static_cast<uint32_t>(order);
   float x;
@@ -133,14 +132,20 @@ CodeTable make_table(const float* map) {
         const int c_lo = code_of(float_at(lo), map), c_hi = code_of(float_at(hi), map);
         const int cell = sign * kTableCellsPerSign + ((e - kTableMinExponent) << kTableMantissaBits) + m;
         TORCH_INTERNAL_ASSERT(c_hi - c_lo <= 1, "a code table cell holds ", c_hi - c_lo, " boundaries");
-        table.code[cell] = static_cast<float>(c_lo);
+        TORCH_INTERNAL_ASSERT(c_hi == c_lo || e > kTableMinExponent || m > 0,
+                              "a code table's lowest cell holds a boundary");
         table.threshold[cell] = std::numeric_limits<float>::infinity();
-        if (c_hi == c_lo) continue;
-        while (hi - lo > 1) {  // code(lo) == c_lo, code(hi) == c_hi
-          const int64_t mid = lo + (hi - lo) / 2;
-          (code_of(float_at(mid), map) == c_lo ? lo : hi) = mid;
+        uint32_t key = 1u << kTableLowBits;  // none
+        if (c_hi != c_lo) {
+          while (hi - lo > 1) {  // code(lo) == c_lo, code(hi) == c_hi
+            const int64_t mid = lo + (hi - lo) / 2;
+            (code_of(float_at(mid), map) == c_lo ? lo : hi) = mid;
+          }
+          table.threshold[cell] = float_at(hi);
+          const uint32_t low = static_cast<uint32_t>(sign ? -hi : hi) & ((1u << kTableLowBits) - 1);
+          key = sign ? low ^ ((1u << kTableLowBits) - 1) : low;
         }
-        table.threshold[cell] = float_at(hi);
+        table.entry[cell] = (static_cast<uint32_t>(c_lo) << kTableCodeShift) | key;
       }
     }
   }

@@ -45,14 +45,19 @@ inline float absmax_step(float absmax, float a) { return (a > absmax || a != a) 
 // The code of x (a value already divided by its block's scale) as quantise_block finds it, by
 // table (Note [Codes by table] in state_codes.cpp): x's sign, its exponent (clamped to
 // [kTableMinExponent, 127]: every smaller magnitude has the code of 0) and the top 7 bits of its
-// mantissa pick a cell; the cell's code, plus one where x is at least the cell's threshold, is the
-// code. Built for the two dynamic maps.
-inline constexpr int kTableMinExponent = 97;  // 2^-30, far below the maps' smallest value but 0
+// mantissa pick a cell; the cell's code, plus one where x's low 16 mantissa bits reach the cell's
+// threshold's, is the code. Built for the two dynamic maps.
+inline constexpr int kTableMinExponent = 103;  // 2^-24, below the maps' smallest boundary but 0's
 inline constexpr int kTableMantissaBits = 7;
+inline constexpr int kTableLowBits = 23 - kTableMantissaBits;
 inline constexpr int kTableCellsPerSign = (127 - kTableMinExponent + 1) << kTableMantissaBits;
+// A cell's entry: its code above bit kTableCodeShift, under it the key at and above which x takes
+// the next code (1 << kTableLowBits: none). A key is x's low mantissa bits, reversed for negative
+// x (a larger magnitude is a smaller value).
+inline constexpr int kTableCodeShift = kTableLowBits + 1;
 struct CodeTable {
-  std::array<float, 2 * kTableCellsPerSign> code;       // the code's number, as a float (vector gathers)
-  std::array<float, 2 * kTableCellsPerSign> threshold;  // +inf: the cell holds one code
+  std::array<uint32_t, 2 * kTableCellsPerSign> entry;
+  std::array<float, 2 * kTableCellsPerSign> threshold;  // the lowest value with the next code; +inf: none
 };
 // The table of `map` when it is one of the dynamic maps, else null.
 const CodeTable* code_table(const float* map);

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -163,6 +164,15 @@ TEST(StateCodes, TheTableGivesTheSearchsCodeForEveryValueTried) {
     }
     EXPECT_EQ(differ, 0) << "level " << level << ", signed " << is_signed;
     EXPECT_GT(tried, 1000000);
+    // Beyond the scale (magnitudes of 1 to infinity, NaN) and below the table's smallest cell.
+    const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> edges{1.5f, 2.0f, 3.0f, 1e30f, inf, nan, 5.9e-8f, 6e-8f, 1e-9f, 0.0f};
+    for (size_t j = 0, n = edges.size(); j < n; ++j) edges.push_back(-edges[j]);
+    std::vector<uint8_t> edge_codes(edges.size());
+    detail::code_block_fast(edges.data(), static_cast<int64_t>(edges.size()), 1.0f, map, edge_codes.data());
+    for (size_t j = 0; j < edges.size(); ++j) {
+      EXPECT_EQ(int(edge_codes[j]), detail::code_of(edges[j], map)) << "x " << edges[j] << ", level " << level;
+    }
     EXPECT_GT(boundaries, 200) << "signed " << is_signed;  // the map's boundaries, nearly one per code
   }
   detail::cap_cpu_kernels(-1);
