@@ -108,6 +108,7 @@ struct Sgd16Segment {
   void sgd16(const Sgd16Segment* segments, size_t count, const SgdScalars& s);        \
   float quantise_block(const float* values, int64_t n, const float* map, uint8_t* codes); \
   void code_block(const float* values, int64_t n, float scale, const float* map, uint8_t* codes); \
+  void decode_block(const uint8_t* codes, int64_t n, float scale, const float* map, float* values); \
   }
 SHARDOPT_FUSED_KERNELS(kernels_default)
 SHARDOPT_FUSED_KERNELS(kernels_avx2)
@@ -124,6 +125,8 @@ void sgd16_step(const Sgd16Segment* segments, size_t count, const SgdScalars& s)
 float quantise_block_fast(const float* values, int64_t n, const float* map, uint8_t* codes);
 // Its codes for a given scale: code_of(values[i] / scale) for each value, in that build.
 void code_block_fast(const float* values, int64_t n, float scale, const float* map, uint8_t* codes);
+// state_codes.h's dequantise_block in that build (the same bits).
+void decode_block_fast(const uint8_t* codes, int64_t n, float scale, const float* map, float* values);
 
 // Runs body(segment, begin, end) over the elements of every segment (sizes[segment] each) in one
 // parallel region on LibTorch's intra-op threads (Note [The fused step's threads] in

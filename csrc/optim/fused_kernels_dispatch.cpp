@@ -44,6 +44,14 @@ void detail::code_block_fast(const float* values, int64_t n, float scale, const 
   }
 }
 
+void detail::decode_block_fast(const uint8_t* codes, int64_t n, float scale, const float* map, float* values) {
+  switch (cpu_kernel_level()) {
+    case 2: return kernels_avx512::decode_block(codes, n, scale, map, values);
+    case 1: return kernels_avx2::decode_block(codes, n, scale, map, values);
+    default: return kernels_default::decode_block(codes, n, scale, map, values);
+  }
+}
+
 float detail::quantise_block_fast(const float* values, int64_t n, const float* map, uint8_t* codes) {
   switch (cpu_kernel_level()) {
     case 2: return kernels_avx512::quantise_block(values, n, map, codes);

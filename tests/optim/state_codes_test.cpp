@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <string>
@@ -112,6 +113,36 @@ TEST(StateCodes, EveryBuildCodesABlockAsTheScalarCodeDoes) {
   detail::cap_cpu_kernels(-1);
   RecordProperty("builds", widest + 1);
   EXPECT_EQ(compared, (widest + 1) * 2 * static_cast<int>(blocks.size()));
+}
+
+// Every build decodes every code, in blocks of every length, to the scalar decoder's values.
+TEST(StateCodes, EveryBuildDecodesABlockAsTheScalarCodeDoes) {
+  std::vector<uint8_t> codes(kStateBlock);
+  for (int64_t j = 0; j < kStateBlock; ++j) codes[j] = static_cast<uint8_t>((j * 97 + 11) % 256);  // each code once
+  detail::cap_cpu_kernels(-1);
+  const int widest = detail::cpu_kernel_level();
+  int compared = 0;
+  for (int level = 0; level <= widest; ++level) {
+    detail::cap_cpu_kernels(level);
+    for (bool is_signed : {true, false}) {
+      const float* map = detail::dynamic_map(is_signed).data();
+      for (int64_t n : {kStateBlock, kStateBlock - 1, int64_t{17}, int64_t{16}, int64_t{1}}) {
+        for (float scale : {1.0f, 0.0371f, 3.5e-7f}) {
+          std::vector<float> want(n), got(n, -99.0f);
+          detail::dequantise_block(codes.data(), n, scale, map, want.data());
+          detail::decode_block_fast(codes.data(), n, scale, map, got.data());
+          for (int64_t j = 0; j < n; ++j) {
+            ASSERT_EQ(std::memcmp(&want[j], &got[j], sizeof(float)), 0)
+                << "level " << level << ", code " << int(codes[j]) << ", n " << n << ": " << want[j] << " vs " << got[j];
+          }
+          ++compared;
+        }
+      }
+    }
+  }
+  detail::cap_cpu_kernels(-1);
+  RecordProperty("builds", widest + 1);
+  EXPECT_EQ(compared, (widest + 1) * 2 * 5 * 3);
 }
 
 // The vector builds find codes by table (Note [Codes by table]): for every float next to a cell's
