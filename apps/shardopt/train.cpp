@@ -22,6 +22,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <malloc.h>
 #include <functional>
 #include <cmath>
 #include <csignal>
@@ -801,6 +802,13 @@ void Trainer::log_memory() {
 }  // namespace
 
 int run_train(const TrainOptions& options) {
+#if defined(__GLIBC__)
+  // glibc's malloc hands the heap's freed top back to the kernel and takes it again, zeroed page
+  // by page, at the next step: a quarter of a CNN rank's time went to the kernel's page faults.
+  // Grow the heap 256 MiB at a time and trim it only beyond 1 GiB (docs/benchmarks.md, §10).
+  mallopt(M_TOP_PAD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+#endif
   Trainer trainer(options);
   return trainer.run();
 }

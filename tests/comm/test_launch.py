@@ -515,6 +515,21 @@ class Launcher(unittest.TestCase):
             self.assertNotIn("Traceback", p.stdout, f"attempt {attempt}")
             self.assertRegex(p.stdout, r"launch: rank \d exited with code 3; stopped the other ranks")
 
+    def test_each_rank_gets_its_share_of_the_cores_unless_omp_num_threads_is_set(self):
+        # OMP_NUM_THREADS (LibTorch's intra-op team) = cores // N, at least 1, as torchrun keeps
+        # ranks from spinning in each other's way; a value the user set is left as it is.
+        show = [sys.executable, "-c", "import os; print('threads', os.environ.get('OMP_NUM_THREADS'))"]
+        cores = len(os.sched_getaffinity(0))
+        for n, preset, want in ((2, None, max(1, cores // 2)), (3 * cores, None, 1), (2, "3", 3)):
+            env = base_env()
+            env.pop("OMP_NUM_THREADS", None)
+            if preset:
+                env["OMP_NUM_THREADS"] = preset
+            p = subprocess.run([sys.executable, self.LAUNCH, "-n", str(n), *show], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, timeout=60)
+            self.assertEqual(p.returncode, 0, p.stdout)
+            self.assertEqual(re.findall(r"threads (\S+)", p.stdout), [str(want)] * n, p.stdout)
+
     def test_a_stopped_or_deaf_rank_is_ended_after_a_grace_period(self):
         # Rank 0 fails; rank 1 ignores SIGTERM, rank 2 has stopped itself (SIGSTOP): the launcher
         # continues and terminates rank 2, kills rank 1 10 s after SIGTERM, and exits non-zero.
