@@ -42,12 +42,13 @@ int run_command(const std::vector<std::string>& args) {
 
 }  // namespace
 
-std::string chart_python(const std::string& python, const std::string& out_dir) {
+std::string chart_python(const std::string& python, const std::string& out_dir, bool chart) {
   ::mkdir(out_dir.c_str(), 0755);
   struct stat st {};
   SHARDOPT_CHECK(::stat(out_dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::access(out_dir.c_str(), W_OK) == 0,
                  "-o '", out_dir, "' is not a folder it can write to");
   const std::string chosen = python.empty() ? std::string(SHARDOPT_APP_PYTHON) : python;
+  if (!chart) return chosen;
   SHARDOPT_CHECK(::access(chosen.c_str(), X_OK) == 0, "--python '", chosen, "' is not an executable file");
   return chosen;
 }

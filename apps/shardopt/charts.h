@@ -5,9 +5,10 @@
 
 namespace shardopt::app {
 
-// Checks that `python` (empty: the build's interpreter) can run and that `out_dir` is a folder it
-// can write to (made when missing); returns the interpreter. Errors name the option.
-std::string chart_python(const std::string& python, const std::string& out_dir);
+// Checks that `out_dir` is a folder it can write to (made when missing) and, where a `chart` is to
+// be drawn, that `python` (empty: the build's interpreter) can run; returns the interpreter.
+// Errors name the option.
+std::string chart_python(const std::string& python, const std::string& out_dir, bool chart = true);
 
 // Runs `script` (plot_memory.py, plot_plan.py, ...) on `json` to draw `png`. Errors name the
 // interpreter and say what it needs.

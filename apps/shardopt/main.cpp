@@ -191,6 +191,7 @@ void add_memory_options(CLI::App& memory, MemoryOptions& o) {
                                                             "the second measurement")->capture_default_str();
   memory.add_option("-o,--out", o.out_dir, "folder for memory.json, memory.csv and memory.png")->capture_default_str();
   memory.add_option("--python", o.python, "Python with matplotlib for the chart (default: the build's)");
+  memory.add_flag("--no-chart", o.no_chart, "write memory.json and memory.csv, not the chart");
   memory.add_option("--worker-mode", o.worker_mode)->group("");
   memory.add_option("--worker-out", o.worker_out)->group("");
 }
@@ -252,6 +253,7 @@ void add_plan_options(CLI::App& plan, PlanOptions& o) {
       ->capture_default_str();
   plan.add_option("-o,--out", o.out_dir, "folder for plan.json, plan.csv and plan.png")->capture_default_str();
   plan.add_option("--python", o.python, "Python with matplotlib for the chart (default: the build's)");
+  plan.add_flag("--no-chart", o.no_chart, "write plan.json and plan.csv, not the chart");
 }
 
 }  // namespace

@@ -157,7 +157,7 @@ int run_memory(const MemoryOptions& o, char** argv) {
   SHARDOPT_CHECK(!o.error_feedback || o.gradient_wire != "exact", "--error-feedback needs a compressed --gradient-wire "
                  "(bf16 or int8), got exact");
   for (int w : o.world_sizes) SHARDOPT_CHECK(w >= 1, "--world-sizes: ", w, " is not a positive world size");
-  const std::string python = chart_python(o.python, o.out_dir);
+  const std::string python = chart_python(o.python, o.out_dir, !o.no_chart);
   nlohmann::json rows = nlohmann::json::array(), skipped = nlohmann::json::array();
   for (int world : o.world_sizes) {
     for (const auto& mode : o.modes) {
@@ -188,6 +188,10 @@ int run_memory(const MemoryOptions& o, char** argv) {
   nlohmann::json report = {{"model", spec.name}, {"numel", spec.numel()}, {"rows", rows}, {"skipped", skipped}};
   std::ofstream(o.out_dir + "/memory.json") << report.dump(1) << "\n";
   write_csv(rows, o.out_dir + "/memory.csv");
+  if (o.no_chart) {
+    std::printf("wrote %s/memory.json and memory.csv\n", o.out_dir.c_str());
+    return 0;
+  }
   draw_chart(python, "plot_memory.py", o.out_dir + "/memory.json", o.out_dir + "/memory.png");
   std::printf("wrote %s/memory.json, memory.csv and memory.png\n", o.out_dir.c_str());
   return 0;

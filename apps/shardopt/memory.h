@@ -32,6 +32,7 @@ struct MemoryOptions {
   std::string state_format = "fp32";    // ZeRO-1/2's optimizer state on its owners (OSSOptions::state_format)
   std::string out_dir = "memory-report";
   std::string python;            // interpreter with matplotlib for the chart; empty: the build's
+  bool no_chart = false;         // --no-chart: memory.json and memory.csv only
   // Set by the driver for the ranks it starts.
   std::string worker_mode, worker_out;
 };

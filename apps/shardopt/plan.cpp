@@ -257,7 +257,7 @@ int run_plan(const PlanOptions& o) {
     SHARDOPT_CHECK(o.shard_group_size == 0 || w % o.shard_group_size == 0, "--shard-group-size ", o.shard_group_size,
                    " does not divide the world size ", w);
   }
-  const std::string python = chart_python(o.python, o.out_dir);
+  const std::string python = chart_python(o.python, o.out_dir, !o.no_chart);
   int64_t muon_numel = 0;
   for (const auto& layer : spec.layers) {
     int64_t n = 1;
@@ -292,9 +292,9 @@ int run_plan(const PlanOptions& o) {
   std::ofstream(o.out_dir + "/plan.json") << report_json(rows, spec, o).dump(1) << "\n";
   write_csv(rows, o.out_dir + "/plan.csv");
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  draw_chart(python, "plot_plan.py", o.out_dir + "/plan.json", o.out_dir + "/plan.png");
-  std::printf("planned %zu configurations in %.2f s; wrote %s/plan.json, plan.csv and plan.png\n", rows.size(), seconds,
-              o.out_dir.c_str());
+  if (!o.no_chart) draw_chart(python, "plot_plan.py", o.out_dir + "/plan.json", o.out_dir + "/plan.png");
+  std::printf("planned %zu configurations in %.2f s; wrote %s/plan.json%s\n", rows.size(), seconds, o.out_dir.c_str(),
+              o.no_chart ? " and plan.csv" : ", plan.csv and plan.png");
   return 0;
 }
 

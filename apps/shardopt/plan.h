@@ -39,6 +39,7 @@ struct PlanOptions {
   double network_hop_latency_us = 14.0; // per step between nodes
   std::string out_dir = "plan";
   std::string python;             // interpreter with matplotlib for the chart; empty: the build's
+  bool no_chart = false;          // --no-chart: plan.json and plan.csv only
 };
 
 int run_plan(const PlanOptions& options);

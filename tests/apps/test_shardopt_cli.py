@@ -819,7 +819,8 @@ class CliTest(unittest.TestCase):
             json.dump({"layers": [{"name": "embed", "shape": [1000, 64]}, {"name": "fc", "shape": [64, 64]},
                                   {"shape": [64]}]}, f)
         out = self.path("mem")
-        run(["memory", "--spec", spec, "--world-sizes", "1,2", "--modes", "zero2,zero2-bf16", "--steps", "1", "-o", out])
+        run(["memory", "--spec", spec, "--world-sizes", "1,2", "--modes", "zero2,zero2-bf16", "--steps", "1", "-o", out,
+             "--no-chart"])
         with open(os.path.join(out, "memory.json")) as f:
             report = json.load(f)
         n = report["numel"]
@@ -836,7 +837,7 @@ class CliTest(unittest.TestCase):
         # Muon on the matrix that is not an embedding (fc): one fp32 momentum buffer, 4 bytes per
         # element, against Adam's 8 on the rest; ddp holds it all, zero1 half per rank.
         run(["memory", "--spec", spec, "--world-sizes", "1,2", "--modes", "ddp,zero1", "--steps", "1",
-             "--optimizer", "muon", "-o", out])
+             "--optimizer", "muon", "-o", out, "--no-chart"])
         with open(os.path.join(out, "memory.json")) as f:
             report = json.load(f)
         muon_state = 4 * 64 * 64 + 8 * (1000 * 64 + 64)

@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -16,7 +17,10 @@ import unittest
 EXE = os.environ["SHARDOPT_EXE"]
 
 
-def run(args, check=True, timeout=600):
+def run(args, check=True, timeout=600, chart=False):
+    """`shardopt ARGS`; `memory` and `plan` draw no chart (a second or two of matplotlib) unless `chart`."""
+    if args and args[0] in ("memory", "plan") and not chart:
+        args = [*args, "--no-chart"]
     p = subprocess.run([EXE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"shardopt {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
@@ -57,8 +61,12 @@ class PlanTest(unittest.TestCase):
         """Every rank's bytes in `plan.csv` equal `shardopt memory`'s, in every mode, world size and scenario."""
         common = [*args, "--world-sizes", "1,2,4", "--modes", modes, "--optimizer", optimizer,
                   "--freeze-fraction", "0.5"]
-        run(["memory", *common, "--steps", "2", "-o", self.path("memory")])
-        run(["plan", *common, "-o", self.path("plan")])
+        memory = run(["memory", *common, "--steps", "2", "-o", self.path("memory")])
+        plan = run(["plan", *common, "-o", self.path("plan")])
+        # (--no-chart: the JSON and the CSV only.)
+        self.assertIn(f"wrote {self.path('memory')}/memory.json and memory.csv", memory.stdout)
+        self.assertRegex(plan.stdout, rf"wrote {re.escape(self.path('plan'))}/plan.json and plan.csv\n")
+        self.assertFalse(os.path.exists(self.path("memory/memory.png")) or os.path.exists(self.path("plan/plan.png")))
         with open(self.path("memory/memory.json")) as f:
             measured = json.load(f)["rows"]
         with open(self.path("plan/plan.csv")) as f:
@@ -122,7 +130,8 @@ class PlanTest(unittest.TestCase):
 
     def test_plan_equals_the_zero_formula_where_the_layout_adds_nothing(self):
         # One rank: no padding, no imbalance, on a real model.
-        run(["plan", "--preset", "gpt2-small", "--world-sizes", "1", "--modes", "zero1,zero2", "-o", self.path("p")])
+        run(["plan", "--preset", "gpt2-small", "--world-sizes", "1", "--modes", "zero1,zero2", "-o", self.path("p")],
+            chart=True)
         with open(self.path("p/plan.json")) as f:
             report = json.load(f)
         n = report["numel"]
