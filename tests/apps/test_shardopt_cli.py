@@ -279,11 +279,12 @@ class CliTest(unittest.TestCase):
         lines = [l for l in p.stderr.splitlines() if "NCCL needs a GPU of its own for each rank" in l]
         self.assertEqual(len(lines), ranks, p.stderr)
 
-    def signal_a_rank_mid_epoch(self, rank, sig):
-        """`shardopt train -n 3 --timeout 15`; `sig` to `rank` once training runs. Returns the
-        exit code, stderr, the seconds from the signal to the exit, and the ranks' pids."""
+    def signal_a_rank_mid_epoch(self, rank, sig, timeout="15", act=None):
+        """`shardopt train -n 3 --timeout TIMEOUT`; `sig` to `rank` once training runs (or, with
+        `act`, act(pids by rank), which returns None or why the test is skipped). Returns the exit
+        code, stderr and the seconds from the signal to the exit."""
         p = subprocess.Popen([EXE, "train", "-n", "3", "--epochs", "1", "--train-samples", "60000",
-                              "--test-samples", "500", "--timeout", "15"],
+                              "--test-samples", "500", "--timeout", timeout],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             ranks = {}
@@ -298,7 +299,13 @@ class CliTest(unittest.TestCase):
             line = p.stdout.readline()  # the first line: the ranks are training
             self.assertIn("training the CNN", line)
             time.sleep(2)
-            os.kill(ranks[rank], sig)
+            if act is None:
+                os.kill(ranks[rank], sig)
+            elif (why := act(ranks)) is not None:
+                for pid in [*ranks.values(), p.pid]:
+                    os.kill(pid, signal.SIGKILL)
+                p.wait()
+                self.skipTest(why)
             t0 = time.monotonic()
             _, err = p.communicate(timeout=120)
             elapsed = time.monotonic() - t0
@@ -317,6 +324,47 @@ class CliTest(unittest.TestCase):
         self.assertNotEqual(code, 0)
         self.assertRegex(err, r"rank 2 stopped answering")
         self.assertLess(elapsed, 15 + 3 + 5 + 10 + 20, err)
+
+    def test_a_hung_rank_is_killed_10_s_after_sigterm(self):
+        # Rank 2 hung where no signal but SIGKILL reaches it (held in a ptrace stop: SIGCONT does not
+        # resume it, SIGTERM waits), rank 1 killed: `-n 3` sends the ranks still there SIGTERM 5 s
+        # after the failure and kills each one left 10 s later, naming it, instead of waiting on it.
+        # (Every thread held: a thread left running would take SIGTERM's default action.)
+        tracer = ("import ctypes, os, sys\n"
+                  "libc = ctypes.CDLL(None, use_errno=True)\n"
+                  "pid, held = int(sys.argv[1]), set()\n"
+                  "while tids := {int(t) for t in os.listdir(f'/proc/{pid}/task')} - held:\n"
+                  "    for tid in tids:\n"
+                  "        if libc.ptrace(16, tid, None, None) != 0:\n"  # PTRACE_ATTACH
+                  "            if ctypes.get_errno() == 3: held.add(tid); continue\n"  # gone already
+                  "            print('ptrace refused: errno', ctypes.get_errno(), flush=True); sys.exit(3)\n"
+                  "        os.waitpid(tid, 0x40000000)\n"  # its stop (__WALL)
+                  "        held.add(tid)\n"
+                  "print('attached', len(held), 'threads', flush=True)\n"
+                  "while True:\n"  # never resumes them: waits until the process is gone
+                  "    got, status = os.waitpid(-1, 0x40000000)\n"
+                  "    if got == pid and (os.WIFEXITED(status) or os.WIFSIGNALED(status)): break\n")
+        held = []
+
+        def hang_rank_2(ranks):
+            t = subprocess.Popen([sys.executable, "-c", tracer, str(ranks[2])], stdout=subprocess.PIPE, text=True)
+            held.append(t)
+            said = t.stdout.readline()
+            if "attached" not in said:
+                t.wait()
+                return said.strip()
+            os.kill(ranks[1], signal.SIGKILL)
+            return None
+
+        code, err, elapsed = self.signal_a_rank_mid_epoch(1, None, timeout="60", act=hang_rank_2)
+        for t in held:
+            t.wait(timeout=30)
+        self.assertNotEqual(code, 0)
+        self.assertIn("shardopt: rank 2 did not stop within 10 s of SIGTERM; killed it", err)
+        self.assertIn("shardopt: rank 1 exited with code 137", err)
+        # 5 s for the others to exit by themselves, then 10 s after SIGTERM.
+        self.assertGreater(elapsed, 14.5, err)
+        self.assertLess(elapsed, 5 + 10 + 20, err)
 
     def test_rank_0_killed_is_named_by_the_others(self):
         # The store lives in the launcher (`-n N` serves it): rank 0's death does not take it
