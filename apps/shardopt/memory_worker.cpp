@@ -11,6 +11,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <fstream>
 #include <unordered_set>
 
@@ -41,6 +42,35 @@ struct SpecModule : torch::nn::Module {
 
 int64_t peak_rss_bytes() { return proc_kib("/proc/self/status", "VmHWM:") * 1024; }
 int64_t rss_bytes() { return proc_kib("/proc/self/status", "VmRSS:") * 1024; }
+
+// Note [Peaks by phase]
+// The resident peak (VmHWM) is reset as each phase begins (writing 5 to /proc/self/clear_refs
+// sets it to the current resident size), so VmHWM at a phase's end less the resident size at its
+// start is how far that phase rose above where it began: forward, backward (ZeRO-2's reductions
+// run in it), exchange (the all-reduce of ddp and zero1), step (OSS's step and parameter sync, or
+// torch's), and the re-partition after a freeze. Memory a phase frees but malloc keeps stays
+// resident, so it is carried into the next phase's start (rss_after_step, malloc_free). The whole
+// run's peak is the largest VmHWM seen. Where the kernel ignores the reset, a phase's rise counts
+// from the earlier peak, and is no more than the whole run's peak.
+class PhasePeaks {
+ public:
+  PhasePeaks() : whole_(static_cast<double>(peak_rss_bytes())) { reset(); }
+  // The phase that ends now: its rise into `rise` (the largest over the steps).
+  void end(double& rise) {
+    const auto now = static_cast<double>(peak_rss_bytes());
+    rise = std::max(rise, now - start_);
+    whole_ = std::max(whole_, now);
+    reset();
+  }
+  double whole() const { return std::max(whole_, static_cast<double>(peak_rss_bytes())); }
+
+ private:
+  void reset() {
+    std::ofstream("/proc/self/clear_refs") << "5";
+    start_ = static_cast<double>(rss_bytes());
+  }
+  double whole_, start_ = 0;
+};
 
 // Bytes of the distinct storages that hold the parameters.
 int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
@@ -173,6 +203,10 @@ void run_memory_worker(const ModelSpec& spec, const MemoryOptions& o) {
       ddp = std::make_unique<ShardedDDP>(model, *oss, ddp_options);
     }
   }
+  PhasePeaks phases;
+  struct {
+    double forward = 0, backward = 0, exchange = 0, step = 0, rebuild = 0, rss_after = 0, malloc_free = 0;
+  } peaks;
   auto step = [&] {
     if (ddp) {
       ddp->zero_grad(true);
@@ -183,14 +217,22 @@ void run_memory_worker(const ModelSpec& spec, const MemoryOptions& o) {
     } else {
       oss->zero_grad(true);
     }
-    model->forward().backward();
+    at::Tensor loss = model->forward();
+    phases.end(peaks.forward);
+    loss.backward();
+    loss.reset();
+    phases.end(peaks.backward);
     if (!ddp) allreduce.run(params, *group);
+    phases.end(peaks.exchange);
     if (plain) {
       plain->step();
       if (plain_muon) plain_muon->step();
     } else {
       oss->step();
     }
+    phases.end(peaks.step);
+    peaks.rss_after = static_cast<double>(rss_bytes());
+    peaks.malloc_free = static_cast<double>(mallinfo2().fordblks);
   };
   auto measure = [&] {
     std::vector<double> mine = {static_cast<double>(storage_bytes(params)),
@@ -203,8 +245,9 @@ void run_memory_worker(const ModelSpec& spec, const MemoryOptions& o) {
                                 // in them (counts, alignment); else the all-reduce's bucket.
                                 static_cast<double>(ddp ? ddp->local_bucket_bytes() - ddp->local_grad_bytes()
                                                         : allreduce.bucket.defined() ? allreduce.bucket.nbytes() : 0),
-                                static_cast<double>(peak_rss_bytes()), runtime,
-                                static_cast<double>(ddp ? ddp->error_feedback_bytes() : 0)};
+                                phases.whole(), runtime, static_cast<double>(ddp ? ddp->error_feedback_bytes() : 0),
+                                peaks.forward, peaks.backward, peaks.exchange, peaks.step, peaks.rebuild,
+                                peaks.rss_after, peaks.malloc_free};
     const int64_t fields = static_cast<int64_t>(mine.size());
     at::Tensor all = at::zeros({group->size() * fields}, at::kDouble);
     all.narrow(0, group->rank() * fields, fields).copy_(at::tensor(mine, at::kDouble));
@@ -229,6 +272,7 @@ void run_memory_worker(const ModelSpec& spec, const MemoryOptions& o) {
   };
   for (int s = 0; s < steps; ++s) step();
   record("all trainable", measure(), numel);
+  peaks = {};
 
   // Freeze the leading layers up to the fraction (as `shardopt plan` does), then step and count again.
   int64_t frozen = 0;
@@ -240,11 +284,14 @@ void run_memory_worker(const ModelSpec& spec, const MemoryOptions& o) {
   }
   // The new trainable set agreed and the shards re-balanced now, as the next forward() would do
   // over two steps: the measurement sees the settled layout whatever --steps is.
+  phases.end(peaks.rebuild);  // (the freeze itself: not measured)
+  peaks.rebuild = 0;
   if (ddp) {
     ddp->refresh_trainable();
   } else if (oss) {
     oss->refresh_trainable();
   }
+  phases.end(peaks.rebuild);
   for (int s = 0; s < steps; ++s) step();
   record(fmt::format("{:.0f}% frozen", 100.0 * static_cast<double>(frozen) / static_cast<double>(numel)), measure(),
          numel - frozen);

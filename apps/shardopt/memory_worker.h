@@ -14,8 +14,15 @@ namespace shardopt::app {
 // Fields of one measurement, in the order the ranks exchange them.
 // runtime: the process's resident memory once LibTorch and the group are up, before the model
 // exists: the runtime's fixed cost, the same whatever the model. feedback: error feedback's
-// residuals (ShardedDDP::error_feedback_bytes()), apart from the gradients.
-constexpr const char* kMeasured[] = {"params", "grads", "state", "buckets", "peak_rss", "runtime", "feedback"};
+// residuals (ShardedDDP::error_feedback_bytes()), apart from the gradients. rise_*: how far the
+// resident size rose within each phase of the scenario's steps above where the phase began, the
+// most over the steps (Note [Peaks by phase] in memory_worker.cpp; rise_rebuild: the
+// re-partition after the freeze, 0 before it); rss_after_step: resident memory after the last
+// step, of which malloc_free is what glibc's malloc holds free.
+constexpr const char* kMeasured[] = {"params",       "grads",          "state",       "buckets",
+                                     "peak_rss",     "runtime",        "feedback",    "rise_forward",
+                                     "rise_backward", "rise_exchange", "rise_step",   "rise_rebuild",
+                                     "rss_after_step", "malloc_free"};
 
 // Runs mode o.worker_mode ("ddp", "zero1", "zero2", "zero1-bf16", "zero2-bf16") on the group from
 // the environment, with o's optimizer ("adam", or "muon": Muon on the matrices that are not

@@ -856,6 +856,22 @@ class CliTest(unittest.TestCase):
                 for s in frozen:
                     self.assertAlmostEqual(s / (sum(frozen) / world), 1.0, delta=0.03, msg=f"{mode} world {world} frozen: {frozen}")
         self.assertIn("optimizer state per rank", p.stdout)
+        # The peak by phase (Note [Peaks by phase]): each phase's rise above where it began is within
+        # the run's peak, zero2's exchange (no all-reduce: nothing runs in it) rises by nothing, the
+        # re-partition rises only after the freeze, and what stays resident after the step (malloc's
+        # free memory in it) is under the peak.
+        for r in rows:
+            what = f"{r['mode']} world {r['world']} {r['scenario']} rank {r['rank']}"
+            for phase in ("forward", "backward", "exchange", "step", "rebuild"):
+                self.assertGreaterEqual(r[f"rise_{phase}"], 0, what)
+                self.assertLess(r[f"rise_{phase}"], r["peak_rss"], what)
+            if r["mode"] == "zero2":
+                self.assertLess(r["rise_exchange"], 1 << 20, what)
+            if r["scenario"] == "all trainable":
+                self.assertEqual(r["rise_rebuild"], 0, what)
+            self.assertLessEqual(r["rss_after_step"], r["peak_rss"], what)
+            self.assertGreaterEqual(r["malloc_free"], 0, what)
+            self.assertLess(r["malloc_free"], r["rss_after_step"], what)
         with open(os.path.join(out, "memory.csv")) as f:
             self.assertEqual(len(list(csv.DictReader(f))), len(rows))
         with open(os.path.join(out, "memory.png"), "rb") as f:
