@@ -10,7 +10,8 @@
 //                            each (TrainingState step k); rank 0 writes the parameters and
 //                            the consolidated optimizer state it saved to PATH.params-k
 //   mp_worker hello          one all-reduce; prints rank, world size, local rank
-//   mp_worker rng_resume DIR save|load   each rank's random-number state through a checkpoint
+//   mp_worker rng_resume DIR save|load|load_threads   each rank's random-number state through a
+//                            checkpoint (load_threads: two thread ranks in this process)
 //   mp_worker hold           one all-reduce, then the group stays open until stdin closes
 //   mp_worker die_in PHASE R rank R kills itself with SIGKILL in PHASE at step 2
 //   mp_worker soak STEPS DIR  a long run: memory, threads, descriptors and parity (tools/soak.sh)
@@ -160,6 +161,24 @@ void rng_resume(std::shared_ptr<ProcessGroup> group, const std::string& dir, con
     save_checkpoint(path, *net, oss, TrainingState());
     write_checkpoint_file(mine, at::randn({16}));
     std::cout << "saved" << std::endl;
+    return;
+  }
+  if (phase == "load_threads") {
+    // Two ranks as threads of this one process load the two processes' checkpoint: they share
+    // one generator, which only rank 0 sets, to rank 0's saved state (a rank 1 setting it too,
+    // before or after, would leave rank 1's draws or a race).
+    const at::Tensor expected = read_checkpoint_file(dir + "/draws-0").toTensor();
+    for (int round = 0; round < 10; ++round) {
+      shardopt::testing::run_ranks(2, [&](std::shared_ptr<ProcessGroup> threads) {
+        auto thread_net = std::make_shared<Net>();
+        OSS thread_oss(thread_net->parameters(), optimizer<optim::Adam>(optim::AdamOptions(1e-2)), threads);
+        if (threads->rank() == 1) at::manual_seed(7);
+        load_checkpoint(path, *thread_net, thread_oss);
+      });
+      TORCH_CHECK(at::randn({16}).equal(expected), "round ", round, ": two thread ranks' load left other numbers "
+                  "than rank 0's saved state");
+    }
+    std::cout << "rng ok for thread ranks" << std::endl;
     return;
   }
   at::manual_seed(7);

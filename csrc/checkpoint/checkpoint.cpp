@@ -173,6 +173,26 @@ void set_rng_state(const at::Tensor& state) {
   gen.set_state(state);
 }
 
+// A number drawn once per process: ranks that report the same one are threads of one process.
+int64_t process_token() {
+  static const int64_t token = [] {
+    std::random_device device;
+    return static_cast<int64_t>((static_cast<uint64_t>(device()) << 32) ^ device());
+  }();
+  return token;
+}
+
+// Whether this rank restores the process's random-number state: the default CPU generator is one
+// per process, so where ranks are threads of one process only the lowest of them sets it (to its
+// own saved state), instead of each in turn, racing.
+bool restores_rng(ProcessGroup& group) {
+  const auto tokens = group.allgather_ints({process_token()});
+  for (int r = 0; r < group.rank(); ++r) {
+    if (tokens[r][0] == tokens[group.rank()][0]) return false;
+  }
+  return true;
+}
+
 Dict sampler_value(const SamplerState& s) {
   Dict d = string_dict();
   d.insert("version", s.version);
@@ -500,6 +520,8 @@ TrainingState load(const std::string& path, torch::nn::Module& module, OSS& opti
   optimizer.finish_param_sync();  // nothing in flight may land on the loaded parameters
   CommPhase phase("loading a checkpoint");
   TrainingState state;
+  const bool restore_rng = restores_rng(group);
+  at::Tensor rng_saved;
   std::string error;
   try {
     const torch::IValue value = read_checkpoint_file(path);
@@ -538,7 +560,7 @@ TrainingState load(const std::string& path, torch::nn::Module& module, OSS& opti
     const size_t mine = saved_world == group.size() ? static_cast<size_t>(group.rank()) : 0;
     SHARDOPT_CHECK(mine < rng.size(), "checkpoint '", path, "' holds ", rng.size(), " random-number states for ",
                    saved_world, " ranks");
-    set_rng_state(rng[mine].toTensor());
+    rng_saved = rng[mine].toTensor();
 
     state.step = d.at("step").toInt();
     state.epoch = d.at("epoch").toInt();
@@ -548,6 +570,9 @@ TrainingState load(const std::string& path, torch::nn::Module& module, OSS& opti
   } catch (const std::exception& e) {
     error = strip_prefix(e.what());
   }
+  // (Before the agreement: no rank that shares this process's generator draws from it before
+  // it is set.)
+  if (restore_rng && error.empty()) set_rng_state(rng_saved);
   agree_on_failure(group, error, "loading", path);
   return state;
 }
