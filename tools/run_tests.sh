@@ -11,5 +11,5 @@ cmake --build "$build" -j 2
 # failed by chance per full run. MKL's compatible mode rounds them alike. Every test process
 # inherits it (the GoogleTest cases also get it from CTest); shardopt itself never sets it.
 export MKL_CBWR="${MKL_CBWR:-COMPATIBLE}"
-# (-j 4 on two cores: the processor model in tests/CMakeLists.txt.)
-ctest --test-dir "$build" -j 4 --output-on-failure --timeout 600
+# (-j 8 on two cores: the processor model in tests/CMakeLists.txt.)
+ctest --test-dir "$build" -j 8 --output-on-failure --timeout 600

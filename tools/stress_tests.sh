@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test whose ranks run at once, as processes (multiprocess.*, cli.*, resilience.*,
 # plan.*) or as threads of one process (the GoogleTest suites), several times in a row under
-# `ctest -j 4` (the processor model in tests/CMakeLists.txt), with CPU-bound processes running beside them, and stops at the first failure: the
+# `ctest -j 8` (the processor model in tests/CMakeLists.txt), with CPU-bound processes running beside them, and stops at the first failure: the
 # proof that they do not depend on an idle machine. (Not the fuzzers, the package build or the
 # docs check: no rank waits on another there.)
 #
@@ -26,7 +26,7 @@ done
 for ((run = 1; run <= runs; ++run)); do
   log="$build/stress-run-$run.log"
   start=$(date +%s)
-  if ctest --test-dir "$build" -j 4 --timeout 600 --output-on-failure -E '^(fuzz|package|docs|readme)\.' >"$log" 2>&1; then
+  if ctest --test-dir "$build" -j 8 --timeout 600 --output-on-failure -E '^(fuzz|package|docs|readme)\.' >"$log" 2>&1; then
     result="passed"
   else
     result="FAILED"

@@ -15,7 +15,7 @@ if [[ -e "$work/prefix/include/shardopt/testing" ]]; then
 fi
 [[ -x "$work/prefix/bin/shardopt-store" ]] || { echo "package: bin/shardopt-store was not installed" >&2; exit 1; }
 compiler="$(grep -E '^CMAKE_CXX_COMPILER:' "$build/CMakeCache.txt" | cut -d= -f2)"
-launcher="$(grep -E '^CMAKE_CXX_COMPILER_LAUNCHER:' "$build/CMakeCache.txt" | cut -d= -f2 || true)"
+launcher="$(grep -E '^CMAKE_CXX_COMPILER_LAUNCHER:' "$build/CMakeCache.txt" | cut -d= -f2- || true)"
 cmake -S "$here" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_CXX_COMPILER="$compiler" ${launcher:+-DCMAKE_CXX_COMPILER_LAUNCHER="$launcher"} > "$work/configure.log" 2>&1 \
   || { cat "$work/configure.log"; exit 1; }
