@@ -5,7 +5,9 @@
 # proof that they do not depend on an idle machine. (Not the fuzzers, the package build or the
 # docs check: no rank waits on another there.)
 #
-#   tools/stress_tests.sh [BUILD_DIR] [RUNS] [BURNERS]     (defaults: build 5 2)
+#   tools/stress_tests.sh [BUILD_DIR] [RUNS] [BURNERS] [REGEX]     (defaults: build 5 2, every entry)
+#
+# REGEX picks the entries (ctest -R), for example to repeat one timed test fifty times.
 #
 # Prints one line per run (its wall time and result) and exits non-zero on a failed run.
 set -euo pipefail
@@ -13,6 +15,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${1:-$root/build}"
 runs="${2:-5}"
 burners="${3:-2}"
+only=()
+[[ -n "${4:-}" ]] && only=(-R "$4")
 [[ -f "$build/CTestTestfile.cmake" ]] || { echo "stress_tests: $build is not a build folder (run tools/run_tests.sh first)" >&2; exit 2; }
 
 pids=()
@@ -26,7 +30,7 @@ done
 for ((run = 1; run <= runs; ++run)); do
   log="$build/stress-run-$run.log"
   start=$(date +%s)
-  if ctest --test-dir "$build" -j 8 --timeout 600 --output-on-failure -E '^(fuzz|package|docs|readme)\.' >"$log" 2>&1; then
+  if ctest --test-dir "$build" -j 8 --timeout 600 --output-on-failure -E '^(fuzz|package|docs|readme)\.' "${only[@]}" >"$log" 2>&1; then
     result="passed"
   else
     result="FAILED"
