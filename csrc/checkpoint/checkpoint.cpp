@@ -2,11 +2,11 @@
 #include <shardopt/checkpoint/checkpoint.h>
 #include <shardopt/check.h>
 
+#include "checkpoint/rng_state.h"
 #include "checkpoint/snapshot.h"
 #include "ddp/error_feedback_state.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/api/include/torch/serialize.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <zlib.h>
@@ -161,38 +161,6 @@ std::string strip_prefix(const std::string& message) {
 
 namespace {
 
-at::Tensor rng_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return at::Tensor(gen.get_state()).clone();
-}
-
-void set_rng_state(const at::Tensor& state) {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
-}
-
-// A number drawn once per process: ranks that report the same one are threads of one process.
-int64_t process_token() {
-  static const int64_t token = [] {
-    std::random_device device;
-    return static_cast<int64_t>((static_cast<uint64_t>(device()) << 32) ^ device());
-  }();
-  return token;
-}
-
-// Whether this rank restores the process's random-number state: the default CPU generator is one
-// per process, so where ranks are threads of one process only the lowest of them sets it (to its
-// own saved state), instead of each in turn, racing.
-bool restores_rng(ProcessGroup& group) {
-  const auto tokens = group.allgather_ints({process_token()});
-  for (int r = 0; r < group.rank(); ++r) {
-    if (tokens[r][0] == tokens[group.rank()][0]) return false;
-  }
-  return true;
-}
-
 Dict sampler_value(const SamplerState& s) {
   Dict d = string_dict();
   d.insert("version", s.version);
@@ -253,22 +221,6 @@ void check_keys(const std::string& path, const Dict& d, std::initializer_list<co
   for (const char* k : keys) {
     SHARDOPT_CHECK(d.contains(k), "checkpoint '", path, "' has no \"", k, "\" entry (not written by save_checkpoint?)");
   }
-}
-
-// Every rank's RNG state, on rank 0 (empty elsewhere). Collective.
-std::vector<torch::IValue> gather_rng_states(ProcessGroup& group) {
-  const int rank = group.rank();
-  std::vector<torch::IValue> states;
-  for (int r = 0; r < group.size(); ++r) {
-    if (r == 0) {
-      if (rank == 0) states.emplace_back(rng_state());
-    } else if (rank == r) {
-      group.send_bytes(torch::pickle_save(rng_state()), 0, r);
-    } else if (rank == 0) {
-      states.push_back(torch::pickle_load(group.recv_bytes(r, r)));
-    }
-  }
-  return states;
 }
 
 // What the main file holds: the model, the training state, the optimizer (consolidated) or the
@@ -412,7 +364,7 @@ CheckpointSnapshot take_snapshot(const std::string& path, torch::nn::Module& mod
     optimizer.consolidate_state_dict(0);
     if (rank == 0) optimizer_value = optimizer.state_dict();
   }
-  const std::vector<torch::IValue> rng_states = gather_rng_states(group);
+  const std::vector<torch::IValue> rng_states = detail::gather_rng_states(group);
 
   if (snap.sharded && rank < shard_world) {
     Dict d = string_dict();
@@ -520,7 +472,7 @@ TrainingState load(const std::string& path, torch::nn::Module& module, OSS& opti
   optimizer.finish_param_sync();  // nothing in flight may land on the loaded parameters
   CommPhase phase("loading a checkpoint");
   TrainingState state;
-  const bool restore_rng = restores_rng(group);
+  const bool restore_rng = detail::restores_rng(group);
   at::Tensor rng_saved;
   std::string error;
   try {
@@ -572,7 +524,7 @@ TrainingState load(const std::string& path, torch::nn::Module& module, OSS& opti
   }
   // (Before the agreement: no rank that shares this process's generator draws from it before
   // it is set.)
-  if (restore_rng && error.empty()) set_rng_state(rng_saved);
+  if (restore_rng && error.empty()) detail::set_rng_state(rng_saved);
   agree_on_failure(group, error, "loading", path);
   return state;
 }
