@@ -13,6 +13,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -253,5 +254,6 @@ TEST(Errors, PeerThatSkipsACollectiveTimesOut) {
   EXPECT_TRUE(errors[1].empty());
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -30,6 +30,7 @@ extern char** environ;
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 using testing::adam;
 using testing::Net;
@@ -339,5 +340,6 @@ TEST(AsyncSave, ASigtermDuringTheBackgroundWriteLeavesThePreviousCheckpoint) {
   remove_tree(dir);
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -34,6 +34,7 @@ extern char** environ;
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -797,5 +798,6 @@ TEST(Checkpoint, AKillBetweenASavesPartsAndItsMainFileLeavesThePreviousCheckpoin
   remove_tree(dir);
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -11,6 +11,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 using testing::run_ranks;
 using testing::run_ranks_collect_errors;
@@ -194,5 +195,6 @@ TEST(Agree, ProcessGroupCreationChecksEveryRankChecksDesyncAlike) {
                             "SHARDOPT_CHECK_DESYNC=1): off on rank 0 but on on rank 1");
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -18,6 +18,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 using testing::run_ranks;
 
@@ -106,5 +107,6 @@ TEST(Bf16Wire, AllGatherOfAnotherTensorsValuesLeavesEveryRankThemRounded) {
   });
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

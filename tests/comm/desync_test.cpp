@@ -11,6 +11,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 void expect_named(const std::vector<std::string>& errors, const std::vector<std::string>& parts) {
   for (size_t r = 0; r < errors.size(); ++r) {
@@ -78,5 +79,6 @@ TEST(Desync, OffAddsNoCollective) {
   });
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

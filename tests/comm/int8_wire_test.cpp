@@ -23,6 +23,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 using testing::run_ranks;
 
@@ -291,5 +292,6 @@ TEST(Int8Wire, AllGatherOfAnotherTensorsValuesLeavesEveryRankThemDequantised) {
   });
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

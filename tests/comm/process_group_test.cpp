@@ -25,6 +25,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 using testing::run_ranks;
 
@@ -402,5 +403,6 @@ TEST(Comm, EnvironmentIsReadOnlyThroughTheTableOfVariables) {
   unsetenv("SHARDOPT_NOT_A_VARIABLE");
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

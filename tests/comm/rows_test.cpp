@@ -15,6 +15,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 using testing::run_ranks;
 
@@ -489,5 +490,6 @@ TEST(Rows, RowsWithPaddingMoveOnlyTheirLiveElements) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -18,6 +18,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 using std::chrono::milliseconds;
 
@@ -89,5 +90,6 @@ TEST(SlicedWait, ACollectivesOwnFailureStillBreaksTheGroupNamingIt) {
   EXPECT_EQ(w.error.find("Operation timed out"), std::string::npos) << "the slice's timeout hid the cause: " << w.error;
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

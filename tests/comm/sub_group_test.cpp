@@ -8,6 +8,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 using testing::run_ranks;
 
@@ -96,5 +97,6 @@ TEST(SubGroup, ErrorsInASubGroupNameGlobalRanks) {
   EXPECT_NE(errors[2].find("rank 1 (global rank 3) stopped answering"), std::string::npos) << errors[2];
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

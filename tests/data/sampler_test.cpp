@@ -21,6 +21,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 // Runs `fn` and expects a c10::Error whose message contains `needle`.
 template <typename F>
@@ -733,5 +734,6 @@ TEST(DataSampler, BadUseIsAClearError) {
   expect_error([&] { sampler.reset(21); }, "size is fixed at 20, got a new size of 21");
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

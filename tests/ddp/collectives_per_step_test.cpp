@@ -26,6 +26,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -188,5 +189,6 @@ TEST(CollectivesPerStep, DoNotGrowWithTheWorldSizeWithMuon) {
   expect_flat_in_world_size(by_default, 2);  // one bucket of AdamW's rows, one of Muon's
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -20,6 +20,7 @@ using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -545,5 +546,6 @@ TEST(DropIn, AParameterOutsideTheModuleFrozenThenUnfrozenTrains) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

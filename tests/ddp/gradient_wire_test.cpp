@@ -29,6 +29,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -602,5 +603,6 @@ TEST(GradientWire, AWireThatDiffersBetweenRanksOrBf16OverFp16IsAnErrorOnEveryRan
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -22,6 +22,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using Params = std::vector<at::Tensor>;
@@ -196,5 +197,6 @@ TEST(OverlappedParamSync, OssGoesOnAloneOnceTheShardedDdpIsGone) {
   });
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

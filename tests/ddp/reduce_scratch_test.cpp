@@ -19,6 +19,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::Introspection;
@@ -78,5 +79,6 @@ TEST(ReduceScratch, ManyBucketsReduceInFourBucketsOfScratchWithTheReferencesResu
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

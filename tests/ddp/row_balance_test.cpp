@@ -26,6 +26,7 @@ using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -148,5 +149,6 @@ TEST(RowBalance, EveryRankHoldsItsShareAfterAnyFreeze) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -15,6 +15,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using Params = std::vector<at::Tensor>;
@@ -127,5 +128,6 @@ TEST(RowShardedEmbedding, MatchesOneProcessOnEveryRanksSamples) {
   });
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

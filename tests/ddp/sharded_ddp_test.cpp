@@ -17,6 +17,7 @@ using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -828,5 +829,6 @@ TEST(ShardedDDP, AnOptionChangedOnOneRankFailsAtTheNextForwardOnEveryRank) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -26,6 +26,7 @@ using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 
@@ -281,5 +282,6 @@ TEST(Cuda, ClipGradNormOnCudaMatchesAtenAndSeesNaN) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

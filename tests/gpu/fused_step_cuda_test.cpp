@@ -16,6 +16,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using Params = std::vector<at::Tensor>;
@@ -93,5 +94,6 @@ TEST(CudaFusedStep, AdamAdamWAndSgdEqualTorchOptimAndTheCpuFusedStep) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -8,6 +8,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 LayoutParam param(int64_t numel, int owner, bool trainable = true, c10::ScalarType dtype = c10::kFloat) {
   LayoutParam p;
@@ -465,5 +466,6 @@ TEST(FlatLayout, KeptStateIsCutIntoEqualRangesAcrossTheRanks) {
   EXPECT_TRUE(whole.keepers_of(0).empty());
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -18,6 +18,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using Params = std::vector<at::Tensor>;
@@ -161,5 +162,6 @@ TEST(FusedStep, OssStepsFusedByDefaultAndMatchesTheUnfusedPath) {
   });
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

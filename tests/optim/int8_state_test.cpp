@@ -42,6 +42,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using Params = std::vector<at::Tensor>;
@@ -693,5 +694,6 @@ TEST(Int8State, WhatInt8StateCannotHoldIsRefusedOnEveryRankNamingIt) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

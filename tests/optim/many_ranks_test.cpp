@@ -27,6 +27,7 @@ using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -118,5 +119,6 @@ TEST(ManyRanks, ParityThroughAFreezeAndACheckpointAtSixteenThirtyTwoAndSixtyFour
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -32,6 +32,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::Introspection;
@@ -390,5 +391,6 @@ TEST(MixedOptimizers, AParameterMuonRefusesFailsEveryRankNamingIt) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -23,6 +23,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using Params = std::vector<at::Tensor>;
@@ -355,5 +356,6 @@ TEST(MixedPrecision, BadOptionsAreErrorsOnEveryRank) {
   EXPECT_NE(errors[1].find("got Double"), std::string::npos) << errors[1];
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

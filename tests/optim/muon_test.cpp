@@ -18,6 +18,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 using Params = std::vector<at::Tensor>;
 
@@ -196,5 +197,6 @@ TEST(Muon, FlattenStepsAFilterBankAsItsMatrix) {
   EXPECT_DOUBLE_EQ(muon_cost({6, 2, 3, 3}), muon_cost({6, 18}));
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

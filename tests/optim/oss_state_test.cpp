@@ -16,6 +16,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -150,5 +151,6 @@ TEST(OSSState, ResumeFromTwoRanksOnThreeThroughSaveAndLoad) {
   resume_across_world_sizes(2, 3, /*through_archive=*/true);
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

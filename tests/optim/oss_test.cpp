@@ -17,6 +17,7 @@ using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -564,5 +565,6 @@ TEST(OSS, RanksWhoseOptimizersDifferFailNamingTheOptionOnEveryRank) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -23,6 +23,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using Params = std::vector<at::Tensor>;
@@ -298,5 +299,6 @@ TEST(ParamWire, BadOptionsAreErrorsOnEveryRank) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

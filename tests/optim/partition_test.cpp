@@ -5,6 +5,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 TEST(Partition, BeatsSortedGreedyWhereItCan) {
   // Sorted greedy puts {5, 3} and {4, 3, 3}: loads 8 and 10. The optimum is 9 and 9.
@@ -124,5 +125,6 @@ TEST(Partition, SpreadKeptBalancesTheStateHeldWithoutMovingTrainableOnes) {
   EXPECT_EQ(spread.load(0) + spread.load(1), 8) << "loads count the trainable weight";
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

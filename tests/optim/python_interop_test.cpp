@@ -22,6 +22,7 @@ using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -285,5 +286,6 @@ TEST(PythonInterop, TorchOptimMuonAndAdamWStateLoadsIntoOssAtWorldSizesTwoAndThr
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

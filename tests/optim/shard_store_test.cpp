@@ -26,6 +26,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::Introspection;
@@ -435,5 +436,6 @@ TEST(ShardStore, OwnedGradientsLiveInOneGradientSlabPerLayout) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -23,6 +23,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 using detail::kStateBlock;
 
@@ -316,11 +317,13 @@ TEST(StateCodes, SgdOn8BitMomentumStaysNearFp32Sgd) {
   EXPECT_LT((p - ref.detach()).abs().max().item<double>(), 0.02 * moved);
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 // State that leaves a rank decoded (fp32) and is coded again must come back with its codes and its
 // scales (Note [Codes of decoded codes]): quantise() alone gives a block whose largest magnitude
@@ -346,5 +349,6 @@ TEST(StateCodes, RecodingDecodedCodesGivesBackTheirCodesAndScales) {
   }
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

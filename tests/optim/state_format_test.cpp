@@ -30,6 +30,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using Params = std::vector<at::Tensor>;
@@ -299,5 +300,6 @@ TEST(StateFormat, WhatBf16StateCannotHoldIsRefusedOnEveryRankNamingIt) {
   }, "state_format");
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -24,6 +24,7 @@ using shardopt::testing::Introspection;
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::run_ranks;
@@ -245,5 +246,6 @@ TEST(StateLayout, AnUnregisteredOptimizerIsRefusedNamedAndBadRegistrationsAreErr
   EXPECT_THROW(register_optimizer(Adam("Adam", StateKind::kElementWise)), c10::Error);
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

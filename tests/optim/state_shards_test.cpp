@@ -17,6 +17,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::Introspection;
@@ -120,5 +121,6 @@ TEST(StateShards, AShardLeftOutIsAnErrorOnEveryRankNamingTheParameter) {
   EXPECT_EQ(named[0], named[1]);
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt

@@ -11,6 +11,7 @@
 
 namespace shardopt {
 namespace {
+namespace SHARDOPT_UNITY_ID {
 
 using std::chrono::milliseconds;
 using std::chrono::seconds;
@@ -58,5 +59,6 @@ TEST(Survivors, ALiveRankWhoseHeartbeatStallsFourSecondsIsNotCountedGone) {
   EXPECT_TRUE(dropped.beat[2]);
 }
 
+}  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt
