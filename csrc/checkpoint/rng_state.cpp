@@ -21,13 +21,14 @@ int64_t process_token() {
   return token;
 }
 
-}  // namespace
-
+// A copy of this process's default CPU generator's state.
 at::Tensor rng_state() {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   return at::Tensor(gen.get_state()).clone();
 }
+
+}  // namespace
 
 void set_rng_state(const at::Tensor& state) {
   auto gen = at::detail::getDefaultCPUGenerator();

@@ -13,8 +13,7 @@ class ProcessGroup;
 
 namespace shardopt::detail {
 
-// A copy of this process's default CPU generator's state.
-at::Tensor rng_state();
+// Sets this process's default CPU generator's state.
 void set_rng_state(const at::Tensor& state);
 
 // Every rank's generator state, on rank 0 (empty elsewhere). Collective.
