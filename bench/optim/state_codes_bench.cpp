@@ -1,8 +1,8 @@
 // The AdamW step on 8-bit moments (Note [8-bit state] in csrc/optim/state_codes.cpp: each block
 // of 256 decoded, stepped and coded again) and on bf16 moments (Note [State formats] in
 // csrc/optim/state_slabs.cpp: each block widened, stepped and rounded back) against the fused step
-// on fp32 moments, over one 12M-element fp32 shard, in the widest build this CPU runs. Argument:
-// intra-op threads.
+// on fp32 moments, over one 12M-element fp32 shard, in the widest build this CPU runs (argument:
+// intra-op threads); and the 8-bit coder and decoder alone, in that build.
 //
 //   build/bench/state_codes_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include "csrc/optim/fused_kernels.h"
@@ -13,6 +13,7 @@
 #include <benchmark/benchmark.h>
 
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -31,6 +32,7 @@ void step(const Segment& segment, const AdamScalars& s);
 template <>
 void step(const AdamSegment<float>& segment, const AdamScalars& s) {
   switch (cpu_kernel_level()) {
+    case 3:
     case 2: return kernels_avx512::adam(&segment, 1, s);
     case 1: return kernels_avx2::adam(&segment, 1, s);
     default: return kernels_default::adam(&segment, 1, s);
@@ -74,6 +76,35 @@ void BM_AdamWBf16Moments(benchmark::State& state) {
   state.counters["state bytes/elem"] = 4;
 }
 
+// The coder and the decoder alone, on 64 blocks (16,384 values) that stay in the L1 and L2 caches:
+// what one block's two passes cost, apart from the step's memory traffic.
+void BM_DecodeBlocks(benchmark::State& state) {
+  std::vector<uint8_t> codes(64 * kStateBlock);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i * 37);
+  std::vector<float> values(kStateBlock);
+  const float* map = dynamic_map(true).data();
+  for (auto _ : state) {
+    for (int b = 0; b < 64; ++b) decode_block_fast(codes.data() + kStateBlock * b, kStateBlock, 0.5f, map, values.data());
+    benchmark::DoNotOptimize(values.data());
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(codes.size()));
+}
+
+void BM_CodeBlocks(benchmark::State& state) {
+  const at::Tensor x = at::randn({64 * kStateBlock}) * 1e-3;
+  std::vector<uint8_t> codes(64 * kStateBlock);
+  const float* map = dynamic_map(true).data();
+  for (auto _ : state) {
+    for (int b = 0; b < 64; ++b) {
+      quantise_block_fast(x.data_ptr<float>() + kStateBlock * b, kStateBlock, map, codes.data() + kStateBlock * b);
+    }
+    benchmark::DoNotOptimize(codes.data());
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(codes.size()));
+}
+
+BENCHMARK(BM_DecodeBlocks);
+BENCHMARK(BM_CodeBlocks);
 BENCHMARK(BM_AdamWFp32Moments)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_AdamWBf16Moments)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_AdamW8BitMoments)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();

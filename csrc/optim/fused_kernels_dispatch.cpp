@@ -6,6 +6,7 @@ namespace shardopt {
 
 void detail::adam8_step(const Adam8Segment* segments, size_t count, const AdamScalars& s) {
   switch (cpu_kernel_level()) {
+    case 3:
     case 2: return kernels_avx512::adam8(segments, count, s);
     case 1: return kernels_avx2::adam8(segments, count, s);
     default: return kernels_default::adam8(segments, count, s);
@@ -14,6 +15,7 @@ void detail::adam8_step(const Adam8Segment* segments, size_t count, const AdamSc
 
 void detail::sgd8_step(const Sgd8Segment* segments, size_t count, const SgdScalars& s) {
   switch (cpu_kernel_level()) {
+    case 3:
     case 2: return kernels_avx512::sgd8(segments, count, s);
     case 1: return kernels_avx2::sgd8(segments, count, s);
     default: return kernels_default::sgd8(segments, count, s);
@@ -22,6 +24,7 @@ void detail::sgd8_step(const Sgd8Segment* segments, size_t count, const SgdScala
 
 void detail::adam16_step(const Adam16Segment* segments, size_t count, const AdamScalars& s) {
   switch (cpu_kernel_level()) {
+    case 3:
     case 2: return kernels_avx512::adam16(segments, count, s);
     case 1: return kernels_avx2::adam16(segments, count, s);
     default: return kernels_default::adam16(segments, count, s);
@@ -30,6 +33,7 @@ void detail::adam16_step(const Adam16Segment* segments, size_t count, const Adam
 
 void detail::sgd16_step(const Sgd16Segment* segments, size_t count, const SgdScalars& s) {
   switch (cpu_kernel_level()) {
+    case 3:
     case 2: return kernels_avx512::sgd16(segments, count, s);
     case 1: return kernels_avx2::sgd16(segments, count, s);
     default: return kernels_default::sgd16(segments, count, s);
@@ -38,6 +42,7 @@ void detail::sgd16_step(const Sgd16Segment* segments, size_t count, const SgdSca
 
 void detail::code_block_fast(const float* values, int64_t n, float scale, const float* map, uint8_t* codes) {
   switch (cpu_kernel_level()) {
+    case 3:
     case 2: return kernels_avx512::code_block(values, n, scale, map, codes);
     case 1: return kernels_avx2::code_block(values, n, scale, map, codes);
     default: return kernels_default::code_block(values, n, scale, map, codes);
@@ -46,6 +51,7 @@ void detail::code_block_fast(const float* values, int64_t n, float scale, const 
 
 void detail::decode_block_fast(const uint8_t* codes, int64_t n, float scale, const float* map, float* values) {
   switch (cpu_kernel_level()) {
+    case 3:
     case 2: return kernels_avx512::decode_block(codes, n, scale, map, values);
     case 1: return kernels_avx2::decode_block(codes, n, scale, map, values);
     default: return kernels_default::decode_block(codes, n, scale, map, values);
@@ -54,6 +60,7 @@ void detail::decode_block_fast(const uint8_t* codes, int64_t n, float scale, con
 
 float detail::quantise_block_fast(const float* values, int64_t n, const float* map, uint8_t* codes) {
   switch (cpu_kernel_level()) {
+    case 3:
     case 2: return kernels_avx512::quantise_block(values, n, map, codes);
     case 1: return kernels_avx2::quantise_block(values, n, map, codes);
     default: return kernels_default::quantise_block(values, n, map, codes);

@@ -40,6 +40,7 @@ using detail::SgdScalars;
 template <class T>
 void adam_kernel(const std::vector<detail::AdamSegment<T>>& segments, const AdamScalars& s) {
   switch (detail::cpu_kernel_level()) {
+    case 3:
     case 2: return detail::kernels_avx512::adam(segments.data(), segments.size(), s);
     case 1: return detail::kernels_avx2::adam(segments.data(), segments.size(), s);
     default: return detail::kernels_default::adam(segments.data(), segments.size(), s);
@@ -49,6 +50,7 @@ void adam_kernel(const std::vector<detail::AdamSegment<T>>& segments, const Adam
 template <class T>
 void sgd_kernel(const std::vector<detail::SgdSegment<T>>& segments, const SgdScalars& s) {
   switch (detail::cpu_kernel_level()) {
+    case 3:
     case 2: return detail::kernels_avx512::sgd(segments.data(), segments.size(), s);
     case 1: return detail::kernels_avx2::sgd(segments.data(), segments.size(), s);
     default: return detail::kernels_default::sgd(segments.data(), segments.size(), s);
