@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace shardopt::detail {
@@ -96,17 +97,21 @@ float quantise_block(const float* values, int64_t n, const float* map, uint8_t* 
 // Note [Codes by table]
 // quantise_block's code is a non-decreasing function of x (each comparison of the search, and the
 // halfway rounding, is), so x's code is the number of the map's boundaries at or below x. Cut the
-// floats into cells by sign, exponent and the top 7 bits of the mantissa (a magnitude range of
-// 2^-7 of itself); the maps' values are at least 1.4% apart where they are densest against their
-// own size, so a cell holds at most one boundary (checked as the table is built). Each cell keeps
-// the code of its lowest value and the lowest value with the next code (+inf: none), found by
-// bisection on the float order with the search itself, so the table gives the search's code for
-// every float, not an approximation of it. Magnitudes below 2^-24 (the maps' smallest boundary,
-// halfway from 0 to their smallest nonzero value, is 1.6e-7) all take the code of 0, and share the
-// cell of 2^-24 (checked as the table is built). Within a cell x's order is that of its low 16
-// mantissa bits (reversed where x is negative), so the vector coders read one 32-bit entry a value,
-// the cell's code and the key of its threshold, and compare integers: one gather from 25 KB,
-// which the L1 cache holds.
+// floats into cells by their top 16 bits: sign, exponent and the top 7 bits of the mantissa (a
+// magnitude range of 2^-7 of itself); the maps' values are at least 1.4% apart where they are
+// densest against their own size, so a cell holds at most one boundary (checked as the table is
+// built). Each cell keeps the code of its lowest value and the lowest value with the next code
+// (+inf: none), found by bisection on the float order with the search itself, so the table gives
+// the search's code for every float, not an approximation of it. The table starts at the cell of
+// 2^-24: the maps' smallest boundary (halfway from 0 to their smallest nonzero value) is 1.6e-7,
+// so every smaller positive magnitude has the code of 0 and takes that cell (checked as the table
+// is built); every negative float, infinities and NaNs have cells of their own. (A NaN that a
+// division gives is quiet, so it lies in a cell of NaNs alone, whose code is 0, as the search
+// gives it; the cell of +inf holds only signalling NaNs beside it.) Within a cell x's order is that
+// of its low 16 mantissa bits (reversed where x is negative), so the vector coders read one 32-bit
+// entry a value, picked by x's top 16 bits less the first cell's, and compare integers: one gather.
+// The cells a block's values take are those of its few decades below the scale: 25 KB covers the
+// cells of 2^-24 to 1 of both signs, which the L1 cache holds.
 namespace {
 
 // The float at `order` in the floats' order as integers (non-decreasing in value; -0 and +0 alike).
@@ -117,37 +122,36 @@ float float_at(int64_t order) {
   return x;
 }
 
-CodeTable make_table(const float* map) {
-  CodeTable table{};
-  for (int sign = 0; sign < 2; ++sign) {
-    for (int e = kTableMinExponent; e <= 127; ++e) {
-      for (int m = 0; m < (1 << kTableMantissaBits); ++m) {
-        // The cell's magnitudes: [first, last] as bit patterns (the lowest cell reaches down to 0).
-        const uint32_t first = e == kTableMinExponent && m == 0
-                                   ? 0u
-                                   : (static_cast<uint32_t>(e) << 23) | (static_cast<uint32_t>(m) << (23 - kTableMantissaBits));
-        const uint32_t last = (static_cast<uint32_t>(e) << 23) | (static_cast<uint32_t>(m) << (23 - kTableMantissaBits)) |
-                              ((1u << (23 - kTableMantissaBits)) - 1);
-        int64_t lo = sign ? -static_cast<int64_t>(last) : first, hi = sign ? -static_cast<int64_t>(first) : last;
-        const int c_lo = code_of(float_at(lo), map), c_hi = code_of(float_at(hi), map);
-        const int cell = sign * kTableCellsPerSign + ((e - kTableMinExponent) << kTableMantissaBits) + m;
-        TORCH_INTERNAL_ASSERT(c_hi - c_lo <= 1, "a code table cell holds ", c_hi - c_lo, " boundaries");
-        TORCH_INTERNAL_ASSERT(c_hi == c_lo || e > kTableMinExponent || m > 0,
-                              "a code table's lowest cell holds a boundary");
-        table.threshold[cell] = std::numeric_limits<float>::infinity();
-        uint32_t key = 1u << kTableLowBits;  // none
-        if (c_hi != c_lo) {
-          while (hi - lo > 1) {  // code(lo) == c_lo, code(hi) == c_hi
-            const int64_t mid = lo + (hi - lo) / 2;
-            (code_of(float_at(mid), map) == c_lo ? lo : hi) = mid;
-          }
-          table.threshold[cell] = float_at(hi);
-          const uint32_t low = static_cast<uint32_t>(sign ? -hi : hi) & ((1u << kTableLowBits) - 1);
-          key = sign ? low ^ ((1u << kTableLowBits) - 1) : low;
-        }
-        table.entry[cell] = (static_cast<uint32_t>(c_lo) << kTableCodeShift) | key;
+std::unique_ptr<CodeTable> make_table(const float* map) {
+  auto table = std::make_unique<CodeTable>();
+  constexpr uint32_t kLow = (1u << kTableLowBits) - 1;
+  for (int cell = 0; cell < kTableCells; ++cell) {
+    const uint32_t top = static_cast<uint32_t>(cell + kTableFirstCell);  // the cell's 16 top bits
+    const bool negative = (top >> 15) != 0;
+    const uint32_t magnitude = (top & 0x7FFFu) << kTableLowBits;
+    const bool special = (magnitude >> 23) == 0xFF;  // infinities and NaNs
+    // The cell's magnitudes: [first, last] as bit patterns (the first cell reaches down to 0).
+    const uint32_t first = cell == 0 ? 0u : magnitude, last = magnitude | kLow;
+    int64_t lo = negative ? -static_cast<int64_t>(last) : first, hi = negative ? -static_cast<int64_t>(first) : last;
+    // Infinities and NaNs: the code of the cell's first value (+-inf or a NaN), no threshold.
+    const int c_lo = code_of(float_at(special ? (negative ? hi : lo) : lo), map);
+    const int c_hi = special ? c_lo : code_of(float_at(hi), map);
+    TORCH_INTERNAL_ASSERT(c_hi - c_lo >= 0 && c_hi - c_lo <= 1, "a code table cell holds ", c_hi - c_lo,
+                          " boundaries");
+    TORCH_INTERNAL_ASSERT(c_hi == c_lo || (cell > 0 && (magnitude >> 23) >= static_cast<uint32_t>(kTableMinExponent)),
+                          "a code table cell at or below 2^-24 holds a boundary");
+    table->threshold[cell] = std::numeric_limits<float>::infinity();
+    uint32_t key = 1u << kTableLowBits;  // none
+    if (c_hi != c_lo) {
+      while (hi - lo > 1) {  // code(lo) == c_lo, code(hi) == c_hi
+        const int64_t mid = lo + (hi - lo) / 2;
+        (code_of(float_at(mid), map) == c_lo ? lo : hi) = mid;
       }
+      table->threshold[cell] = float_at(hi);
+      const uint32_t low = static_cast<uint32_t>(negative ? -hi : hi) & kLow;
+      key = negative ? low ^ kLow : low;
     }
+    table->entry[cell] = (static_cast<uint32_t>(c_lo) << kTableCodeShift) | key;
   }
   return table;
 }
@@ -155,10 +159,10 @@ CodeTable make_table(const float* map) {
 }  // namespace
 
 const CodeTable* code_table(const float* map) {
-  static const CodeTable kSigned = make_table(dynamic_map(true).data());
-  static const CodeTable kUnsigned = make_table(dynamic_map(false).data());
-  if (map == dynamic_map(true).data()) return &kSigned;
-  if (map == dynamic_map(false).data()) return &kUnsigned;
+  static const std::unique_ptr<CodeTable> kSigned = make_table(dynamic_map(true).data());
+  static const std::unique_ptr<CodeTable> kUnsigned = make_table(dynamic_map(false).data());
+  if (map == dynamic_map(true).data()) return kSigned.get();
+  if (map == dynamic_map(false).data()) return kUnsigned.get();
   return nullptr;
 }
 

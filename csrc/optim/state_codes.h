@@ -43,21 +43,22 @@ float quantise_block(const float* values, int64_t n, const float* map, uint8_t* 
 // The absolute maximum's running step: NaN, once seen, stays.
 inline float absmax_step(float absmax, float a) { return (a > absmax || a != a) && absmax == absmax ? a : absmax; }
 // The code of x (a value already divided by its block's scale) as quantise_block finds it, by
-// table (Note [Codes by table] in state_codes.cpp): x's sign, its exponent (clamped to
-// [kTableMinExponent, 127]: every smaller magnitude has the code of 0) and the top 7 bits of its
-// mantissa pick a cell; the cell's code, plus one where x's low 16 mantissa bits reach the cell's
-// threshold's, is the code. Built for the two dynamic maps.
+// table (Note [Codes by table] in state_codes.cpp): the top 16 bits of x (its sign, its exponent
+// and the top 7 bits of its mantissa), less those of 2^kTableMinExponent-127 and at least 0 (every
+// smaller positive magnitude has the code of 0), pick a cell; the cell's code, plus one where x's
+// low 16 mantissa bits reach the cell's threshold's, is the code. Built for the two dynamic maps.
 inline constexpr int kTableMinExponent = 103;  // 2^-24, below the maps' smallest boundary but 0's
 inline constexpr int kTableMantissaBits = 7;
 inline constexpr int kTableLowBits = 23 - kTableMantissaBits;
-inline constexpr int kTableCellsPerSign = (127 - kTableMinExponent + 1) << kTableMantissaBits;
+inline constexpr int kTableFirstCell = kTableMinExponent << kTableMantissaBits;  // x's top 16 bits there
+inline constexpr int kTableCells = (1 << (32 - kTableLowBits)) - kTableFirstCell;
 // A cell's entry: its code above bit kTableCodeShift, under it the key at and above which x takes
 // the next code (1 << kTableLowBits: none). A key is x's low mantissa bits, reversed for negative
 // x (a larger magnitude is a smaller value).
 inline constexpr int kTableCodeShift = kTableLowBits + 1;
 struct CodeTable {
-  std::array<uint32_t, 2 * kTableCellsPerSign> entry;
-  std::array<float, 2 * kTableCellsPerSign> threshold;  // the lowest value with the next code; +inf: none
+  std::array<uint32_t, kTableCells> entry;
+  std::array<float, kTableCells> threshold;  // the lowest value with the next code; +inf: none
 };
 // The table of `map` when it is one of the dynamic maps, else null.
 const CodeTable* code_table(const float* map);

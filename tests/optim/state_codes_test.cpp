@@ -90,7 +90,7 @@ int in_every_build_with_both_maps(const Body& body) {
 
 // The step's builds code a block a vector at a time: the same scale and codes as the scalar
 // quantise_block (the one checked against torchao above), in every build this CPU runs, for
-// blocks of every length, values exactly halfway between two codes, zeros, and a NaN.
+// blocks of every length, values exactly halfway between two codes, zeros, and NaNs.
 TEST(StateCodes, EveryBuildCodesABlockAsTheScalarCodeDoes) {
   std::vector<std::vector<float>> blocks;
   for (int64_t n : {kStateBlock, kStateBlock - 1, int64_t{100}, int64_t{7}, int64_t{1}}) {
@@ -105,6 +105,8 @@ TEST(StateCodes, EveryBuildCodesABlockAsTheScalarCodeDoes) {
   }
   blocks.push_back(std::vector<float>(kStateBlock, 0.0f));
   blocks.push_back({1.0f, std::nanf(""), -2.0f});
+  blocks.push_back(blocks[0]);
+  blocks.back()[37] = std::nanf("");  // a NaN among the vectors, not in the tail
   int compared = 0;
   const int builds = in_every_build_with_both_maps([&](int level, bool is_signed, const float* map) {
     for (size_t b = 0; b < blocks.size(); ++b) {
