@@ -18,12 +18,13 @@
 # anything.
 #
 # The checks (each bounded by a timeout; the whole run fits in 8 minutes on an H100):
-#   tests       kernels/'s tests; Cuda.* and CudaFusedStep.* (shardopt_tests); CudaOverGloo at
+#   tests       kernels/'s tests (the 8-bit step's among them); Cuda.* and CudaFusedStep.*
+#               (shardopt_tests); CudaOverGloo at
 #               world 2 and 3 on the one GPU (parity, mixed, resume, the bf16 and int8 wires);
 #               `shardopt train --device cuda` through the CLI test
 #   benchmarks  GPT-2 small's whole step (OSS against ATen's multi-tensor at::_fused_adamw_, fp32
 #               and bf16 parameters with fp32 masters) with its kernel launch count; the fused
-#               step on one 100M-element shard; staging_bench; Muon + AdamW under OSS on CUDA
+#               step on one 100M-element shard, fp32 and on 8-bit moments; staging_bench; Muon + AdamW under OSS on CUDA
 #               at world 1 and 2
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -119,7 +120,7 @@ done
 step cli_cuda 240 env -C tests/apps SHARDOPT_EXE="$dir/apps/shardopt/shardopt" SHARDOPT_TOOLS="$root/tools" \
   "$python" -m unittest test_shardopt_cli.CliTest.test_cuda_trains_freezes_and_resumes_bit_exact
 step oss_step_bench 240 "$dir/bench/cuda_step_bench" \
-  --benchmark_filter='OssStep|Copy/100000000|AdamWFp32/.*/100000000' \
+  --benchmark_filter='OssStep|Copy/100000000|AdamWFp32/.*/100000000|AdamW8/.*/100000000' \
   --benchmark_repetitions=3 --benchmark_report_aggregates_only=true --benchmark_min_time=0.2 \
   --benchmark_out="$out/cuda_step_bench.json" --benchmark_out_format=json
 step staging_bench 120 "$dir/bench/staging_bench" --sizes-mib 1,16,64
@@ -129,7 +130,7 @@ step muon_cuda_world_2 120 "$python" tools/launch -n 2 "$dir/bench/muon_step_ben
 {
   echo
   echo "GPT-2 small's whole step (medians of 3; launches per step):"
-  grep -E "OssStep/.*_median|Copy/100000000_median|AdamWFp32/.*_median" "$out/oss_step_bench.log" 2>/dev/null || true
+  grep -E "OssStep/.*_median|Copy/100000000_median|AdamWFp32/.*_median|AdamW8/.*_median" "$out/oss_step_bench.log" 2>/dev/null || true
   echo
   echo "staging_bench:"
   cat "$out/staging_bench.log" 2>/dev/null

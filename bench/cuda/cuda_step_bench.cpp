@@ -6,6 +6,9 @@
 //   AdamWFp32/{Shardopt,Aten}/n
 //                           kernels/'s fused step against at::_fused_adamw_ on the same flat
 //                           tensors (parameter, gradient, exp_avg, exp_avg_sq)
+//   AdamW8/Shardopt/n       kernels/'s step on 8-bit moments (shardopt_kernels/adamw8.h: codes of
+//                           the dynamic maps and a scale per 256 elements), to set beside
+//                           AdamWFp32/Shardopt/n: 16 bytes an element read + written, against 28
 //   AdamWMixed{Bf16,Fp32}Grad/{Shardopt,Aten}/n
 //                           bf16 parameters, fp32 master and state, gradients in bf16 or fp32:
 //                           kernels/'s mixed step (the bf16 copy written in the same pass) against
@@ -40,7 +43,9 @@
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/oss.h>
 
+#include "csrc/optim/state_codes.h"
 #include <shardopt_kernels/adamw.h>
+#include <shardopt_kernels/adamw8.h>
 #include <shardopt_kernels/norm.h>
 
 #include <ATen/ATen.h>
@@ -176,6 +181,35 @@ void adamw_fp32_bench(benchmark::State& state, bool ours) {
     const shardopt_adamw_hparams h = hparams(1 + step++ / copies);
     check(shardopt_adamw_fp32(b.p.data_ptr<float>(), b.g.data_ptr<float>(), b.m.data_ptr<float>(), b.v.data_ptr<float>(),
                               nullptr, n, &h, nullptr, nullptr, stream()));
+  });
+}
+
+void adamw8_bench(benchmark::State& state) {
+  const int64_t n = state.range(0), blocks = (n + SHARDOPT_ADAMW8_BLOCK - 1) / SHARDOPT_ADAMW8_BLOCK;
+  auto map_of = [](bool is_signed) {
+    const auto& map = shardopt::detail::dynamic_map(is_signed);
+    return at::from_blob(const_cast<float*>(map.data()), {256}, at::kFloat).to(at::kCUDA);
+  };
+  const at::Tensor signed_map = map_of(true), unsigned_map = map_of(false);
+  struct Buffers {
+    at::Tensor p, g, m, m_scale, v, v_scale;
+  };
+  const int64_t copies = copies_for(10.0 * n);
+  std::vector<Buffers> sets;
+  for (int64_t c = 0; c < copies; ++c) {
+    auto codes = [&] { return at::randint(0, 256, {n}, at::TensorOptions().device(at::kCUDA).dtype(at::kByte)); };
+    sets.push_back({uniform(n, at::kFloat, -1, 1), uniform(n, at::kFloat, -1e-2, 1e-2), codes(),
+                    uniform(blocks, at::kFloat, 1e-4, 1e-3), codes(), uniform(blocks, at::kFloat, 1e-6, 1e-5)});
+  }
+  int64_t step = 0;
+  run(state, 16.0 * n, copies, [&](int64_t c) {
+    Buffers& b = sets[c];
+    const shardopt_adamw_hparams h = hparams(1 + step++ / copies);
+    const shardopt_adamw8_segment segment{b.p.data_ptr<float>(),  b.g.data_ptr<float>(),     b.m.data_ptr<uint8_t>(),
+                                          b.m_scale.data_ptr<float>(), b.v.data_ptr<uint8_t>(), b.v_scale.data_ptr<float>(),
+                                          nullptr, nullptr, n};
+    check(shardopt_adamw8(&segment, &h, signed_map.data_ptr<float>(), unsigned_map.data_ptr<float>(), nullptr, nullptr,
+                          stream()));
   });
 }
 
@@ -415,6 +449,7 @@ void register_all(size_t free_bytes) {
       {"Copy", kAdamBytes, copy_bench},
       {"AdamWFp32/Shardopt", 16, [](benchmark::State& s) { adamw_fp32_bench(s, true); }},
       {"AdamWFp32/Aten", 16, [](benchmark::State& s) { adamw_fp32_bench(s, false); }},
+      {"AdamW8/Shardopt", 10, adamw8_bench},
       {"AdamWMixedBf16Grad/Shardopt", 16, [](benchmark::State& s) { adamw_mixed_bench(s, at::kBFloat16, Mixed::kShardopt); }},
       {"AdamWMixedBf16Grad/Aten", 20, [](benchmark::State& s) { adamw_mixed_bench(s, at::kBFloat16, Mixed::kAten); }},
       {"AdamWMixedFp32Grad/Shardopt", 18, [](benchmark::State& s) { adamw_mixed_bench(s, at::kFloat, Mixed::kShardopt); }},
