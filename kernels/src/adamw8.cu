@@ -14,17 +14,6 @@ static_assert(SHARDOPT_ADAMW8_BLOCK == kThreads, "a CUDA block codes one block o
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kAllLanes = 0xffffffffu;
 
-struct Adam8Buffers {
-  float* param;
-  const float* grad;
-  uint8_t* m;
-  float* m_scale;
-  uint8_t* v;
-  float* v_scale;
-  uint8_t* vmax;
-  float* vmax_scale;
-};
-
 // The larger magnitude of two running maxima; a NaN, once seen, stays (absmax_step in
 // state_codes.h).
 __device__ __forceinline__ float absmax_merge(float a, float b) { return isnan(a) ? a : (isnan(b) || b > a ? b : a); }
@@ -57,7 +46,7 @@ __device__ __forceinline__ float scale_of(float absmax) { return absmax < 1e-12f
 
 template <bool kAmsgrad>
 __global__ void __launch_bounds__(kThreads)
-    adam8_kernel(Adam8Buffers b, int64_t n, AdamScalars s, float sign, const float* __restrict__ signed_map,
+    adam8_kernel(shardopt_adamw8_segment b, int64_t n, AdamScalars s, float sign, const float* __restrict__ signed_map,
                  const float* __restrict__ unsigned_map, const float* __restrict__ inv_scale,
                  const float* __restrict__ found_inf) {
   if (found_inf != nullptr && *found_inf != 0.0f) return;
@@ -74,9 +63,9 @@ __global__ void __launch_bounds__(kThreads)
     float m = 0.0f, v = 0.0f, vmax = 0.0f;
     if (live) {
       float p = b.param[i];
-      m = __fmul_rn(smap[b.m[i]], b.m_scale[block]);
-      v = __fmul_rn(umap[b.v[i]], b.v_scale[block]);
-      if constexpr (kAmsgrad) vmax = __fmul_rn(umap[b.vmax[i]], b.vmax_scale[block]);
+      m = __fmul_rn(smap[b.exp_avg[i]], b.exp_avg_scale[block]);
+      v = __fmul_rn(umap[b.exp_avg_sq[i]], b.exp_avg_sq_scale[block]);
+      if constexpr (kAmsgrad) vmax = __fmul_rn(umap[b.max_exp_avg_sq[i]], b.max_exp_avg_sq_scale[block]);
       adam_element<kAmsgrad>(p, __fmul_rn(__ldg(b.grad + i), grad_factor), m, v, vmax, s);
       b.param[i] = p;
     }
@@ -84,14 +73,14 @@ __global__ void __launch_bounds__(kThreads)
     const float v_scale = scale_of(block_absmax(fabsf(v), slots[1]));
     const float vmax_scale = kAmsgrad ? scale_of(block_absmax(fabsf(vmax), slots[2])) : 0.0f;
     if (live) {
-      b.m[i] = static_cast<uint8_t>(code_of(__fdiv_rn(m, m_scale), smap));
-      b.v[i] = static_cast<uint8_t>(code_of(__fdiv_rn(v, v_scale), umap));
-      if constexpr (kAmsgrad) b.vmax[i] = static_cast<uint8_t>(code_of(__fdiv_rn(vmax, vmax_scale), umap));
+      b.exp_avg[i] = static_cast<uint8_t>(code_of(__fdiv_rn(m, m_scale), smap));
+      b.exp_avg_sq[i] = static_cast<uint8_t>(code_of(__fdiv_rn(v, v_scale), umap));
+      if constexpr (kAmsgrad) b.max_exp_avg_sq[i] = static_cast<uint8_t>(code_of(__fdiv_rn(vmax, vmax_scale), umap));
     }
     if (threadIdx.x == 0) {
-      b.m_scale[block] = m_scale;
-      b.v_scale[block] = v_scale;
-      if constexpr (kAmsgrad) b.vmax_scale[block] = vmax_scale;
+      b.exp_avg_scale[block] = m_scale;
+      b.exp_avg_sq_scale[block] = v_scale;
+      if constexpr (kAmsgrad) b.max_exp_avg_sq_scale[block] = vmax_scale;
     }
     __syncthreads();  // every thread has read the slots before the next block writes them
   }
@@ -120,21 +109,15 @@ extern "C" shardopt_kernel_status shardopt_adamw8(const shardopt_adamw8_segment*
       !usable(unsigned_map, 4) || !usable_if_given(inv_scale, 4) || !usable_if_given(found_inf, 4)) {
     return SHARDOPT_KERNEL_INVALID_ARGUMENT;
   }
-  const Adam8Buffers b{g.param,
-                       g.grad,
-                       g.exp_avg,
-                       g.exp_avg_scale,
-                       g.exp_avg_sq,
-                       g.exp_avg_sq_scale,
-                       amsgrad ? g.max_exp_avg_sq : nullptr,
-                       amsgrad ? g.max_exp_avg_sq_scale : nullptr};
+  shardopt_adamw8_segment b = g;
+  if (!amsgrad) b.max_exp_avg_sq = nullptr, b.max_exp_avg_sq_scale = nullptr;
   // Every buffer written, and every other one read, apart; the two maps may be one buffer.
   const ByteRange maps[2] = {bytes_of(signed_map, 256, 4), bytes_of(unsigned_map, 256, 4)};
   for (const ByteRange& map : maps) {
-    if (!disjoint({map, bytes_of(b.param, n, 4), bytes_of(b.grad, n, 4), bytes_of(b.m, n, 1),
-                   bytes_of(b.m_scale, blocks, 4), bytes_of(b.v, n, 1), bytes_of(b.v_scale, blocks, 4),
-                   bytes_of(b.vmax, n, 1), bytes_of(b.vmax_scale, blocks, 4), bytes_of(inv_scale, 1, 4),
-                   bytes_of(found_inf, 1, 4)})) {
+    if (!disjoint({map, bytes_of(b.param, n, 4), bytes_of(b.grad, n, 4), bytes_of(b.exp_avg, n, 1),
+                   bytes_of(b.exp_avg_scale, blocks, 4), bytes_of(b.exp_avg_sq, n, 1),
+                   bytes_of(b.exp_avg_sq_scale, blocks, 4), bytes_of(b.max_exp_avg_sq, n, 1),
+                   bytes_of(b.max_exp_avg_sq_scale, blocks, 4), bytes_of(inv_scale, 1, 4), bytes_of(found_inf, 1, 4)})) {
       return SHARDOPT_KERNEL_INVALID_ARGUMENT;
     }
   }
