@@ -137,7 +137,7 @@ void parallel_segments(const std::vector<int64_t>& sizes, int64_t grain,
 
 // The widest build this CPU runs: 3 for AVX-512 with VBMI (the AVX-512 build, whose 8-bit decoder
 // then permutes bytes), 2 for AVX-512 (F, BW, VL, DQ), 1 for AVX2 + FMA, 0 otherwise; the
-// environment variable SHARDOPT_FUSED_KERNELS=default|avx2|avx512 caps it (read at the first step).
+// environment variable SHARDOPT_FUSED_KERNELS=default|avx2|avx512 caps it (read when the first OSS is built, or at the first use).
 int cpu_kernel_level();
 // Caps it at `level` from now on (to compare the builds); -1: as the environment says.
 void cap_cpu_kernels(int level);

@@ -265,11 +265,12 @@ TEST(AsyncSave, AFailureWhoseGroupWasReplacedIsAWarningOnThatRank) {
   remove_tree(dir);
 }
 
-// A SIGTERM (a preemption) while a save is written in the background loses that save only: the
-// process is stopped once the writer's temporary file exists (the write has begun and is not
-// renamed into place), then terminated; the main file is the last complete save, whole.
-TEST(AsyncSave, ASigtermDuringTheBackgroundWriteLeavesThePreviousCheckpoint) {
-  const auto dir = temp_dir("async-term");
+// A SIGTERM (a preemption) or a SIGKILL (the out-of-memory killer; nothing in the process runs
+// after it) while a save is written in the background loses that save only: the process is
+// stopped once the writer's temporary file exists (the write has begun and is not renamed into
+// place), then sent `signal`; the main file is the last complete save, whole.
+void check_a_signal_during_the_background_write(int signal, const std::string& name) {
+  const auto dir = temp_dir(name);
   const std::string path = dir + "/last.ckpt";
   int out[2];
   ASSERT_EQ(::pipe(out), 0);
@@ -322,13 +323,13 @@ TEST(AsyncSave, ASigtermDuringTheBackgroundWriteLeavesThePreviousCheckpoint) {
     ASSERT_EQ(::waitpid(pid, &status, WUNTRACED), pid);
     ASSERT_TRUE(WIFSTOPPED(status));
     caught = writing();
-    if (caught) ASSERT_EQ(::kill(pid, SIGTERM), 0);
+    if (caught) ASSERT_EQ(::kill(pid, signal), 0);
     ASSERT_EQ(::kill(pid, SIGCONT), 0);
   }
   if (!caught) ::kill(pid, SIGKILL);
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(caught) << "the worker was not caught writing within 60 s";
-  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == signal) << "status " << status;
   while (std::fgets(line, sizeof(line), lines)) ++saved;
   std::fclose(lines);
   EXPECT_TRUE(writing()) << "the write in flight was cut short";
@@ -338,6 +339,14 @@ TEST(AsyncSave, ASigtermDuringTheBackgroundWriteLeavesThePreviousCheckpoint) {
   const at::Tensor blob = d.at("model").toGenericDict().at("blob").toTensor();
   EXPECT_TRUE(blob.eq(static_cast<double>(step)).all().item<bool>()) << "the blob of the same save, whole";
   remove_tree(dir);
+}
+
+TEST(AsyncSave, ASigtermDuringTheBackgroundWriteLeavesThePreviousCheckpoint) {
+  check_a_signal_during_the_background_write(SIGTERM, "async-term");
+}
+
+TEST(AsyncSave, ASigkillDuringTheBackgroundWriteLeavesThePreviousCheckpoint) {
+  check_a_signal_during_the_background_write(SIGKILL, "async-kill");
 }
 
 }  // namespace SHARDOPT_UNITY_ID

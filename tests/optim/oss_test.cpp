@@ -1,3 +1,4 @@
+#include <shardopt/optim/muon.h>
 #include <shardopt/optim/oss.h>
 
 #include "harness.h"
@@ -10,6 +11,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <fstream>
+#include <functional>
 #include <set>
 #include <shardopt/testing/introspection.h>
 
@@ -544,6 +546,42 @@ TEST(OSS, RanksWhoseOptimizersDifferFailNamingTheOptionOnEveryRank) {
     }
   });
   expect_on_both(kind, "ranks disagree on param group 0's optimizer: Adam on rank 0 but SGD on rank 1");
+  // Every other option each shipped optimizer has, one at a time: rank 1 builds with another value.
+  struct Differ {
+    std::string needle;
+    std::function<OptimizerFactory(bool)> factory;  // the argument: this is rank 1
+    bool matrices_only;                             // Muon: the 2-D parameters
+  };
+  const std::vector<Differ> differ = {
+      {"betas (Adam): (0.9, 0.999) on rank 0 but (0.8, 0.999) on rank 1",
+       [](bool one) { return optimizer<optim::Adam>(optim::AdamOptions(1e-3).betas({one ? 0.8 : 0.9, 0.999})); }},
+      {"eps (AdamW): 1e-08 on rank 0 but 1e-06 on rank 1",
+       [](bool one) { return optimizer<optim::AdamW>(optim::AdamWOptions(1e-3).eps(one ? 1e-6 : 1e-8)); }},
+      {"amsgrad (Adam): false on rank 0 but true on rank 1",
+       [](bool one) { return optimizer<optim::Adam>(optim::AdamOptions(1e-3).amsgrad(one)); }},
+      {"momentum (SGD): 0.9 on rank 0 but 0.5 on rank 1",
+       [](bool one) { return optimizer<optim::SGD>(optim::SGDOptions(1e-2).momentum(one ? 0.5 : 0.9)); }},
+      {"dampening (SGD): 0 on rank 0 but 0.1 on rank 1",
+       [](bool one) { return optimizer<optim::SGD>(optim::SGDOptions(1e-2).momentum(0.9).dampening(one ? 0.1 : 0)); }},
+      {"nesterov (SGD): true on rank 0 but false on rank 1",
+       [](bool one) { return optimizer<optim::SGD>(optim::SGDOptions(1e-2).momentum(0.9).nesterov(!one)); }},
+      {"momentum (Muon): 0.95 on rank 0 but 0.9 on rank 1",
+       [](bool one) { return optimizer<Muon>(MuonOptions(0.02).momentum(one ? 0.9 : 0.95)); }, true},
+      {"ns_steps (Muon): 5 on rank 0 but 3 on rank 1",
+       [](bool one) { return optimizer<Muon>(MuonOptions(0.02).ns_steps(one ? 3 : 5)); }, true},
+      {"adjust_lr_fn (Muon): original on rank 0 but match_rms_adamw on rank 1",
+       [](bool one) { return optimizer<Muon>(MuonOptions(0.02).adjust_lr_fn(one ? "match_rms_adamw" : "original")); },
+       true},
+  };
+  for (const Differ& d : differ) {
+    SCOPED_TRACE(d.needle);
+    auto errors = testing::run_ranks_collect_errors(2, [&](std::shared_ptr<ProcessGroup> g) {
+      Params p = testing::make_params();
+      if (d.matrices_only) p = {p[0], p[2]};
+      OSS oss(p, d.factory(g->rank() == 1), g);
+    });
+    expect_on_both(errors, "ranks disagree on param group 0's " + d.needle);
+  }
 
   // After construction: every rank lowers the learning rate alike (a scheduler) and steps on; then
   // rank 1 alone changes the weight decay, and the next step fails before it steps.

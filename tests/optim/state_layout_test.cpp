@@ -221,6 +221,20 @@ TEST(StateLayout, RegisteredWholeTensorOptimizerKeepsItsShapesThroughMovesAndChe
   });
 }
 
+// A registered option is compared across ranks as torch::optim's are (Note [Optimizers agree
+// across ranks]): a rank built with another beta fails on every rank, naming it.
+TEST(StateLayout, ARegisteredOptimizersOptionThatDiffersOnOneRankIsNamedOnEveryRank) {
+  register_both();
+  const auto errors = testing::run_ranks_collect_errors(2, [](std::shared_ptr<ProcessGroup> g) {
+    OSS oss(testing::make_params(7), optimizer<TanhMomentum>(DecayOptions().beta(g->rank() == 1 ? 0.5 : 0.8)), g);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("ranks disagree on param group 0's beta (TanhMomentum): 0.8 on rank 0 but 0.5 on rank 1"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+}
+
 class Unregistered : public TanhMomentum {
   using TanhMomentum::TanhMomentum;
 };
