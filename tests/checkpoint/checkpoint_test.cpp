@@ -199,6 +199,24 @@ TEST(CheckpointCleanup, ARanksCleanupLeavesTheOtherRanksPartsOfALaterSave) {
   remove_tree(dir);
 }
 
+// A save into folders that do not exist yet makes them, as DCP does, in both layouts, and the
+// checkpoint loads from there.
+TEST(Checkpoint, ASaveMakesTheMissingFoldersOfItsPath) {
+  const auto dir = temp_dir("folders");
+  for (auto layout : {OptimizerStateLayout::kConsolidated, OptimizerStateLayout::kSharded}) {
+    const std::string path = dir + "/runs/" + std::to_string(static_cast<int>(layout)) + "/a/last.ckpt";
+    run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      OSS oss(net->parameters(), adam(), g);
+      TrainingState state;
+      state.step = 7;
+      save_checkpoint(path, *net, oss, state, CheckpointOptions().optimizer_state(layout));
+      EXPECT_EQ(load_checkpoint(path, *net, oss).step, 7) << "layout " << static_cast<int>(layout);
+    });
+  }
+  remove_tree(dir);
+}
+
 // `cp last.ckpt best.ckpt` on a sharded checkpoint: the copy refuses to load on every rank, naming
 // the part it lacks and why; with its parts copied under its name too it loads, and later saves to
 // last.ckpt never remove the parts best.ckpt names.

@@ -10,8 +10,11 @@
 #include "parity.h"
 
 #include <gtest/gtest.h>
+#include <functional>
 #include <torch/csrc/api/include/torch/arg.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
+#include <torch/csrc/api/include/torch/optim/rmsprop.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
@@ -258,6 +261,38 @@ TEST(StateLayout, AnUnregisteredOptimizerIsRefusedNamedAndBadRegistrationsAreErr
   }
   using Adam = OptimizerRegistration<optim::Adam, optim::AdamOptions, optim::AdamParamState>;
   EXPECT_THROW(register_optimizer(Adam("Adam", StateKind::kElementWise)), c10::Error);
+}
+
+// compressible() takes only a tensor registered before it and shaped like its parameter;
+// knows_optimizer() says which optimizers OSS has a layout for.
+TEST(StateLayout, CompressibleTakesOnlyRegisteredParameterShapedTensorsAndKnowsOptimizerSaysWhatIsKnown) {
+  using Row = OptimizerRegistration<Unregistered, DecayOptions, DecayState>;
+  auto error_of = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string unknown = error_of([] { Row("R", StateKind::kElementWise).compressible("velocity"); });
+  EXPECT_NE(unknown.find("compressible('velocity') names no state tensor registered before it"), std::string::npos)
+      << unknown;
+  const std::string shaped = error_of([] {
+    Row("R", StateKind::kWholeTensor)
+        .tensor("row_sq", [](DecayState& s) -> at::Tensor& { return s.row_sq(); },
+                [](at::IntArrayRef sizes) { return std::vector<int64_t>{sizes[0]}; })
+        .compressible("row_sq", StateCodes::kUnsigned);
+  });
+  EXPECT_NE(shaped.find("state entry 'row_sq' has a shape of its own"), std::string::npos) << shaped;
+
+  register_both();
+  const Params params = testing::make_params(7);
+  EXPECT_TRUE(knows_optimizer(optim::Adam(params, optim::AdamOptions(1e-3))));
+  EXPECT_TRUE(knows_optimizer(optim::SGD(params, optim::SGDOptions(1e-3))));
+  EXPECT_TRUE(knows_optimizer(TanhMomentum({optim::OptimizerParamGroup(params)}, DecayOptions())));
+  EXPECT_FALSE(knows_optimizer(Unregistered({optim::OptimizerParamGroup(params)}, DecayOptions())));
+  EXPECT_TRUE(knows_optimizer(optim::RMSprop(params, optim::RMSpropOptions(1e-3))));
 }
 
 }  // namespace SHARDOPT_UNITY_ID
