@@ -412,6 +412,12 @@ class BadInput(Base):
         for r in (0, 1):
             self.assertRegex(out, rf"\[rank {r}\] survive_worker: .*refresh_every (must be >= 1, got 0|0 \(must be >= 1\))")
 
+    def test_min_world_size_0_on_every_rank(self):
+        code, out = run(2, None, "--steps", 2, "--min-world-size", 0)
+        self.assertEqual(code, 1)
+        for r in (0, 1):
+            self.assertRegex(out, rf"\[rank {r}\] survive_worker: .*min_world_size (must be >= 1, got 0|0 \(must be >= 1\))")
+
     def test_options_that_differ_between_ranks(self):
         code, out = run(2, None, "--steps", 2, "--refresh-every", 5, "--refresh-every-rank-1", 3)
         self.assertEqual(code, 1)
