@@ -217,6 +217,33 @@ TEST(Checkpoint, ASaveMakesTheMissingFoldersOfItsPath) {
   remove_tree(dir);
 }
 
+// The ShardedDDP forms take the OSS the ShardedDDP reduces for: another is an error naming the
+// file, on save and on load, before anything is written or read.
+TEST(Checkpoint, AShardedDDPWithAnotherOptimizerIsAnErrorNamingTheFile) {
+  const auto dir = temp_dir("ddp-other");
+  const std::string path = dir + "/last.ckpt";
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g), other(net->parameters(), adam(), g);
+    ShardedDDP ddp(net, oss);
+    const std::string want = "checkpoint '" + path + "': the ShardedDDP given does not reduce gradients for the OSS given";
+    for (bool save : {true, false}) {
+      try {
+        if (save) {
+          save_checkpoint(path, ddp, other, TrainingState{});
+        } else {
+          load_checkpoint(path, ddp, other);
+        }
+        ADD_FAILURE() << (save ? "the save" : "the load") << " with another optimizer went through";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      }
+    }
+  });
+  EXPECT_FALSE(std::ifstream(path).good()) << "the refused save wrote its file";
+  remove_tree(dir);
+}
+
 // `cp last.ckpt best.ckpt` on a sharded checkpoint: the copy refuses to load on every rank, naming
 // the part it lacks and why; with its parts copied under its name too it loads, and later saves to
 // last.ckpt never remove the parts best.ckpt names.
