@@ -263,6 +263,41 @@ TEST(StateLayout, AnUnregisteredOptimizerIsRefusedNamedAndBadRegistrationsAreErr
   EXPECT_THROW(register_optimizer(Adam("Adam", StateKind::kElementWise)), c10::Error);
 }
 
+// constant(name, value): a key every saved group carries (one the Python class has and the C++
+// one does not), beside the registered options.
+class WithConstants : public TanhMomentum {
+  using TanhMomentum::TanhMomentum;
+};
+
+TEST(StateLayout, AConstantIsAKeyEverySavedGroupCarries) {
+  using Reg = OptimizerRegistration<WithConstants, DecayOptions, DecayState>;
+  register_optimizer(Reg("WithConstants", StateKind::kElementWise)
+                         .option("lr", [](DecayOptions& o) -> double& { return o.lr(); })
+                         .option("beta", [](DecayOptions& o) -> double& { return o.beta(); })
+                         .constant("foreach", c10::IValue(false))
+                         .constant("maximize", c10::IValue(false))
+                         .step([](DecayState& s) -> int64_t& { return s.step(); })
+                         .tensor("velocity", [](DecayState& s) -> at::Tensor& { return s.velocity(); }));
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    Params params = testing::make_params(7);
+    OSS oss({{{params[0], params[1]}, optimizer<WithConstants>(DecayOptions(0.1))},
+             {{params[2], params[3], params[4]}, optimizer<WithConstants>(DecayOptions(0.2))}},
+            g);
+    oss.consolidate_state_dict(0);
+    if (g->rank() != 0) return;
+    const auto groups = oss.state_dict().toGenericDict().at("param_groups").toListRef();
+    ASSERT_EQ(groups.size(), 2u);
+    for (size_t k = 0; k < groups.size(); ++k) {
+      const auto group = groups[k].toGenericDict();
+      ASSERT_TRUE(group.contains("foreach") && group.contains("maximize")) << "group " << k;
+      EXPECT_FALSE(group.at("foreach").toBool()) << "group " << k;
+      EXPECT_FALSE(group.at("maximize").toBool()) << "group " << k;
+      EXPECT_DOUBLE_EQ(group.at("lr").toDouble(), k == 0 ? 0.1 : 0.2) << "group " << k;
+      EXPECT_DOUBLE_EQ(group.at("beta").toDouble(), 0.8) << "group " << k;
+    }
+  });
+}
+
 // compressible() takes only a tensor registered before it and shaped like its parameter;
 // knows_optimizer() says which optimizers OSS has a layout for.
 TEST(StateLayout, CompressibleTakesOnlyRegisteredParameterShapedTensorsAndKnowsOptimizerSaysWhatIsKnown) {
