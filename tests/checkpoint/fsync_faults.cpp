@@ -9,7 +9,7 @@
 
 namespace shardopt::testing {
 
-std::atomic<bool> fail_folder_fsync{false};
+std::atomic<int> folder_fsync_errno{0};
 
 namespace {
 std::mutex gate_mu;
@@ -44,8 +44,8 @@ extern "C" int fsync(int fd) {
   namespace t = shardopt::testing;
   struct stat st {};
   const bool known = ::fstat(fd, &st) == 0;
-  if (t::fail_folder_fsync.load() && known && S_ISDIR(st.st_mode)) {
-    errno = EIO;
+  if (const int error = t::folder_fsync_errno.load(); error != 0 && known && S_ISDIR(st.st_mode)) {
+    errno = error;
     return -1;
   }
   if (known && S_ISREG(st.st_mode)) {

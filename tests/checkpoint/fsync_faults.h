@@ -7,8 +7,9 @@
 
 namespace shardopt::testing {
 
-// While set, syncing a folder fails with EIO.
-extern std::atomic<bool> fail_folder_fsync;
+// While nonzero, syncing a folder fails with this errno (EIO: a disk error; EINVAL: a file system
+// that cannot sync folders).
+extern std::atomic<int> folder_fsync_errno;
 
 // While held, syncing a regular file waits until release_file_fsync(), or at most `most`; a wait
 // that ran out is counted (file_fsync_waits_ran_out).
