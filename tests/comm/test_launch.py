@@ -107,7 +107,10 @@ class LaunchEnvironments(unittest.TestCase):
                  ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"},
                   "MASTER_ADDR is not set and the ranks are not all on this node"),
                  ({"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
-                  "WORLD_SIZE must be an integer, got 'two'")]
+                  "WORLD_SIZE must be an integer, got 'two'"),
+                 # Port 0 (any free port) is for a world of one: the other ranks could not find it.
+                 ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"},
+                  "MASTER_PORT 0 is outside (0, 65536)")]
         for extra, needle in cases:
             e = base_env()
             e.update(extra)
