@@ -10,6 +10,7 @@
 #include <torch/csrc/api/include/torch/optim.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <set>
@@ -470,6 +471,25 @@ TEST(OSS, StateBytesAreSharded) {
     g->allreduce(sum);
     EXPECT_EQ(sum.item<int64_t>(), total);
     EXPECT_NEAR(static_cast<double>(mine.item<int64_t>()), total / 2.0, total * 0.03);
+    // describe() has each rank's line: its state bytes, as that rank counts them, and the
+    // parameters it holds whole and in part (a parameter split over both counts on both).
+    const auto bytes = g->allgather_ints({oss.local_state_bytes()});
+    const std::string text = oss.describe();
+    int64_t held = 0;
+    for (int r = 0; r < 2; ++r) {
+      const std::string head = "rank " + std::to_string(r) + ": state ";
+      const size_t at = text.find(head);
+      ASSERT_NE(at, std::string::npos) << text;
+      long long state = -1, whole = -1, split = -1;
+      ASSERT_EQ(std::sscanf(text.c_str() + at + head.size(), "%lld bytes, %lld whole and %lld split", &state, &whole,
+                            &split),
+                3)
+          << text;
+      EXPECT_EQ(state, bytes[r][0]) << "rank " << r << "\n" << text;
+      EXPECT_GE(whole + split, 1) << "rank " << r << "\n" << text;
+      held += whole + split;
+    }
+    EXPECT_GE(held, static_cast<int64_t>(q.size())) << text;
   });
 }
 
