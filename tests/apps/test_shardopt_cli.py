@@ -729,6 +729,15 @@ class CliTest(unittest.TestCase):
         self.assertIn("2 ranks on CPU (Gloo)", p.stdout)
         self.assertRegex(p.stdout, r"test accuracy \d+\.\d+%")
 
+    def test_help_lists_the_options(self):
+        # Each command's --help names its options (README: "list the options") and exits 0.
+        for command, options in (("train", ("--epochs", "--freeze", "--state-format", "--survive-failures", "-n")),
+                                 ("memory", ("--preset", "--world-sizes", "--modes", "--state-format", "--no-chart")),
+                                 ("plan", ("--preset", "--world-sizes", "--state-format"))):
+            p = run([command, "--help"])
+            for option in options:
+                self.assertIn(option, p.stdout, f"shardopt {command} --help")
+
     def test_bad_input_is_one_line_naming_it_on_every_rank(self):
         def fails(args, needle, ranks=1, env=None):
             p = run(args, check=False, env=env)
