@@ -557,6 +557,20 @@ class Launcher(unittest.TestCase):
             with self.assertRaises(ProcessLookupError, msg=f"rank {rank} (pid {pid}) still runs"):
                 os.kill(pid, 0)
 
+    def test_timeout_bounds_a_keep_going_run(self):
+        # Two ranks that would sleep for 10 minutes, under --keep-going (which leaves ranks to their
+        # own errors): --timeout 3 still stops both at 3 s, and the run exits non-zero saying so.
+        code = "import time\ntime.sleep(600)\n"
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, self.LAUNCH, "-n", "2", "--keep-going", "--timeout", "3", sys.executable,
+                            "-c", code], env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=90)
+        elapsed = time.monotonic() - t0
+        self.assertNotEqual(p.returncode, 0, p.stdout)
+        self.assertIn("the run exceeded --timeout 3", p.stdout)
+        self.assertGreaterEqual(elapsed, 3, p.stdout)
+        self.assertLess(elapsed, 40, p.stdout)
+
     def test_a_rank_reporting_the_failure_gets_until_30_s_after_it(self):
         # Rank 0 fails at about 3 s. Rank 1 has said in the store that it saw a failure (its
         # failure key, as a rank in its roll call does) and needs 12 s more to finish: it is not
