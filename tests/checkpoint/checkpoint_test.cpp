@@ -216,6 +216,57 @@ TEST(CheckpointCleanup, ARanksCleanupLeavesTheOtherRanksPartsOfALaterSave) {
   remove_tree(dir);
 }
 
+// shardopt 0.4 named a sharded checkpoint's parts without the save's id (`<path>.optim-R-of-W`):
+// such a checkpoint still loads, the optimizer state from those parts, bit for bit.
+TEST(Checkpoint, PartsNamedWithoutAnIdStillLoad) {
+  const auto dir = temp_dir("legacy");
+  const std::string path = dir + "/last.ckpt";
+  std::vector<at::Tensor> saved_state;
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g);
+    for (auto& p : net->parameters()) p.mutable_grad() = at::full_like(p, 0.1 * (g->rank() + 1));
+    oss.step();
+    TrainingState state;
+    state.step = 3;
+    save_checkpoint(path, *net, oss, state, CheckpointOptions().optimizer_state(OptimizerStateLayout::kSharded));
+    oss.consolidate_state_dict(0);
+    if (g->rank() == 0) {
+      for (const auto& e : oss.state_dict().toGenericDict().at("state").toGenericDict()) {
+        for (const auto& t : e.value().toGenericDict()) saved_state.push_back(t.value().toTensor().clone());
+      }
+    }
+  });
+  int renamed = 0;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name.rfind("last.ckpt.optim-", 0) != 0) continue;
+      const std::string legacy = name.substr(0, name.rfind('.'));  // without ".<id>"
+      ASSERT_EQ(std::rename((dir + "/" + name).c_str(), (dir + "/" + legacy).c_str()), 0) << name;
+      ++renamed;
+    }
+    ::closedir(d);
+  }
+  ASSERT_EQ(renamed, 2);
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g);
+    EXPECT_EQ(load_checkpoint(path, *net, oss).step, 3);
+    oss.consolidate_state_dict(0);
+    if (g->rank() != 0) return;
+    size_t k = 0;
+    for (const auto& e : oss.state_dict().toGenericDict().at("state").toGenericDict()) {
+      for (const auto& t : e.value().toGenericDict()) {
+        ASSERT_LT(k, saved_state.size());
+        EXPECT_TRUE(at::equal(t.value().toTensor(), saved_state[k++])) << "state entry " << t.key().toStringRef();
+      }
+    }
+    EXPECT_EQ(k, saved_state.size());
+  });
+  remove_tree(dir);
+}
+
 // A save into folders that do not exist yet makes them, as DCP does, in both layouts, and the
 // checkpoint loads from there.
 TEST(Checkpoint, ASaveMakesTheMissingFoldersOfItsPath) {
