@@ -427,6 +427,48 @@ TEST(Checkpoint, ErrorFeedbackResumesBitExactFromAShardedCheckpoint) {
   remove_tree(dir);
 }
 
+// Residuals the checkpoint cannot give start at zero, and rank 0 alone says so once, naming why:
+// a consolidated checkpoint carries none; a sharded one saved at another world size has none for
+// this one.
+TEST(Checkpoint, ResidualsACheckpointCannotGiveStartAtZeroAndRankZeroSaysWhy) {
+  struct Warnings : c10::WarningHandler {
+    std::vector<std::string> seen;
+    void process(const c10::Warning& w) override { seen.push_back(w.msg()); }
+  };
+  const auto oss_options = OSSOptions().param_wire(Wire::kInt8);
+  const auto ddp_options = ShardedDDPOptions().gradient_wire(Wire::kInt8).error_feedback(true);
+  const auto dir = temp_dir("feedback-warn");
+  const std::string consolidated = dir + "/consolidated.ckpt", sharded = dir + "/sharded.ckpt";
+  run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+    auto net = std::make_shared<Net>();
+    OSS oss(net->parameters(), adam(), g, oss_options);
+    ShardedDDP ddp(net, oss, ddp_options);
+    save_checkpoint(consolidated, ddp, oss, TrainingState{});
+    save_checkpoint(sharded, ddp, oss, TrainingState{},
+                    CheckpointOptions().optimizer_state(OptimizerStateLayout::kSharded));
+  });
+  for (const auto& [file, reason] : {std::pair<std::string, std::string>{consolidated, "a consolidated checkpoint carries none"},
+                                     {sharded, "it was saved at 3 ranks"}}) {
+    const std::string path = file, why = reason;  // (a structured binding is not captured)
+    std::vector<std::vector<std::string>> seen(2);
+    run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+      Warnings warnings;
+      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      auto net = std::make_shared<Net>();
+      OSS oss(net->parameters(), adam(), g, oss_options);
+      ShardedDDP ddp(net, oss, ddp_options);
+      load_checkpoint(path, ddp, oss);
+      seen[g->rank()] = warnings.seen;
+    });
+    const std::string want = "checkpoint '" + path + "' holds no error-feedback residuals for 2 ranks (" + why +
+                             "): they start at zero";
+    ASSERT_EQ(seen[0].size(), 1u) << path;
+    EXPECT_NE(seen[0][0].find(want), std::string::npos) << seen[0][0];
+    EXPECT_TRUE(seen[1].empty()) << path << ": rank 1 warned too: " << (seen[1].empty() ? "" : seen[1][0]);
+  }
+  remove_tree(dir);
+}
+
 // Resuming with other wire options is not refused (docs/api.md, "gradient_wire"): from a sharded
 // checkpoint of int8 wires with error feedback, a run on exact wires starts from the parameters as
 // saved (the dequantised values, not the masters the checkpoint also carries) and a run on bf16
