@@ -311,6 +311,21 @@ TEST(MixedPrecision, StateDictCarriesTheMastersToAnotherWorldSize) {
         EXPECT_TRUE(m.at(static_cast<int64_t>(i)).toTensor().equal(net->params[i].to(at::kFloat))) << "master " << i;
       }
     }
+    // Parameters changed behind the optimizer: refresh_master_weights() starts the masters from
+    // them again.
+    {
+      at::NoGradGuard no_grad;
+      for (auto& p : net->params) p.mul_(0.5).add_(0.25);
+    }
+    oss.refresh_master_weights();
+    oss.consolidate_state_dict(2);
+    if (g->rank() == 2) {
+      const auto m = oss.state_dict().toGenericDict().at("master_weights").toGenericDict();
+      for (size_t i = 0; i < net->params.size(); ++i) {
+        EXPECT_TRUE(m.at(static_cast<int64_t>(i)).toTensor().equal(net->params[i].to(at::kFloat)))
+            << "master " << i << " after refresh_master_weights()";
+      }
+    }
   });
 }
 
