@@ -212,6 +212,42 @@ TEST(ParamWire, UnderBf16MixedPrecisionBf16WiresChangeNothingAndInt8ParametersAr
   }
 }
 
+// Only what travels is rounded (api.md, "param_wire"): under a bf16 wire the parameters keep their
+// fp32 values at construction; a parameter frozen from the start keeps them through steps at world
+// 2; and at world 1, where nothing travels, the steps leave values no bf16 holds.
+TEST(ParamWire, OnlyWhatTravelsIsRounded) {
+  for (int world : {1, 2}) {
+    testing::run_ranks(world, [&](std::shared_ptr<ProcessGroup> g) {
+      auto net = std::make_shared<Net>();
+      const Params initial = testing::clone_params(net->params);
+      ASSERT_FALSE(bf16_representable(initial[0])) << "the test needs fp32 values bf16 does not hold";
+      net->params[0].requires_grad_(false);  // frozen from the start
+      OSS oss(net->parameters(), adam(), g, OSSOptions().param_wire(Wire::kBFloat16));
+      for (size_t i = 0; i < initial.size(); ++i) {
+        EXPECT_TRUE(net->params[i].equal(initial[i])) << "world " << world << ": parameter " << i << " at construction";
+      }
+      ShardedDDP ddp(net, oss);
+      for (int step = 0; step < 3; ++step) {
+        const auto data = testing::rank_data(step, g->rank(), 3);
+        ddp.zero_grad();
+        testing::loss_of(ddp.forward(data.x), data, 3).backward();
+        oss.step();
+      }
+      EXPECT_TRUE(net->params[0].equal(initial[0])) << "world " << world << ": the parameter frozen from the start";
+      if (world == 1) {
+        for (size_t i = 1; i < initial.size(); ++i) {
+          EXPECT_FALSE(net->params[i].equal(initial[i])) << "parameter " << i << " did not train";
+          EXPECT_FALSE(bf16_representable(net->params[i])) << "world 1: parameter " << i << " was rounded to bf16";
+        }
+      } else {
+        for (size_t i = 1; i < initial.size(); ++i) {
+          EXPECT_TRUE(bf16_representable(net->params[i])) << "world 2: parameter " << i << " travelled unrounded";
+        }
+      }
+    });
+  }
+}
+
 TEST(ParamWire, Bf16SyncMovesHalfTheBytes) {
   for (int world : {2, 3, 4}) {
     for (PartitionMode partition : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
