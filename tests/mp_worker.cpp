@@ -13,6 +13,7 @@
 //   mp_worker rng_resume DIR save|load|load_threads   each rank's random-number state through a
 //                            checkpoint (load_threads: two thread ranks in this process)
 //   mp_worker hold           one all-reduce, then the group stays open until stdin closes
+//   mp_worker abort_after_a_line   prints one line through C stdio, then aborts
 //   mp_worker die_in PHASE R rank R kills itself with SIGKILL in PHASE at step 2
 //   mp_worker soak STEPS DIR  a long run: memory, threads, descriptors and parity (tools/soak.sh)
 //   mp_worker wire_bytes     bytes each rank writes to the network per step: OSS + ShardedDDP
@@ -464,6 +465,12 @@ int main(int argc, char** argv) {
   if (argc < 2) {
     std::cerr << "usage: mp_worker oss_parity | fail_rank R" << std::endl;
     return 2;
+  }
+  if (std::strcmp(argv[1], "abort_after_a_line") == 0) {
+    // One line through C stdio (block-buffered into a pipe unless the launcher line-buffers it),
+    // then an abort, which flushes nothing.
+    std::printf("the last line before the abort\n");
+    std::abort();
   }
   try {
     at::set_num_threads(1);

@@ -557,6 +557,17 @@ class Launcher(unittest.TestCase):
             with self.assertRaises(ProcessLookupError, msg=f"rank {rank} (pid {pid}) still runs"):
                 os.kill(pid, 0)
 
+    def test_a_rank_that_aborts_keeps_its_last_line(self):
+        # The launcher line-buffers its ranks' C stdio (coreutils' stdbuf preload): a line printed
+        # just before an abort reaches the output, where a pipe's block buffer would have lost it.
+        if not any(os.path.exists(lib) for lib in ("/usr/libexec/coreutils/libstdbuf.so",
+                                                    "/usr/lib/coreutils/libstdbuf.so")):
+            self.skipTest("coreutils' stdbuf preload library is not installed")
+        p = subprocess.run([sys.executable, self.LAUNCH, "-n", "1", os.environ["MP_WORKER"], "abort_after_a_line"],
+                           env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+        self.assertNotEqual(p.returncode, 0, p.stdout)
+        self.assertIn("[rank 0] the last line before the abort", p.stdout)
+
     def test_timeout_bounds_a_keep_going_run(self):
         # Two ranks that would sleep for 10 minutes, under --keep-going (which leaves ranks to their
         # own errors): --timeout 3 still stops both at 3 s, and the run exits non-zero saying so.
