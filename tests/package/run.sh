@@ -7,10 +7,14 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 work="$(mktemp -d /tmp/shardopt-package-XXXXXX)"
 trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" > /dev/null
-# The tests' view of the insides is not part of the package; the rendezvous store the launcher
-# starts is.
+# The tests' view of the insides and the benchmarks' model shapes (models/) are not part of the
+# package; the rendezvous store the launcher starts is.
 if [[ -e "$work/prefix/include/shardopt/testing" ]]; then
   echo "package: include/shardopt/testing/ was installed" >&2
+  exit 1
+fi
+if find "$work/prefix" -name 'gpt2.h' -o -name 'llama.h' | grep -q .; then
+  echo "package: models/ (gpt2.h, llama.h) was installed" >&2
   exit 1
 fi
 [[ -x "$work/prefix/bin/shardopt-store" ]] || { echo "package: bin/shardopt-store was not installed" >&2; exit 1; }
