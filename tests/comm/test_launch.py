@@ -205,6 +205,26 @@ class LoopbackStore(unittest.TestCase):
             p.wait()
 
 
+    def test_the_launchers_store_listens_on_loopback_only(self):
+        # tools/launch's rendezvous (its store, whichever process serves it) for ranks on this
+        # machine: every socket listening on its port is bound to 127.0.0.1.
+        port = free_port()
+        launch = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "launch")
+        p = subprocess.Popen([sys.executable, launch, "-n", "2", "--port", str(port), WORKER, "hold"], env=base_env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 30
+            addresses = []
+            while not addresses and time.monotonic() < deadline and p.poll() is None:
+                addresses = listening_addresses(port)
+                time.sleep(0.05)
+            self.assertTrue(addresses, "nothing listened on the launcher's port")
+            self.assertEqual(set(addresses), {"0100007F"}, "the launcher's store must listen on 127.0.0.1 only")
+        finally:
+            p.terminate()
+            p.communicate(timeout=60)
+
+
 LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
 
