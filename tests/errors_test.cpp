@@ -254,6 +254,26 @@ TEST(Errors, PeerThatSkipsACollectiveTimesOut) {
   EXPECT_TRUE(errors[1].empty());
 }
 
+// A phase user code names with CommPhase is named in the errors of the collectives it starts, as
+// the library's own phases are; outside it, CommPhase::current() is empty again.
+TEST(Errors, AUserPhaseIsNamedInTheErrorsOfItsCollectives) {
+  auto errors = run_ranks_collect_errors(
+      2,
+      [](std::shared_ptr<ProcessGroup> g) {
+        EXPECT_STREQ(CommPhase::current(), "");
+        if (g->rank() == 1) return;  // never joins the all-reduce
+        CommPhase phase("evaluating the validation set");
+        EXPECT_STREQ(CommPhase::current(), "evaluating the validation set");
+        at::Tensor t = at::ones({4});
+        g->allreduce(t);
+      },
+      std::chrono::milliseconds(1500));
+  EXPECT_NE(errors[0].find("allreduce #1 (evaluating the validation set) on rank 0 failed or timed out"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_TRUE(errors[1].empty());
+}
+
 }  // namespace SHARDOPT_UNITY_ID
 }  // namespace
 }  // namespace shardopt
