@@ -27,3 +27,17 @@ cmake --build "$work/build" > "$work/build.log" 2>&1 || { cat "$work/build.log";
 "$work/build/consumer" "$work"
 "$work/prefix/bin/shardopt-launch" -n 2 --timeout 120 "$work/build/consumer"
 "$work/prefix/bin/shardopt" --version
+# How the package finds LibTorch (README): through the build's Python environment, which another
+# SHARDOPT_PYTHON replaces (a missing one finds nothing), unless Torch_DIR names LibTorch itself.
+python="$(grep -E '^SHARDOPT_PYTHON:' "$build/CMakeCache.txt" | cut -d= -f2)"
+torch_dir="$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')/Torch"
+configure_only() {
+  cmake -S "$here" -B "$work/$1" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_CXX_COMPILER="$compiler" \
+        "${@:2}" > "$work/$1.log" 2>&1
+}
+if configure_only no-python -DSHARDOPT_PYTHON=/nonexistent/python; then
+  echo "package: found LibTorch with SHARDOPT_PYTHON pointing nowhere: the override is not what finds it" >&2
+  exit 1
+fi
+configure_only torch-dir -DSHARDOPT_PYTHON=/nonexistent/python -DTorch_DIR="$torch_dir" \
+  || { cat "$work/torch-dir.log"; echo "package: Torch_DIR did not find LibTorch" >&2; exit 1; }
