@@ -457,6 +457,9 @@ void OSS::place_state() {
   slabs_->plan_slots(store_->layout(), group_->rank(), settled_, [this](size_t i, const at::Tensor& key) {
     return unit_of(i).local->state().count(compat::state_key(key)) != 0;
   });
+  std::vector<std::pair<optim::Optimizer*, const detail::OptimizerCodec*>> units;
+  for (auto& unit : units_) units.emplace_back(unit.local.get(), unit.codec);
+  slabs_->move_in_place(units);  // (Note [Moving ranges in place])
   for (auto& unit : units_) slabs_->adopt(*unit.local, *unit.codec);
   if (masters_) slabs_->adopt_masters(settled_, group_->rank());
 }

@@ -1,6 +1,7 @@
 // The store's parameter buffers: laid out for the partition and the trainable set, and made
 // current on every rank after the step (Note [Parameter sync], Note [Overlapped parameter sync]).
 #include "optim/param_buffers.h"
+#include "optim/buffer_moves.h"
 #include "optim/shard_store.h"
 
 #include <shardopt/optim/placement.h>
@@ -12,28 +13,93 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <optional>
 
 namespace shardopt::detail {
 
-std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at::Tensor>& params) {
+namespace {
+
+size_t group_of(const FlatLayout& layout, size_t param) { return layout.pieces()[layout.pieces_of(param).front()].group; }
+
+// Where `old` (one of the buffers before) can hold new group `g` in place: it holds exactly the
+// group's parameters, as contiguous views, with the group's device and dtype, and has room for
+// the group's buffer. Then the parameters' moves within it; else nothing.
+std::optional<std::vector<RangeMove>> moves_in_place(const FlatLayout& layout, const std::vector<at::Tensor>& params,
+                                                     size_t g, const std::vector<size_t>& members,
+                                                     const at::Tensor& old, size_t old_members, int64_t room) {
+  const FlatGroup& group = layout.groups()[g];
+  if (!old.defined() || members.size() != old_members || old.scalar_type() != group.dtype ||
+      old.device() != group.device || old.storage_offset() != 0 || room < group.buffer_numel() * old.element_size()) {
+    return std::nullopt;
+  }
+  std::vector<RangeMove> moves;
+  for (size_t i : members) {
+    const at::Tensor& p = params[i];
+    if (!p.is_contiguous() || !p.storage().is_alias_of(old.storage())) return std::nullopt;
+    moves.push_back({p.storage_offset(), layout.param_in_buffer(i).begin, p.numel()});
+  }
+  return moves;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at::Tensor>& params,
+                                       std::vector<at::Tensor> old, std::vector<int64_t>* room) {
   TORCH_INTERNAL_ASSERT(layout.num_params() == params.size(), "layout of ", layout.num_params(), " parameters for ",
                         params.size());
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> buffers;
-  for (const auto& group : layout.groups()) {
-    buffers.push_back(at::zeros({group.buffer_numel()},
-                                at::TensorOptions().dtype(group.dtype).device(group.device)));
+  const size_t groups = layout.groups().size();
+  std::vector<std::vector<size_t>> members(groups);
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_INTERNAL_ASSERT(layout.param_in_buffer(i).size() == params[i].numel(), "parameter ", i, " has ",
+                          params[i].numel(), " elements, its range ", layout.param_in_buffer(i).size());
+    members[group_of(layout, i)].push_back(i);
   }
+  // Each old buffer holds the parameters of at most one new group: the one of its first.
+  std::vector<size_t> old_members(old.size(), 0);
+  std::vector<int64_t> old_of(groups, -1);
+  for (size_t i = 0; i < params.size(); ++i) {
+    for (size_t k = 0; k < old.size(); ++k) {
+      if (!params[i].storage().is_alias_of(old[k].storage())) continue;
+      ++old_members[k];
+      if (old_of[group_of(layout, i)] < 0) old_of[group_of(layout, i)] = static_cast<int64_t>(k);
+    }
+  }
+  std::vector<at::Tensor> buffers(groups);
+  std::vector<int64_t> rooms(groups, 0);
+  for (size_t g = 0; g < groups; ++g) {
+    const FlatGroup& group = layout.groups()[g];
+    const int64_t k = old_of[g];
+    const int64_t old_room = k < 0 ? 0 : room && static_cast<size_t>(k) < room->size() ? (*room)[k]
+                                                                                         : static_cast<int64_t>(old[k].storage().nbytes());
+    const auto moves = k < 0 ? std::nullopt : moves_in_place(layout, params, g, members[g], old[k], old_members[k], old_room);
+    if (moves) {  // Note [Moving ranges in place]
+      at::Tensor& from = old[k];
+      from.storage().unsafeGetStorageImpl()->set_nbytes(old_room);  // all of its memory, for the moves
+      at::Tensor whole = at::empty({0}, from.options()).set_(from.storage(), 0, {old_room / from.element_size()});
+      int64_t span = group.buffer_numel();  // the new buffer, and the old places beyond it
+      for (const auto& m : *moves) span = std::max(span, m.from + m.numel);
+      move_ranges_in_place(whole.narrow(0, 0, span), *moves);
+      // The storage counts the buffer's bytes; its memory keeps its room.
+      from.storage().unsafeGetStorageImpl()->set_nbytes(group.buffer_numel() * from.element_size());
+      buffers[g] = at::empty({0}, from.options()).set_(from.storage(), 0, {group.buffer_numel()});
+      rooms[g] = old_room;
+      from = at::Tensor();
+    } else {
+      buffers[g] = zeros_with_room(group.buffer_numel(), at::TensorOptions().dtype(group.dtype).device(group.device),
+                                   rooms[g]);
+    }
+  }
+  if (room) *room = std::move(rooms);
   for (size_t i = 0; i < params.size(); ++i) {
     auto& p = params[i];
     // A parameter's pieces are adjacent: it stays one view, whatever its owners.
     const Range at = layout.param_in_buffer(i);
-    TORCH_INTERNAL_ASSERT(at.size() == p.numel(), "parameter ", i, " has ", p.numel(), " elements, its range ",
-                          at.size());
-    const size_t group = layout.pieces()[layout.pieces_of(i).front()].group;
-    at::Tensor view = buffers[group].narrow(0, at.begin, at.size()).view(p.sizes());
-    view.copy_(p.detach());
-    p.set_data(view);
+    at::Tensor view = buffers[group_of(layout, i)].narrow(0, at.begin, at.size()).view(p.sizes());
+    if (!view.is_alias_of(p) || view.storage_offset() != p.storage_offset()) {
+      if (!view.storage().is_alias_of(p.storage())) view.copy_(p.detach());  // a new buffer: the values copied in
+      p.set_data(view);
+    }
   }
   return buffers;
 }
@@ -148,8 +214,7 @@ void ShardStore::lay_out(PlanPtr plan) {
   TORCH_INTERNAL_ASSERT(plan && plan->version > plan_->version, "a plan older than the current one");
   finish_param_sync();  // the data moves to new buffers: it must be current first
   plan_ = std::move(plan);
-  buffers_.clear();  // the parameters still hold the old buffers' data until they are copied out
-  buffers_ = lay_out_params(plan_->layout, params_);
+  buffers_ = lay_out_params(plan_->layout, params_, std::move(buffers_), &buffer_room_);
 }
 
 void ShardStore::set_bucket_bytes(int64_t bytes) {

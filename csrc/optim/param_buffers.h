@@ -16,11 +16,17 @@ enum class ParamSync;
 
 namespace shardopt::detail {
 
-// Allocates one buffer per group of `layout` and makes each parameter a view of its range,
-// copying its values in. set_data() keeps every parameter's TensorImpl, so the module, optimizer
-// state keys and hooks stay valid. The old buffers are released once nothing else refers to
-// them.
-std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at::Tensor>& params);
+// One buffer per group of `layout`, each parameter a view of its range with its values.
+// set_data() keeps every parameter's TensorImpl, so the module, optimizer state keys and hooks
+// stay valid. A group whose parameters are all the parameters of one of `old` (the buffers of
+// the layout before), with room in it, stays in that buffer's memory: the parameters move inside
+// it (Note [Moving ranges in place] in buffer_moves.h), so a new layout does not hold the model
+// twice. Any other group gets a new buffer, its values copied in. A tensor that aliased an old
+// buffer apart from the parameters (a detached view kept by the user) does not keep its values.
+// `room`, where given: on entry the bytes the memory of each of `old` holds, on return those of
+// each new buffer's (a buffer laid out in less than its memory keeps the rest for a later layout).
+std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at::Tensor>& params,
+                                       std::vector<at::Tensor> old = {}, std::vector<int64_t>* room = nullptr);
 
 // Note [Parameter sync]
 // After the owners stepped, every rank's copy of each buffer is made equal to the owners', all

@@ -88,8 +88,8 @@ class ShardStore {
   // differs from the plan's set; returns whether it did. Local: every rank must pass the same set
   // before the next collective that uses the layout.
   bool lay_out_for(const std::vector<uint8_t>& trainable);
-  // Makes `plan` current (one of make_plan's): new buffers, the parameters' values copied in
-  // (lay_out_params), the old buffers freed once nothing refers to them.
+  // Makes `plan` current (one of make_plan's): the buffers laid out again, the parameters moved
+  // inside the old buffers where they fit, else copied into new ones (lay_out_params).
   void lay_out(PlanPtr plan);
   std::vector<at::Tensor>& buffers() { return buffers_; }
 
@@ -154,6 +154,7 @@ class ShardStore {
   std::vector<uint8_t> stepped_;
   PlanPtr plan_;                     // never null; version 0 (no trainable set) before the first layout
   std::vector<at::Tensor> buffers_;  // one per layout group; the parameters are views of them
+  std::vector<int64_t> buffer_room_;  // the bytes each buffer's memory holds (it may hold more than the buffer)
   bool trainable_checked_outside_ = false;
   bool handed_over_ = false;
   bool overlap_sync_ = false;

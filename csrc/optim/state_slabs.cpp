@@ -3,6 +3,7 @@
 #include <shardopt/check.h>
 #include <shardopt/compat.h>
 
+#include "optim/buffer_moves.h"
 #include "optim/state_codes.h"
 
 #include <ATen/ATen.h>
@@ -24,7 +25,11 @@ namespace shardopt::detail {
 // (fresh_slot), and adopt() copies any state tensor that is elsewhere (made by the wrapped
 // optimizer's own step, loaded from a state dict, or moved from another rank) into its slot and
 // keeps the view. A new plan (a freeze, an unfreeze, a re-partition: Note [Shard plan]) gives new
-// slots (plan_slots); state then moves into new slabs at the next adopt(), and the old slabs are freed with the last view.
+// slots (plan_slots). Where all the state in an old slab has its new slot in the same group and
+// the new slab fits in the old one's memory (slabs are made with a little room to spare), the
+// state moves inside that memory (move_in_place, Note [Moving ranges in place] in buffer_moves.h),
+// so the old and the new slab are never held at once; otherwise it moves into a new slab at the
+// next adopt(), and the old slab is freed with its last view.
 // Under mixed precision the masters (the fp32 tensors the wrapped optimizer steps, which key the
 // state) move into a slab of their own at the same offsets (adopt_masters), so that a run of
 // pieces has its master, its state and its low-precision parameters each in one range. An
@@ -67,8 +72,122 @@ void StateSlabs::plan_slots(const FlatLayout& layout, int rank, const std::vecto
   slab_numel_ = std::move(numel);
   // The old slabs live on in the views until adopt() copies them (8-bit ones with their scales,
   // in coded_).
+  replaced_ = std::move(slabs_);
+  replaced_scales_ = std::move(scales_);
   slabs_.assign(groups.size(), {});
   scales_.assign(groups.size(), {});
+}
+
+namespace {
+
+// `t`'s storage as a flat tensor of its first `bytes` (the storage counts them from now on).
+at::Tensor storage_as(const at::Tensor& t, int64_t bytes) {
+  t.storage().unsafeGetStorageImpl()->set_nbytes(bytes);
+  return at::empty({0}, t.options()).set_(t.storage(), 0, {bytes / static_cast<int64_t>(t.element_size())});
+}
+
+}  // namespace
+
+int64_t StateSlabs::room_of(const at::Tensor& t) const {
+  auto it = room_.find(t.storage().unsafeGetStorageImpl());
+  return it == room_.end() ? static_cast<int64_t>(t.storage().nbytes()) : it->second;
+}
+
+int64_t StateSlabs::move_in_place(
+    const std::vector<std::pair<torch::optim::Optimizer*, const OptimizerCodec*>>& units) {
+  at::NoGradGuard no_grad;
+  using Visit = std::function<at::Tensor(const void* key, const std::string& kind, const at::Tensor& t,
+                                         const OptimizerCodec& codec)>;
+  auto visit = [&](const Visit& fn) {
+    for (const auto& unit : units) {
+      const OptimizerCodec& codec = *unit.second;
+      for (auto& entry : unit.first->state()) {
+        const void* key = entry.first;
+        codec.place_state(*entry.second, [&](const char* kind, const at::Tensor& t) { return fn(key, kind, t, codec); });
+      }
+    }
+  };
+  // Per replaced slab (group, kind): the moves of the state that views it, and whether all of it
+  // has a new slot there; state viewing a slab kept nowhere makes it stay as it was (adopt()
+  // copies it).
+  struct Moves {
+    std::vector<RangeMove> moves;
+    bool movable = true;
+  };
+  std::map<std::pair<size_t, std::string>, Moves> by_slab;
+  for (size_t g = 0; g < replaced_.size(); ++g) {
+    for (const auto& [kind, old] : replaced_[g]) {
+      if (kind == kMasterSlab) continue;
+      bool room = g < slabs_.size() && old.storage_offset() == 0 &&
+                  room_of(old) >= slab_numel_[g] * static_cast<int64_t>(old.element_size());
+      if (room && old.scalar_type() == at::kByte) {
+        auto sc = replaced_scales_[g].find(kind);
+        room = sc != replaced_scales_[g].end() && sc->second.storage_offset() == 0 &&
+               room_of(sc->second) >= state_blocks(slab_numel_[g]) * static_cast<int64_t>(sc->second.element_size());
+      }
+      by_slab[{g, kind}].movable = room;
+    }
+  }
+  auto slab_viewed = [&](const std::string& kind, const at::Tensor& t) -> Moves* {
+    for (auto& [where, m] : by_slab) {
+      if (where.second == kind && t.storage().is_alias_of(replaced_[where.first].at(kind).storage())) return &m;
+    }
+    return nullptr;
+  };
+  visit([&](const void* key, const std::string& kind, const at::Tensor& t, const OptimizerCodec& codec) {
+    Moves* m = slab_viewed(kind, t);
+    if (!m) return t;
+    auto it = slots_.find(key);
+    const Slot* slot = it == slots_.end() ? nullptr : &it->second;
+    const bool fits = slot && t.numel() == slot->numel && t.is_contiguous() &&
+                      replaced_[slot->group].count(kind) != 0 &&
+                      t.storage().is_alias_of(replaced_[slot->group].at(kind).storage()) &&
+                      stored_dtype(kind, t, slot->coded) == t.scalar_type() && in_slab(*slot, kind, &codec);
+    if (fits) {
+      m->moves.push_back({t.storage_offset(), slot->offset, slot->numel});
+    } else {
+      m->movable = false;
+    }
+    return t;
+  });
+  int64_t most = 0;
+  for (auto& [where, m] : by_slab) {
+    if (!m.movable) continue;
+    const auto& [g, kind] = where;
+    const at::Tensor& old = replaced_[g].at(kind);
+    // The new slab, and the old places beyond it.
+    auto span = [](const std::vector<RangeMove>& moves, int64_t numel) {
+      for (const auto& mv : moves) numel = std::max(numel, mv.from + mv.numel);
+      return numel;
+    };
+    const int64_t numel = slab_numel_[g];
+    most = std::max(most, move_ranges_in_place(storage_as(old, room_of(old)).narrow(0, 0, span(m.moves, numel)), m.moves));
+    const at::Tensor slab = storage_as(old, numel * static_cast<int64_t>(old.element_size()));
+    slabs_[g][kind] = slab;
+    if (old.scalar_type() != at::kByte) continue;
+    // The scales move with their codes, a block each (every slot starts on a block boundary).
+    std::vector<RangeMove> blocks;
+    for (const auto& mv : m.moves) blocks.push_back({mv.from / kStateBlock, mv.to / kStateBlock, state_blocks(mv.numel)});
+    const at::Tensor& old_scales = replaced_scales_[g].at(kind);
+    const int64_t blocks_numel = state_blocks(numel);
+    most = std::max(most, move_ranges_in_place(
+                              storage_as(old_scales, room_of(old_scales)).narrow(0, 0, span(blocks, blocks_numel)), blocks));
+    const at::Tensor scales = storage_as(old_scales, blocks_numel * static_cast<int64_t>(old_scales.element_size()));
+    scales_[g][kind] = scales;
+    for (auto& c : coded_) {
+      if (c.first.storage().is_alias_of(slab.storage())) c = {slab, scales};
+    }
+  }
+  // The moved state views its new place.
+  visit([&](const void* key, const std::string& kind, const at::Tensor& t, const OptimizerCodec&) {
+    Moves* m = slab_viewed(kind, t);
+    if (!m || !m->movable) return t;
+    const Slot& slot = slots_.at(key);
+    return slabs_[slot.group].at(kind).narrow(0, slot.offset, slot.numel).view(slot.sizes);
+  });
+  replaced_.clear();
+  replaced_scales_.clear();
+  return most;
 }
 
 at::Tensor StateSlabs::slab_for(size_t group, const std::string& kind, const at::Tensor& like, bool coded) {
@@ -78,9 +197,14 @@ at::Tensor StateSlabs::slab_for(size_t group, const std::string& kind, const at:
   if (it == slabs.end()) {
     // Zeros: the gaps between pieces (alignment) stay finite, whatever steps over them; zero
     // scales decode any code to 0.
-    at::Tensor slab = at::zeros({slab_numel_[group]}, like.options().dtype(dtype).requires_grad(false));
+    // (With room for a later plan's slab: Note [Moving ranges in place].)
+    int64_t room = 0;
+    at::Tensor slab = zeros_with_room(slab_numel_[group], like.options().dtype(dtype).requires_grad(false), room);
+    room_[slab.storage().unsafeGetStorageImpl()] = room;
     if (dtype == at::kByte) {
-      at::Tensor scales = at::zeros({state_blocks(slab_numel_[group])}, like.options().dtype(at::kFloat).requires_grad(false));
+      at::Tensor scales =
+          zeros_with_room(state_blocks(slab_numel_[group]), like.options().dtype(at::kFloat).requires_grad(false), room);
+      room_[scales.storage().unsafeGetStorageImpl()] = room;
       scales_.at(group).emplace(kind, scales);
       // Replaced slabs nothing views any more go.
       coded_.erase(std::remove_if(coded_.begin(), coded_.end(),

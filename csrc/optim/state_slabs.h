@@ -52,7 +52,8 @@ class StateSlabs {
   // Places this rank's state (its slots) for `layout`: every holding of `rank` that is a piece of
   // the layout's trainable run at its place in the rank's shard (the same offsets as the parameter
   // buffer), and each other holding with state (a frozen parameter's kept state) after it. When
-  // the slots differ from the last ones, new slabs are made as state arrives (adopt(),
+  // the slots differ from the last ones, move_in_place() lays each old slab out again inside its
+  // own memory where it can; the other slabs are made anew as state arrives (adopt(),
   // fresh_slot()), and the old ones are freed once no state tensor refers to them.
   // `has_state(param, tensor)` says whether the optimizer of `param` holds state for `tensor`.
   void plan_slots(const FlatLayout& layout, int rank, const std::vector<std::vector<Holding>>& holdings,
@@ -86,6 +87,14 @@ class StateSlabs {
   // a coded slot fp32 state is coded, and codes come with their scales) and makes the state hold
   // the slab's view; returns the bytes copied. State without a slot stays as it is.
   int64_t adopt(torch::optim::Optimizer& local, const OptimizerCodec& codec);
+
+  // After plan_slots() gave new slots, before adopt(): each replaced slab of state whose memory
+  // has room for its kind's new slab keeps that memory, and the state of `units` that views it
+  // moves inside it to its new slot (8-bit codes with their scales; Note [Moving ranges in place]
+  // in buffer_moves.h), so a new plan does not hold the old slabs and the new ones at once. State
+  // in such a slab without a new slot there is copied out first. Returns the most elements set
+  // aside at once.
+  int64_t move_in_place(const std::vector<std::pair<torch::optim::Optimizer*, const OptimizerCodec*>>& units);
 
   // Mixed precision: moves the master of each holding of `rank` (the holding's fp32 tensor, which
   // keys its state) that has a slot into its group's master slab (kMasterSlab) at the slot, keeping
@@ -125,6 +134,12 @@ class StateSlabs {
   std::vector<int64_t> slab_numel_;              // per group: trainable region + kept region
   std::vector<std::map<std::string, at::Tensor>> slabs_;  // per group: kind -> slab
   std::vector<std::map<std::string, at::Tensor>> scales_;  // per group: kind -> its 8-bit slab's scales
+  // The slabs (and scales) plan_slots() replaced, until move_in_place() has taken what it can.
+  std::vector<std::map<std::string, at::Tensor>> replaced_, replaced_scales_;
+  // The bytes each slab's memory holds (StorageImpl -> bytes): a slab laid out again in less
+  // than its memory keeps the rest for a later plan.
+  std::unordered_map<const void*, int64_t> room_;
+  int64_t room_of(const at::Tensor& t) const;
   // Every 8-bit slab (codes) with its scales, current and replaced; a replaced one is dropped once
   // nothing views it.
   std::vector<std::pair<at::Tensor, at::Tensor>> coded_;

@@ -266,6 +266,56 @@ TEST(ShardStore, ANewLayoutMovesExactlyTheStateWhoseHolderChanged) {
   }
 }
 
+// A freeze and an unfreeze lay the parameters and the state out again inside the memory they
+// already hold (Note [Moving ranges in place] in csrc/optim/buffer_moves.h), so a run that
+// freezes never holds the model or its state twice: the parameter buffer and each state slab
+// keep their memory wherever the new layout fits in it, and the parameters stay those of a plain
+// torch::optim::Adam stepping the ranks' averaged gradients.
+TEST(ShardStore, AFreezeMovesParametersAndStateInsideTheMemoryTheyHold) {
+  for (PartitionMode mode : {PartitionMode::kSplit, PartitionMode::kWholeParameters}) {
+    run_ranks(3, [&](std::shared_ptr<ProcessGroup> g) {
+      const char* where = mode == PartitionMode::kSplit ? "split" : "whole parameters";
+      Params params = make_chain();
+      Params ref = make_chain();
+      OSS oss(params, optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
+              OSSOptions().partition(mode).rebalance_threshold(0.0));
+      optim::Adam plain(ref, optim::AdamOptions(1e-2));
+      int in_place = 0;
+      for (int s = 0; s < 6; ++s) {
+        const bool frozen = s == 2 || s == 3;
+        // The memory each parameter's buffer and this rank's first state slab live in, and room.
+        const void* param_memory = params[0].storage().data();
+        const at::Tensor slab = Introspection::state_slab(oss, 0, "exp_avg");
+        const void* slab_memory = slab.defined() ? slab.storage().data() : nullptr;
+        const int64_t slab_room = slab.defined() ? static_cast<int64_t>(slab.storage().nbytes()) : 0;
+        for (int k = 0; k < 4; ++k) params[k].requires_grad_(!frozen), ref[k].requires_grad_(!frozen);
+        const auto [x, y] = batch(s, g->rank());
+        if (s == 0) ASSERT_TRUE(testing::differs_across_ranks(x, *g)) << where;
+        oss.zero_grad();
+        at::mse_loss(chain(params, x), y).backward();
+        testing::allreduce_grads(params, *g);
+        plain.zero_grad();
+        for (size_t i = 0; i < params.size(); ++i) {
+          if (params[i].grad().defined()) ref[i].mutable_grad() = params[i].grad().clone();
+        }
+        oss.step();
+        plain.step();
+        ASSERT_TRUE(testing::matches_reference(params, ref, *g, 1e-5)) << where << ", step " << s;
+        for (size_t i = 0; i < params.size(); ++i) {
+          ASSERT_EQ(params[i].storage().data(), param_memory)
+              << where << ", step " << s << ": parameter " << i << " left the buffer's memory";
+        }
+        const at::Tensor now = Introspection::state_slab(oss, 0, "exp_avg");
+        if (slab_memory && now.defined() && static_cast<int64_t>(now.nbytes()) <= slab_room) {
+          ASSERT_EQ(now.storage().data(), slab_memory) << where << ", step " << s << ": the new slab fitted in the old";
+          in_place += s == 2 || s == 4;
+        }
+      }
+      EXPECT_GT(in_place, 0) << where << ": no new layout fitted in the old slab";
+    });
+  }
+}
+
 // Mixed precision: each master a rank steps (the fp32 tensor keying its state) is a view of its
 // group's master slab at the same offset as its state, through a freeze, a re-partition and an
 // unfreeze, and it is the live master: the bf16 parameter is it rounded.
