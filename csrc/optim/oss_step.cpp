@@ -2,6 +2,7 @@
 // with its gradients (the fused step, or the wrapped optimizer's), the gradient scaler's unscale
 // folded in, and every rank's copy made current.
 #include <shardopt/optim/oss.h>
+#include <shardopt/optim/muon.h>
 #include <shardopt/check.h>
 
 #include <shardopt/comm/agree.h>
@@ -11,6 +12,7 @@
 #include "optim/master_weights.h"
 #include "optim/options_agreement.h"
 #include "optim/shard_store.h"
+#include "optim/state_slabs.h"
 #include "optim/trainable.h"
 
 #include <ATen/ATen.h>
@@ -18,6 +20,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <unordered_set>
 
 namespace shardopt {
 
@@ -155,6 +158,51 @@ class StepGradients {
   torch::optim::Optimizer& local_;
 };
 
+// Restores an optimizer's param groups as they were, however the scope ends.
+class KeptGroups {
+ public:
+  explicit KeptGroups(torch::optim::Optimizer& local) : local_(local) {
+    for (auto& g : local_.param_groups()) params_.push_back(g.params());
+  }
+  ~KeptGroups() {
+    for (size_t g = 0; g < params_.size(); ++g) local_.param_groups()[g].params() = params_[g];
+  }
+  const std::vector<std::vector<at::Tensor>>& params() const { return params_; }
+
+ private:
+  torch::optim::Optimizer& local_;
+  std::vector<std::vector<at::Tensor>> params_;
+};
+
+}  // namespace
+
+// Note [8-bit state one tensor at a time]
+// Muon steps each matrix on its own (its momentum, its orthogonalisation), so under kInt8 its step
+// runs one matrix at a time: that matrix's momentum decoded to fp32, stepped, coded again, before
+// the next. Only one matrix's fp32 momentum exists at once, not the whole unit's, which would be
+// four times the codes that kInt8 keeps. The result is the same: each matrix's step reads only its
+// own state and gradient. A registered optimizer may couple its tensors, so its compressible state
+// is decoded for its whole unit.
+namespace {
+
+void step_one_tensor_at_a_time(detail::StateSlabs& slabs, torch::optim::Optimizer& local,
+                               const detail::OptimizerCodec& codec, const detail::Gradients& grads) {
+  KeptGroups kept(local);
+  for (size_t g = 0; g < kept.params().size(); ++g) {
+    for (const at::Tensor& p : kept.params()[g]) {
+      for (auto& group : local.param_groups()) group.params().clear();
+      local.param_groups()[g].params().push_back(p);
+      const std::unordered_set<const void*> only{p.unsafeGetTensorImpl()};
+      slabs.widen(local, codec, &only);
+      {
+        StepGradients with(local, grads);
+        local.step();
+      }
+      slabs.adopt(local, codec);
+    }
+  }
+}
+
 }  // namespace
 
 // A parameter steps only if it is trainable and laid out as such: one unfrozen after the layout was
@@ -233,6 +281,8 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
       const detail::FusedStepResult result = detail::fused_step(*units_[u].local, in);
       fused_segments_ += result.segments;
       if (!result.stepped) return false;  // the found-inf flag: the same for every optimizer
+    } else if (decoded_step(u) && dynamic_cast<Muon*>(units_[u].local.get())) {
+      step_one_tensor_at_a_time(*slabs_, *units_[u].local, *units_[u].codec, in.grads);  // (Note [8-bit state one tensor at a time])
     } else if (decoded_step(u)) {
       slabs_->widen(*units_[u].local, *units_[u].codec);
       {

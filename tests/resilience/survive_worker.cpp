@@ -31,6 +31,7 @@
 #include <iostream>
 #include <memory>
 #include <set>
+#include <stdexcept>
 #include <string>
 
 using namespace shardopt;
@@ -46,6 +47,7 @@ struct Args {
   int64_t await_joiner_at = -1;       // before this step, wait until a replacement has asked to join
   int stop_rank = -1;                 // this global rank stops itself (SIGSTOP: hung) before --stop-at-step
   int64_t stop_at = -1;
+  int64_t throw_at = -1;              // every rank's body throws an error of its own at this step
   int shard_group_size = 0;           // > 0: replica blocks of this size while the world size is a multiple
   int64_t timeout_s = 20;             // the group's collective timeout
   bool scaler_on_rank_1 = false;      // only rank 1 passes a grad_scaler (a bad-input test)
@@ -66,6 +68,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--await-joiner-at") a.await_joiner_at = std::stoll(v);
     else if (k == "--stop-rank") a.stop_rank = std::stoi(v);
     else if (k == "--stop-at-step") a.stop_at = std::stoll(v);
+    else if (k == "--throw-at-step") a.throw_at = std::stoll(v);
     else if (k == "--shard-group-size") a.shard_group_size = std::stoi(v);
     else if (k == "--dir") a.dir = v;
     else if (k == "--optimizer") a.optimizer = v;
@@ -176,6 +179,8 @@ int main(int argc, char** argv) {
       }
       set_trainable(model, t, args.freeze_at);
       StepResult r = run.step(t, [&] {
+        // Not a failure of the group: Resilient rethrows it as it was.
+        if (t == args.throw_at) throw std::invalid_argument("the body's own error at step " + std::to_string(t));
         auto [x, y] = global_batch(t);
         auto [lo, hi] = share(run.rank(), run.world_size());
         run.optimizer().zero_grad();

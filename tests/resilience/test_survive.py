@@ -401,6 +401,14 @@ class HungRank(Base):
 
 
 class BadInput(Base):
+    def test_an_error_of_the_bodys_own_is_rethrown_as_it_was(self):
+        # Only a broken group starts a recovery; any other error leaves step() as it was thrown.
+        code, out = run(2, None, "--steps", 4, "--throw-at-step", 2)
+        self.assertEqual(code, 1)
+        for r in (0, 1):
+            self.assertIn(f"[rank {r}] survive_worker: the body's own error at step 2", out)
+        self.assertNotIn("recovered", out)
+
     def test_world_size_1(self):
         code, out = run(1, None, "--steps", 2)
         self.assertEqual(code, 1)
