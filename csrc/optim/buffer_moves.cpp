@@ -121,13 +121,16 @@ int64_t move_ranges_in_place(const at::Tensor& buffer, const std::vector<RangeMo
   return most_held;
 }
 
+at::Tensor storage_as(const at::Tensor& t, int64_t bytes) {
+  t.storage().unsafeGetStorageImpl()->set_nbytes(static_cast<size_t>(bytes));
+  return at::empty({0}, t.options()).set_(t.storage(), 0, {bytes / static_cast<int64_t>(t.element_size())});
+}
+
 at::Tensor zeros_with_room(int64_t numel, const at::TensorOptions& options, int64_t& room) {
   const int64_t with_room = options.device().is_cpu() ? numel + numel / 32 : numel;
   at::Tensor memory = at::empty({with_room}, options);
   room = static_cast<int64_t>(memory.storage().nbytes());
-  memory.storage().unsafeGetStorageImpl()->set_nbytes(static_cast<size_t>(numel) * memory.element_size());
-  at::Tensor buffer = at::empty({0}, options).set_(memory.storage(), 0, {numel});
-  return buffer.zero_();
+  return storage_as(memory, numel * static_cast<int64_t>(memory.element_size())).zero_();
 }
 
 }  // namespace shardopt::detail

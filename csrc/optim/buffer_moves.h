@@ -37,6 +37,10 @@ struct RangeMove {
 // is set to zero. Returns the most elements held aside at once.
 int64_t move_ranges_in_place(const at::Tensor& buffer, const std::vector<RangeMove>& moves);
 
+// The first `bytes` of `t`'s storage as a flat tensor of t's dtype; the storage counts that many
+// bytes from now on (its memory, the room, stays what it was allocated with).
+at::Tensor storage_as(const at::Tensor& t, int64_t bytes);
+
 // A zeroed flat buffer of `numel` elements whose memory has room for a little more (on the CPU,
 // 1/32 more, which is never touched and so never resident until a later layout uses it: a new
 // layout's padding may grow by a little, Note [Moving ranges in place]). Its storage counts the

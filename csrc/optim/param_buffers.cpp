@@ -75,14 +75,12 @@ std::vector<at::Tensor> lay_out_params(const FlatLayout& layout, std::vector<at:
     const auto moves = k < 0 ? std::nullopt : moves_in_place(layout, params, g, members[g], old[k], old_members[k], old_room);
     if (moves) {  // Note [Moving ranges in place]
       at::Tensor& from = old[k];
-      from.storage().unsafeGetStorageImpl()->set_nbytes(old_room);  // all of its memory, for the moves
-      at::Tensor whole = at::empty({0}, from.options()).set_(from.storage(), 0, {old_room / from.element_size()});
+      const at::Tensor whole = storage_as(from, old_room);  // all of its memory, for the moves
       int64_t span = group.buffer_numel();  // the new buffer, and the old places beyond it
       for (const auto& m : *moves) span = std::max(span, m.from + m.numel);
       move_ranges_in_place(whole.narrow(0, 0, span), *moves);
       // The storage counts the buffer's bytes; its memory keeps its room.
-      from.storage().unsafeGetStorageImpl()->set_nbytes(group.buffer_numel() * from.element_size());
-      buffers[g] = at::empty({0}, from.options()).set_(from.storage(), 0, {group.buffer_numel()});
+      buffers[g] = storage_as(from, group.buffer_numel() * static_cast<int64_t>(from.element_size()));
       rooms[g] = old_room;
       from = at::Tensor();
     } else {

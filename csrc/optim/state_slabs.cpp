@@ -78,16 +78,6 @@ void StateSlabs::plan_slots(const FlatLayout& layout, int rank, const std::vecto
   scales_.assign(groups.size(), {});
 }
 
-namespace {
-
-// `t`'s storage as a flat tensor of its first `bytes` (the storage counts them from now on).
-at::Tensor storage_as(const at::Tensor& t, int64_t bytes) {
-  t.storage().unsafeGetStorageImpl()->set_nbytes(bytes);
-  return at::empty({0}, t.options()).set_(t.storage(), 0, {bytes / static_cast<int64_t>(t.element_size())});
-}
-
-}  // namespace
-
 int64_t StateSlabs::room_of(const at::Tensor& t) const {
   auto it = room_.find(t.storage().unsafeGetStorageImpl());
   return it == room_.end() ? static_cast<int64_t>(t.storage().nbytes()) : it->second;
