@@ -26,19 +26,33 @@ struct Slice {
 };
 
 // Elements [begin, end) (parameter frame) of old holding `o` of parameter `param` on this rank: its
-// state, gradient and, with `carry_values`, its own values.
+// state, gradient and, with `carry_values`, its own values. With `copy`, tensors of their own;
+// without, views of the old holding's (Note [Slices sent as views]).
 Slice cut_slice(const OptimizerCodec& codec, const torch::optim::Optimizer& local, const HoldingGrads& grads,
-                size_t param, const Holding& o, int64_t begin, int64_t end, bool carry_values) {
+                size_t param, const Holding& o, int64_t begin, int64_t end, bool carry_values, bool copy) {
   Slice slice{begin, end, std::nullopt, at::Tensor(), at::Tensor()};
   const int64_t from = begin - o.in_param.begin;
+  const auto part = [&](const at::Tensor& t) {
+    at::Tensor range = t.reshape(-1).narrow(0, from, end - begin);
+    return copy ? range.clone() : range;
+  };
   auto it = local.state().find(compat::state_key(o.tensor));
   if (it != local.state().end()) {
-    slice.state = slice_state(codec.encode_state(*it->second), from, from + end - begin, o.in_param.size());
+    slice.state = slice_state(codec.encode_state(*it->second), from, from + end - begin, o.in_param.size(), copy);
   }
-  if (const at::Tensor g = grads.get(param, o); g.defined()) slice.grad = g.reshape(-1).narrow(0, from, end - begin).clone();
-  if (carry_values) slice.values = o.tensor.detach().reshape(-1).narrow(0, from, end - begin).clone();
+  if (const at::Tensor g = grads.get(param, o); g.defined()) slice.grad = part(g);
+  if (carry_values) slice.values = part(o.tensor.detach());
   return slice;
 }
+
+// Note [Slices sent as views]
+// A slice that stays on its rank is copied when it is cut: its new holding may lie where another
+// old holding's values still are. A slice sent to another rank is a view of the old holding's
+// tensors (the state the optimizer held, its owned gradient, its values), read once, when the
+// payload is made (WireWriter::send), and let go right after: nothing writes to the old holdings
+// before every payload is sent (the new holdings are filled after the exchange). So a sending
+// rank holds no copy of the state it sends beyond one piece of the payload (Note [State moves
+// without pickling]), where it held a copy per slice and then the whole payload beside it.
 
 // Bytes of state (and values) a slice carries.
 int64_t slice_bytes(const Slice& slice) {
@@ -51,9 +65,13 @@ int64_t slice_bytes(const Slice& slice) {
 // each slice (parameter, range) and each of its tensors (state entry, dtype, shape, where its
 // bytes are), then one payload with every tensor's bytes, each at an 8-byte-aligned offset, made
 // on the sender's device and received on the receiver's (a CUDA tensor over NCCL stays on the
-// device). The receiver's tensors are views of the payload, copied once into their holdings'
-// slabs. Nothing is pickled, and the bytes counted as moved are the state's (and masters') as
-// before.
+// device). The payload goes in pieces of at most kPayloadPiece bytes, each made just before it is
+// sent, so a sender holds no more than one piece beside the state it sends; the receiver receives
+// the pieces into one payload. The receiver's tensors are views of the payload, copied once into
+// their holdings' slabs. Nothing is pickled, and the bytes counted as moved are the state's (and
+// masters') as before.
+constexpr int64_t kPayloadPiece = int64_t{8} << 20;
+
 class WireWriter {
  public:
   void word(int64_t w) { header_.push_back(w); }
@@ -66,7 +84,7 @@ class WireWriter {
     word(t.dim());
     for (int64_t size : t.sizes()) word(size);
     word(bytes_);
-    tensors_.push_back({t, bytes_});
+    tensors_.push_back({t.contiguous().reshape(-1).view(at::kByte), bytes_});  // its bytes
     bytes_ += (static_cast<int64_t>(t.nbytes()) + 7) / 8 * 8;
   }
   void slice(size_t param, const Slice& slice) {
@@ -86,18 +104,30 @@ class WireWriter {
       if (t->defined()) tensor(*t);
     }
   }
-  // The header (its last word: the payload's bytes) and the payload, sent to `dst`.
+  // The header (its last word: the payload's bytes) and the payload, sent to `dst` in pieces of
+  // at most kPayloadPiece bytes (Note [Slices sent as views]).
   void send(ProcessGroup& group, int dst, int tag, at::Device device) {
     word(bytes_);
     std::vector<char> header(header_.size() * sizeof(int64_t));
     std::memcpy(header.data(), header_.data(), header.size());
     group.send_bytes(header, dst, tag);
-    if (bytes_ == 0) return;
-    at::Tensor payload = at::empty({bytes_}, at::TensorOptions().dtype(at::kByte).device(device));
-    for (const auto& [t, offset] : tensors_) {
-      payload.narrow(0, offset, static_cast<int64_t>(t.nbytes())).copy_(t.contiguous().reshape(-1).view(at::kByte));
+    size_t next = 0;  // the first tensor that does not end before the piece
+    for (int64_t at = 0; at < bytes_; at += kPayloadPiece) {
+      const int64_t n = std::min(kPayloadPiece, bytes_ - at);
+      at::Tensor piece = at::empty({n}, at::TensorOptions().dtype(at::kByte).device(device));
+      for (size_t k = next; k < tensors_.size() && tensors_[k].second < at + n; ++k) {
+        const auto& [t, offset] = tensors_[k];
+        const int64_t nbytes = static_cast<int64_t>(t.nbytes());
+        const int64_t begin = std::max(offset, at), end = std::min(offset + nbytes, at + n);
+        if (begin < end) {
+          piece.narrow(0, begin - at, end - begin)
+              .copy_(t.narrow(0, begin - offset, end - begin));
+        }
+        if (offset + nbytes <= at + n) next = k + 1;
+      }
+      group.send(piece, dst, tag);
     }
-    group.send(payload, dst, tag);
+    tensors_.clear();
   }
 
  private:
@@ -164,7 +194,10 @@ std::vector<std::pair<size_t, Slice>> receive_slices(ProcessGroup& group, int sr
   const auto [parsed, payload_bytes] = parse_header(group.recv_bytes(src, tag), src);
   const at::Device device = parsed.empty() ? at::Device(at::kCPU) : device_of(parsed.front().param);
   at::Tensor payload = at::empty({payload_bytes}, at::TensorOptions().dtype(at::kByte).device(device));
-  if (payload_bytes > 0) group.recv(payload, src, tag);
+  for (int64_t at = 0; at < payload_bytes; at += kPayloadPiece) {
+    at::Tensor piece = payload.narrow(0, at, std::min(kPayloadPiece, payload_bytes - at));
+    group.recv(piece, src, tag);
+  }
   auto make = [&](const Placed& p) {
     const int64_t numel = c10::multiply_integers(p.sizes);
     const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(p.dtype));
@@ -280,14 +313,16 @@ std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const Optim
   return codec.decode_state(placed);
 }
 
-GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end, int64_t numel) {
+GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end, int64_t numel, bool copy) {
   GenericDict out = make_string_dict();
   const bool all = begin == 0 && end == numel;
   for (const auto& v : encoded) {
     if (is_state_tensor(v) && all) {
-      out.insert(v.key(), v.value().toTensor().clone());
+      const at::Tensor& t = v.value().toTensor();
+      out.insert(v.key(), copy ? t.clone() : t);
     } else if (is_state_tensor(v)) {
-      out.insert(v.key(), v.value().toTensor().reshape(-1).narrow(0, begin, end - begin).clone());
+      const at::Tensor range = v.value().toTensor().reshape(-1).narrow(0, begin, end - begin);
+      out.insert(v.key(), copy ? range.clone() : range);
     } else {
       out.insert(v.key(), v.value());
     }
@@ -338,7 +373,7 @@ void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Opt
         if (begin >= end && !(h.in_param.size() == 0 && o.in_param.size() == 0)) continue;
         if (o.rank != h.rank) moving[o.rank][h.rank] = 1;
         if (o.rank != rank) continue;
-        Slice slice = cut_slice(codec, local, grads, i, o, begin, end, carry_values);
+        Slice slice = cut_slice(codec, local, grads, i, o, begin, end, carry_values, /*copy=*/h.rank == rank);
         if (h.rank == rank) {
           incoming[{i, k}].push_back(std::move(slice));
           continue;
@@ -353,9 +388,11 @@ void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Opt
     }
   }
   exchange(group, moving, outgoing, device, to, incoming, stats);
-  for (auto& [where, slices] : incoming) {
-    torch::optim::Optimizer& local = local_of(where.first);
-    install(codec_for(local), local, where.first, to[where.first][where.second], grads, std::move(slices));
+  // Each holding's slices let go once installed: a payload goes as its last slice does.
+  for (auto it = incoming.begin(); it != incoming.end(); it = incoming.erase(it)) {
+    torch::optim::Optimizer& local = local_of(it->first.first);
+    install(codec_for(local), local, it->first.first, to[it->first.first][it->first.second], grads,
+            std::move(it->second));
   }
 }
 

@@ -25,7 +25,8 @@ std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const Optim
 // Elements [begin, end) of every state tensor of `encoded` (the state of a range of `numel`
 // elements), flat; the other entries ("step", scalars) as they are. The whole range [0, numel):
 // every tensor copied as it is, whatever its shape (a whole-tensor optimizer's may have its own).
-GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end, int64_t numel);
+// Without `copy`, views of `encoded`'s tensors.
+GenericDict slice_state(const GenericDict& encoded, int64_t begin, int64_t end, int64_t numel, bool copy = true);
 
 // Per parameter, whether `a` and `b` place its state identically (ranks and ranges).
 bool same_holdings(const std::vector<Holding>& a, const std::vector<Holding>& b);

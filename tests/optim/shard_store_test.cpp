@@ -2,8 +2,9 @@
 // rank holds lives in one flat slab per kind of state, the tensors torch::optim sees are views
 // into them with the values an unsharded torch::optim holds, the fused pass over a run of the
 // slab equals the per-tensor step bit for bit, a new layout moves exactly the state whose
-// holder changed, mixed precision's masters live in a slab beside their state, adjacent
-// parameters step as one segment, and the gradients a rank owns live in its gradient slab.
+// holder changed, state that moves arrives whole in payload pieces, mixed precision's masters
+// live in a slab beside their state, adjacent parameters step as one segment, and the gradients
+// a rank owns live in its gradient slab.
 #include <shardopt/ddp/sharded_ddp.h>
 #include <shardopt/optim/fused_step.h>
 #include <shardopt/optim/oss.h>
@@ -312,6 +313,68 @@ TEST(ShardStore, AFreezeMovesParametersAndStateInsideTheMemoryTheyHold) {
         }
       }
       EXPECT_GT(in_place, 0) << where << ": no new layout fitted in the old slab";
+    });
+  }
+}
+
+// State that changes rank travels in payload pieces of at most 8 MiB (Note [State moves without
+// pickling] in csrc/optim/state_migration.cpp), made one at a time from views of the old holdings
+// (Note [Slices sent as views]): with two layers of three million elements, a freeze sends more
+// than one piece (a tensor straddles the pieces' edge), and the parameters, the master weights
+// included, stay those of a plain torch::optim::Adam through the freeze and the unfreeze.
+TEST(ShardStore, StateThatMovesInManyPayloadPiecesArrivesWhole) {
+  for (bool mixed : {false, true}) {
+    run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+      auto make = [&] {
+        Params p;
+        for (auto [out, in] : {std::pair<int64_t, int64_t>{3000, 1000}, {1000, 3000}, {3, 1000}}) {
+          p.push_back((at::randn({out, in}, gen) * 0.03).requires_grad_());
+          p.push_back((at::randn({out}, gen) * 0.1).requires_grad_());
+        }
+        return p;
+      };
+      Params params = make();
+      gen = at::make_generator<at::CPUGeneratorImpl>(9);
+      Params ref = make();  // fp32 weights
+      if (mixed) {
+        for (size_t i = 0; i < params.size(); ++i) {
+          params[i] = params[i].detach().to(at::kBFloat16).requires_grad_();
+          ref[i] = params[i].detach().to(at::kFloat).requires_grad_();
+        }
+      }
+      auto options = OSSOptions().partition(PartitionMode::kSplit);
+      if (mixed) options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
+      OSS oss(params, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g, options);
+      optim::Adam plain(ref, optim::AdamOptions(1e-3));
+      const char* where = mixed ? "bf16 parameters" : "fp32";
+      int64_t most_sent = 0;
+      for (int s = 0; s < 5; ++s) {
+        const bool frozen = s == 2 || s == 3;
+        for (int k = 0; k < 2; ++k) params[k].requires_grad_(!frozen), ref[k].requires_grad_(!frozen);
+        auto data = at::make_generator<at::CPUGeneratorImpl>(100 * s + g->rank() + 1);
+        const at::Tensor x = at::randn({4, 1000}, data), y = at::randn({4, 3}, data);
+        if (s == 0) ASSERT_TRUE(testing::differs_across_ranks(x, *g)) << where;
+        oss.zero_grad();
+        const at::Tensor out = mixed ? chain(params, x.to(at::kBFloat16)).to(at::kFloat) : chain(params, x);
+        at::mse_loss(out, y).backward();
+        testing::allreduce_grads(params, *g);
+        oss.step();
+        at::Tensor sent = at::tensor({oss.last_rebalance().state_bytes_sent});
+        g->allreduce(sent, Reduction::kMax);
+        most_sent = std::max(most_sent, sent.item<int64_t>());
+        // The reference steps fp32 weights with the same averaged gradients, widened; under mixed
+        // precision the parameters are its weights rounded to bf16 (to within a bf16 step).
+        plain.zero_grad();
+        for (size_t i = 0; i < params.size(); ++i) {
+          if (params[i].grad().defined()) ref[i].mutable_grad() = params[i].grad().to(at::kFloat);
+        }
+        plain.step();
+        Params got;
+        for (const auto& p : params) got.push_back(p.detach().to(at::kFloat));
+        ASSERT_TRUE(testing::matches_reference(got, ref, *g, mixed ? 4e-3 : 1e-6)) << where << ", step " << s;
+      }
+      EXPECT_GT(most_sent, int64_t{8} << 20) << where << ": the freeze should send more than one piece";
     });
   }
 }
