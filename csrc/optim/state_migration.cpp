@@ -26,33 +26,35 @@ struct Slice {
 };
 
 // Elements [begin, end) (parameter frame) of old holding `o` of parameter `param` on this rank: its
-// state, gradient and, with `carry_values`, its own values. With `copy`, tensors of their own;
-// without, views of the old holding's (Note [Slices sent as views]).
+// state, gradient and, with `carry_values`, its own values, as views of the old holding's tensors
+// (Note [Slices as views]); with `copy_values`, the values are a copy.
 Slice cut_slice(const OptimizerCodec& codec, const torch::optim::Optimizer& local, const HoldingGrads& grads,
-                size_t param, const Holding& o, int64_t begin, int64_t end, bool carry_values, bool copy) {
+                size_t param, const Holding& o, int64_t begin, int64_t end, bool carry_values, bool copy_values) {
   Slice slice{begin, end, std::nullopt, at::Tensor(), at::Tensor()};
   const int64_t from = begin - o.in_param.begin;
-  const auto part = [&](const at::Tensor& t) {
-    at::Tensor range = t.reshape(-1).narrow(0, from, end - begin);
-    return copy ? range.clone() : range;
-  };
+  const auto part = [&](const at::Tensor& t) { return t.reshape(-1).narrow(0, from, end - begin); };
   auto it = local.state().find(compat::state_key(o.tensor));
   if (it != local.state().end()) {
-    slice.state = slice_state(codec.encode_state(*it->second), from, from + end - begin, o.in_param.size(), copy);
+    slice.state = slice_state(codec.encode_state(*it->second), from, from + end - begin, o.in_param.size(),
+                              /*copy=*/false);
   }
   if (const at::Tensor g = grads.get(param, o); g.defined()) slice.grad = part(g);
-  if (carry_values) slice.values = part(o.tensor.detach());
+  if (carry_values) slice.values = copy_values ? part(o.tensor.detach()).clone() : part(o.tensor.detach());
   return slice;
 }
 
-// Note [Slices sent as views]
-// A slice that stays on its rank is copied when it is cut: its new holding may lie where another
-// old holding's values still are. A slice sent to another rank is a view of the old holding's
-// tensors (the state the optimizer held, its owned gradient, its values), read once, when the
-// payload is made (WireWriter::send), and let go right after: nothing writes to the old holdings
-// before every payload is sent (the new holdings are filled after the exchange). So a sending
-// rank holds no copy of the state it sends beyond one piece of the payload (Note [State moves
-// without pickling]), where it held a copy per slice and then the whole payload beside it.
+// Note [Slices as views]
+// A slice of an old holding is a view of its tensors (the state the optimizer held, its owned
+// gradient, its values), not a copy. Nothing writes to the old holdings' memory before every slice
+// is read: a slice sent to another rank is read once, when its payload piece is made
+// (WireWriter::send), and let go right after; one that stays on its rank becomes the state of its
+// new holding as it is, a view of the old state slab, and StateSlabs::move_in_place then moves it
+// to its new slot inside that slab (Note [Moving ranges in place]); only the values (mixed
+// precision's masters) that stay are copied, since install() writes them into the new holding's
+// tensor, which may lie where another old holding's values still are. So a freeze holds no copy
+// of the state that stays on its rank, and a sending rank none of what it sends beyond one piece
+// of the payload (Note [State moves without pickling]). Before, every slice was copied when cut,
+// and the payload made whole beside the copies.
 
 // Bytes of state (and values) a slice carries.
 int64_t slice_bytes(const Slice& slice) {
@@ -105,7 +107,7 @@ class WireWriter {
     }
   }
   // The header (its last word: the payload's bytes) and the payload, sent to `dst` in pieces of
-  // at most kPayloadPiece bytes (Note [Slices sent as views]).
+  // at most kPayloadPiece bytes (Note [Slices as views]).
   void send(ProcessGroup& group, int dst, int tag, at::Device device) {
     word(bytes_);
     std::vector<char> header(header_.size() * sizeof(int64_t));
@@ -287,11 +289,15 @@ void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, size_t
     h.tensor.view(-1).copy_(at::cat(parts));
   }
   if (all_grad && !slices.empty() && !grads.get(param, h).defined()) {
-    std::vector<at::Tensor> parts;
-    for (const auto& s : slices) parts.push_back(s.grad.reshape(-1));
-    // A fresh tensor, not a view of the concatenation: zero_grad(false) detaches it in place.
+    // A fresh tensor, not a view of another: zero_grad(false) detaches it in place. The slices
+    // are written into it once.
     const auto options = slices.front().grad.options().device(h.tensor.device()).requires_grad(false);
-    grads.set(param, h, at::cat(parts).to(options).reshape(h.tensor.sizes()).clone());
+    std::vector<at::Tensor> parts;
+    for (const auto& s : slices) parts.push_back(s.grad.reshape(-1).to(options));
+    at::Tensor grad = at::empty(h.tensor.sizes(), options);
+    at::Tensor flat = grad.view(-1);
+    at::cat_out(flat, parts);
+    grads.set(param, h, std::move(grad));
   }
 }
 
@@ -373,7 +379,7 @@ void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Opt
         if (begin >= end && !(h.in_param.size() == 0 && o.in_param.size() == 0)) continue;
         if (o.rank != h.rank) moving[o.rank][h.rank] = 1;
         if (o.rank != rank) continue;
-        Slice slice = cut_slice(codec, local, grads, i, o, begin, end, carry_values, /*copy=*/h.rank == rank);
+        Slice slice = cut_slice(codec, local, grads, i, o, begin, end, carry_values, /*copy_values=*/h.rank == rank);
         if (h.rank == rank) {
           incoming[{i, k}].push_back(std::move(slice));
           continue;

@@ -319,7 +319,7 @@ TEST(ShardStore, AFreezeMovesParametersAndStateInsideTheMemoryTheyHold) {
 
 // State that changes rank travels in payload pieces of at most 8 MiB (Note [State moves without
 // pickling] in csrc/optim/state_migration.cpp), made one at a time from views of the old holdings
-// (Note [Slices sent as views]): with two layers of three million elements, a freeze sends more
+// (Note [Slices as views]): with two layers of three million elements, a freeze sends more
 // than one piece (a tensor straddles the pieces' edge), and the parameters, the master weights
 // included, stay those of a plain torch::optim::Adam through the freeze and the unfreeze.
 TEST(ShardStore, StateThatMovesInManyPayloadPiecesArrivesWhole) {
