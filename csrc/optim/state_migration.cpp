@@ -107,7 +107,7 @@ class WireWriter {
     }
   }
   // The header (its last word: the payload's bytes) and the payload, sent to `dst` in pieces of
-  // at most kPayloadPiece bytes (Note [Slices as views]).
+  // at most kPayloadPiece bytes (Note [State moves without pickling]).
   void send(ProcessGroup& group, int dst, int tag, at::Device device) {
     word(bytes_);
     std::vector<char> header(header_.size() * sizeof(int64_t));
