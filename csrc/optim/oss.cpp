@@ -420,6 +420,7 @@ void OSS::settle_state() {
   CommPhase phase("optimizer state moving to new owners");
   bool changed = false;
   for (size_t i = 0; i < params_.size() && !changed; ++i) changed = !detail::same_holdings(settled_[i], holdings_[i]);
+  std::vector<detail::StatePart> parts;
   if (changed) {
     RebalanceStats stats;
     stats.imbalance_before = last_rebalance_.imbalance_before;
@@ -439,8 +440,9 @@ void OSS::settle_state() {
       }
       for (auto& unit : units_) slabs_->widen(*unit.local, *unit.codec, &moving);
     }
+    // Registered optimizers' state lands in its slots from its slices (Note [State lands in its slot]).
     detail::migrate_holdings(*group_, [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; }, settled_,
-                             holdings_, grads, stats, /*carry_values=*/masters_);
+                             holdings_, grads, stats, /*carry_values=*/masters_, all_registered() ? &parts : nullptr);
     last_rebalance_ = stats;
     ++state_moves_;
   }
@@ -448,20 +450,27 @@ void OSS::settle_state() {
   settled_ = holdings_;
   settled_version_ = store_->plan_version();
   set_local_groups();
-  place_state();
+  const int64_t copied = place_state(&parts);
+  if (changed) last_rebalance_.state_bytes_copied = copied;
 }
 
-void OSS::place_state() {
+int64_t OSS::place_state(std::vector<detail::StatePart>* parts) {
   // An optimizer shardopt does not know keeps its own state.
-  if (!all_registered() || settled_version_ != store_->plan_version()) return;
+  if (!all_registered() || settled_version_ != store_->plan_version()) {
+    TORCH_INTERNAL_ASSERT(!parts || parts->empty(), "state in parts with nowhere to land");
+    return 0;
+  }
   slabs_->plan_slots(store_->layout(), group_->rank(), settled_, [this](size_t i, const at::Tensor& key) {
     return unit_of(i).local->state().count(compat::state_key(key)) != 0;
   });
   std::vector<std::pair<optim::Optimizer*, const detail::OptimizerCodec*>> units;
   for (auto& unit : units_) units.emplace_back(unit.local.get(), unit.codec);
-  slabs_->move_in_place(units);  // (Note [Moving ranges in place])
-  for (auto& unit : units_) slabs_->adopt(*unit.local, *unit.codec);
+  std::vector<detail::StatePart> none;
+  slabs_->move_in_place(units, parts ? *parts : none);  // (Note [Moving ranges in place])
+  int64_t copied = slabs_->land_parts(units, parts ? *parts : none);
+  for (auto& unit : units_) copied += slabs_->adopt(*unit.local, *unit.codec);
   if (masters_) slabs_->adopt_masters(settled_, group_->rank());
+  return copied;
 }
 
 at::Tensor OSS::owned_grad(size_t i, const detail::Holding& h) const {

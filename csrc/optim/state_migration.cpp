@@ -48,13 +48,14 @@ Slice cut_slice(const OptimizerCodec& codec, const torch::optim::Optimizer& loca
 // gradient, its values), not a copy. Nothing writes to the old holdings' memory before every slice
 // is read: a slice sent to another rank is read once, when its payload piece is made
 // (WireWriter::send), and let go right after; one that stays on its rank becomes the state of its
-// new holding as it is, a view of the old state slab, and StateSlabs::move_in_place then moves it
-// to its new slot inside that slab (Note [Moving ranges in place]); only the values (mixed
-// precision's masters) that stay are copied, since install() writes them into the new holding's
-// tensor, which may lie where another old holding's values still are. So a freeze holds no copy
-// of the state that stays on its rank, and a sending rank none of what it sends beyond one piece
-// of the payload (Note [State moves without pickling]). Before, every slice was copied when cut,
-// and the payload made whole beside the copies.
+// new holding as it is, a view of the old state slab (decoded without a copy: Note [Decoding
+// without copies]), or a part of it (Note [State lands in its slot]), and StateSlabs::move_in_place
+// then moves it to its new place inside that slab (Note [Moving ranges in place]); only the values
+// (mixed precision's masters) that stay are copied, since install() writes them into the new
+// holding's tensor, which may lie where another old holding's values still are. So a freeze holds
+// no copy of the state that stays on its rank, and a sending rank none of what it sends beyond one
+// piece of the payload (Note [State moves without pickling]). Before, every slice was copied when
+// cut, and the payload made whole beside the copies.
 
 // Bytes of state (and values) a slice carries.
 int64_t slice_bytes(const Slice& slice) {
@@ -253,9 +254,23 @@ void exchange(ProcessGroup& group, const std::vector<std::vector<uint8_t>>& movi
   }
 }
 
-// Stitches the slices of one new holding (sorted, covering it) and installs state and gradient.
+// Note [State lands in its slot]
+// A new holding whose state comes in several slices (in a split re-partition most do: each rank's
+// ranges shift) was joined by at::cat into a tensor of its own, which StateSlabs::adopt then
+// copied into its slot: for a moment a rank held that state twice, beside the old slab and the
+// payload it received. With `parts`, the slices are not joined. The holding's state tensors are
+// placeholders on the meta device (its shape and dtype, no memory), and each slice is a StatePart.
+// StateSlabs::move_in_place moves the parts that are views of an old slab it lays out again in
+// its own memory to their places in the new slot, with the rest of that slab's state; land_parts
+// then copies every other part (a view of a payload, or of a slab made anew) into its place and
+// makes the state the slot's view. So state that stays on its rank is never copied out of its
+// slab, and state that arrives is copied once, from the payload into its slot.
+
+// Stitches the slices of one new holding (sorted, covering it) and installs state and gradient;
+// with `parts`, state in several slices is left for the slabs to land (Note [State lands in its
+// slot]).
 void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, size_t param, const Holding& h,
-             const HoldingGrads& grads, std::vector<Slice> slices) {
+             const HoldingGrads& grads, std::vector<Slice> slices, std::vector<StatePart>* parts) {
   std::sort(slices.begin(), slices.end(), [](const Slice& a, const Slice& b) { return a.begin < b.begin; });
   int64_t at = h.in_param.begin;
   bool all_state = true, all_grad = true, all_values = true;
@@ -269,7 +284,23 @@ void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, size_t
   TORCH_INTERNAL_ASSERT(at == h.in_param.end, "state slices end at ", at, ", the holding at ", h.in_param.end);
   if (all_state && slices.size() == 1) {
     // One range: its tensors as they came, whatever their shape.
-    local.state()[compat::state_key(h.tensor)] = decode_state_like(codec, *slices.front().state, h.tensor);
+    local.state()[compat::state_key(h.tensor)] =
+        decode_state_like(codec, *slices.front().state, h.tensor, /*alias=*/true);
+  } else if (all_state && !slices.empty() && parts) {
+    GenericDict placeholders = make_string_dict();
+    const auto options = h.tensor.options().requires_grad(false);
+    for (const auto& v : *slices.front().state) {
+      if (!is_state_tensor(v)) {
+        placeholders.insert(v.key(), v.value());
+        continue;
+      }
+      placeholders.insert(v.key(), at::empty(h.tensor.sizes(), options.device(at::kMeta)));
+      for (const auto& s : slices) {
+        parts->push_back({h.tensor.unsafeGetTensorImpl(), v.key().toStringRef(), s.begin - h.in_param.begin,
+                          s.state->at(v.key()).toTensor().reshape(-1), options, &codec});
+      }
+    }
+    local.state()[compat::state_key(h.tensor)] = codec.decode_state(placeholders);
   } else if (all_state && !slices.empty()) {
     GenericDict merged = make_string_dict();
     for (const auto& v : *slices.front().state) {
@@ -277,16 +308,15 @@ void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, size_t
         merged.insert(v.key(), v.value());
         continue;
       }
-      std::vector<at::Tensor> parts;
-      for (const auto& s : slices) parts.push_back(s.state->at(v.key()).toTensor().reshape(-1));
-      merged.insert(v.key(), at::cat(parts).reshape(h.tensor.sizes()));
+      std::vector<at::Tensor> pieces;
+      for (const auto& s : slices) pieces.push_back(s.state->at(v.key()).toTensor().reshape(-1));
+      merged.insert(v.key(), at::cat(pieces).reshape(h.tensor.sizes()));
     }
     local.state()[compat::state_key(h.tensor)] = decode_state_like(codec, merged, h.tensor);
   }
-  if (all_values && !slices.empty()) {
-    std::vector<at::Tensor> parts;
-    for (const auto& s : slices) parts.push_back(s.values.reshape(-1));
-    h.tensor.view(-1).copy_(at::cat(parts));
+  if (all_values && !slices.empty()) {  // each slice straight into its place
+    at::Tensor flat = h.tensor.detach().view(-1);
+    for (const auto& s : slices) flat.narrow(0, s.begin - h.in_param.begin, s.end - s.begin).copy_(s.values.reshape(-1));
   }
   if (all_grad && !slices.empty() && !grads.get(param, h).defined()) {
     // A fresh tensor, not a view of another: zero_grad(false) detaches it in place. The slices
@@ -303,18 +333,41 @@ void install(const OptimizerCodec& codec, torch::optim::Optimizer& local, size_t
 
 }  // namespace
 
+// Note [Decoding without copies]
+// A codec's decode_state copies each state tensor (a state dict the user keeps must not share
+// memory with the optimizer's state). Where the tensors are the optimizer's own already (state
+// that moved, views of a slab or of a payload), decode_state_like with `alias` decodes
+// placeholders on the meta device (the shapes and dtypes, no memory) and then puts the tensors
+// themselves in the state through the codec's place_state, which names every entry it keeps.
+// A codec that names fewer entries than the state has is decoded the usual way.
 std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const OptimizerCodec& codec,
                                                                      const GenericDict& encoded,
-                                                                     const at::Tensor& like) {
+                                                                     const at::Tensor& like, bool alias) {
   const auto options = like.options().requires_grad(false);
-  GenericDict placed = make_string_dict();
+  GenericDict placed = make_string_dict(), shapes = make_string_dict();
+  std::map<std::string, at::Tensor> tensors;
   for (const auto& v : encoded) {
     if (is_state_tensor(v)) {
-      const at::Tensor t = v.value().toTensor().to(options);
-      placed.insert(v.key(), t.numel() == like.numel() ? t.reshape(like.sizes()) : t);
+      at::Tensor t = v.value().toTensor().to(options);
+      if (t.numel() == like.numel()) t = t.reshape(like.sizes());
+      placed.insert(v.key(), t);
+      shapes.insert(v.key(), at::empty(t.sizes(), t.options().device(at::kMeta)));
+      tensors.emplace(v.key().toStringRef(), t);
     } else {
       placed.insert(v.key(), v.value());
+      shapes.insert(v.key(), v.value());
     }
+  }
+  if (alias) {
+    auto state = codec.decode_state(shapes);
+    size_t named = 0;
+    codec.place_state(*state, [&](const char* kind, const at::Tensor& t) {
+      auto it = tensors.find(kind);
+      if (it == tensors.end()) return t;
+      ++named;
+      return it->second;
+    });
+    if (named == tensors.size()) return state;
   }
   return codec.decode_state(placed);
 }
@@ -347,7 +400,7 @@ bool same_holdings(const std::vector<Holding>& a, const std::vector<Holding>& b)
 void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Optimizer&(size_t param)>& local_of,
                       const std::vector<std::vector<Holding>>& from,
                       const std::vector<std::vector<Holding>>& to, const HoldingGrads& grads, RebalanceStats& stats,
-                      bool carry_values) {
+                      bool carry_values, std::vector<StatePart>* parts) {
   TORCH_INTERNAL_ASSERT(from.size() == to.size(), "holdings of ", from.size(), " and ", to.size(), " parameters");
   const int rank = group.rank(), world = group.size();
   std::vector<size_t> changed;
@@ -398,7 +451,7 @@ void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Opt
   for (auto it = incoming.begin(); it != incoming.end(); it = incoming.erase(it)) {
     torch::optim::Optimizer& local = local_of(it->first.first);
     install(codec_for(local), local, it->first.first, to[it->first.first][it->first.second], grads,
-            std::move(it->second));
+            std::move(it->second), parts);
   }
 }
 
@@ -492,7 +545,7 @@ void scatter_shard_ranges(ProcessGroup& members, const std::function<int(int mem
   const HoldingGrads no_grads{[](size_t, const Holding&) { return at::Tensor(); }, [](size_t, const Holding&, at::Tensor) {}};
   for (auto& [where, slices] : incoming) {
     torch::optim::Optimizer& local = local_of(where.first);
-    install(codec_for(local), local, where.first, to[where.first][where.second], no_grads, std::move(slices));
+    install(codec_for(local), local, where.first, to[where.first][where.second], no_grads, std::move(slices), nullptr);
   }
 }
 

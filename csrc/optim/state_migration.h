@@ -13,14 +13,17 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace shardopt::detail {
 
-// An encoded state (state_dict layout) decoded with its tensors next to `like`, in its dtype.
+// An encoded state (state_dict layout) decoded with its tensors next to `like`, in its dtype: copies
+// of them, or with `alias` the tensors themselves where they are already there (Note [Decoding
+// without copies] in state_migration.cpp).
 std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const OptimizerCodec& codec,
                                                                      const GenericDict& encoded,
-                                                                     const at::Tensor& like);
+                                                                     const at::Tensor& like, bool alias = false);
 
 // Elements [begin, end) of every state tensor of `encoded` (the state of a range of `numel`
 // elements), flat; the other entries ("step", scalars) as they are. The whole range [0, numel):
@@ -38,17 +41,32 @@ struct HoldingGrads {
   std::function<void(size_t param, const Holding&, at::Tensor)> set;
 };
 
+// A range of a new holding's state that migrate_holdings left where it was, for StateSlabs to land
+// in its slot (Note [State lands in its slot] in state_migration.cpp): state entry `kind` of the
+// holding tensor `key` (a TensorImpl), elements [offset, offset + tensor.numel()) of it.
+struct StatePart {
+  const void* key = nullptr;
+  std::string kind;
+  int64_t offset = 0;
+  at::Tensor tensor;  // flat: a view of an old slab (state that stays on its rank) or of a payload
+  at::TensorOptions options;  // the holding tensor's (its dtype and device)
+  const OptimizerCodec* codec = nullptr;
+};
+
 // For every parameter whose holdings differ between `from` and `to`, each new holding collects
 // the state (and any gradient, through `grads`, where it has none) of its range from the old
 // holdings that overlap it: named with the codec of the parameter's optimizer (`local_of`) and sent as raw tensor bytes (Note [State
 // moves without pickling]), one pair of ranks at a time in the same order on every rank; what
 // stays on a rank is moved locally. State of ranges nobody held yet stays absent. Counts what moved in
 // `stats`. With `carry_values` the holdings' tensors are values of their own (mixed precision's
-// master weights) and move too. Collective (communicates only when a range changes rank).
+// master weights) and move too. With `parts`, a new holding whose state comes in several
+// slices is not joined: its state tensors are placeholders on the meta device, and its slices are
+// appended to `parts` for StateSlabs::move_in_place and land_parts to put in its slot. Collective
+// (communicates only when a range changes rank).
 void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Optimizer&(size_t param)>& local_of,
                       const std::vector<std::vector<Holding>>& from,
                       const std::vector<std::vector<Holding>>& to, const HoldingGrads& grads, RebalanceStats& stats,
-                      bool carry_values = false);
+                      bool carry_values = false, std::vector<StatePart>* parts = nullptr);
 
 // One range of an old shard (an entry of OSS::state_shard()'s "shard" list) and the member of the
 // group that sends it.

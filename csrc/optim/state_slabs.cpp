@@ -4,6 +4,7 @@
 #include <shardopt/compat.h>
 
 #include "optim/buffer_moves.h"
+#include "optim/state_migration.h"
 #include "optim/state_codes.h"
 
 #include <ATen/ATen.h>
@@ -84,7 +85,8 @@ int64_t StateSlabs::room_of(const at::Tensor& t) const {
 }
 
 int64_t StateSlabs::move_in_place(
-    const std::vector<std::pair<torch::optim::Optimizer*, const OptimizerCodec*>>& units) {
+    const std::vector<std::pair<torch::optim::Optimizer*, const OptimizerCodec*>>& units,
+    std::vector<StatePart>& parts) {
   at::NoGradGuard no_grad;
   using Visit = std::function<at::Tensor(const void* key, const std::string& kind, const at::Tensor& t,
                                          const OptimizerCodec& codec)>;
@@ -140,6 +142,26 @@ int64_t StateSlabs::move_in_place(
     }
     return t;
   });
+  // The parts of holdings assembled from slices: each to its place in its slot.
+  std::vector<std::pair<StatePart*, Moves*>> part_moves;
+  for (StatePart& part : parts) {
+    const at::Tensor& t = part.tensor;
+    Moves* m = slab_viewed(part.kind, t);
+    if (!m) continue;
+    auto it = slots_.find(part.key);
+    const Slot* slot = it == slots_.end() ? nullptr : &it->second;
+    const bool fits = slot && part.offset + t.numel() <= slot->numel && t.is_contiguous() &&
+                      replaced_[slot->group].count(part.kind) != 0 &&
+                      t.storage().is_alias_of(replaced_[slot->group].at(part.kind).storage()) &&
+                      stored_dtype(part.kind, t, slot->coded) == t.scalar_type() &&
+                      in_slab(*slot, part.kind, part.codec);
+    if (fits) {
+      m->moves.push_back({t.storage_offset(), slot->offset + part.offset, t.numel()});
+      part_moves.emplace_back(&part, m);
+    } else {
+      m->movable = false;
+    }
+  }
   int64_t most = 0;
   for (auto& [where, m] : by_slab) {
     if (!m.movable) continue;
@@ -168,13 +190,16 @@ int64_t StateSlabs::move_in_place(
       if (c.first.storage().is_alias_of(slab.storage())) c = {slab, scales};
     }
   }
-  // The moved state views its new place.
+  // The moved state views its new place; the moved parts are in theirs.
   visit([&](const void* key, const std::string& kind, const at::Tensor& t, const OptimizerCodec&) {
     Moves* m = slab_viewed(kind, t);
     if (!m || !m->movable) return t;
     const Slot& slot = slots_.at(key);
     return slabs_[slot.group].at(kind).narrow(0, slot.offset, slot.numel).view(slot.sizes);
   });
+  for (auto& [part, m] : part_moves) {
+    if (m->movable) part->tensor = at::Tensor();
+  }
   replaced_.clear();
   replaced_scales_.clear();
   return most;
@@ -364,6 +389,64 @@ int64_t StateSlabs::adopt(torch::optim::Optimizer& local, const OptimizerCodec& 
       return view;
     });
   }
+  return copied;
+}
+
+int64_t StateSlabs::land_parts(const std::vector<std::pair<torch::optim::Optimizer*, const OptimizerCodec*>>& units,
+                               std::vector<StatePart>& parts) {
+  if (parts.empty()) return 0;
+  at::NoGradGuard no_grad;
+  std::map<std::pair<const void*, std::string>, std::vector<const StatePart*>> of;
+  for (const StatePart& part : parts) of[{part.key, part.kind}].push_back(&part);
+  int64_t copied = 0;
+  // The holding's state of `kind` from its parts, in its slot where it has one in a slab.
+  auto land = [&](const void* key, const std::string& kind, const at::Tensor& placeholder,
+                  const std::vector<const StatePart*>& ps) {
+    const StatePart& first = *ps.front();
+    const at::Tensor like = at::empty({0}, first.options);
+    auto it = slots_.find(key);
+    const Slot* slot = it == slots_.end() ? nullptr : &it->second;
+    at::Tensor slab;
+    if (slot && slot->numel == placeholder.numel() && in_slab(*slot, kind, first.codec)) {
+      slab = slab_for(slot->group, kind, like, slot->coded);
+    }
+    if (slab.defined() && slab.scalar_type() == at::kByte) {  // fp32 values coded with the tensor's own blocks
+      std::vector<at::Tensor> pieces;
+      for (const StatePart* p : ps) {
+        TORCH_INTERNAL_ASSERT(p->tensor.defined(), "8-bit state moved in place in parts");
+        pieces.push_back(p->tensor.to(at::kFloat));
+      }
+      auto [codes, block_scales] = recode(at::cat(pieces).view(slot->sizes), signed_kind(kind));
+      at::Tensor view = slab.narrow(0, slot->offset, slot->numel).view(slot->sizes);
+      at::Tensor scales = slot_scales(*slot, kind);
+      view.copy_(codes);
+      scales.copy_(block_scales);
+      copied += static_cast<int64_t>(view.nbytes() + scales.nbytes());
+      return view;
+    }
+    at::Tensor flat = slab.defined() ? slab.narrow(0, slot->offset, slot->numel)
+                                     : at::empty({placeholder.numel()}, first.options);
+    for (const StatePart* p : ps) {
+      if (!p->tensor.defined()) {  // moved into its place (move_in_place)
+        TORCH_INTERNAL_ASSERT(slab.defined(), "state landed in a slab that is not its slot's");
+        continue;
+      }
+      flat.narrow(0, p->offset, p->tensor.numel()).copy_(p->tensor);
+      copied += static_cast<int64_t>(p->tensor.nbytes());
+    }
+    return flat.view(placeholder.sizes());
+  };
+  for (const auto& unit : units) {
+    const OptimizerCodec& codec = *unit.second;
+    for (auto& entry : unit.first->state()) {
+      const void* key = entry.first;
+      codec.place_state(*entry.second, [&](const char* kind, const at::Tensor& t) {
+        auto found = of.find({key, kind});
+        return found == of.end() ? t : land(key, kind, t, found->second);
+      });
+    }
+  }
+  parts.clear();
   return copied;
 }
 

@@ -27,6 +27,8 @@
 
 namespace shardopt::detail {
 
+struct StatePart;  // (state_migration.h)
+
 // The slab kind of mixed precision's fp32 master weights, beside the state's kinds.
 inline constexpr const char* kMasterSlab = "master";
 
@@ -92,9 +94,17 @@ class StateSlabs {
   // has room for its kind's new slab keeps that memory, and the state of `units` that views it
   // moves inside it to its new slot (8-bit codes with their scales; Note [Moving ranges in place]
   // in buffer_moves.h), so a new plan does not hold the old slabs and the new ones at once. State
-  // in such a slab without a new slot there is copied out first. Returns the most elements set
-  // aside at once.
-  int64_t move_in_place(const std::vector<std::pair<torch::optim::Optimizer*, const OptimizerCodec*>>& units);
+  // in such a slab without a new slot there is copied out first. The `parts` that view such a
+  // slab move with it to their places in their slots, and are then let go (their tensors
+  // undefined: landed). Returns the most elements set aside at once.
+  int64_t move_in_place(const std::vector<std::pair<torch::optim::Optimizer*, const OptimizerCodec*>>& units,
+                        std::vector<StatePart>& parts);
+  // After move_in_place(), before adopt(): the state of each holding that `parts` name (its
+  // tensors placeholders) becomes its slot's view, with every part not yet landed copied into its
+  // place (into a coded slot: coded); a holding without a slot gets a tensor of its own. Note
+  // [State lands in its slot] in state_migration.cpp. Returns the bytes copied.
+  int64_t land_parts(const std::vector<std::pair<torch::optim::Optimizer*, const OptimizerCodec*>>& units,
+                     std::vector<StatePart>& parts);
 
   // Mixed precision: moves the master of each holding of `rank` (the holding's fp32 tensor, which
   // keys its state) that has a slot into its group's master slab (kMasterSlab) at the slot, keeping

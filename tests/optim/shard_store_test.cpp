@@ -281,7 +281,7 @@ TEST(ShardStore, AFreezeMovesParametersAndStateInsideTheMemoryTheyHold) {
       OSS oss(params, optimizer<optim::Adam>(optim::AdamOptions(1e-2)), g,
               OSSOptions().partition(mode).rebalance_threshold(0.0));
       optim::Adam plain(ref, optim::AdamOptions(1e-2));
-      int in_place = 0;
+      int in_place = 0, assembled = 0;
       for (int s = 0; s < 6; ++s) {
         const bool frozen = s == 2 || s == 3;
         // The memory each parameter's buffer and this rank's first state slab live in, and room.
@@ -310,9 +310,20 @@ TEST(ShardStore, AFreezeMovesParametersAndStateInsideTheMemoryTheyHold) {
         if (slab_memory && now.defined() && static_cast<int64_t>(now.nbytes()) <= slab_room) {
           ASSERT_EQ(now.storage().data(), slab_memory) << where << ", step " << s << ": the new slab fitted in the old";
           in_place += s == 2 || s == 4;
+          // The state that stayed on this rank moved inside the slab, whole holdings and the
+          // slices of holdings assembled from several alike: only what arrived was copied (Note
+          // [State lands in its slot]).
+          const RebalanceStats moved = oss.last_rebalance();
+          if (s == 2 || s == 4) {
+            EXPECT_EQ(moved.state_bytes_copied, moved.state_bytes_received) << where << ", step " << s;
+            assembled += moved.state_bytes_received > 0;
+          }
         }
       }
       EXPECT_GT(in_place, 0) << where << ": no new layout fitted in the old slab";
+      if (mode == PartitionMode::kSplit) {  // (whole parameters: state arrives on some ranks only)
+        EXPECT_GT(assembled, 0) << where << ": no state arrived where a layout fitted in the old slab";
+      }
     });
   }
 }

@@ -62,6 +62,7 @@ struct OptimizerCodec;
 struct FusedStepInputs;
 struct MasterRows;
 struct GroupOptions;
+struct StatePart;
 // A range of one parameter's elements whose optimizer state one rank holds; `tensor` (on that
 // rank only) is what the wrapped optimizer steps: the parameter itself for the whole range, a
 // view of its elements otherwise.
@@ -189,6 +190,9 @@ struct RebalanceStats {
   int64_t params_moved = 0;       // parameters whose owner changed (all ranks)
   int64_t state_bytes_sent = 0;   // optimizer-state tensor bytes this rank sent away
   int64_t state_bytes_received = 0;
+  // State bytes this rank copied into its slots after the move: what it received, and state that
+  // could not move inside its own slab's memory (Note [State lands in its slot]).
+  int64_t state_bytes_copied = 0;
   double imbalance_before = 0.0;  // trainable-work imbalance under the old and the new partition
   double imbalance_after = 0.0;
   // Counts since construction: moves of state between ranks (either kind), and re-partitions.
@@ -398,8 +402,10 @@ class OSS : public torch::optim::Optimizer {
   // Moves optimizer state (and owned gradients) from the settled holdings to the current ones.
   // Collective; a no-op when nothing moved.
   void settle_state();
-  // Puts the settled state into its slabs (Note [State slabs]). Local.
-  void place_state();
+  // Puts the settled state into its slabs (Note [State slabs]), with the `parts` of state that
+  // settle_state() moved in slices (Note [State lands in its slot]). Local.
+  // Returns the state bytes copied into the slots.
+  int64_t place_state(std::vector<detail::StatePart>* parts = nullptr);
   // The saved state entries of a state dict, by parameter index (shapes checked).
   std::unordered_map<size_t, c10::impl::GenericDict> saved_entries(const c10::impl::GenericDict& dict) const;
   c10::impl::GenericList param_groups_value() const;
