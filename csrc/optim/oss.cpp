@@ -428,21 +428,17 @@ void OSS::settle_state() {
     const detail::HoldingGrads grads{
         [this](size_t i, const detail::Holding& h) { return owned_grad(i, h); },
         [this](size_t i, const detail::Holding& h, at::Tensor g) { set_owned_grad(i, h, std::move(g)); }};
-    // 8-bit state that moves (a parameter whose holdings change) goes in fp32 and is coded again
-    // in its new slot, to the same codes; the rest keeps its codes, copied with their scales.
+    // 8-bit state that changes rank goes in fp32 and is coded again in its new slot, to the same
+    // codes; the state that stays keeps its codes, moved with their scales (Note [8-bit state
+    // slabs]).
+    std::function<c10::impl::GenericDict(const c10::impl::GenericDict&)> widen;
     if (options_.state_format() == StateFormat::kInt8) {
-      std::unordered_set<const void*> moving;
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (detail::same_holdings(settled_[i], holdings_[i])) continue;
-        for (const auto& h : settled_[i]) {
-          if (h.tensor.defined()) moving.insert(h.tensor.unsafeGetTensorImpl());
-        }
-      }
-      for (auto& unit : units_) slabs_->widen(*unit.local, *unit.codec, &moving);
+      widen = [this](const c10::impl::GenericDict& d) { return slabs_->widened(d); };
     }
     // Registered optimizers' state lands in its slots from its slices (Note [State lands in its slot]).
     detail::migrate_holdings(*group_, [this](size_t i) -> optim::Optimizer& { return *unit_of(i).local; }, settled_,
-                             holdings_, grads, stats, /*carry_values=*/masters_, all_registered() ? &parts : nullptr);
+                             holdings_, grads, stats, /*carry_values=*/masters_, all_registered() ? &parts : nullptr,
+                             widen);
     last_rebalance_ = stats;
     ++state_moves_;
   }

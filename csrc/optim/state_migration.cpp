@@ -348,7 +348,9 @@ std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const Optim
   std::map<std::string, at::Tensor> tensors;
   for (const auto& v : encoded) {
     if (is_state_tensor(v)) {
-      at::Tensor t = v.value().toTensor().to(options);
+      // (Aliased, each keeps its dtype: 8-bit codes stay codes, bf16 state stays bf16.)
+      const at::Tensor& given = v.value().toTensor();
+      at::Tensor t = given.to(alias ? options.dtype(given.scalar_type()) : options);
       if (t.numel() == like.numel()) t = t.reshape(like.sizes());
       placed.insert(v.key(), t);
       shapes.insert(v.key(), at::empty(t.sizes(), t.options().device(at::kMeta)));
@@ -400,7 +402,8 @@ bool same_holdings(const std::vector<Holding>& a, const std::vector<Holding>& b)
 void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Optimizer&(size_t param)>& local_of,
                       const std::vector<std::vector<Holding>>& from,
                       const std::vector<std::vector<Holding>>& to, const HoldingGrads& grads, RebalanceStats& stats,
-                      bool carry_values, std::vector<StatePart>* parts) {
+                      bool carry_values, std::vector<StatePart>* parts,
+                      const std::function<GenericDict(const GenericDict&)>& widen) {
   TORCH_INTERNAL_ASSERT(from.size() == to.size(), "holdings of ", from.size(), " and ", to.size(), " parameters");
   const int rank = group.rank(), world = group.size();
   std::vector<size_t> changed;
@@ -437,6 +440,7 @@ void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Opt
           incoming[{i, k}].push_back(std::move(slice));
           continue;
         }
+        if (widen && slice.state) slice.state = widen(*slice.state);
         stats.state_bytes_sent += slice_bytes(slice);
         outgoing[h.rank].slice(i, slice);
       }

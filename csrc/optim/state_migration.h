@@ -61,12 +61,15 @@ struct StatePart {
 // `stats`. With `carry_values` the holdings' tensors are values of their own (mixed precision's
 // master weights) and move too. With `parts`, a new holding whose state comes in several
 // slices is not joined: its state tensors are placeholders on the meta device, and its slices are
-// appended to `parts` for StateSlabs::move_in_place and land_parts to put in its slot. Collective
+// appended to `parts` for StateSlabs::move_in_place and land_parts to put in its slot. With
+// `widen`, the state of each slice that leaves this rank is first replaced by what `widen` makes
+// of it (8-bit codes: their fp32 values); the state that stays keeps its tensors. Collective
 // (communicates only when a range changes rank).
 void migrate_holdings(ProcessGroup& group, const std::function<torch::optim::Optimizer&(size_t param)>& local_of,
                       const std::vector<std::vector<Holding>>& from,
                       const std::vector<std::vector<Holding>>& to, const HoldingGrads& grads, RebalanceStats& stats,
-                      bool carry_values = false, std::vector<StatePart>* parts = nullptr);
+                      bool carry_values = false, std::vector<StatePart>* parts = nullptr,
+                      const std::function<GenericDict(const GenericDict&)>& widen = nullptr);
 
 // One range of an old shard (an entry of OSS::state_shard()'s "shard" list) and the member of the
 // group that sends it.

@@ -179,7 +179,11 @@ int64_t StateSlabs::move_in_place(
     if (old.scalar_type() != at::kByte) continue;
     // The scales move with their codes, a block each (every slot starts on a block boundary).
     std::vector<RangeMove> blocks;
-    for (const auto& mv : m.moves) blocks.push_back({mv.from / kStateBlock, mv.to / kStateBlock, state_blocks(mv.numel)});
+    for (const auto& mv : m.moves) {
+      TORCH_INTERNAL_ASSERT(mv.from % kStateBlock == 0 && mv.to % kStateBlock == 0, "8-bit state moved from element ",
+                            mv.from, " to ", mv.to, ", not on block boundaries");
+      blocks.push_back({mv.from / kStateBlock, mv.to / kStateBlock, state_blocks(mv.numel)});
+    }
     const at::Tensor& old_scales = replaced_scales_[g].at(kind);
     const int64_t blocks_numel = state_blocks(numel);
     most = std::max(most, move_ranges_in_place(
@@ -410,19 +414,30 @@ int64_t StateSlabs::land_parts(const std::vector<std::pair<torch::optim::Optimiz
     if (slot && slot->numel == placeholder.numel() && in_slab(*slot, kind, first.codec)) {
       slab = slab_for(slot->group, kind, like, slot->coded);
     }
-    if (slab.defined() && slab.scalar_type() == at::kByte) {  // fp32 values coded with the tensor's own blocks
-      std::vector<at::Tensor> pieces;
+    if (slab.defined() && slab.scalar_type() == at::kByte) {
+      // Each part is whole blocks of the tensor (its cuts fall on block boundaries): codes come
+      // with their scales, fp32 values are coded with those blocks.
+      at::Tensor codes = slab.narrow(0, slot->offset, slot->numel), scales = slot_scales(*slot, kind);
       for (const StatePart* p : ps) {
-        TORCH_INTERNAL_ASSERT(p->tensor.defined(), "8-bit state moved in place in parts");
-        pieces.push_back(p->tensor.to(at::kFloat));
+        if (!p->tensor.defined()) continue;  // moved into its place with its scales (move_in_place)
+        TORCH_INTERNAL_ASSERT(p->offset % kStateBlock == 0, "8-bit state cut at element ", p->offset,
+                              ", not on a block boundary");
+        const int64_t n = p->tensor.numel();
+        at::Tensor to_codes = codes.narrow(0, p->offset, n);
+        at::Tensor to_scales = scales.narrow(0, p->offset / kStateBlock, state_blocks(n));
+        if (p->tensor.scalar_type() == at::kByte) {
+          const at::Tensor from = scales_of(p->tensor);
+          TORCH_INTERNAL_ASSERT(from.defined(), "8-bit state without its scales");
+          to_codes.copy_(p->tensor);
+          to_scales.copy_(from);
+        } else {
+          auto [c, sc] = recode(p->tensor.to(at::kFloat), signed_kind(kind));
+          to_codes.copy_(c);
+          to_scales.copy_(sc);
+        }
+        copied += static_cast<int64_t>(to_codes.nbytes() + to_scales.nbytes());
       }
-      auto [codes, block_scales] = recode(at::cat(pieces).view(slot->sizes), signed_kind(kind));
-      at::Tensor view = slab.narrow(0, slot->offset, slot->numel).view(slot->sizes);
-      at::Tensor scales = slot_scales(*slot, kind);
-      view.copy_(codes);
-      scales.copy_(block_scales);
-      copied += static_cast<int64_t>(view.nbytes() + scales.nbytes());
-      return view;
+      return codes.view(slot->sizes);
     }
     at::Tensor flat = slab.defined() ? slab.narrow(0, slot->offset, slot->numel)
                                      : at::empty({placeholder.numel()}, first.options);

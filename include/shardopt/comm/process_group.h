@@ -202,9 +202,9 @@ class ProcessGroup {
   PendingWork reduce_scatter_rows_async(at::Tensor& flat, double divisor = 1.0, at::Tensor out = {},
                                         std::optional<at::ScalarType> wire = std::nullopt, int64_t exact_tail = 0,
                                         const std::vector<int64_t>& used = {});
-  // The same with this rank's own contribution in `out` (not in its row of `flat`, which is left
-  // alone), summed into there with the others: ShardedDDP keeps a rank's own gradients of a row
-  // bucket where they are reduced.
+  // The same with this rank's own contribution in `out` (not in its row of `flat`, which is not
+  // read and is left unspecified), summed into there with the others: ShardedDDP keeps a rank's
+  // own gradients of a row bucket where they are reduced.
   PendingWork reduce_scatter_rows_into_async(at::Tensor& flat, at::Tensor& out, double divisor = 1.0,
                                              std::optional<at::ScalarType> wire = std::nullopt,
                                              int64_t exact_tail = 0, const std::vector<int64_t>& used = {});
