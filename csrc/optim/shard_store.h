@@ -106,14 +106,14 @@ class ShardStore {
   // Makes every rank's copy of the buffers equal to the owners', this rank's rows of row buckets
   // from `own_rows` where it holds them (master_rows). Collective.
   void sync_params(const std::vector<at::Tensor>& own_rows = {});
-  // After a step: the sync above, or with overlap on (and kBroadcast), one broadcast per bucket
-  // left in flight. Collective.
+  // After a step: the sync above, or with overlap on, one collective per bucket left in flight
+  // (start_param_sync). Collective.
   void sync_after_step(const std::vector<at::Tensor>& own_rows = {});
   // The rows of this rank's masters (its `holdings`, in `master_slabs`: per layout group, its
   // master slab) the sync can pack from (Note [Syncing from the masters]). Local.
   MasterRows master_rows(const std::vector<std::vector<Holding>>& holdings, int rank,
                          const std::vector<at::Tensor>& master_slabs) const;
-  // Waits for the broadcasts in flight: all, or those of parameter `param`'s buckets. Local.
+  // Waits for the syncs in flight: all, or those of parameter `param`'s buckets. Local.
   void finish_param_sync();
   void finish_param_sync(size_t param);
   bool param_sync_in_flight() const { return sync_in_flight_ > 0; }
@@ -139,7 +139,9 @@ class ShardStore {
   bool zeroed(const at::Tensor& grad) const;
 
  private:
-  // Starts the broadcast of every bucket from its owner, in reverse bucket order.
+  // Starts the sync of every bucket, in reverse bucket order: a row bucket's all-gather of its rows,
+  // a bucket of whole parameters' broadcast from its owner (under kAllgather: one all-gather per
+  // flat buffer of whole parameters instead).
   void start_param_sync(const std::vector<at::Tensor>& own_rows);
   // Re-cuts the gradient buckets at `bytes` (0: one per parameter); data moves only when new row
   // buckets change where a parameter lies.
@@ -158,7 +160,7 @@ class ShardStore {
   bool trainable_checked_outside_ = false;
   bool handed_over_ = false;
   bool overlap_sync_ = false;
-  std::vector<PendingWork> bucket_sync_;  // per layout bucket: its broadcast, while in flight (kBroadcast)
+  std::vector<PendingWork> bucket_sync_;  // per layout bucket: its sync, while in flight
   std::vector<PendingWork> group_sync_;   // per flat buffer: its all-gather, while in flight (kAllgather)
   size_t sync_in_flight_ = 0;             // buckets not finished yet
   std::map<std::tuple<size_t, int64_t, int64_t>, at::Tensor> grads_;  // (param, begin, end) -> gradient

@@ -295,11 +295,12 @@ class OSS : public torch::optim::Optimizer {
   // The group OSS was given (every rank).
   ProcessGroup& global_group() const { return *global_group_; }
   // Note [Overlapped parameter sync]: under ShardedDDPOptions::overlap_param_sync, step()
-  // starts one broadcast per gradient bucket, the buckets the forward needs first first, and
+  // starts one collective per gradient bucket (a row bucket's all-gather of its rows, a bucket of
+  // whole parameters' broadcast from its owner), the buckets the forward needs first first, and
   // returns; the parameters are current once finish_param_sync() returned (every rank's copy).
   // Everything in OSS that reads or lays out the parameters finishes the sync first; user code
   // that reads parameters between step() and the next ShardedDDP forward calls it. A local wait:
-  // every rank started the same broadcasts in step().
+  // every rank started the same collectives in step().
   void finish_param_sync();
 
  private:
