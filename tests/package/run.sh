@@ -13,6 +13,12 @@ if [[ -e "$work/prefix/include/shardopt/testing" ]]; then
   echo "package: include/shardopt/testing/ was installed" >&2
   exit 1
 fi
+library="$(find "$work/prefix" -name 'libshardopt.a' | head -1)"
+[[ -n "$library" ]] || { echo "package: libshardopt.a was not installed" >&2; exit 1; }
+if nm -C "$library" | grep -q 'testing::Introspection'; then
+  echo "package: the installed library carries testing::Introspection" >&2
+  exit 1
+fi
 if find "$work/prefix" -name 'gpt2.h' -o -name 'llama.h' | grep -q .; then
   echo "package: models/ (gpt2.h, llama.h) was installed" >&2
   exit 1
