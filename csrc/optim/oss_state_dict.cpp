@@ -323,10 +323,8 @@ void OSS::load_state_dict(const torch::IValue& sd) {
         continue;
       }
       const GenericDict full = codec.encode_state(*codec.decode_state(it->second));
-      // (The slices are copies already: the state holds them as they are.)
       local_state[key] = detail::decode_state_like(
-          codec, detail::slice_state(full, h.in_param.begin, h.in_param.end, params_[i].numel()), h.tensor,
-          /*alias=*/true);
+          codec, detail::slice_state(full, h.in_param.begin, h.in_param.end, params_[i].numel()), h.tensor);
     }
   }
   place_state();

@@ -18,9 +18,10 @@
 
 namespace shardopt::detail {
 
-// An encoded state (state_dict layout) decoded with its tensors next to `like`, in its dtype: copies
-// of them, or with `alias` the tensors themselves where they are already there (Note [Decoding
-// without copies] in state_migration.cpp).
+// An encoded state (state_dict layout) decoded with its tensors next to `like`: copies of them in
+// like's dtype, or with `alias` (state that moved between this OSS's holdings) the tensors
+// themselves in their own dtypes, on like's device (Note [Decoding without copies] in
+// state_migration.cpp).
 std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const OptimizerCodec& codec,
                                                                      const GenericDict& encoded,
                                                                      const at::Tensor& like, bool alias = false);
