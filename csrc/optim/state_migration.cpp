@@ -353,11 +353,13 @@ std::unique_ptr<torch::optim::OptimizerParamState> decode_state_like(const Optim
       at::Tensor t = given.to(alias ? options.dtype(given.scalar_type()) : options);
       if (t.numel() == like.numel()) t = t.reshape(like.sizes());
       placed.insert(v.key(), t);
-      shapes.insert(v.key(), at::empty(t.sizes(), t.options().device(at::kMeta)));
-      tensors.emplace(v.key().toStringRef(), t);
+      if (alias) {
+        shapes.insert(v.key(), at::empty(t.sizes(), t.options().device(at::kMeta)));
+        tensors.emplace(v.key().toStringRef(), t);
+      }
     } else {
       placed.insert(v.key(), v.value());
-      shapes.insert(v.key(), v.value());
+      if (alias) shapes.insert(v.key(), v.value());
     }
   }
   if (alias) {

@@ -84,6 +84,13 @@ int64_t StateSlabs::room_of(const at::Tensor& t) const {
   return it == room_.end() ? static_cast<int64_t>(t.storage().nbytes()) : it->second;
 }
 
+bool StateSlabs::movable_to(const Slot& slot, const std::string& kind, const at::Tensor& t,
+                            const OptimizerCodec* codec) const {
+  return t.is_contiguous() && replaced_[slot.group].count(kind) != 0 &&
+         t.storage().is_alias_of(replaced_[slot.group].at(kind).storage()) &&
+         stored_dtype(kind, t, slot.coded) == t.scalar_type() && in_slab(slot, kind, codec);
+}
+
 int64_t StateSlabs::move_in_place(
     const std::vector<std::pair<torch::optim::Optimizer*, const OptimizerCodec*>>& units,
     std::vector<StatePart>& parts) {
@@ -131,10 +138,7 @@ int64_t StateSlabs::move_in_place(
     if (!m) return t;
     auto it = slots_.find(key);
     const Slot* slot = it == slots_.end() ? nullptr : &it->second;
-    const bool fits = slot && t.numel() == slot->numel && t.is_contiguous() &&
-                      replaced_[slot->group].count(kind) != 0 &&
-                      t.storage().is_alias_of(replaced_[slot->group].at(kind).storage()) &&
-                      stored_dtype(kind, t, slot->coded) == t.scalar_type() && in_slab(*slot, kind, &codec);
+    const bool fits = slot && t.numel() == slot->numel && movable_to(*slot, kind, t, &codec);
     if (fits) {
       m->moves.push_back({t.storage_offset(), slot->offset, slot->numel});
     } else {
@@ -150,11 +154,7 @@ int64_t StateSlabs::move_in_place(
     if (!m) continue;
     auto it = slots_.find(part.key);
     const Slot* slot = it == slots_.end() ? nullptr : &it->second;
-    const bool fits = slot && part.offset + t.numel() <= slot->numel && t.is_contiguous() &&
-                      replaced_[slot->group].count(part.kind) != 0 &&
-                      t.storage().is_alias_of(replaced_[slot->group].at(part.kind).storage()) &&
-                      stored_dtype(part.kind, t, slot->coded) == t.scalar_type() &&
-                      in_slab(*slot, part.kind, part.codec);
+    const bool fits = slot && part.offset + t.numel() <= slot->numel && movable_to(*slot, part.kind, t, part.codec);
     if (fits) {
       m->moves.push_back({t.storage_offset(), slot->offset + part.offset, t.numel()});
       part_moves.emplace_back(&part, m);
@@ -374,18 +374,7 @@ int64_t StateSlabs::adopt(torch::optim::Optimizer& local, const OptimizerCodec& 
       at::Tensor view = slab.narrow(0, slot.offset, slot.numel).view(slot.sizes);
       if (t.data_ptr() == view.data_ptr() && t.sizes() == view.sizes() && t.strides() == view.strides()) return t;
       if (slab.scalar_type() == at::kByte) {
-        at::Tensor scales = slot_scales(slot, kind);
-        if (t.scalar_type() == at::kByte) {  // codes in a replaced slab: they move with their scales
-          const at::Tensor from = scales_of(t);
-          TORCH_INTERNAL_ASSERT(from.defined(), "8-bit state without its scales");
-          view.copy_(t.reshape(slot.sizes));
-          scales.copy_(from);
-        } else {  // fp32 values: coded with the tensor's own blocks
-          auto [codes, block_scales] = recode(t.to(at::kFloat).reshape(slot.sizes), signed_kind(kind));
-          view.copy_(codes);
-          scales.copy_(block_scales);
-        }
-        copied += static_cast<int64_t>(view.nbytes() + scales.nbytes());
+        copied += write_codes(view, slot_scales(slot, kind), t, kind);
         return view;
       }
       view.copy_(t.reshape(slot.sizes));
@@ -394,6 +383,20 @@ int64_t StateSlabs::adopt(torch::optim::Optimizer& local, const OptimizerCodec& 
     });
   }
   return copied;
+}
+
+int64_t StateSlabs::write_codes(at::Tensor codes, at::Tensor scales, const at::Tensor& t, const std::string& kind) const {
+  if (t.scalar_type() == at::kByte) {  // codes in a replaced slab: they move with their scales
+    const at::Tensor from = scales_of(t);
+    TORCH_INTERNAL_ASSERT(from.defined(), "8-bit state without its scales");
+    codes.copy_(t.reshape(codes.sizes()));
+    scales.copy_(from);
+  } else {  // fp32 values: coded with the tensor's own blocks
+    auto [c, sc] = recode(t.to(at::kFloat).reshape(codes.sizes()), signed_kind(kind));
+    codes.copy_(c);
+    scales.copy_(sc);
+  }
+  return static_cast<int64_t>(codes.nbytes() + scales.nbytes());
 }
 
 int64_t StateSlabs::land_parts(const std::vector<std::pair<torch::optim::Optimizer*, const OptimizerCodec*>>& units,
@@ -423,19 +426,8 @@ int64_t StateSlabs::land_parts(const std::vector<std::pair<torch::optim::Optimiz
         TORCH_INTERNAL_ASSERT(p->offset % kStateBlock == 0, "8-bit state cut at element ", p->offset,
                               ", not on a block boundary");
         const int64_t n = p->tensor.numel();
-        at::Tensor to_codes = codes.narrow(0, p->offset, n);
-        at::Tensor to_scales = scales.narrow(0, p->offset / kStateBlock, state_blocks(n));
-        if (p->tensor.scalar_type() == at::kByte) {
-          const at::Tensor from = scales_of(p->tensor);
-          TORCH_INTERNAL_ASSERT(from.defined(), "8-bit state without its scales");
-          to_codes.copy_(p->tensor);
-          to_scales.copy_(from);
-        } else {
-          auto [c, sc] = recode(p->tensor.to(at::kFloat), signed_kind(kind));
-          to_codes.copy_(c);
-          to_scales.copy_(sc);
-        }
-        copied += static_cast<int64_t>(to_codes.nbytes() + to_scales.nbytes());
+        copied += write_codes(codes.narrow(0, p->offset, n), scales.narrow(0, p->offset / kStateBlock, state_blocks(n)),
+                              p->tensor, kind);
       }
       return codes.view(slot->sizes);
     }

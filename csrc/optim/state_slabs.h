@@ -133,6 +133,12 @@ class StateSlabs {
   // Whether `slot`'s state of `kind` lives in a slab (not, under kInt8: the fp32 state of a small
   // tensor, or of an entry `codec` does not compress; null codec: the fused step's kinds).
   bool in_slab(const Slot& slot, const std::string& kind, const OptimizerCodec* codec) const;
+  // Whether state `t` of `kind`, a view of the slab `slot`'s group replaced, can move inside that
+  // slab's memory into `slot` (contiguous, in the slot's stored dtype, kept in a slab).
+  bool movable_to(const Slot& slot, const std::string& kind, const at::Tensor& t, const OptimizerCodec* codec) const;
+  // Writes `t` (codes viewing a slab of these, with their scales, or values to code with the
+  // tensor's own blocks) into `codes` and their `scales`; returns the bytes written.
+  int64_t write_codes(at::Tensor codes, at::Tensor scales, const at::Tensor& t, const std::string& kind) const;
   // The scales of `slot` in the scale slab of `kind` (a coded slot).
   at::Tensor slot_scales(const Slot& slot, const std::string& kind);
   // The slab of `kind` in `group` for state like `like`, made when missing; undefined when `like`
