@@ -122,6 +122,7 @@ bool OSS::step_with(std::optional<double> inv_scale) {
   const detail::MasterRows from_masters =
       masters_ ? store_->master_rows(holdings_, group_->rank(), slabs_->slabs_of(detail::kMasterSlab))
                : detail::MasterRows{};
+  store_->begin_step_sync();
   const bool stepped = step_shard(inv_scale, from_masters);
   if (stepped) {  // what has state now (a step the scaler skipped made none)
     auto& has_state = store_->stepped();
@@ -276,6 +277,7 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
   }
   if (inv_scale && !scale_in_step(in, *inv_scale)) return false;
   fused_segments_ = 0;
+  if (stepped_fused_) return step_by_bucket(in, stepped, from_masters);
   for (size_t u = 0; u < units_.size(); ++u) {
     if (fused_[u]) {
       const detail::FusedStepResult result = detail::fused_step(*units_[u].local, in);
@@ -304,6 +306,91 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
     }
   }
   return true;
+}
+
+// Note [A step per bucket]
+// Where every optimizer of the OSS steps fused (Adam, AdamW, SGD), it steps its holdings bucket
+// by bucket, in the order the parameter sync sends the buckets (the last first: the next forward
+// needs the first layers first, Note [Overlapped parameter sync]), and starts each bucket's sync
+// (a row bucket's all-gather; a bucket of whole parameters' broadcast from its owner) as soon as
+// the holdings in it are stepped, while it steps the next: the sync no longer waits for the
+// whole step. Every rank starts every bucket, in that order, whether it holds anything in it or
+// not. A holding that lies in several buckets is stepped before the first of them goes. Under
+// ParamSync::kAllgather, buffers of whole parameters go in one all-gather each: their holdings
+// are stepped last and go with the rest of the sync after the step (ShardStore::sync_after_step).
+// The fused step updates each element from its own state and gradient alone, so which call
+// steps it does not change a bit; only the segments (Note [Adjacent tensors in one pass]) end at
+// the buckets' edges. A step the gradient scaler skips is skipped at the first bucket, on every
+// rank, before any of them went.
+namespace {
+
+// For each layout bucket, the indices into `stepped` of the holdings stepped before that bucket's
+// sync starts; one list more, last, for those in no bucket that syncs on its own (a bucket of
+// whole parameters goes on its own under `broadcast`, else with its flat buffer).
+std::vector<std::vector<size_t>> holdings_by_bucket(const FlatLayout& layout,
+                                                    const std::vector<std::pair<size_t, const detail::Holding*>>& stepped,
+                                                    int rank, bool broadcast) {
+  const auto& buckets = layout.buckets();
+  std::vector<std::vector<size_t>> out(buckets.size() + 1);
+  for (size_t s = 0; s < stepped.size(); ++s) {
+    const auto& [i, h] = stepped[s];
+    int64_t first = -1;  // the highest bucket index: the sync sends it first
+    for (size_t k : layout.pieces_of(i)) {
+      const Piece& piece = layout.pieces()[k];
+      if (piece.owner != rank || piece.bucket < 0 || !(broadcast || buckets[piece.bucket].rows())) continue;
+      if (piece.in_param.end <= h->in_param.begin || h->in_param.end <= piece.in_param.begin) continue;
+      first = std::max(first, piece.bucket);
+    }
+    out[first < 0 ? buckets.size() : static_cast<size_t>(first)].push_back(s);
+  }
+  return out;
+}
+
+}  // namespace
+
+bool OSS::step_by_bucket(const detail::FusedStepInputs& in,
+                         const std::vector<std::pair<size_t, const detail::Holding*>>& stepped,
+                         const detail::MasterRows& from_masters) {
+  const FlatLayout& layout = store_->layout();
+  const bool broadcast = options_.sync() == ParamSync::kBroadcast;
+  const auto by_bucket = holdings_by_bucket(layout, stepped, group_->rank(), broadcast);
+  const size_t rest = layout.buckets().size();
+  auto step_these = [&](const std::vector<size_t>& these) {
+    if (these.empty()) return true;
+    detail::FusedStepInputs part;
+    part.allocate = in.allocate;
+    part.scales = in.scales;
+    part.inv_scale = in.inv_scale;
+    part.found_inf = in.found_inf;
+    for (size_t s : these) {
+      const auto* key = stepped[s].second->tensor.unsafeGetTensorImpl();
+      part.grads.emplace(key, in.grads.at(key));
+      if (auto it = in.copies.find(key); it != in.copies.end()) part.copies.emplace(key, it->second);
+    }
+    for (size_t u = 0; u < units_.size(); ++u) {
+      const detail::FusedStepResult result = detail::fused_step(*units_[u].local, part);
+      fused_segments_ += result.segments;
+      if (!result.stepped) return false;  // the found-inf flag: the same for every optimizer and bucket
+    }
+    if (!masters_) return true;
+    for (size_t s : these) {
+      const auto& [i, h] = stepped[s];
+      const auto* key = h->tensor.unsafeGetTensorImpl();
+      if (part.copies.count(key) == 0 && from_masters.covered.count(key) == 0) {
+        detail::write_back(params_[i], h->tensor, h->in_param);
+      }
+    }
+    return true;
+  };
+  bucket_steps_.clear();
+  for (size_t k = rest; k-- > 0;) {
+    if (!(broadcast || layout.buckets()[k].rows())) continue;
+    if (!step_these(by_bucket[k])) return false;
+    bucket_steps_.emplace_back('s', static_cast<int64_t>(k));
+    store_->start_bucket_sync(k, from_masters.rows);
+    if (store_->param_sync_in_flight()) bucket_steps_.emplace_back('g', static_cast<int64_t>(k));
+  }
+  return step_these(by_bucket[rest]);
 }
 
 // The gradient scaler's step (ShardedGradScaler::step without unscale_()): every rank checks the

@@ -238,12 +238,32 @@ void ShardStore::set_bucket_bytes(int64_t bytes) {
 // calls wait_param_sync), only for the buckets of that child's parameters, so the rest of the
 // sync runs beside the forward; without per-child waits it finishes everything in pre_forward.
 // Anything that lays the buffers out again or reads the parameters here finishes it first.
+void ShardStore::begin_step_sync() {
+  finish_param_sync();
+  bucket_sync_.clear();
+  group_sync_.clear();
+  bucket_sync_.resize(layout().buckets().size());
+  started_.assign(layout().buckets().size(), 0);
+  step_sync_open_ = true;
+}
+
+void ShardStore::start_bucket_sync(size_t bucket, const std::vector<at::Tensor>& own_rows) {
+  if (group_->size() == 1) return;
+  CommPhase phase("step (parameter sync)");
+  TORCH_INTERNAL_ASSERT(step_sync_open_, "start_bucket_sync outside a step (begin_step_sync)");
+  const FlatBucket& b = layout().buckets().at(bucket);
+  TORCH_INTERNAL_ASSERT(!started_[bucket], "bucket ", bucket, " already started");
+  TORCH_INTERNAL_ASSERT(b.rows() || sync_ == ParamSync::kBroadcast, "bucket ", bucket,
+                        " goes with its flat buffer's all-gather (ParamSync::kAllgather)");
+  bucket_sync_[bucket] = start_sync_of(bucket, own_rows);
+  started_[bucket] = 1;
+  ++sync_in_flight_;
+}
+
 void ShardStore::start_param_sync(const std::vector<at::Tensor>& own_rows) {
   CommPhase phase("step (parameter sync, overlapped)");
   const auto& buckets = layout().buckets();
-  bucket_sync_.clear();
-  group_sync_.clear();
-  bucket_sync_.resize(buckets.size());
+  if (!step_sync_open_) begin_step_sync();
   if (sync_ == ParamSync::kAllgather) {
     // One all-gather of the shards' rows per flat buffer of whole parameters (Note [Rows]), all
     // in flight: a parameter is current once its buffer's has finished.
@@ -257,28 +277,33 @@ void ShardStore::start_param_sync(const std::vector<at::Tensor>& own_rows) {
     }
   }
   for (size_t k = buckets.size(); k-- > 0;) {
-    const FlatBucket& b = buckets[k];
-    if (b.rows()) {  // an all-gather of the bucket's rows (Note [Row buckets])
-      at::Tensor rows = bucket_rows(layout(), buffers_, k);
-      bucket_sync_[k] =
-          group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()), own_row(own_rows, k), b.row_used);
-    } else if (sync_ == ParamSync::kAllgather) {
-      continue;
-    } else {
-      const int64_t begin = layout().groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
-      at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
-      bucket_sync_[k] = group_->broadcast_async(range, b.owner, wire_dtype(wire_, range.scalar_type()));
-    }
+    if (started_[k] || (!buckets[k].rows() && sync_ == ParamSync::kAllgather)) continue;
+    bucket_sync_[k] = start_sync_of(k, own_rows);
     ++sync_in_flight_;
   }
 }
 
+PendingWork ShardStore::start_sync_of(size_t bucket, const std::vector<at::Tensor>& own_rows) {
+  const FlatBucket& b = layout().buckets()[bucket];
+  if (b.rows()) {  // an all-gather of the bucket's rows (Note [Row buckets])
+    at::Tensor rows = bucket_rows(layout(), buffers_, bucket);
+    return group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()), own_row(own_rows, bucket),
+                                        b.row_used);
+  }
+  const int64_t begin = layout().groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
+  at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
+  return group_->broadcast_async(range, b.owner, wire_dtype(wire_, range.scalar_type()));
+}
+
 void ShardStore::sync_after_step(const std::vector<at::Tensor>& own_rows) {
-  if (overlap_sync_ && group_->size() > 1) {
+  const bool started = std::find(started_.begin(), started_.end(), 1) != started_.end();
+  if (group_->size() > 1 && (overlap_sync_ || (step_sync_open_ && started))) {
     start_param_sync(own_rows);
+    if (!overlap_sync_) finish_param_sync();
   } else {
     sync_params(own_rows);
   }
+  step_sync_open_ = false;
 }
 
 void ShardStore::sync_params(const std::vector<at::Tensor>& own_rows) {

@@ -106,8 +106,16 @@ class ShardStore {
   // Makes every rank's copy of the buffers equal to the owners', this rank's rows of row buckets
   // from `own_rows` where it holds them (master_rows). Collective.
   void sync_params(const std::vector<at::Tensor>& own_rows = {});
+  // Opens a step's sync: what is in flight finished, no bucket started yet. Local.
+  void begin_step_sync();
+  // Starts bucket `bucket`'s sync now (a row bucket's all-gather; under ParamSync::kBroadcast a
+  // bucket of whole parameters' broadcast from its owner), before the rest of the step is done
+  // (Note [A step per bucket] in oss_step.cpp); sync_after_step starts the others. Every rank
+  // starts the same buckets in the same order. Collective.
+  void start_bucket_sync(size_t bucket, const std::vector<at::Tensor>& own_rows);
   // After a step: the sync above, or with overlap on, one collective per bucket left in flight
-  // (start_param_sync). Collective.
+  // (start_param_sync); buckets start_bucket_sync started are not started again, and without
+  // overlap they are waited for here. Collective.
   void sync_after_step(const std::vector<at::Tensor>& own_rows = {});
   // The rows of this rank's masters (its `holdings`, in `master_slabs`: per layout group, its
   // master slab) the sync can pack from (Note [Syncing from the masters]). Local.
@@ -139,10 +147,12 @@ class ShardStore {
   bool zeroed(const at::Tensor& grad) const;
 
  private:
-  // Starts the sync of every bucket, in reverse bucket order: a row bucket's all-gather of its rows,
-  // a bucket of whole parameters' broadcast from its owner (under kAllgather: one all-gather per
-  // flat buffer of whole parameters instead).
+  // Starts the sync of every bucket not started yet (start_bucket_sync), in reverse bucket order:
+  // a row bucket's all-gather of its rows, a bucket of whole parameters' broadcast from its owner
+  // (under kAllgather: one all-gather per flat buffer of whole parameters instead).
   void start_param_sync(const std::vector<at::Tensor>& own_rows);
+  // Bucket `bucket`'s sync: its rows' all-gather, or its range broadcast from its owner.
+  PendingWork start_sync_of(size_t bucket, const std::vector<at::Tensor>& own_rows);
   // Re-cuts the gradient buckets at `bytes` (0: one per parameter); data moves only when new row
   // buckets change where a parameter lies.
   void set_bucket_bytes(int64_t bytes);
@@ -163,6 +173,8 @@ class ShardStore {
   std::vector<PendingWork> bucket_sync_;  // per layout bucket: its sync, while in flight
   std::vector<PendingWork> group_sync_;   // per flat buffer: its all-gather, while in flight (kAllgather)
   size_t sync_in_flight_ = 0;             // buckets not finished yet
+  std::vector<uint8_t> started_;          // per layout bucket: started by start_bucket_sync this step
+  bool step_sync_open_ = false;           // between begin_step_sync and sync_after_step
   std::map<std::tuple<size_t, int64_t, int64_t>, at::Tensor> grads_;  // (param, begin, end) -> gradient
   struct Zeroed {
     c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> grad;

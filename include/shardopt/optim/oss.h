@@ -424,6 +424,11 @@ class OSS : public torch::optim::Optimizer {
   bool step_shard(std::optional<double> inv_scale, const detail::MasterRows& from_masters);
   // Agrees on found-inf over `in`'s gradients and hands the fused step the scale, or unscales the
   // gradients in place; false when the step is skipped. Collective.
+  // The fused step of `stepped` (with `in`'s gradients), bucket by bucket, each row bucket's sync
+  // started once its holdings are stepped (Note [A step per bucket]). Returns whether it stepped.
+  bool step_by_bucket(const detail::FusedStepInputs& in,
+                      const std::vector<std::pair<size_t, const detail::Holding*>>& stepped,
+                      const detail::MasterRows& from_masters);
   bool scale_in_step(detail::FusedStepInputs& in, double inv_scale);
 
   std::shared_ptr<ProcessGroup> group_;
@@ -441,6 +446,9 @@ class OSS : public torch::optim::Optimizer {
   bool stepped_fused_ = false;  // every optimizer stepped fused last time
   std::vector<uint8_t> fused_;  // per optimizer: steps fused this time
   int64_t fused_segments_ = 0;  // the segments the last fused step stepped
+  // The last step by bucket, in order: ('s', k) row bucket k's holdings stepped, ('g', k) its
+  // sync started (Note [A step per bucket]).
+  std::vector<std::pair<char, int64_t>> bucket_steps_;
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::vector<Unit> units_;
   std::vector<size_t> unit_of_group_, local_group_of_;  // per global group: its unit, its index there

@@ -60,6 +60,9 @@ struct Introspection {
   // The segments of adjacent tensors the last fused step stepped (Note [Adjacent tensors in one
   // pass] in csrc/optim/adjacent.h); on CUDA, 32 of a run share one launch.
   static int64_t fused_segments(const OSS& oss) { return oss.fused_segments_; }
+  // The last step by bucket (Note [A step per bucket] in csrc/optim/oss_step.cpp), in order:
+  // ('s', k) row bucket k's holdings stepped, ('g', k) its all-gather started.
+  static const std::vector<std::pair<char, int64_t>>& bucket_steps(const OSS& oss) { return oss.bucket_steps_; }
   // Bytes of gradients the last reduction copied into buckets: gradients autograd accumulated
   // where their bucket is (gradient_as_bucket_view) are not copied.
   static int64_t copied_grad_bytes(const ShardedDDP& ddp) { return ddp.copied_bytes_; }
