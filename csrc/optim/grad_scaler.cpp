@@ -55,9 +55,9 @@ bool ShardedGradScaler::step(OSS& optimizer) {
     return true;
   }
   PerOptimizer& state = per_optimizer_[&optimizer];
-  if (!state.unscaled && optimizer.folds_unscaling()) {
+  if (!state.unscaled && optimizer.can_unscale_in_step()) {
     state.unscaled = true;  // by the step: an unscale_() before update() is an error
-    state.found_inf = !optimizer.step_with(1.0 / scale_);
+    state.found_inf = !optimizer.step_unscaling(1.0 / scale_);
     return !state.found_inf;
   }
   if (!state.unscaled) unscale_(optimizer);

@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <cmath>
 #include <unordered_set>
 
 namespace shardopt {
@@ -95,7 +96,7 @@ torch::Tensor OSS::step(LossClosure closure) {
   return loss;
 }
 
-bool OSS::folds_unscaling() const {
+bool OSS::can_unscale_in_step() const {
   if (!options_.fused_step()) return false;
   for (const auto& unit : units_) {
     if (!detail::adam_like(*unit.local) && dynamic_cast<const torch::optim::SGD*>(unit.local.get()) == nullptr) {
@@ -103,6 +104,20 @@ bool OSS::folds_unscaling() const {
     }
   }
   return true;
+}
+
+bool OSS::step_unscaling(double inv_scale) {
+  SHARDOPT_CHECK(std::isfinite(inv_scale) && inv_scale > 0, "OSS::step_unscaling: inv_scale must be finite and positive, got ",
+                 inv_scale);
+  SHARDOPT_CHECK(options_.fused_step(), "OSS::step_unscaling needs the fused step: OSSOptions::fused_step is off");
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const Unit& unit = units_[unit_of_group_[g]];
+    SHARDOPT_CHECK(detail::adam_like(*unit.local) || dynamic_cast<const torch::optim::SGD*>(unit.local.get()) != nullptr,
+                   "OSS::step_unscaling needs every optimizer of the OSS to be Adam, AdamW or "
+                   "SGD under the fused step; param group ", g, "'s is ", unit.class_name,
+                   " (unscale the gradients first, as ShardedGradScaler::unscale_ does)");
+  }
+  return step_with(inv_scale);
 }
 
 bool OSS::step_with(std::optional<double> inv_scale) {

@@ -16,8 +16,10 @@
 #include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/nn/modules/activation.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
+#include <torch/csrc/api/include/torch/optim/rmsprop.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <optional>
 
@@ -369,6 +371,63 @@ TEST(MixedPrecision, BadOptionsAreErrorsOnEveryRank) {
   });
   EXPECT_NE(errors[0].find("another rank has bad options"), std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("got Double"), std::string::npos) << errors[1];
+}
+
+// OSS::step_unscaling, the call ShardedGradScaler::step makes, used directly: gradients scaled by
+// S, stepped with inv_scale 1/S, follow plain torch::optim::Adam on the unscaled gradients and
+// stay scaled; an inf on one rank skips the step on every rank, the parameters untouched.
+TEST(MixedPrecision, StepUnscalingFollowsAdamOnTheUnscaledGradientsAndSkipsTogether) {
+  constexpr double kScale = 1024;
+  testing::run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    Params params = testing::make_params(), ref = testing::make_params();
+    optim::Adam ref_opt(ref, optim::AdamOptions(kLr));
+    OSS oss(params, adam(), g);
+    ASSERT_TRUE(oss.can_unscale_in_step());
+    for (int step = 0; step < 4; ++step) {
+      const bool overflow = step == 2;
+      const auto data = testing::rank_data(step, g->rank(), 3);
+      if (step == 0) ASSERT_TRUE(testing::differs_across_ranks(data.x, *g));
+      oss.zero_grad(true);
+      (testing::loss(params, data, 3) * kScale).backward();
+      if (overflow && g->rank() == 1) params[0].mutable_grad().fill_(std::numeric_limits<float>::infinity());
+      testing::allreduce_grads(params, *g);
+      const Params scaled = testing::clone_params({params[1].grad()});
+      const Params before = testing::clone_params(params);
+      EXPECT_EQ(oss.step_unscaling(1.0 / kScale), !overflow) << "step " << step << ", rank " << g->rank();
+      EXPECT_TRUE(params[1].grad().equal(scaled[0])) << "the gradients stay scaled";
+      if (overflow) {
+        for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(params[i].equal(before[i])) << "parameter " << i;
+        continue;
+      }
+      ref_opt.zero_grad(true);
+      testing::loss(ref, data, 3).backward();
+      testing::allreduce_grads(ref, *g);
+      ref_opt.step();
+      ASSERT_TRUE(testing::matches_reference(params, ref, *g, 1e-5)) << "step " << step;
+    }
+  });
+  // A bad scale, and optimizers the fused step does not take: one line on every rank.
+  const std::vector<std::pair<std::function<void(std::shared_ptr<ProcessGroup>)>, std::string>> cases{
+      {[](std::shared_ptr<ProcessGroup> g) { OSS(testing::make_params(), adam(), g).step_unscaling(0); },
+       "inv_scale must be finite and positive, got 0"},
+      {[](std::shared_ptr<ProcessGroup> g) {
+         OSS(testing::make_params(), adam(), g).step_unscaling(std::numeric_limits<double>::infinity());
+       },
+       "inv_scale must be finite and positive, got inf"},
+      {[](std::shared_ptr<ProcessGroup> g) {
+         OSS(testing::make_params(), adam(), g, OSSOptions().fused_step(false)).step_unscaling(1);
+       },
+       "OSSOptions::fused_step is off"},
+      {[](std::shared_ptr<ProcessGroup> g) {
+         OSS oss(testing::make_params(), optimizer<optim::RMSprop>(optim::RMSpropOptions(kLr)), g);
+         EXPECT_FALSE(oss.can_unscale_in_step());
+         oss.step_unscaling(1);
+       },
+       "param group 0's is torch::optim::RMSprop"}};
+  for (const auto& [body, message] : cases) {
+    auto errors = testing::run_ranks_collect_errors(2, body);
+    for (const auto& e : errors) EXPECT_NE(e.find(message), std::string::npos) << e;
+  }
 }
 
 }  // namespace SHARDOPT_UNITY_ID

@@ -303,14 +303,23 @@ class OSS : public torch::optim::Optimizer {
   // every rank started the same collectives in step().
   void finish_param_sync();
 
+  // The gradient scaler's step, as PyTorch's fused optimizers take torch.amp.GradScaler's scale
+  // (ShardedGradScaler::step calls it; Note [Unscaling in the step]): the gradients, scaled by
+  // 1 / `inv_scale`, are unscaled as the fused step reads them and stay scaled, and the step is
+  // skipped on every rank when any rank finds inf or NaN in the gradients it steps. Returns whether
+  // it stepped (the same on every rank). Needs can_unscale_in_step() and a finite, positive
+  // `inv_scale`. Collective.
+  bool step_unscaling(double inv_scale);
+  // Whether step_unscaling() can take the unscale: every optimizer of this OSS is Adam, AdamW or
+  // SGD under the fused step (OSSOptions::fused_step, the default). Local.
+  bool can_unscale_in_step() const;
+
  private:
   friend struct testing::Introspection;
   // A ShardedDDP receives the store (the layout, the parameter buffers and the owned gradients,
   // Note [Owned gradients]) from hand_over(), once, in its constructor.
   friend class ShardedDDP;
   detail::ShardStore& hand_over(const detail::HandOver& h);
-  // The gradient scaler folds its unscale into the fused step (Note [Unscaling in the step]).
-  friend class ShardedGradScaler;
   // A recovery (or an admission) loads the old shards that survived, each rank receiving only the
   // ranges it holds now (Note [Each rank receives its own ranges] in csrc/optim/state_migration.cpp).
   friend class Resilient;
@@ -322,11 +331,7 @@ class OSS : public torch::optim::Optimizer {
   // state_shard(); without `own_storage`, the state tensors are views of the slabs, valid until
   // the next step (for a copy made at once).
   torch::IValue state_shard(bool own_storage);
-  // Whether a step can take the scaler's unscale (the fused step of Adam, AdamW or SGD).
-  bool folds_unscaling() const;
-  // step() without a closure; with `inv_scale`, the scaler's step: the gradients are unscaled in
-  // the step and it is skipped on every rank when any rank finds inf/NaN. Returns whether it
-  // stepped. Collective.
+  // step() without a closure; with `inv_scale`, step_unscaling()'s. Collective.
   bool step_with(std::optional<double> inv_scale);
 
   // ---- for ShardedDDP, the checkpoint and testing::Introspection ----
