@@ -204,7 +204,7 @@ void Resilient::refresh(int64_t step) {
     copy->buffers = host_copies(module_->buffers(), spare ? std::move(spare->buffers) : std::vector<at::Tensor>{});
   }
   // The shard's state as views of the slabs: flatten() copies them once, into the copy's bytes.
-  copy->own = detail::flatten(optimizer_->state_shard(/*own_storage=*/false), spare ? spare->own.bytes : at::Tensor());
+  copy->own = detail::flatten(optimizer_->state_shard_view(), spare ? spare->own.bytes : at::Tensor());
   if (auto* scaler = options_.grad_scaler()) {
     copy->loss_scale = scaler->get_scale();
     copy->growth_tracker = scaler->growth_tracker();

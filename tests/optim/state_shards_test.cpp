@@ -2,7 +2,6 @@
 // receives its own ranges] in csrc/optim/state_migration.cpp): what a recovery or an admission
 // does, here without Resilient and across a change of world size and partition.
 #include <shardopt/optim/oss.h>
-#include <shardopt/testing/introspection.h>
 
 #include "harness.h"
 #include "model.h"
@@ -20,7 +19,6 @@ namespace {
 namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
-using testing::Introspection;
 using testing::run_ranks;
 using Params = std::vector<at::Tensor>;
 
@@ -86,7 +84,7 @@ TEST(StateShards, EachRankReceivesOnlyItsRangesAndTrainsOnLikeTorchOptim) {
     if (g->rank() == 0) held = {trained.shards[0], trained.shards[2]};
     if (g->rank() == 1) held = {trained.shards[1]};
     const RebalanceStats stats =
-        Introspection::load_state_shards(oss, held, trained.shards[0].toGenericDict().at("param_groups"));
+        oss.load_state_shards(held, trained.shards[0].toGenericDict().at("param_groups"));
     EXPECT_DOUBLE_EQ(oss.param_groups()[0].options().get_lr(), 2e-2);
     // Never more than it holds now; and rank 1, which sends a third of the state, receives some.
     EXPECT_LE(stats.state_bytes_received, oss.local_state_bytes());
@@ -108,7 +106,7 @@ TEST(StateShards, AShardLeftOutIsAnErrorOnEveryRankNamingTheParameter) {
     OSS oss(p, optimizer<optim::Adam>(adam_options()), g);
     std::vector<torch::IValue> held;
     if (g->rank() == 0) held = {trained.shards[0], trained.shards[2]};  // old shard 1 is nowhere
-    Introspection::load_state_shards(oss, held, trained.shards[0].toGenericDict().at("param_groups"));
+    oss.load_state_shards(held, trained.shards[0].toGenericDict().at("param_groups"));
   });
   ASSERT_EQ(errors.size(), 2u);
   std::vector<std::string> named;  // from "the old shards' state of parameter" on: the same on both ranks
@@ -119,6 +117,43 @@ TEST(StateShards, AShardLeftOutIsAnErrorOnEveryRankNamingTheParameter) {
     named.push_back(e.substr(at, e.find('\n', at) - at));
   }
   EXPECT_EQ(named[0], named[1]);
+}
+
+// state_shard_view() holds what state_shard() holds, but as the live state: the next step changes
+// its tensors, not the copy's.
+TEST(StateShards, AViewIsTheLiveStateAndACopyIsNot) {
+  run_ranks(2, [&](std::shared_ptr<ProcessGroup> g) {
+    Params p = testing::make_params();
+    OSS oss(p, optimizer<optim::Adam>(adam_options()), g, OSSOptions().partition(PartitionMode::kSplit));
+    for (int s = 0; s < 2; ++s) {
+      oss.zero_grad(true);
+      backward_global(p, s, *g);
+      oss.step();
+    }
+    const torch::IValue view = oss.state_shard_view(), copy = oss.state_shard();
+    auto tensors = [](const torch::IValue& shard) {
+      std::vector<at::Tensor> out;
+      for (const auto& range : shard.toGenericDict().at("shard").toList()) {
+        for (const auto& entry : range.get().toGenericDict().at("state").toGenericDict()) {
+          const c10::IValue& value = entry.value();
+          if (value.isTensor() && value.toTensor().numel() > 1) out.push_back(value.toTensor());
+        }
+      }
+      return out;
+    };
+    const auto viewed = tensors(view), copied = tensors(copy);
+    ASSERT_EQ(viewed.size(), copied.size());
+    ASSERT_FALSE(viewed.empty());
+    const auto kept = testing::clone_params(copied);
+    for (size_t i = 0; i < viewed.size(); ++i) EXPECT_TRUE(viewed[i].equal(copied[i])) << "tensor " << i;
+    oss.zero_grad(true);
+    backward_global(p, 2, *g);
+    oss.step();
+    for (size_t i = 0; i < viewed.size(); ++i) {
+      EXPECT_TRUE(copied[i].equal(kept[i])) << "the copy changed: tensor " << i;
+      EXPECT_FALSE(viewed[i].equal(kept[i])) << "the view did not follow the step: tensor " << i;
+    }
+  });
 }
 
 }  // namespace SHARDOPT_UNITY_ID

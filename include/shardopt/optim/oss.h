@@ -249,6 +249,18 @@ class OSS : public torch::optim::Optimizer {
   // tensor with storage of its own. Collective (state still owed to this rank after a re-partition
   // moves first).
   torch::IValue state_shard() { return state_shard(/*own_storage=*/true); }
+  // state_shard() without a copy: each state tensor is a view of the memory this rank keeps its
+  // state in (as PyTorch's Optimizer.state_dict() holds the live tensors), valid until the next
+  // step(), load or re-partition; copy what you keep before then (Resilient's copies do). Collective.
+  torch::IValue state_shard_view() { return state_shard(/*own_storage=*/false); }
+  // Loads old state_shard() values of any world size, spread over the ranks of global_group() (as
+  // after a rank died and its copies live elsewhere): each rank passes the ones it holds (`held`:
+  // together they cover every parameter's state once; a rank may hold none), and every rank the
+  // same `param_groups` (any of those shards' "param_groups"). Each rank receives only the ranges
+  // it holds now (Note [Each rank receives its own ranges] in csrc/optim/state_migration.cpp); a
+  // range covered by no shard, or by two, is an error on every rank naming the parameter. Returns
+  // what this rank sent and received. Collective over global_group().
+  RebalanceStats load_state_shards(const std::vector<torch::IValue>& held, const torch::IValue& param_groups);
   // The full state dict (PyTorch's layout) stitched from every rank's state_shard(), from an OSS
   // of any world size over the same parameters. Local; an incomplete set is an error.
   torch::IValue state_dict_from_shards(const std::vector<torch::IValue>& shards) const;
@@ -320,16 +332,8 @@ class OSS : public torch::optim::Optimizer {
   // Note [Owned gradients]) from hand_over(), once, in its constructor.
   friend class ShardedDDP;
   detail::ShardStore& hand_over(const detail::HandOver& h);
-  // A recovery (or an admission) loads the old shards that survived, each rank receiving only the
-  // ranges it holds now (Note [Each rank receives its own ranges] in csrc/optim/state_migration.cpp).
-  friend class Resilient;
-  // Loads the state of old state_shard() values (any world size) split over the ranks of the
-  // whole group: each rank passes the ones it sends (`held`: their ranges together cover every
-  // parameter's state once), and every rank the same `param_groups` (a state_shard()'s). Returns
-  // what this rank sent and received. Collective over global_group().
-  RebalanceStats load_state_shards(const std::vector<torch::IValue>& held, const torch::IValue& param_groups);
-  // state_shard(); without `own_storage`, the state tensors are views of the slabs, valid until
-  // the next step (for a copy made at once).
+  // state_shard(); without `own_storage`, the state tensors are views of the slabs
+  // (state_shard_view()).
   torch::IValue state_shard(bool own_storage);
   // step() without a closure; with `inv_scale`, step_unscaling()'s. Collective.
   bool step_with(std::optional<double> inv_scale);

@@ -33,12 +33,6 @@ struct Introspection {
   static int64_t partition_version(const OSS& oss) { return oss.partition_version_; }
   // Counts moves of state between ranks (a re-partition, or split ranges cut again).
   static int64_t state_moves(const OSS& oss) { return oss.state_moves_; }
-  // Loads old state_shard()s split over the ranks, each receiving only its ranges (what a
-  // recovery does). Collective.
-  static RebalanceStats load_state_shards(OSS& oss, const std::vector<torch::IValue>& held,
-                                          const torch::IValue& param_groups) {
-    return oss.load_state_shards(held, param_groups);
-  }
   // With shard_group_size, the group of this rank's replicas; null without blocks.
   static ProcessGroup* replica_group(const OSS& oss) { return oss.replica_group(); }
   // The wrapped optimizer over this rank's holdings: the first, or the k-th of several
