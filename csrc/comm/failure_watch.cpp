@@ -1,5 +1,5 @@
 // The failure watch a group can be put under (Note [Failure watch]; a job that goes on after a
-// rank dies turns it on: detail::GroupRecovery, in csrc/resilience/group_recovery.cpp).
+// rank dies turns it on: detail::GroupRecovery, in csrc/comm/group_recovery.cpp).
 #include <shardopt/comm/process_group.h>
 #include <shardopt/check.h>
 

@@ -5,7 +5,7 @@
 #include <shardopt/version.h>
 
 #include "checkpoint/snapshot.h"
-#include "resilience/group_recovery.h"
+#include "comm/group_recovery.h"
 #include "resilience/copies.h"
 
 #include <c10/util/Exception.h>

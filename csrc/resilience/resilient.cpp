@@ -4,7 +4,7 @@
 #include <shardopt/version.h>
 
 #include "checkpoint/snapshot.h"
-#include "resilience/group_recovery.h"
+#include "comm/group_recovery.h"
 #include "resilience/copies.h"
 #include "resilience/survivors.h"
 

@@ -35,7 +35,7 @@ namespace shardopt {
 namespace detail {
 struct GroupFailure;  // a group's failure watch (Note [Failure watch] in csrc/comm/failure_watch.cpp)
 struct GroupSetup;    // init_process_group's access to a new group's set-up (csrc/comm/init.cpp)
-struct GroupRecovery; // resilience's access to the failure watch and new groups (csrc/resilience/group_recovery.h)
+struct GroupRecovery; // resilience's access to the failure watch and new groups (csrc/comm/group_recovery.h)
 class WireCodec;      // how a tensor travels on a compressed wire (csrc/comm/wire_codec.h)
 }  // namespace detail
 namespace testing {
@@ -257,8 +257,8 @@ class ProcessGroup {
 
  private:
   // What surviving a dead rank does with a group (the failure watch, leaving a broken group, new
-  // groups of the survivors) is detail::GroupRecovery's, in csrc/resilience/group_recovery.cpp,
-  // which resilience/ owns and which works on this state as a friend.
+  // groups of the survivors) is detail::GroupRecovery's, in csrc/comm/group_recovery.cpp, which
+  // works on this state as a friend; resilience/ reaches it through that header only.
   friend struct detail::GroupRecovery;
   // Set-up, by init_process_group (through detail::GroupSetup) and by the groups this one makes.
   friend struct detail::GroupSetup;

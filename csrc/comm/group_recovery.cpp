@@ -1,6 +1,6 @@
 // What surviving a dead rank does with a process group (GroupRecovery): the failure watch turned
 // on, a broken group left behind, and new groups over the survivors or with a replacement.
-#include "resilience/group_recovery.h"
+#include "comm/group_recovery.h"
 
 #include <shardopt/check.h>
 

@@ -1,9 +1,9 @@
 // GroupRecovery: what surviving a dead rank needs of a ProcessGroup beyond its collectives. The
 // failure watch (Note [Failure watch] in csrc/comm/failure_watch.cpp), leaving a broken group,
 // and new groups over the ranks that are left or that join (group_recovery.cpp). Resilient
-// (resilient.cpp, replacement.cpp) is its only user. It works on the process group's private
-// state as its friend, so the communication layer declares none of this: its face is
-// collectives and groups only.
+// (csrc/resilience/resilient.cpp, replacement.cpp) is its only user. It belongs to the
+// communication layer and works on the process group's private state as its friend, so the
+// group's public face stays collectives and groups only.
 #pragma once
 
 #include <shardopt/comm/process_group.h>
