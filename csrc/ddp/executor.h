@@ -6,7 +6,7 @@
 #include <shardopt/ddp/sharded_ddp.h>
 
 #include "ddp/grad_slabs.h"
-#include "optim/shard_store.h"
+#include "optim/oss_for_ddp.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>

@@ -3,8 +3,7 @@
 #include <shardopt/check.h>
 
 #include "ddp/executor.h"
-#include "optim/shard_store.h"
-#include "optim/trainable.h"
+#include "optim/oss_for_ddp.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -61,7 +60,7 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   check_optimizers();
   group_ = std::shared_ptr<ProcessGroup>(&optimizers_[0]->process_group(), [](ProcessGroup*) {});
   global_ = &optimizers_[0]->global_group();
-  replica_ = optimizers_[0]->replica_group();
+  replica_ = detail::OssForDdp::replica_group(*optimizers_[0]);
   collect_params();
   for (size_t m = 0; m < params_.size(); ++m) module_index_[params_[m].unsafeGetTensorImpl()] = m;
   refresh_owners();
@@ -82,7 +81,7 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   hand_over.overlap_param_sync = options_.overlap_param_sync();
   for (OSS* opt : optimizers_) {
     hand_over.bucket_bytes = options_.bucket_bytes_for(opt->global_group().size());
-    stores_.push_back(&opt->hand_over(hand_over));
+    stores_.push_back(&detail::OssForDdp::hand_over(*opt, hand_over));
   }
   for (size_t k = 0; k < optimizers_.size(); ++k) grad_slabs_.push_back(std::make_unique<detail::GradSlabs>());
   lay_out(mask);
@@ -157,7 +156,7 @@ std::vector<int64_t> sparse_gradient_positions(const torch::nn::Module& module) 
 void ShardedDDP::collect_params() {
   std::unordered_map<const void*, std::pair<size_t, size_t>> place;  // -> (optimizer, position)
   for (size_t k = 0; k < optimizers_.size(); ++k) {
-    const auto& ps = optimizers_[k]->all_params();
+    const auto& ps = detail::OssForDdp::params(*optimizers_[k]);
     for (size_t i = 0; i < ps.size(); ++i) {
       auto [it, fresh] = place.emplace(ps[i].unsafeGetTensorImpl(), std::make_pair(k, i));
       SHARDOPT_CHECK(fresh, "ShardedDDP: parameter ", i, " of optimizer ", k, " is also parameter ", it->second.second,
@@ -206,12 +205,12 @@ void ShardedDDP::collect_params() {
 
 void ShardedDDP::refresh_owners() {
   owner_.clear();
-  for (const auto& [k, i] : place_) owner_.push_back(optimizers_[k]->owner(optimizers_[k]->all_params()[i]));
+  for (const auto& [k, i] : place_) owner_.push_back(optimizers_[k]->owner(detail::OssForDdp::params(*optimizers_[k])[i]));
 }
 
 std::vector<uint8_t> ShardedDDP::mask_for(size_t k, const std::vector<uint8_t>& mask) const {
   // Parameters outside the module: their flags as they are now (they are not in the agreed mask).
-  std::vector<uint8_t> flags = detail::trainable_mask(optimizers_[k]->all_params());
+  std::vector<uint8_t> flags = detail::trainable_mask(detail::OssForDdp::params(*optimizers_[k]));
   for (size_t m = 0; m < params_.size(); ++m) {
     if (place_[m].first == k) flags[place_[m].second] = mask[m];
   }
@@ -219,7 +218,7 @@ std::vector<uint8_t> ShardedDDP::mask_for(size_t k, const std::vector<uint8_t>& 
 }
 
 void ShardedDDP::lay_out(const std::vector<uint8_t>& mask) {
-  for (size_t k = 0; k < optimizers_.size(); ++k) optimizers_[k]->lay_out_for(mask_for(k, mask));
+  for (size_t k = 0; k < optimizers_.size(); ++k) detail::OssForDdp::lay_out_for(*optimizers_[k], mask_for(k, mask));
 }
 
 bool ShardedDDP::built_trainable(size_t m) const {
@@ -237,7 +236,7 @@ std::vector<uint8_t> ShardedDDP::built_mask() const {
 // after a freeze]), which lays its buffers out again for the new owners. Each optimizer knows
 // whether its set changed since its partition was decided: otherwise this costs nothing.
 void ShardedDDP::follow_partition() {
-  for (OSS* opt : optimizers_) opt->rebalance();
+  for (OSS* opt : optimizers_) detail::OssForDdp::rebalance(*opt);
 }
 
 // Rebuilds the buckets when any optimizer has a new layout (its trainable set, owners or bucket
@@ -253,7 +252,7 @@ void ShardedDDP::follow_layouts() {
   refresh_owners();
   bool owners_changed = false;  // a re-partition (split ranges are cut anew, never re-partitioned)
   for (size_t m = 0; m < owner_.size(); ++m) {
-    owners_changed |= optimizers_[place_[m].first]->kept_whole(place_[m].second) && owner_[m] != before[m];
+    owners_changed |= detail::OssForDdp::kept_whole(*optimizers_[place_[m].first], place_[m].second) && owner_[m] != before[m];
   }
   build();
   // A re-partition gave each moved gradient to its new owner; the old one lets go of it, unless
@@ -321,7 +320,7 @@ void ShardedDDP::build() {
   std::vector<BucketSource> sources;
   for (size_t k = 0; k < optimizers_.size(); ++k) {
     const auto& layout = built_plans_[k]->layout;
-    const auto& ps = optimizers_[k]->all_params();
+    const auto& ps = detail::OssForDdp::params(*optimizers_[k]);
     for (size_t b = 0; b < layout.buckets().size(); ++b) {
       int64_t position = -1;
       for (size_t piece : layout.buckets()[b].pieces) {
@@ -348,7 +347,7 @@ void ShardedDDP::build() {
 void ShardedDDP::add_bucket(size_t k_opt, size_t index) {
   OSS& optimizer = *optimizers_[k_opt];
   const auto& layout = built_plans_[k_opt]->layout;
-  const auto& ps = optimizer.all_params();
+  const auto& ps = detail::OssForDdp::params(optimizer);
   const FlatBucket& lb = layout.buckets()[index];
   const FlatGroup& group = layout.groups()[lb.group];
   const int rank = group_->rank();
@@ -447,7 +446,7 @@ void ShardedDDP::wait_param_sync(const std::vector<at::Tensor>& params) {
     auto it = module_index_.find(p.unsafeGetTensorImpl());
     if (it == module_index_.end()) continue;  // not one of ours (ignored, or another module's)
     const auto& [k, i] = place_[it->second];
-    optimizers_[k]->finish_param_sync(i);
+    detail::OssForDdp::finish_param_sync(*optimizers_[k], i);
   }
 }
 
@@ -465,7 +464,7 @@ void ShardedDDP::start_mask_check() {
   if (global_->size() == 1) return;
   // With the optimizers' options (Note [Optimizers agree across ranks] in csrc/optim/options_agreement.cpp).
   uint64_t h = detail::mask_agreement(built_mask(), [this](size_t i) { return name(i); }).hash();
-  for (const OSS* opt : optimizers_) h = (h ^ opt->options_hash()) * 1099511628211ull;
+  for (const OSS* opt : optimizers_) h = (h ^ detail::OssForDdp::options_hash(*opt)) * 1099511628211ull;
   const auto v = static_cast<int64_t>(h >> 1);
   mask_check_buffer_ = at::tensor({v, -v}, at::kLong);
   mask_check_ = global_->allreduce_async(mask_check_buffer_, Reduction::kMax);
@@ -478,7 +477,7 @@ void ShardedDDP::await_mask_check() {
   if (check[0] == -check[1]) return;
   // The buckets are still those the check was started for: they are built again only after it.
   detail::agree_on_mask(*global_, built_mask(), /*exhaustive=*/true, [this](size_t i) { return name(i); });
-  for (const OSS* opt : optimizers_) opt->check_options_alike();
+  for (const OSS* opt : optimizers_) detail::OssForDdp::check_options_alike(*opt);
 }
 
 void ShardedDDP::refresh_trainable() {

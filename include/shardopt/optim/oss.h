@@ -57,6 +57,7 @@ namespace detail {
 class ShardStore;
 class StateSlabs;
 struct HandOver;
+struct OssForDdp;
 struct ShardPlan;
 struct OptimizerCodec;
 struct FusedStepInputs;
@@ -329,8 +330,9 @@ class OSS : public torch::optim::Optimizer {
  private:
   friend struct testing::Introspection;
   // A ShardedDDP receives the store (the layout, the parameter buffers and the owned gradients,
-  // Note [Owned gradients]) from hand_over(), once, in its constructor.
-  friend class ShardedDDP;
+  // Note [Owned gradients]) from hand_over(), once, in its constructor, and makes the calls of
+  // the private side below, all through detail::OssForDdp (csrc/optim/oss_for_ddp.h).
+  friend struct detail::OssForDdp;
   detail::ShardStore& hand_over(const detail::HandOver& h);
   // state_shard(); without `own_storage`, the state tensors are views of the slabs
   // (state_shard_view()).
