@@ -292,7 +292,7 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
   }
   if (inv_scale && !scale_in_step(in, *inv_scale)) return false;
   fused_segments_ = 0;
-  if (stepped_fused_) return step_by_bucket(in, stepped, from_masters);
+  if (stepped_fused_ && group_->size() > 1) return step_by_bucket(in, stepped, from_masters);
   for (size_t u = 0; u < units_.size(); ++u) {
     if (fused_[u]) {
       const detail::FusedStepResult result = detail::fused_step(*units_[u].local, in);
@@ -324,8 +324,8 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
 }
 
 // Note [A step per bucket]
-// Where every optimizer of the OSS steps fused (Adam, AdamW, SGD), it steps its holdings bucket
-// by bucket, in the order the parameter sync sends the buckets (the last first: the next forward
+// Where every optimizer of the OSS steps fused (Adam, AdamW, SGD) and there is a sync to start
+// (more than one rank), it steps its holdings bucket by bucket, in the order the parameter sync sends the buckets (the last first: the next forward
 // needs the first layers first, Note [Overlapped parameter sync]), and starts each bucket's sync
 // (a row bucket's all-gather; a bucket of whole parameters' broadcast from its owner) as soon as
 // the holdings in it are stepped, while it steps the next: the sync no longer waits for the

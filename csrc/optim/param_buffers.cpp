@@ -238,28 +238,6 @@ void ShardStore::set_bucket_bytes(int64_t bytes) {
 // calls wait_param_sync), only for the buckets of that child's parameters, so the rest of the
 // sync runs beside the forward; without per-child waits it finishes everything in pre_forward.
 // Anything that lays the buffers out again or reads the parameters here finishes it first.
-void ShardStore::begin_step_sync() {
-  finish_param_sync();
-  bucket_sync_.clear();
-  group_sync_.clear();
-  bucket_sync_.resize(layout().buckets().size());
-  started_.assign(layout().buckets().size(), 0);
-  step_sync_open_ = true;
-}
-
-void ShardStore::start_bucket_sync(size_t bucket, const std::vector<at::Tensor>& own_rows) {
-  if (group_->size() == 1) return;
-  CommPhase phase("step (parameter sync)");
-  TORCH_INTERNAL_ASSERT(step_sync_open_, "start_bucket_sync outside a step (begin_step_sync)");
-  const FlatBucket& b = layout().buckets().at(bucket);
-  TORCH_INTERNAL_ASSERT(!started_[bucket], "bucket ", bucket, " already started");
-  TORCH_INTERNAL_ASSERT(b.rows() || sync_ == ParamSync::kBroadcast, "bucket ", bucket,
-                        " goes with its flat buffer's all-gather (ParamSync::kAllgather)");
-  bucket_sync_[bucket] = start_sync_of(bucket, own_rows);
-  started_[bucket] = 1;
-  ++sync_in_flight_;
-}
-
 void ShardStore::start_param_sync(const std::vector<at::Tensor>& own_rows) {
   CommPhase phase("step (parameter sync, overlapped)");
   const auto& buckets = layout().buckets();
@@ -293,6 +271,28 @@ PendingWork ShardStore::start_sync_of(size_t bucket, const std::vector<at::Tenso
   const int64_t begin = layout().groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
   at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
   return group_->broadcast_async(range, b.owner, wire_dtype(wire_, range.scalar_type()));
+}
+
+void ShardStore::begin_step_sync() {
+  finish_param_sync();
+  bucket_sync_.clear();
+  group_sync_.clear();
+  bucket_sync_.resize(layout().buckets().size());
+  started_.assign(layout().buckets().size(), 0);
+  step_sync_open_ = true;
+}
+
+void ShardStore::start_bucket_sync(size_t bucket, const std::vector<at::Tensor>& own_rows) {
+  if (group_->size() == 1) return;
+  CommPhase phase("step (parameter sync)");
+  TORCH_INTERNAL_ASSERT(step_sync_open_, "start_bucket_sync outside a step (begin_step_sync)");
+  const FlatBucket& b = layout().buckets().at(bucket);
+  TORCH_INTERNAL_ASSERT(!started_[bucket], "bucket ", bucket, " already started");
+  TORCH_INTERNAL_ASSERT(b.rows() || sync_ == ParamSync::kBroadcast, "bucket ", bucket,
+                        " goes with its flat buffer's all-gather (ParamSync::kAllgather)");
+  bucket_sync_[bucket] = start_sync_of(bucket, own_rows);
+  started_[bucket] = 1;
+  ++sync_in_flight_;
 }
 
 void ShardStore::sync_after_step(const std::vector<at::Tensor>& own_rows) {

@@ -23,7 +23,6 @@ namespace SHARDOPT_UNITY_ID {
 
 namespace optim = torch::optim;
 using testing::Introspection;
-using Params = std::vector<at::Tensor>;
 
 torch::nn::Sequential make_net() {
   auto net = torch::nn::Sequential(torch::nn::Linear(5, 24), torch::nn::Tanh(), torch::nn::Linear(24, 24),
