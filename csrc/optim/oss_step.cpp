@@ -96,14 +96,18 @@ torch::Tensor OSS::step(LossClosure closure) {
   return loss;
 }
 
+namespace {
+
+// Whether the fused step takes the scaler's unscale for `optimizer`: Adam, AdamW or SGD.
+bool unscales_in_step(const torch::optim::Optimizer& optimizer) {
+  return detail::adam_like(optimizer) || dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr;
+}
+
+}  // namespace
+
 bool OSS::can_unscale_in_step() const {
-  if (!options_.fused_step()) return false;
-  for (const auto& unit : units_) {
-    if (!detail::adam_like(*unit.local) && dynamic_cast<const torch::optim::SGD*>(unit.local.get()) == nullptr) {
-      return false;
-    }
-  }
-  return true;
+  return options_.fused_step() &&
+         std::all_of(units_.begin(), units_.end(), [](const Unit& unit) { return unscales_in_step(*unit.local); });
 }
 
 bool OSS::step_unscaling(double inv_scale) {
@@ -112,8 +116,7 @@ bool OSS::step_unscaling(double inv_scale) {
   SHARDOPT_CHECK(options_.fused_step(), "OSS::step_unscaling needs the fused step: OSSOptions::fused_step is off");
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const Unit& unit = units_[unit_of_group_[g]];
-    SHARDOPT_CHECK(detail::adam_like(*unit.local) || dynamic_cast<const torch::optim::SGD*>(unit.local.get()) != nullptr,
-                   "OSS::step_unscaling needs every optimizer of the OSS to be Adam, AdamW or "
+    SHARDOPT_CHECK(unscales_in_step(*unit.local), "OSS::step_unscaling needs every optimizer of the OSS to be Adam, AdamW or "
                    "SGD under the fused step; param group ", g, "'s is ", unit.class_name,
                    " (unscale the gradients first, as ShardedGradScaler::unscale_ does)");
   }
@@ -313,20 +316,24 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
     }
   }
   if (masters_) {
-    for (const auto& [i, h] : stepped) {
-      const auto* key = h->tensor.unsafeGetTensorImpl();
-      if (in.copies.count(key) == 0 && from_masters.covered.count(key) == 0) {
-        detail::write_back(params_[i], h->tensor, h->in_param);
-      }
-    }
+    for (const auto& [i, h] : stepped) write_back_master(i, *h, in, from_masters);
   }
   return true;
 }
 
+// A stepped master's parameter range, unless the mixed kernel wrote it (`in.copies`) or the sync
+// packs it from the master (Note [Syncing from the masters]).
+void OSS::write_back_master(size_t i, const detail::Holding& h, const detail::FusedStepInputs& in,
+                            const detail::MasterRows& from_masters) {
+  const auto* key = h.tensor.unsafeGetTensorImpl();
+  if (in.copies.count(key) == 0 && from_masters.covered.count(key) == 0) detail::write_back(params_[i], h.tensor, h.in_param);
+}
+
 // Note [A step per bucket]
 // Where every optimizer of the OSS steps fused (Adam, AdamW, SGD) and there is a sync to start
-// (more than one rank), it steps its holdings bucket by bucket, in the order the parameter sync sends the buckets (the last first: the next forward
-// needs the first layers first, Note [Overlapped parameter sync]), and starts each bucket's sync
+// (more than one rank), it steps its holdings bucket by bucket, in the order the parameter sync
+// sends the buckets (the last first: the next forward needs the first layers first,
+// Note [Overlapped parameter sync]), and starts each bucket's sync
 // (a row bucket's all-gather; a bucket of whole parameters' broadcast from its owner) as soon as
 // the holdings in it are stepped, while it steps the next: the sync no longer waits for the
 // whole step. Every rank starts every bucket, in that order, whether it holds anything in it or
@@ -387,13 +394,8 @@ bool OSS::step_by_bucket(const detail::FusedStepInputs& in,
       fused_segments_ += result.segments;
       if (!result.stepped) return false;  // the found-inf flag: the same for every optimizer and bucket
     }
-    if (!masters_) return true;
-    for (size_t s : these) {
-      const auto& [i, h] = stepped[s];
-      const auto* key = h->tensor.unsafeGetTensorImpl();
-      if (part.copies.count(key) == 0 && from_masters.covered.count(key) == 0) {
-        detail::write_back(params_[i], h->tensor, h->in_param);
-      }
+    if (masters_) {
+      for (size_t s : these) write_back_master(stepped[s].first, *stepped[s].second, part, from_masters);
     }
     return true;
   };

@@ -437,6 +437,10 @@ class OSS : public torch::optim::Optimizer {
   // gradients in place; false when the step is skipped. Collective.
   // The fused step of `stepped` (with `in`'s gradients), bucket by bucket, each row bucket's sync
   // started once its holdings are stepped (Note [A step per bucket]). Returns whether it stepped.
+  // Writes master `h` (of parameter `i`) back into its parameter where neither the mixed kernel
+  // nor the sync does (Note [Syncing from the masters]).
+  void write_back_master(size_t i, const detail::Holding& h, const detail::FusedStepInputs& in,
+                         const detail::MasterRows& from_masters);
   bool step_by_bucket(const detail::FusedStepInputs& in,
                       const std::vector<std::pair<size_t, const detail::Holding*>>& stepped,
                       const detail::MasterRows& from_masters);
