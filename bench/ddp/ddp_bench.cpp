@@ -129,6 +129,8 @@ int main(int argc, char** argv) {
   app.add_option("--shard-group-size", shard_group_size, "OSSOptions::shard_group_size (sharded; 0: whole group)");
   bool overlap = false;
   app.add_option("--overlap-sync", overlap, "ShardedDDPOptions::overlap_param_sync (sharded; gpt2 waits per block)");
+  bool step_in_backward = false;
+  app.add_option("--step-in-backward", step_in_backward, "ShardedDDPOptions::step_in_backward (sharded)");
   std::string clearing = "none";
   app.add_option("--zero-grad", clearing, "how each step clears gradients: none (set to none) or zero (in place)")
       ->check(CLI::IsMember({"none", "zero"}));
@@ -223,7 +225,7 @@ int main(int argc, char** argv) {
                 : std::make_unique<shardopt::OSS>(module->parameters(), factory, group, options);
       ddp = std::make_unique<shardopt::ShardedDDP>(module, *oss,
                                                    shardopt::ShardedDDPOptions().overlap_param_sync(overlap).gradient_as_bucket_view(bucket_view).reduce_bucket_bytes(bucket_bytes).gradient_wire(
-                                                       shardopt::wire_from_name(gradient_wire)).error_feedback(error_feedback));
+                                                       shardopt::wire_from_name(gradient_wire)).error_feedback(error_feedback).step_in_backward(step_in_backward));
       if (auto gpt = std::dynamic_pointer_cast<GPT2Like>(module); gpt && overlap) {
         gpt->before_use = [d = ddp.get()](const std::vector<at::Tensor>& ps) { d->wait_param_sync(ps); };
       }
@@ -426,6 +428,7 @@ int main(int argc, char** argv) {
         {"param_wire", param_wire},
         {"state_format", state_format},
         {"error_feedback", error_feedback},
+        {"step_in_backward", step_in_backward},
         {"error_feedback_bytes", ddp ? ddp->error_feedback_bytes() : int64_t{0}},
         {"accumulate", accumulate}, {"accumulate_in", accumulate_in},
         {"accumulated_grad_bytes", accumulated_grad_bytes},

@@ -107,6 +107,12 @@ void PendingWork::and_then(std::function<void()> next) {
   };
 }
 
+bool PendingWork::completed() const {
+  if (!work_) return true;
+  if (!work_->isCompleted()) return false;
+  return std::all_of(more_.begin(), more_.end(), [](const auto& w) { return w->isCompleted(); });
+}
+
 void PendingWork::wait() {
   if (!work_) return;
   auto work = std::move(work_);

@@ -88,6 +88,7 @@ struct ShardedDDP::Hooked {
 // reduce-scattered to the owners of its rows (Note [Row buckets] in flat_layout.h).
 struct ShardedDDP::Bucket {
   const OSS* optimizer = nullptr;  // whose layout it comes from
+  size_t optimizer_index = 0;      // ... its position in optimizers_
   detail::ShardStore* store = nullptr;  // that optimizer's store
   detail::GradSlabs* slabs = nullptr;   // the memory of that optimizer's buckets this rank owns
   int owner = 0;

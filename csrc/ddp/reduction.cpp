@@ -92,8 +92,11 @@ void ShardedDDP::before_accumulation(size_t h) {
     if (b.in_place && e.grad().storage().unsafeGetStorageImpl() == b.owned_slots().storage().unsafeGetStorageImpl()) {
       continue;
     }
-    uncleared_ |= static_cast<int64_t>(e.grad()._version()) == e.handed_version;
-    e.carried = e.grad();
+    // Stepped in the last backward already (Note [A step in the backward]): replaced, not added to.
+    if (!options_.step_in_backward()) {
+      uncleared_ |= static_cast<int64_t>(e.grad()._version()) == e.handed_version;
+      e.carried = e.grad();
+    }
     e.set_grad(at::Tensor());
   }
 }
@@ -128,9 +131,11 @@ void ShardedDDP::on_grad_ready(size_t h) {
     await_mask_check();
     phase_ = Phase::kReducing;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_reduction(); });
+    if (options_.step_in_backward()) begin_backward_steps();
   }
   fill_param(h);
   launch_ready_buckets();
+  if (stepping_) step_reduced_buckets(/*wait=*/false);
 }
 
 at::Tensor ShardedDDP::bucket_buffer(Bucket& b) {
@@ -299,16 +304,16 @@ void ShardedDDP::launch_ready_buckets() {
       // This rank's row is `out` (where its gradients were copied or accumulated): the others
       // are summed into it.
       // Rows of whole parameters move only what their pieces occupy (Note [Rows with padding]).
-      b.work = b.out.defined() ? group_->reduce_scatter_rows_into_async(b.buffer, b.out, b.divided ? divisor : 1.0,
+      b.work = b.out.defined() ? reducer().reduce_scatter_rows_into_async(b.buffer, b.out, b.divided ? divisor : 1.0,
                                                                         wire, flags, b.row_used)
-                               : group_->reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0, {}, wire,
+                               : reducer().reduce_scatter_rows_async(b.buffer, b.divided ? divisor : 1.0, {}, wire,
                                                                    flags, b.row_used);
     } else if (wire) {
-      b.work = group_->reduce_mean_async(b.buffer, b.owner, b.divided ? b.numel : 0, b.divided ? divisor : 1.0, wire,
+      b.work = reducer().reduce_mean_async(b.buffer, b.owner, b.divided ? b.numel : 0, b.divided ? divisor : 1.0, wire,
                                          flags);
     } else {
-      b.work = b.divided ? group_->reduce_mean_async(b.buffer, b.owner, b.numel, divisor)
-                         : group_->reduce_async(b.buffer, b.owner);
+      b.work = b.divided ? reducer().reduce_mean_async(b.buffer, b.owner, b.numel, divisor)
+                         : reducer().reduce_async(b.buffer, b.owner);
     }
   }
 }
@@ -401,6 +406,10 @@ void ShardedDDP::finish_reduction() {
   // accumulated under no_sync).
   for (size_t h = 0; h < hooked_.size(); ++h) fill_param(h);
   launch_ready_buckets();
+  if (options_.step_in_backward()) {
+    end_backward_steps();
+    return;
+  }
   for (auto& b : buckets_) {
     b.work.wait();
     if (!b.rows() && !b.owned.empty()) b.out = b.buffer;
@@ -467,6 +476,8 @@ void ShardedDDP::reset_executor() {
     entry.carried = at::Tensor();
   }
   next_launch_ = 0;
+  next_step_ = 0;
+  stepping_ = false;
   scratch_held_ = 0;
   next_recycle_ = 0;
   global_samples_ = -1;
@@ -503,31 +514,35 @@ void ShardedDDP::hand_over_reduced() {
   int64_t next_flag = 0;
   for (auto& b : buckets_) {
     for (size_t k = 0; k < b.owned.size(); ++k, ++next_flag) {
-      Entry& entry = entries_[b.owned[k]];
-      if (!all_local && flag[next_flag] == 0) {
-        // No rank had a gradient: a whole parameter keeps what it holds, as under DDP.
-        if (!entry.whole) entry.set_grad(at::Tensor());
-        continue;
-      }
-      // The owner's gradient lives in the reduced bucket: no second copy. What the last
-      // reduction handed over, if still there, gets it added (Note [Accumulating across
-      // reductions]).
-      // A gradient that already is this slot (the alias fill_param() kept) holds the reduction;
-      // nothing more is carried into it than was set aside before accumulation.
-      const bool at_slot = entry.whole && entry.grad().defined() &&
-                           entry.grad().unsafeGetTensorImpl() == hooked_[entry.hooked].slot_alias;
-      if (!at_slot && !entry.carried.defined() && (entry.whole || carry_split_) && is_handed_over(entry)) {
-        entry.carried = entry.grad();
-      }
-      if (entry.carried.defined()) {
-        entry.set_grad(entry.carried.add_(alias_at(b.out, entry.out_offset, entry.sizes())));
-      } else if (!at_slot) {
-        entry.set_grad(alias_at(b.out, entry.out_offset, entry.sizes()));
-      }
-      entry.handed_over.emplace(entry.grad().getIntrusivePtr());
-      entry.handed_version = static_cast<int64_t>(entry.grad()._version());
+      give_reduced(entries_[b.owned[k]], b, all_local || flag[next_flag] != 0);
     }
   }
+}
+
+void ShardedDDP::give_reduced(Entry& entry, const Bucket& b, bool any) {
+  if (!any) {
+    // No rank had a gradient: a whole parameter keeps what it holds, as under DDP.
+    if (!entry.whole) entry.set_grad(at::Tensor());
+    return;
+  }
+  // The owner's gradient lives in the reduced bucket: no second copy. What the last
+  // reduction handed over, if still there, gets it added (Note [Accumulating across
+  // reductions]); after a step in the backward it was stepped already, and is replaced.
+  // A gradient that already is this slot (the alias fill_param() kept) holds the reduction;
+  // nothing more is carried into it than was set aside before accumulation.
+  const bool at_slot = entry.whole && entry.grad().defined() &&
+                       entry.grad().unsafeGetTensorImpl() == hooked_[entry.hooked].slot_alias;
+  if (!at_slot && !entry.carried.defined() && (entry.whole || carry_split_) && !options_.step_in_backward() &&
+      is_handed_over(entry)) {
+    entry.carried = entry.grad();
+  }
+  if (entry.carried.defined()) {
+    entry.set_grad(entry.carried.add_(alias_at(b.out, entry.out_offset, entry.sizes())));
+  } else if (!at_slot) {
+    entry.set_grad(alias_at(b.out, entry.out_offset, entry.sizes()));
+  }
+  entry.handed_over.emplace(entry.grad().getIntrusivePtr());
+  entry.handed_version = static_cast<int64_t>(entry.grad()._version());
 }
 
 void ShardedDDP::reduce() {

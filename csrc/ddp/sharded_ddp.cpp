@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <unordered_map>
 
@@ -61,6 +62,11 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   group_ = std::shared_ptr<ProcessGroup>(&optimizers_[0]->process_group(), [](ProcessGroup*) {});
   global_ = &optimizers_[0]->global_group();
   replica_ = detail::OssForDdp::replica_group(*optimizers_[0]);
+  if (options_.step_in_backward() && group_->size() > 1) {
+    std::vector<int> ranks(static_cast<size_t>(group_->size()));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    reduce_group_ = group_->split(ranks);
+  }
   collect_params();
   for (size_t m = 0; m < params_.size(); ++m) module_index_[params_[m].unsafeGetTensorImpl()] = m;
   refresh_owners();
@@ -79,6 +85,7 @@ ShardedDDP::ShardedDDP(std::shared_ptr<torch::nn::Module> module, std::vector<OS
   detail::HandOver hand_over;
   hand_over.checks_trainable = options_.auto_refresh_trainable();
   hand_over.overlap_param_sync = options_.overlap_param_sync();
+  hand_over.step_in_backward = options_.step_in_backward();
   for (OSS* opt : optimizers_) {
     hand_over.bucket_bytes = options_.bucket_bytes_for(opt->global_group().size());
     stores_.push_back(&detail::OssForDdp::hand_over(*opt, hand_over));
@@ -108,8 +115,34 @@ void ShardedDDP::check_optimizers() {
   // transfers of other sizes with everyone's.
   const Wire wire = options_.gradient_wire();
   ProcessGroup& global = optimizers_[0]->global_group();
-  const auto all = global.allgather_ints({static_cast<int64_t>(wire), int64_t{options_.error_feedback()}});
+  // With step_in_backward, why this rank cannot step in the backward: 0 it can, 1 hierarchical
+  // sharding, 2 auto_refresh_trainable off, 3 + k optimizer k does not take the fused step.
+  int64_t cannot_step_in_backward = 0;
+  if (options_.step_in_backward()) {
+    if (detail::OssForDdp::replica_group(*optimizers_[0])) cannot_step_in_backward = 1;
+    if (!options_.auto_refresh_trainable()) cannot_step_in_backward = 2;
+    for (size_t k = 0; k < optimizers_.size() && cannot_step_in_backward == 0; ++k) {
+      if (!optimizers_[k]->can_unscale_in_step()) cannot_step_in_backward = 3 + static_cast<int64_t>(k);
+    }
+  }
+  const auto all = global.allgather_ints({static_cast<int64_t>(wire), int64_t{options_.error_feedback()},
+                                          int64_t{options_.step_in_backward()}, cannot_step_in_backward});
+  for (size_t r = 0; r < all.size(); ++r) {
+    const int64_t why = all[r][3];
+    SHARDOPT_CHECK(why != 1, "ShardedDDPOptions::step_in_backward with hierarchical sharding (OSSOptions::shard_group_size) "
+                   "on ", global.describe_rank(static_cast<int>(r)), ": not supported, the step would wait for the "
+                   "all-reduce across blocks; turn one of them off");
+    SHARDOPT_CHECK(why != 2, "ShardedDDPOptions::step_in_backward needs auto_refresh_trainable on (", 
+                   global.describe_rank(static_cast<int>(r)), " has it off): the step in the backward follows the "
+                   "trainable set the forward agreed");
+    SHARDOPT_CHECK(why < 3, "ShardedDDPOptions::step_in_backward needs every optimizer to take the fused step (Adam, AdamW "
+                   "or SGD, with OSSOptions::fused_step on); on ", global.describe_rank(static_cast<int>(r)),
+                   " optimizer ", why - 3, " does not");
+  }
   for (size_t r = 1; r < all.size(); ++r) {
+    SHARDOPT_CHECK(all[r][2] == all[0][2], "ShardedDDPOptions::step_in_backward differs between ranks: ",
+                   global.describe_rank(0), " has ", all[0][2] ? "true" : "false", ", ",
+                   global.describe_rank(static_cast<int>(r)), " has ", all[r][2] ? "true" : "false");
     SHARDOPT_CHECK(all[r][0] == all[0][0], "ShardedDDPOptions::gradient_wire differs between ranks: ",
                    global.describe_rank(0), " has ", wire_name(static_cast<Wire>(all[0][0])), ", ",
                    global.describe_rank(static_cast<int>(r)), " has ", wire_name(static_cast<Wire>(all[r][0])));
@@ -310,6 +343,7 @@ void ShardedDDP::build() {
   buckets_.clear();
   hooked_index_.clear();
   next_launch_ = 0;
+  next_step_ = 0;
   // The current plans; a new layout's owned buckets are carved anew at the next backward.
   built_plans_.resize(stores_.size());
   for (size_t k = 0; k < stores_.size(); ++k) {
@@ -353,6 +387,7 @@ void ShardedDDP::add_bucket(size_t k_opt, size_t index) {
   const int rank = group_->rank();
   Bucket b;
   b.optimizer = &optimizer;
+  b.optimizer_index = k_opt;
   b.store = stores_[k_opt];
   b.slabs = grad_slabs_[k_opt].get();
   b.index = index;

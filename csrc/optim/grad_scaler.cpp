@@ -26,6 +26,9 @@ at::Tensor ShardedGradScaler::scale(const at::Tensor& loss) const {
 
 void ShardedGradScaler::unscale_(OSS& optimizer) {
   if (!options_.enabled()) return;
+  SHARDOPT_CHECK(!optimizer.steps_in_backward(), "ShardedGradScaler::unscale_: the OSS steps in its ShardedDDP's backward "
+                 "(ShardedDDPOptions::step_in_backward), with the gradients still scaled and before any could be "
+                 "checked; turn step_in_backward off to use a gradient scaler");
   PerOptimizer& state = per_optimizer_[&optimizer];
   SHARDOPT_CHECK(!state.unscaled, "unscale_() was already called on this optimizer since the last update()");
   CommPhase phase("gradient scaler (unscale and found-inf check)");
@@ -54,6 +57,9 @@ bool ShardedGradScaler::step(OSS& optimizer) {
     optimizer.step();
     return true;
   }
+  SHARDOPT_CHECK(!optimizer.steps_in_backward(), "ShardedGradScaler::step: the OSS steps in its ShardedDDP's backward "
+                 "(ShardedDDPOptions::step_in_backward), with the gradients still scaled and before any could be "
+                 "checked; turn step_in_backward off to use a gradient scaler");
   PerOptimizer& state = per_optimizer_[&optimizer];
   if (!state.unscaled && optimizer.can_unscale_in_step()) {
     state.unscaled = true;  // by the step: an unscale_() before update() is an error

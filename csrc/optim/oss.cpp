@@ -4,6 +4,7 @@
 
 #include <shardopt/comm/agree.h>
 
+#include "optim/backward_step.h"
 #include "optim/codec.h"
 #include "optim/fused_kernels.h"
 #include "cuda/kernels_adapter.h"

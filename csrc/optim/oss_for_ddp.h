@@ -32,6 +32,10 @@ struct OssForDdp {
   // The optimizers' options, for ShardedDDP's agreement at its forward.
   static uint64_t options_hash(const OSS& oss) { return oss.options_hash(); }
   static void check_options_alike(const OSS& oss) { oss.check_options_alike(); }
+  // The step in the backward (Note [A step in the backward] in oss_step_in_backward.cpp).
+  static void begin_backward_step(OSS& oss) { oss.begin_backward_step(); }
+  static void step_reduced_bucket(OSS& oss, size_t bucket) { oss.step_reduced_bucket(bucket); }
+  static void end_backward_step(OSS& oss) { oss.end_backward_step(); }
 };
 
 }  // namespace shardopt::detail

@@ -63,6 +63,9 @@ std::vector<at::Tensor> OSS::grads(bool owned_only) const {
 }
 
 double OSS::clip_grad_norm(double max_norm, double norm_type, bool error_if_nonfinite) {
+  SHARDOPT_CHECK(!steps_in_backward(), "clip_grad_norm: this OSS stepped in its ShardedDDP's backward "
+                 "(ShardedDDPOptions::step_in_backward), before the gradients could be clipped; turn step_in_backward "
+                 "off to clip");
   SHARDOPT_CHECK(max_norm >= 0, "clip_grad_norm max_norm must be >= 0, got ", max_norm);
   SHARDOPT_CHECK(norm_type > 0, "clip_grad_norm norm_type must be > 0 (or inf), got ", norm_type);
   const bool inf = std::isinf(norm_type);

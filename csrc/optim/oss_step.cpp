@@ -114,6 +114,9 @@ bool OSS::step_unscaling(double inv_scale) {
   SHARDOPT_CHECK(std::isfinite(inv_scale) && inv_scale > 0, "OSS::step_unscaling: inv_scale must be finite and positive, got ",
                  inv_scale);
   SHARDOPT_CHECK(options_.fused_step(), "OSS::step_unscaling needs the fused step: OSSOptions::fused_step is off");
+  SHARDOPT_CHECK(!steps_in_backward(), "OSS::step_unscaling: this OSS steps in its ShardedDDP's backward "
+                 "(ShardedDDPOptions::step_in_backward), before any scale could be checked; turn step_in_backward off "
+                 "to use a gradient scaler");
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const Unit& unit = units_[unit_of_group_[g]];
     SHARDOPT_CHECK(unscales_in_step(*unit.local), "OSS::step_unscaling needs every optimizer of the OSS to be Adam, AdamW or "
@@ -124,6 +127,7 @@ bool OSS::step_unscaling(double inv_scale) {
 }
 
 bool OSS::step_with(std::optional<double> inv_scale) {
+  if (backward_step_) return finish_backward_step();  // (Note [A step in the backward])
   finish_param_sync();
   // ShardedDDP checks the set at its forward and lays the store out for it; without it, the step
   // checks, unless the user turned the check off: then the local set is taken as agreed.
@@ -241,24 +245,12 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
   std::vector<std::pair<size_t, const detail::Holding*>> stepped;
   // Per optimizer: whether its masters may take the mixed CUDA kernel (Adam and AdamW).
   std::vector<uint8_t> mixed_kernel(units_.size(), 0);
-  for (size_t u = 0; u < units_.size(); ++u) {
-    mixed_kernel[u] = mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*units_[u].local);
-  }
+  for (size_t u = 0; u < units_.size(); ++u) mixed_kernel[u] = mixed_kernel_for(u);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!steps(i)) continue;
     const bool mixed_kernel_here = mixed_kernel[unit_of_group_[group_of_[i]]] != 0;
     for (const auto& h : holdings_[i]) {
-      if (h.rank != group_->rank()) continue;
-      at::Tensor grad = holding_grad(i, h);
-      if (!grad.defined()) continue;
-      if (mixed_kernel_here && h.tensor.is_cuda() && grad.is_contiguous() && params_[i].is_contiguous()) {
-        in.copies[h.tensor.unsafeGetTensorImpl()] =
-            params_[i].detach().view(-1).narrow(0, h.in_param.begin, h.in_param.size());
-      } else if (grad.scalar_type() != h.tensor.scalar_type()) {
-        grad = grad.to(h.tensor.scalar_type());
-      }
-      in.grads[h.tensor.unsafeGetTensorImpl()] = std::move(grad);
-      stepped.emplace_back(i, &h);
+      if (h.rank == group_->rank() && add_step_input(in, i, h, mixed_kernel_here)) stepped.emplace_back(i, &h);
     }
   }
   // Each optimizer steps fused where it can (Adam, AdamW and SGD), else with its own step().
@@ -318,6 +310,22 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
   if (masters_) {
     for (const auto& [i, h] : stepped) write_back_master(i, *h, in, from_masters);
   }
+  return true;
+}
+
+bool OSS::mixed_kernel_for(size_t unit) const {
+  return mixed_ && options_.fused_step() && detail::cuda_kernels_built() && detail::adam_like(*units_[unit].local);
+}
+
+bool OSS::add_step_input(detail::FusedStepInputs& in, size_t i, const detail::Holding& h, bool mixed_kernel_here) const {
+  at::Tensor grad = holding_grad(i, h);
+  if (!grad.defined()) return false;
+  if (mixed_kernel_here && h.tensor.is_cuda() && grad.is_contiguous() && params_[i].is_contiguous()) {
+    in.copies[h.tensor.unsafeGetTensorImpl()] = params_[i].detach().view(-1).narrow(0, h.in_param.begin, h.in_param.size());
+  } else if (grad.scalar_type() != h.tensor.scalar_type()) {
+    grad = grad.to(h.tensor.scalar_type());
+  }
+  in.grads[h.tensor.unsafeGetTensorImpl()] = std::move(grad);
   return true;
 }
 

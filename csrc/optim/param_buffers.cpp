@@ -401,6 +401,7 @@ void ShardStore::hand_over(const HandOver& h) {
   if (!h.overlap_param_sync) finish_param_sync();
   overlap_sync_ = h.overlap_param_sync;
   trainable_checked_outside_ = h.checks_trainable;
+  step_in_backward_ = h.step_in_backward;
   handed_over_ = true;
   set_bucket_bytes(h.bucket_bytes);
 }
@@ -409,6 +410,7 @@ void ShardStore::take_back() {
   trainable_checked_outside_ = false;
   handed_over_ = false;
   overlap_sync_ = false;
+  step_in_backward_ = false;
   finish_param_sync();
 }
 

@@ -43,11 +43,13 @@ struct MasterRows {
 
 // What a ShardedDDP takes over from an OSS, in one call (OSS::hand_over): it checks the trainable
 // set at every forward and has the OSS lay the store out for it (with checks_trainable, OSS's step
-// leaves both to it), cuts the gradient buckets at bucket_bytes, and with overlap_param_sync leaves the
-// step's parameter sync in flight for its forward.
+// leaves both to it), cuts the gradient buckets at bucket_bytes, with overlap_param_sync leaves the
+// step's parameter sync in flight for its forward, and with step_in_backward steps bucket by bucket
+// in its backward (Note [A step in the backward] in csrc/optim/oss_step_in_backward.cpp).
 struct HandOver {
   bool checks_trainable = false;
   bool overlap_param_sync = false;
+  bool step_in_backward = false;
   int64_t bucket_bytes = 0;
 };
 
@@ -101,6 +103,8 @@ class ShardStore {
   bool trainable_checked_outside() const { return trainable_checked_outside_; }
   // Whether a ShardedDDP holds the store (between hand_over and take_back).
   bool handed_over() const { return handed_over_; }
+  // Whether that ShardedDDP steps the optimizer in its backward (ShardedDDPOptions::step_in_backward).
+  bool step_in_backward() const { return step_in_backward_; }
 
   // ---- the parameter sync (Note [Parameter sync], Note [Overlapped parameter sync]) ----
   // Makes every rank's copy of the buffers equal to the owners', this rank's rows of row buckets
@@ -170,6 +174,7 @@ class ShardStore {
   bool trainable_checked_outside_ = false;
   bool handed_over_ = false;
   bool overlap_sync_ = false;
+  bool step_in_backward_ = false;
   std::vector<PendingWork> bucket_sync_;  // per layout bucket: its sync, while in flight
   std::vector<PendingWork> group_sync_;   // per flat buffer: its all-gather, while in flight (kAllgather)
   size_t sync_in_flight_ = 0;             // buckets not finished yet

@@ -111,6 +111,9 @@ class PendingWork {
   // Waits, then runs `then` (if set) once the work completed.
   void wait();
   bool valid() const { return static_cast<bool>(work_); }
+  // Whether wait() would not block: no work, or every transfer done (what set_then set still runs
+  // in wait(), on the caller's thread).
+  bool completed() const;
   // Work to finish the operation on this rank after the transfer (for example a local sum).
   void set_then(std::function<void()> then) { then_ = std::move(then); }
   // Runs `next` after what set_then set (if anything).

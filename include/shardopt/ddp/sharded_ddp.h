@@ -106,6 +106,19 @@ struct ShardedDDPOptions {
   // so over many steps the rounding errors cancel instead of adding up (Note [Error feedback] in
   // csrc/ddp/reduction.cpp). Needs a compressed wire; every rank must pass the same.
   TORCH_ARG(bool, error_feedback) = false;
+  // The optimizer in the backward: each bucket's optimizer step runs during the backward, as soon
+  // as that bucket's reduction has completed, and its parameter sync starts at once, so the
+  // syncs travel beside the rest of the backward (Note [A step in the backward] in
+  // csrc/ddp/step_in_backward.cpp). OSS::step() after the backward then only finishes the sync;
+  // the parameters equal those of the step after the backward, bit for bit. Nothing may need the
+  // whole gradient before the step: OSS::clip_grad_norm and ShardedGradScaler are refused, and
+  // edits of the gradients between backward and step come too late. Each backward outside no_sync()
+  // steps once, with its own gradients and what no_sync() accumulated before it; a gradient left
+  // uncleared since the last step is replaced, not added to, and a second backward before step()
+  // is refused. Needs every optimizer to take the fused step (Adam, AdamW or SGD) and no
+  // shard_group_size; the reductions then go on a group of their own, split from the optimizers'.
+  // Every rank must pass the same. Off by default.
+  TORCH_ARG(bool, step_in_backward) = false;
 };
 
 class ShardedDDP;
@@ -320,6 +333,17 @@ class ShardedDDP {
   at::Tensor clearing_evidence() const;
   // Divides the owned buckets and makes them the owners' gradients.
   void hand_over_reduced();
+  // The reduced gradients of one bucket's owned entries to their owners (`any` per entry: some
+  // rank had a gradient for it); both hand-overs end here.
+  void give_reduced(Entry& entry, const Bucket& bucket, bool any);
+  // The step in the backward (step_in_backward.cpp): the optimizers' steps begun at the first
+  // gradient, each completed bucket handed over and stepped (all of them, waiting, with `wait`),
+  // and the steps' end once the backward's buckets are all reduced.
+  void begin_backward_steps();
+  void step_reduced_buckets(bool wait);
+  void hand_over_bucket(Bucket& bucket);
+  void end_backward_steps();
+  ProcessGroup& reducer() { return reduce_group_ ? *reduce_group_ : *group_; }
   // Why the finished reduction must not be handed over, or "".
   std::string reduction_error(bool ambiguous) const;
   // Makes the buckets and entries ready for the next backward.
@@ -339,6 +363,9 @@ class ShardedDDP {
   std::shared_ptr<ProcessGroup> group_;  // the optimizers' shard group (the whole group, or a block)
   ProcessGroup* global_ = nullptr;       // every rank: trainability checks, start-up sync, buffers
   ProcessGroup* replica_ = nullptr;      // hierarchical sharding: this rank's replicas in the other blocks
+  // With step_in_backward: the group the gradients reduce on, split from group_, whose order of
+  // collectives the parameter syncs started in the backward do not enter.
+  std::shared_ptr<ProcessGroup> reduce_group_;
   ShardedDDPOptions options_;
   std::optional<c10::ScalarType> input_dtype_;  // mixed precision's param_dtype: forward() casts inputs to it
 
@@ -354,6 +381,8 @@ class ShardedDDP {
   std::vector<Entry> entries_;      // trainable parameters, in bucket order
   std::vector<Bucket> buckets_;
   size_t next_launch_ = 0;
+  size_t next_step_ = 0;       // step_in_backward: launched buckets below it are handed over and stepped
+  bool stepping_ = false;      // step_in_backward: this backward began the optimizers' steps
   std::vector<at::Tensor> scratch_;  // reduce scratch given back, kept for the next buckets
   size_t scratch_held_ = 0;          // buckets holding reduce scratch now
   size_t most_scratch_held_ = 0;     // ... at most, over this object's life

@@ -64,6 +64,7 @@ struct FusedStepInputs;
 struct MasterRows;
 struct GroupOptions;
 struct StatePart;
+struct BackwardStep;
 // A range of one parameter's elements whose optimizer state one rank holds; `tensor` (on that
 // rank only) is what the wrapped optimizer steps: the parameter itself for the whole range, a
 // view of its elements otherwise.
@@ -327,6 +328,11 @@ class OSS : public torch::optim::Optimizer {
   // SGD under the fused step (OSSOptions::fused_step, the default). Local.
   bool can_unscale_in_step() const;
 
+  // Whether a ShardedDDP made with ShardedDDPOptions::step_in_backward steps this optimizer in its
+  // backward: step() then finishes what the backward began, and clip_grad_norm and
+  // ShardedGradScaler, which need every gradient before the step, are refused. Local.
+  bool steps_in_backward() const;
+
  private:
   friend struct testing::Introspection;
   // A ShardedDDP receives the store (the layout, the parameter buffers and the owned gradients,
@@ -429,6 +435,11 @@ class OSS : public torch::optim::Optimizer {
   // store otherwise (what moves with the holding to a new owner).
   at::Tensor owned_grad(size_t i, const detail::Holding& h) const;
   void set_owned_grad(size_t i, const detail::Holding& h, at::Tensor grad);
+  // Whether optimizer `unit`'s masters may take the mixed CUDA kernel (Adam and AdamW).
+  bool mixed_kernel_for(size_t unit) const;
+  // Adds holding h of parameter i, with its gradient, to what the fused step steps (under the
+  // mixed kernel, with its parameter range to write); false where it has no gradient.
+  bool add_step_input(detail::FusedStepInputs& in, size_t i, const detail::Holding& h, bool mixed_kernel_here) const;
   // Steps this rank's holdings with their gradients (the fused step, or the wrapped optimizer's),
   // and writes the masters back into the parameters, but those the sync packs from (`from_masters`);
   // false when the scaler's found-inf skipped it.
@@ -445,6 +456,18 @@ class OSS : public torch::optim::Optimizer {
                       const std::vector<std::pair<size_t, const detail::Holding*>>& stepped,
                       const detail::MasterRows& from_masters);
   bool scale_in_step(detail::FusedStepInputs& in, double inv_scale);
+  // The step in a ShardedDDP's backward (Note [A step in the backward] in
+  // csrc/optim/oss_step_in_backward.cpp): begun at the backward's first gradient (collective
+  // where the state moves), bucket `bucket` of the layout reduced and handed over (its holdings
+  // stepped once all their buckets are; each sync started once what it sends is stepped), and
+  // ended when the backward's buckets are all reduced. step() then finishes it.
+  void begin_backward_step();
+  void step_reduced_bucket(size_t bucket);
+  void end_backward_step();
+  bool finish_backward_step();
+  // The fused step of `these` holdings with their gradients, then their masters written back.
+  void step_holdings(const std::vector<std::pair<size_t, const detail::Holding*>>& these);
+  void start_ready_syncs();
 
   std::shared_ptr<ProcessGroup> group_;
   OSSOptions options_;
@@ -464,6 +487,7 @@ class OSS : public torch::optim::Optimizer {
   // The last step by bucket, in order: ('s', k) row bucket k's holdings stepped, ('g', k) its
   // sync started (Note [A step per bucket]).
   std::vector<std::pair<char, int64_t>> bucket_steps_;
+  std::unique_ptr<detail::BackwardStep> backward_step_;  // from begin_backward_step() to step()
   std::vector<std::vector<detail::Holding>> settled_;   // where the state is (until settle_state())
   std::vector<Unit> units_;
   std::vector<size_t> unit_of_group_, local_group_of_;  // per global group: its unit, its index there
