@@ -141,6 +141,12 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
       ->capture_default_str();
   train.add_flag("--error-feedback", o.error_feedback, "with --gradient-wire bf16 or int8: each rank adds what rounding dropped "
                  "from its gradients to the next step's (ShardedDDPOptions::error_feedback)");
+  train.add_option("--step-in-backward", o.step_in_backward, "auto, on or off: each bucket's optimizer step in the "
+                   "backward, as soon as its gradients are reduced, and its parameters sent at once "
+                   "(ShardedDDPOptions::step_in_backward); auto: on unless --clip, --mixed-precision fp16, --optimizer "
+                   "muon, --survive-failures or --device cuda")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   train.add_option("--param-wire", o.param_wire, "exact, bf16 or int8: how the owners' updated parameters travel "
                    "(compressed: fp32 masters on the owners, every rank's parameters the rounded masters)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))

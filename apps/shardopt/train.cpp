@@ -49,6 +49,23 @@ OptimizerFactory make_optimizer(const TrainOptions& o) {
   return nullptr;
 }
 
+// --step-in-backward: each bucket stepped in the backward (ShardedDDPOptions::step_in_backward)
+// where nothing needs every gradient before the step: no --clip, no fp16 loss scaling, an
+// optimizer the fused step takes (not Muon). auto also leaves it off where it has not been
+// measured (--survive-failures, whose recovery may meet a step in a backward; --device cuda).
+bool steps_in_backward(const TrainOptions& o) {
+  if (o.step_in_backward == "off") return false;
+  std::string conflict;
+  if (o.clip > 0) conflict = "--clip";
+  if (o.mixed_precision == "fp16") conflict = "--mixed-precision fp16 (its loss scaling)";
+  if (o.optimizer == "muon") conflict = "--optimizer muon";
+  if (o.survive_failures) conflict = "--survive-failures";
+  const bool measured = o.device == "cpu";
+  SHARDOPT_CHECK(o.step_in_backward != "on" || conflict.empty(), "--step-in-backward on cannot go with ", conflict,
+                 ": the step would run before it (use --step-in-backward auto or off)");
+  return conflict.empty() && (o.step_in_backward == "on" || measured);
+}
+
 // --optimizer muon: Muon on the conv and linear weights (a conv filter bank taken as the matrix
 // (out channels, the rest)), AdamW on the biases; both take --lr, Muon scaled to AdamW's update
 // size ("match_rms_adamw"), as Moonlight trains with one learning rate for both.
@@ -250,9 +267,11 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
   if (o.mixed_precision == "fp16") scaler_ = std::make_unique<ShardedGradScaler>();
   // Each rank's loss is the sum over its real samples; gradients are divided by the real
   // samples of the global step, so a padded last step weighs exactly right.
-  auto make_ddp = [this](OSS& opt) {
+  const bool in_backward = steps_in_backward(o);
+  auto make_ddp = [this, in_backward](OSS& opt) {
     return std::make_unique<ShardedDDP>(model_, opt, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples).gradient_wire(
-                                                              wire_from_name(o_.gradient_wire)).error_feedback(o_.error_feedback));
+                                                              wire_from_name(o_.gradient_wire)).error_feedback(o_.error_feedback)
+                                                              .step_in_backward(in_backward));
   };
   if (o.survive_failures) {
     resilient_ = std::make_unique<Resilient>(
@@ -546,12 +565,13 @@ int Trainer::run() {
                                          std::max<int64_t>(1, steps_per_epoch_ / 4));
   if (rank_ == 0) {
     progress_->print(fmt::format("training the {} ({} parameters) on {} Fashion-MNIST images: {} rank{} on {}, global batch {}, "
-                                 "{} step{} per epoch, {}; {}",
+                                 "{} step{} per epoch, {}{}; {}",
                                  o_.model == "vit" ? "ViT" : "CNN", count_text(model_numel()),
                                  count_text(data_.train_images.size(0)), world_, world_ == 1 ? "" : "s",
                                  device_.is_cuda() ? "CUDA (NCCL)" : "CPU (Gloo)", o_.batch_size, steps_per_epoch_,
                                  steps_per_epoch_ == 1 ? "" : "s",
-                                 o_.optimizer, oss_->describe()));
+                                 o_.optimizer, oss_->steps_in_backward() ? " stepped in the backward" : "",
+                                 oss_->describe()));
   }
   memory_every_ = std::max<int64_t>(1, steps_per_epoch_ / 25);
   if (metrics_) {

@@ -37,6 +37,8 @@ struct TrainOptions {
   std::string param_wire = "exact";     // exact | bf16 | int8 (OSSOptions::param_wire)
   std::string state_format = "fp32";    // fp32 | bf16 | int8 (OSSOptions::state_format)
   bool error_feedback = false;          // ShardedDDPOptions::error_feedback
+  // auto | on | off (ShardedDDPOptions::step_in_backward); auto: on where it holds (steps_in_backward()).
+  std::string step_in_backward = "auto";
   std::string device = "cpu";        // cpu (Gloo) | cuda (NCCL, the GPU of each rank's LOCAL_RANK)
   // The metrics file (metrics_log.h) and its chart beside it: this path; empty: DIR/metrics.jsonl
   // under --checkpoint-dir DIR, else none; "off": none.

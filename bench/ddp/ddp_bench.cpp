@@ -129,8 +129,11 @@ int main(int argc, char** argv) {
   app.add_option("--shard-group-size", shard_group_size, "OSSOptions::shard_group_size (sharded; 0: whole group)");
   bool overlap = false;
   app.add_option("--overlap-sync", overlap, "ShardedDDPOptions::overlap_param_sync (sharded; gpt2 waits per block)");
-  bool step_in_backward = false;
-  app.add_option("--step-in-backward", step_in_backward, "ShardedDDPOptions::step_in_backward (sharded)");
+  std::string step_in_backward_mode = "auto";
+  app.add_option("--step-in-backward", step_in_backward_mode,
+                 "ShardedDDPOptions::step_in_backward (sharded): auto (on unless muon, fused-step 0 or "
+                 "shard-group-size), on, off")
+      ->check(CLI::IsMember({"auto", "on", "off", "1", "0"}));
   std::string clearing = "none";
   app.add_option("--zero-grad", clearing, "how each step clears gradients: none (set to none) or zero (in place)")
       ->check(CLI::IsMember({"none", "zero"}));
@@ -196,6 +199,7 @@ int main(int argc, char** argv) {
     for (auto& p : module->parameters()) nparams += p.numel();
     std::unique_ptr<shardopt::OSS> oss;
     std::unique_ptr<shardopt::ShardedDDP> ddp;
+    bool step_in_backward = false;  // (--step-in-backward, resolved)
     std::unique_ptr<torch::optim::Adam> adam;
     std::unique_ptr<shardopt::Muon> muon;
     auto factory = shardopt::optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-4));
@@ -217,6 +221,8 @@ int main(int argc, char** argv) {
       if (mixed != "off") {
         options.mixed_precision(shardopt::MixedPrecision().param_dtype(mixed == "bf16" ? at::kBFloat16 : at::kHalf));
       }
+      step_in_backward = step_in_backward_mode == "on" || step_in_backward_mode == "1" ||
+                         (step_in_backward_mode == "auto" && optimizer_name != "muon" && fused && shard_group_size == 0);
       oss = optimizer_name == "muon"
                 ? std::make_unique<shardopt::OSS>(
                       std::vector<shardopt::OptimizerGroup>{{matrices, shardopt::optimizer<shardopt::Muon>(muon_options)},

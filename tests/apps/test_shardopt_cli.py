@@ -129,6 +129,15 @@ class CliTest(unittest.TestCase):
         self.assertLess(losses[-1], 0.7 * losses[0], f"the loss did not fall: {losses}")
         self.assertRegex(out, r"epoch 2/2: test accuracy \d+\.\d+%")
         self.assertTrue(os.path.exists(self.path("full/last.ckpt")))
+        # The default steps each bucket in the backward; the step after it gives the very same bits.
+        self.assertIn("adam stepped in the backward;", out)
+        after = run(["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE, "--checkpoint-dir", self.path("after"),
+                     "--step-in-backward", "off"])
+        self.assertNotIn("stepped in the backward", after.stdout)
+        a = read_checkpoint.load(self.path("full/last.ckpt"))
+        b = read_checkpoint.load(self.path("after/last.ckpt"))
+        for k in a["model"]:
+            self.assertTrue(torch.equal(a["model"][k], b["model"][k]), k)
 
         # Interrupted after step 130 (the last checkpoint at step 120), then resumed.
         part = ["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE, "--checkpoint-dir", self.path("part"),
@@ -793,6 +802,8 @@ class CliTest(unittest.TestCase):
               "param_wire(Wire::kBFloat16) with MixedPrecision::param_dtype(kHalf)", ranks=2)
         fails(["train", "-n", "2", "--error-feedback", *SMALL], "error_feedback(true) needs a compressed gradient_wire",
               ranks=2)
+        fails(["train", "-n", "2", "--step-in-backward", "on", "--clip", "1", *SMALL],
+              "--step-in-backward on cannot go with --clip", ranks=2)
         # The environment's switches: a malformed value is one line naming the variable and what it takes.
         for value in ("1", "1:x", "-1:5", "1:5:"):
             fails(["train", "-n", "2", *SMALL], f"SHARDOPT_FAULT_AT_STEP='{value}' is not RANK:STEP", ranks=2,
