@@ -27,6 +27,7 @@
 
 #include "models/gpt2.h"
 #include <shardopt/shardopt.h>
+#include <shardopt/comm/timeline.h>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -45,6 +46,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <shardopt/testing/introspection.h>
 
 using shardopt::testing::Introspection;
@@ -129,6 +131,10 @@ int main(int argc, char** argv) {
   app.add_option("--shard-group-size", shard_group_size, "OSSOptions::shard_group_size (sharded; 0: whole group)");
   bool overlap = false;
   app.add_option("--overlap-sync", overlap, "ShardedDDPOptions::overlap_param_sync (sharded; gpt2 waits per block)");
+  std::string timeline_path;
+  app.add_option("--timeline", timeline_path,
+                 "write the timed steps' timeline as Chrome trace JSON (chrome://tracing, ui.perfetto.dev): rank 0's "
+                 "to this file, rank r's to FILE.rank<r>");
   std::string step_in_backward_mode = "auto";
   app.add_option("--step-in-backward", step_in_backward_mode,
                  "ShardedDDPOptions::step_in_backward (sharded): auto (on unless muon, fused-step 0 or "
@@ -253,10 +259,13 @@ int main(int argc, char** argv) {
         double forward_ms = 0, backward_ms = 0;
         for (int m = 0; m < accumulate; ++m) {
           auto t0 = std::chrono::steady_clock::now();
+          std::optional<shardopt::timeline::Span> forward_span(std::in_place, "forward", group->rank());
           ddp->pre_forward(/*finish_sync=*/!overlap);
           if (m == 0) checks.push_back(ms_since(t0));
           at::Tensor loss = loss_fn(step);
+          forward_span.reset();
           auto t1 = std::chrono::steady_clock::now();
+          shardopt::timeline::Span backward_span("backward", group->rank());
           if (m + 1 < accumulate && accumulate_in == "no_sync") {
             auto local = ddp->no_sync();
             loss.backward();
@@ -268,7 +277,10 @@ int main(int argc, char** argv) {
           accumulated_grad_bytes = std::max(accumulated_grad_bytes, ddp->local_grad_bytes());
         }
         auto t2 = std::chrono::steady_clock::now();
-        oss->step();
+        {
+          shardopt::timeline::Span step_span("step()", group->rank());
+          oss->step();
+        }
         phases[0].push_back(forward_ms);
         phases[1].push_back(backward_ms);
         phases[2].push_back(ms_since(t2));
@@ -332,6 +344,7 @@ int main(int argc, char** argv) {
     group->barrier();
     auto last = std::chrono::steady_clock::now();
     const double cpu_before = cpu_ms();
+    if (!timeline_path.empty()) shardopt::timeline::start();
     for (int s = 0; s < steps; ++s) {
       if (timing == "barrier") {
         group->barrier();
@@ -341,6 +354,10 @@ int main(int argc, char** argv) {
       if (ddp && s + 1 == steps) ddp->finish_param_sync();
       times.push_back(ms_since(last));
       last = std::chrono::steady_clock::now();
+    }
+    if (!timeline_path.empty()) {
+      shardopt::timeline::stop();
+      shardopt::timeline::write(group->rank() == 0 ? timeline_path : timeline_path + ".rank" + std::to_string(group->rank()));
     }
     const double step_ms = median(times);
     const double cpu_ms_per_step = (cpu_ms() - cpu_before) / steps;

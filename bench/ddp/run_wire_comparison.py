@@ -13,7 +13,8 @@ spreads over all), as --world processes:
 - --link RATE (10gbit, 2500mbit, ...): the same, each link capped at RATE in each direction.
 
 shardopt's implementations are `ddp_bench --impl sharded --gradient-wire W --param-wire W`
-(exact, bf16, int8; int8_ef adds --error-feedback true); the peers are `ddp_peers.py --impl P`:
+(exact, bf16, int8; int8_ef adds --error-feedback true; exact_after is exact with the step after
+the backward, --step-in-backward off; exact_2m exact with 2 MiB buckets); the peers are `ddp_peers.py --impl P`:
 ddp_adam, ddp_zero, fsdp2, fs_sdp, ddp_fsoss (exact) and ddp_bf16 (DDP with bf16_compress_hook).
 Reports rank 0's median step per round, the median over rounds, each round's ratio to exact and
 to the fastest exact peer of that round, and shardopt's bytes on the wire per rank and step.
@@ -29,7 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WIRES = {"exact": ["--gradient-wire", "exact", "--param-wire", "exact"],
          "bf16": ["--gradient-wire", "bf16", "--param-wire", "bf16"],
          "int8": ["--gradient-wire", "int8", "--param-wire", "int8"],
-         "int8_ef": ["--gradient-wire", "int8", "--param-wire", "int8", "--error-feedback", "true"]}
+         "int8_ef": ["--gradient-wire", "int8", "--param-wire", "int8", "--error-feedback", "true"],
+         "exact_after": ["--gradient-wire", "exact", "--param-wire", "exact", "--step-in-backward", "off"],
+         "exact_2m": ["--gradient-wire", "exact", "--param-wire", "exact", "--reduce-bucket-bytes", "2097152"]}
 EXACT_PEERS = ["ddp_adam", "ddp_zero", "fsdp2", "fs_sdp", "ddp_fsoss"]
 PEERS = EXACT_PEERS + ["ddp_bf16"]
 

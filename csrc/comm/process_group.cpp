@@ -107,14 +107,33 @@ void PendingWork::and_then(std::function<void()> next) {
   };
 }
 
-bool PendingWork::completed() const {
+bool PendingWork::completed() {
   if (!work_) return true;
   if (!work_->isCompleted()) return false;
-  return std::all_of(more_.begin(), more_.end(), [](const auto& w) { return w->isCompleted(); });
+  if (!std::all_of(more_.begin(), more_.end(), [](const auto& w) { return w->isCompleted(); })) return false;
+  seen_complete();
+  return true;
+}
+
+void PendingWork::on_timeline(timeline::Lane lane, std::string name) {
+  if (!timeline::recording() || !work_) return;
+  timeline_lane_ = static_cast<int>(lane);
+  timeline_name_ = std::move(name);
+  timeline_begin_us_ = timeline::now_us();
+}
+
+void PendingWork::seen_complete() {
+  if (timeline_lane_ < 0) return;
+  timeline::record(static_cast<timeline::Lane>(timeline_lane_), std::move(timeline_name_), rank_, timeline_begin_us_,
+                   timeline::now_us());
+  timeline_lane_ = -1;
 }
 
 void PendingWork::wait() {
   if (!work_) return;
+  // A wait that blocks, on the timeline (Note [Timeline] in comm/timeline.cpp).
+  const bool timed = timeline::recording() && !completed();
+  const int64_t waited_from = timed ? timeline::now_us() : 0;
   auto work = std::move(work_);
   auto more = std::move(more_);
   try {
@@ -138,6 +157,8 @@ void PendingWork::wait() {
     SHARDOPT_CHECK(false, "", what_, waited, " on rank ", rank_, " failed or timed out (timeout ", timeout_.count(), " ms)",
                    gone.empty() ? std::string("; a peer may have exited or not called it") : "; " + gone, ": ", cause);
   }
+  seen_complete();
+  if (timed) timeline::record(timeline::Lane::kWait, "wait: " + what_, rank_, waited_from, timeline::now_us());
   if (then_) {
     auto then = std::move(then_);
     then();

@@ -315,6 +315,10 @@ void ShardedDDP::launch_ready_buckets() {
       b.work = b.divided ? reducer().reduce_mean_async(b.buffer, b.owner, b.numel, divisor)
                          : reducer().reduce_async(b.buffer, b.owner);
     }
+    if (timeline::recording()) {
+      b.work.on_timeline(timeline::Lane::kReduction, "bucket " + std::to_string(next_launch_ - 1) +
+                                                         (b.rows() ? " reduce-scatter" : " reduce to rank " + std::to_string(b.owner)));
+    }
   }
 }
 

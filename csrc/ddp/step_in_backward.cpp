@@ -32,6 +32,9 @@ void ShardedDDP::begin_backward_steps() {
 
 void ShardedDDP::step_reduced_buckets(bool wait) {
   CommPhase phase("backward (gradient reductions)");
+  if (timeline::recording()) {
+    for (detail::ShardStore* store : stores_) store->note_completed_syncs();
+  }
   while (next_step_ < next_launch_) {
     Bucket& b = buckets_[next_step_];
     if (!wait && !b.work.completed()) return;

@@ -288,6 +288,12 @@ bool OSS::step_shard(std::optional<double> inv_scale, const detail::MasterRows& 
   if (inv_scale && !scale_in_step(in, *inv_scale)) return false;
   fused_segments_ = 0;
   if (stepped_fused_ && group_->size() > 1) return step_by_bucket(in, stepped, from_masters);
+  const int64_t began = timeline::now_us();
+  struct Recorded {  // the whole shard's step on the timeline, however it ends
+    int64_t began;
+    int rank;
+    ~Recorded() { timeline::record(timeline::Lane::kStep, "step", rank, began, timeline::now_us()); }
+  } recorded{began, group_->rank()};
   for (size_t u = 0; u < units_.size(); ++u) {
     if (fused_[u]) {
       const detail::FusedStepResult result = detail::fused_step(*units_[u].local, in);
@@ -410,7 +416,9 @@ bool OSS::step_by_bucket(const detail::FusedStepInputs& in,
   bucket_steps_.clear();
   for (size_t k = rest; k-- > 0;) {
     if (!(broadcast || layout.buckets()[k].rows())) continue;
+    const int64_t began = timeline::now_us();
     if (!step_these(by_bucket[k])) return false;
+    timeline::record(timeline::Lane::kStep, "bucket " + std::to_string(k) + " step", group_->rank(), began, timeline::now_us());
     bucket_steps_.emplace_back('s', static_cast<int64_t>(k));
     store_->start_bucket_sync(k, from_masters.rows);
     if (store_->param_sync_in_flight()) bucket_steps_.emplace_back('g', static_cast<int64_t>(k));

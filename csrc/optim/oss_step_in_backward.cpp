@@ -119,7 +119,9 @@ void OSS::step_reduced_bucket(size_t bucket) {
   while (step.reduced_through + 1 < static_cast<int64_t>(step.reduced.size()) &&
          step.reduced[static_cast<size_t>(step.reduced_through + 1)]) {
     const auto k = static_cast<size_t>(++step.reduced_through);
+    const int64_t began = timeline::now_us();
     step_holdings(step.by_bucket[k]);
+    timeline::record(timeline::Lane::kStep, "bucket " + std::to_string(k) + " step", group_->rank(), began, timeline::now_us());
     bucket_steps_.emplace_back('s', static_cast<int64_t>(k));
   }
   start_ready_syncs();

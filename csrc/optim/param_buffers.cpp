@@ -263,14 +263,27 @@ void ShardStore::start_param_sync(const std::vector<at::Tensor>& own_rows) {
 
 PendingWork ShardStore::start_sync_of(size_t bucket, const std::vector<at::Tensor>& own_rows) {
   const FlatBucket& b = layout().buckets()[bucket];
+  PendingWork work;
   if (b.rows()) {  // an all-gather of the bucket's rows (Note [Row buckets])
     at::Tensor rows = bucket_rows(layout(), buffers_, bucket);
-    return group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()), own_row(own_rows, bucket),
+    work = group_->allgather_rows_async(rows, wire_dtype(wire_, rows.scalar_type()), own_row(own_rows, bucket),
                                         b.row_used);
+  } else {
+    const int64_t begin = layout().groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
+    at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
+    work = group_->broadcast_async(range, b.owner, wire_dtype(wire_, range.scalar_type()));
   }
-  const int64_t begin = layout().groups()[b.group].shard_in_buffer(b.owner).begin + b.in_shard.begin;
-  at::Tensor range = buffers_[b.group].narrow(0, begin, b.numel());
-  return group_->broadcast_async(range, b.owner, wire_dtype(wire_, range.scalar_type()));
+  if (timeline::recording()) {
+    work.on_timeline(timeline::Lane::kParameterSync,
+                     "bucket " + std::to_string(bucket) + (b.rows() ? " all-gather" : " broadcast from rank " + std::to_string(b.owner)));
+  }
+  return work;
+}
+
+void ShardStore::note_completed_syncs() {
+  for (auto& w : bucket_sync_) {
+    if (w.valid()) w.completed();
+  }
 }
 
 void ShardStore::begin_step_sync() {

@@ -129,6 +129,8 @@ class ShardStore {
   void finish_param_sync();
   void finish_param_sync(size_t param);
   bool param_sync_in_flight() const { return sync_in_flight_ > 0; }
+  // While the timeline records: marks the buckets' syncs seen complete by now (local, no wait).
+  void note_completed_syncs();
 
   // ---- owned gradients (Note [Owned gradients]) ----
   // The reduced gradient of range `range` of parameter `param` (in OSS's order) that this rank

@@ -11,6 +11,8 @@
 //   group->allreduce(t);                           // sum over ranks, in place
 #pragma once
 
+#include <shardopt/comm/timeline.h>
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
@@ -113,7 +115,10 @@ class PendingWork {
   bool valid() const { return static_cast<bool>(work_); }
   // Whether wait() would not block: no work, or every transfer done (what set_then set still runs
   // in wait(), on the caller's thread).
-  bool completed() const;
+  bool completed();
+  // While shardopt/comm/timeline.h records: this work as an event `name` on `lane`, from now until
+  // it is seen complete (by completed() or wait()).
+  void on_timeline(timeline::Lane lane, std::string name);
   // Work to finish the operation on this rank after the transfer (for example a local sum).
   void set_then(std::function<void()> then) { then_ = std::move(then); }
   // Runs `next` after what set_then set (if anything).
@@ -136,6 +141,11 @@ class PendingWork {
   std::string what_;
   int rank_ = -1;
   std::chrono::milliseconds timeout_{0};
+  // Its event on the timeline (on_timeline), until recorded: -1 none.
+  int timeline_lane_ = -1;
+  std::string timeline_name_;
+  int64_t timeline_begin_us_ = 0;
+  void seen_complete();
 };
 
 class ProcessGroup {
