@@ -143,8 +143,8 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
                  "from its gradients to the next step's (ShardedDDPOptions::error_feedback)");
   train.add_option("--step-in-backward", o.step_in_backward, "auto, on or off: each bucket's optimizer step in the "
                    "backward, as soon as its gradients are reduced, and its parameters sent at once "
-                   "(ShardedDDPOptions::step_in_backward); auto: on unless --clip, --mixed-precision fp16, --optimizer "
-                   "muon, --survive-failures or --device cuda")
+                   "(ShardedDDPOptions::step_in_backward); auto: on where the ranks span nodes, unless --clip, "
+                   "--mixed-precision fp16, --optimizer muon, --survive-failures or --device cuda")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   train.add_option("--param-wire", o.param_wire, "exact, bf16 or int8: how the owners' updated parameters travel "

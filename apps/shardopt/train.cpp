@@ -51,8 +51,11 @@ OptimizerFactory make_optimizer(const TrainOptions& o) {
 
 // --step-in-backward: each bucket stepped in the backward (ShardedDDPOptions::step_in_backward)
 // where nothing needs every gradient before the step: no --clip, no fp16 loss scaling, an
-// optimizer the fused step takes (not Muon). auto also leaves it off where it has not been
-// measured (--survive-failures, whose recovery may meet a step in a backward; --device cuda).
+// optimizer the fused step takes (not Muon). auto turns it on only where the ranks span nodes
+// (ranks_span_nodes()): over a network it hid the parameter sync in the backward, while ranks
+// sharing one machine's cores measured slower with it (docs/benchmarks.md §2). auto also leaves it
+// off where it has not been measured (--survive-failures, whose recovery may meet a step in a
+// backward; --device cuda).
 bool steps_in_backward(const TrainOptions& o) {
   if (o.step_in_backward == "off") return false;
   std::string conflict;
@@ -60,7 +63,7 @@ bool steps_in_backward(const TrainOptions& o) {
   if (o.mixed_precision == "fp16") conflict = "--mixed-precision fp16 (its loss scaling)";
   if (o.optimizer == "muon") conflict = "--optimizer muon";
   if (o.survive_failures) conflict = "--survive-failures";
-  const bool measured = o.device == "cpu";
+  const bool measured = o.device == "cpu" && ranks_span_nodes();
   SHARDOPT_CHECK(o.step_in_backward != "on" || conflict.empty(), "--step-in-backward on cannot go with ", conflict,
                  ": the step would run before it (use --step-in-backward auto or off)");
   return conflict.empty() && (o.step_in_backward == "on" || measured);

@@ -27,6 +27,7 @@
 
 #include "models/gpt2.h"
 #include <shardopt/shardopt.h>
+#include <shardopt/comm/launch_env.h>
 #include <shardopt/comm/timeline.h>
 
 #include <ATen/ATen.h>
@@ -137,8 +138,8 @@ int main(int argc, char** argv) {
                  "to this file, rank r's to FILE.rank<r>");
   std::string step_in_backward_mode = "auto";
   app.add_option("--step-in-backward", step_in_backward_mode,
-                 "ShardedDDPOptions::step_in_backward (sharded): auto (on unless muon, fused-step 0 or "
-                 "shard-group-size), on, off")
+                 "ShardedDDPOptions::step_in_backward (sharded): auto (on where the ranks span nodes, unless "
+                 "muon, fused-step 0 or shard-group-size), on, off")
       ->check(CLI::IsMember({"auto", "on", "off", "1", "0"}));
   std::string clearing = "none";
   app.add_option("--zero-grad", clearing, "how each step clears gradients: none (set to none) or zero (in place)")
@@ -227,8 +228,10 @@ int main(int argc, char** argv) {
       if (mixed != "off") {
         options.mixed_precision(shardopt::MixedPrecision().param_dtype(mixed == "bf16" ? at::kBFloat16 : at::kHalf));
       }
+      // auto: as shardopt train's, on where the ranks span nodes (tools/launch_hosts: a host each).
       step_in_backward = step_in_backward_mode == "on" || step_in_backward_mode == "1" ||
-                         (step_in_backward_mode == "auto" && optimizer_name != "muon" && fused && shard_group_size == 0);
+                         (step_in_backward_mode == "auto" && optimizer_name != "muon" && fused && shard_group_size == 0 &&
+                          shardopt::ranks_span_nodes());
       oss = optimizer_name == "muon"
                 ? std::make_unique<shardopt::OSS>(
                       std::vector<shardopt::OptimizerGroup>{{matrices, shardopt::optimizer<shardopt::Muon>(muon_options)},

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <optional>
 
 namespace shardopt {
@@ -106,6 +107,14 @@ void check_same(const char* what, const Convention& chosen, const char* Conventi
 }
 
 }  // namespace
+
+bool ranks_span_nodes() {
+  const bool launched = std::any_of(std::begin(kConventions), std::end(kConventions),
+                                    [](const Convention& c) { return env_var(c.rank) && env_var(c.size); });
+  if (!launched) return false;  // one process, no launcher
+  const LaunchEnv e = read_launch_env(/*need_master=*/false);
+  return e.local_world_size > 0 && e.world_size > e.local_world_size;
+}
 
 std::string first_slurm_host(const std::string& nodelist) {
   const auto bracket = nodelist.find('[');

@@ -42,6 +42,10 @@ struct LaunchEnv {
 // Missing, malformed or contradictory variables are errors naming them.
 LaunchEnv read_launch_env(bool need_master = true);
 
+// Whether the launcher says the ranks span several nodes: it gives a local world size (the ranks
+// on this node) smaller than the world size. False where it gives none, or every rank is here.
+bool ranks_span_nodes();
+
 // The first host of a SLURM node list: "node[03-05,9],gpu1" -> "node03".
 std::string first_slurm_host(const std::string& nodelist);
 
