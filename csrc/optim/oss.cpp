@@ -352,6 +352,7 @@ void OSS::check_param_wire() const {
 }
 
 bool OSS::lay_out_for(const std::vector<uint8_t>& trainable) {
+  if (trainable != store_->trainable()) refuse_new_layout_in_backward_step();
   if (!store_->lay_out_for(trainable)) return false;
   repartition_due_ = true;  // the step runs on the old owners; the re-partition follows it
   follow_plan();
@@ -359,8 +360,17 @@ bool OSS::lay_out_for(const std::vector<uint8_t>& trainable) {
 }
 
 void OSS::lay_out(detail::PlanPtr plan) {
+  refuse_new_layout_in_backward_step();
   store_->lay_out(std::move(plan));
   follow_plan();
+}
+
+// The step a backward began (Note [A step in the backward]) syncs the buckets of its layout; a
+// new one before step() would leave it half on each.
+void OSS::refuse_new_layout_in_backward_step() const {
+  SHARDOPT_CHECK(!backward_step_, "a new layout (a changed trainable set, or a re-partition) on rank ", group_->rank(),
+                 " between a backward that stepped the optimizer (ShardedDDPOptions::step_in_backward) and step(); call "
+                 "step() first");
 }
 
 void OSS::follow_plan() {

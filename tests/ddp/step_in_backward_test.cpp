@@ -244,6 +244,13 @@ TEST(StepInBackward, WhatNeedsEveryGradientFirstIsRefusedOnEveryRank) {
                                  one_backward(ddp, rank);  // no step() between
                                }),
                                "began before step() finished the step the last backward began");
+  expect_refused_on_every_rank(2, with_net([](OSS&, ShardedDDP& ddp, int rank) {
+                                 one_backward(ddp, rank);
+                                 ddp.module()->parameters()[0].requires_grad_(false);  // every rank alike
+                                 ddp.refresh_trainable();
+                               }),
+                               "between a backward that stepped the optimizer (ShardedDDPOptions::step_in_backward) "
+                               "and step(); call step() first");
 }
 
 TEST(StepInBackward, WhatCannotStepInTheBackwardIsRefusedAtConstructionOnEveryRank) {

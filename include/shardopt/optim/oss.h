@@ -462,6 +462,7 @@ class OSS : public torch::optim::Optimizer {
   // stepped once all their buckets are; each sync started once what it sends is stepped), and
   // ended when the backward's buckets are all reduced. step() then finishes it.
   void begin_backward_step();
+  void refuse_new_layout_in_backward_step() const;
   void step_reduced_bucket(size_t bucket);
   void end_backward_step();
   bool finish_backward_step();
