@@ -8,6 +8,7 @@
 #include <torch/csrc/api/include/torch/optim/adam.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <future>
 #include <thread>
 
 
@@ -82,6 +83,32 @@ TEST(Errors, RanksWithDifferentParameterCountShapeOrDtype) {
                         {"parameter 2", "[3, 8]", "rank 0", "[3, 9]", "rank 1"});
   expect_all_ranks_fail(differ([](Params& p) { p[1] = at::zeros({8}, at::kDouble).requires_grad_(); }),
                         {"parameter 1", "Float[8]", "Double[8]", "rank 1"});
+}
+
+// The roll call tells a rank that stopped after seeing a failure itself (it set its flag in its
+// own roll call) from one that fell silent: rank 1 calls the roll, then its group goes; rank 0's
+// roll call then names it as having seen the failure too.
+TEST(Errors, ARankThatSawAFailureTooAndStoppedIsToldApartInTheRollCall) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::promise<void> rank1_gone;
+  auto gone = rank1_gone.get_future();
+  std::string rank0_says, rank1_says;
+  auto form = [&](int r) {
+    return init_process_group(store, InitOptions().backend("gloo").rank(r).world_size(2).timeout(std::chrono::seconds(60)));
+  };
+  std::thread one([&] {
+    auto g = form(1);
+    rank1_says = g->roll_call();  // rank 0 still beats: it names nobody
+    g.reset();                    // its heartbeat stops with its group
+    rank1_gone.set_value();
+  });
+  auto g = form(0);
+  gone.wait();
+  rank0_says = g->roll_call();
+  one.join();
+  EXPECT_EQ(rank1_says, "");
+  EXPECT_NE(rank0_says.find("rank 1 saw a failure too and stopped"), std::string::npos) << rank0_says;
+  EXPECT_EQ(rank0_says.find("stopped answering"), std::string::npos) << rank0_says;
 }
 
 TEST(Errors, RanksWithDifferentTrainableSetsAtStep) {

@@ -283,12 +283,12 @@ class CliTest(unittest.TestCase):
         lines = [l for l in p.stderr.splitlines() if "NCCL needs a GPU of its own for each rank" in l]
         self.assertEqual(len(lines), ranks, p.stderr)
 
-    def signal_a_rank_mid_epoch(self, rank, sig, timeout="15", act=None):
-        """`shardopt train -n 3 --timeout TIMEOUT`; `sig` to `rank` once training runs (or, with
-        `act`, act(pids by rank), which returns None or why the test is skipped). Returns the exit
-        code, stderr and the seconds from the signal to the exit."""
-        p = subprocess.Popen([EXE, "train", "-n", "3", "--epochs", "1", "--train-samples", "60000",
-                              "--test-samples", "500", "--timeout", timeout],
+    def signal_a_rank_mid_epoch(self, rank, sig, timeout="15", act=None, extra=(), samples="60000"):
+        """`shardopt train -n 3 --timeout TIMEOUT` (with `extra` options); `sig` to `rank` once
+        training runs (or, with `act`, act(pids by rank), which returns None or why the test is
+        skipped). Returns the exit code, stderr and the seconds from the signal to the exit."""
+        p = subprocess.Popen([EXE, "train", "-n", "3", "--epochs", "1", "--train-samples", samples,
+                              "--test-samples", "500", "--timeout", timeout, *extra],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             ranks = {}
@@ -331,6 +331,16 @@ class CliTest(unittest.TestCase):
         self.assertRegex(err, r"rank 2 stopped answering \(no heartbeat for (3 s: exited, killed or hung|"
                               r"10 s while the others waited on it: stopped or hung)\)")
         self.assertLess(elapsed, 15 + 3 + 5 + 10 + 20, err)
+
+    def test_survive_failures_stops_a_stopped_rank_and_exits_0(self):
+        # Rank 2 stopped with SIGSTOP mid-epoch under --survive-failures: ranks 0 and 1 go on
+        # without it and finish; `-n 3` then gives rank 2 until 30 s after the first exit, stops it
+        # (SIGTERM with SIGCONT), names it, and exits 0: the run succeeded without that rank.
+        code, err, elapsed = self.signal_a_rank_mid_epoch(2, signal.SIGSTOP, extra=("--survive-failures",),
+                                                          samples="12000")
+        self.assertEqual(code, 0, err)
+        self.assertIn("shardopt: rank 2 exited with code 143 after the others finished", err)
+        self.assertGreater(elapsed, 30, err)
 
     def test_a_hung_rank_is_killed_10_s_after_sigterm(self):
         # Rank 2 hung where no signal but SIGKILL reaches it (held in a ptrace stop: SIGCONT does not

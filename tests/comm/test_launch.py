@@ -500,23 +500,47 @@ class RankDeath(unittest.TestCase):
 
     def test_rank_0_killed_under_the_launcher_is_named(self):
         # tools/launch serves the store apart from the ranks, with shardopt-store or, without it,
-        # PyTorch's TCPStore (it restarts itself under the project's Python, which has torch):
-        # either way rank 0's death leaves the store up, and the others name rank 0.
+        # PyTorch's TCPStore: started on a Python without torch (here `-S`: no site packages), it
+        # restarts itself under $SHARDOPT_PYTHON, else the set-up's virtual environment (found
+        # through $SHARDOPT_CACHE). Either way rank 0's death leaves the store up, and the others
+        # name rank 0. Where it finds neither, the store is rank 0's, and goes with it.
         launch = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "launch")
         self.assertTrue(os.environ.get("SHARDOPT_STORE"), "ctest names the shardopt-store it built")
-        for server in ("shardopt-store", "torch"):
+        python = os.environ["SHARDOPT_PYTHON"]
+        self.assertNotEqual(os.path.abspath(python), os.path.abspath(sys.executable),
+                            "the launcher restarts under another interpreter than its own")
+        no_cache = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, no_cache)
+        # the project's virtual environment, where a set-up would have put it under no_cache
+        os.symlink(os.path.dirname(os.path.dirname(os.path.abspath(python))),
+                   os.path.join(no_cache, "venv-torch-" + os.environ.get("SHARDOPT_TORCH_VERSION", "2.11.0")))
+        cases = {"shardopt-store": {},
+                 "torch under $SHARDOPT_PYTHON": {"SHARDOPT_CACHE": tempfile.mkdtemp(dir=no_cache)},
+                 "torch under the virtual environment": {"SHARDOPT_PYTHON": None, "SHARDOPT_CACHE": no_cache},
+                 "rank 0's store": {"SHARDOPT_PYTHON": None, "SHARDOPT_CACHE": tempfile.mkdtemp(dir=no_cache)}}
+        for server, changes in cases.items():
             with self.subTest(server=server):
                 e = base_env()
-                if server == "torch":
+                if server != "shardopt-store":
                     e.pop("SHARDOPT_STORE")
-                p = subprocess.run([sys.executable, launch, "-n", "3", "--keep-going", WORKER, "die_in", "backward", "0"],
-                                   env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+                for k, v in changes.items():
+                    if v is None:
+                        e.pop(k, None)
+                    else:
+                        e[k] = v
+                p = subprocess.run([sys.executable, "-S", launch, "-n", "3", "--keep-going", WORKER, "die_in", "backward",
+                                    "0"], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
                 self.assertNotEqual(p.returncode, 0)
                 for r in (1, 2):
-                    self.assertRegex(p.stdout, rf"\[rank {r}\] shardopt: .*rank 0 stopped answering")
+                    if server == "rank 0's store":
+                        self.assertIn(f"[rank {r}] shardopt: ", p.stdout)
+                        self.assertIn("rank 0 (which serves the rendezvous store) cannot be reached", p.stdout)
+                    else:
+                        self.assertRegex(p.stdout, rf"\[rank {r}\] shardopt: .*rank 0 stopped answering")
                     self.assertIn(f"launch: rank {r} exited with code 1", p.stdout)
                 self.assertIn("launch: rank 0 was killed by signal 9", p.stdout)
-                self.assertNotIn("cannot be reached", p.stdout)
+                if server != "rank 0's store":
+                    self.assertNotIn("cannot be reached", p.stdout)
 
     def test_the_store_host_killed(self):
         out, elapsed = self.run_phase("step", victim=0)

@@ -30,6 +30,7 @@
 #include <csignal>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -158,8 +159,14 @@ int main(int argc, char** argv) {
       std::cout << "joined: global rank " << run.group().global_rank() << " at step " << run.start_step()
                 << ", world size " << run.world_size() << std::endl;
     }
+    // The callbacks run on every survivor before the recovery reaches the loop.
+    std::optional<int64_t> called_back;
+    run.on_recovery([&](const Recovery& rec) { called_back = rec.resume_step; });
     // Each survivor receives only the ranges it holds now: never more state than it holds.
     auto report = [&](const Recovery& rec) {
+      TORCH_CHECK(called_back == rec.resume_step, "global rank ", run.group().global_rank(),
+                  ": on_recovery's callback did not run before the recovery to step ", rec.resume_step, " returned");
+      called_back.reset();
       const int64_t holds = run.optimizer().local_state_bytes() + run.optimizer().local_master_bytes();
       TORCH_CHECK(rec.state_bytes_received <= holds, "global rank ", run.group().global_rank(), " received ",
                   rec.state_bytes_received, " bytes of optimizer state in the recovery but holds ", holds);
@@ -239,6 +246,12 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < mine.size(); ++i) worst = std::max(worst, (mine[i] - ref[i]).abs().max().item<double>());
     TORCH_CHECK(worst <= 1e-5, "global rank ", run.group().global_rank(), ": parameters differ from the reference by ",
                 worst, " (> 1e-5)");
+    // The host copies hold at least the parameters and buffers, whatever the shards.
+    int64_t model_bytes = 0;
+    for (const auto& t : model->parameters()) model_bytes += t.numel() * t.element_size();
+    for (const auto& t : model->buffers()) model_bytes += t.numel() * t.element_size();
+    TORCH_CHECK(run.copy_bytes() >= model_bytes, "global rank ", run.group().global_rank(), ": copy_bytes() is ",
+                run.copy_bytes(), ", less than the parameters and buffers it copies (", model_bytes, " bytes)");
     const int recoveries = static_cast<int>(run.recoveries().size());
     TORCH_CHECK(args.expect_recoveries < 0 || recoveries == args.expect_recoveries, "global rank ",
                 run.group().global_rank(), ": expected ", args.expect_recoveries, " recoveries, got ", recoveries);

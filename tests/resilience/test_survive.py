@@ -282,7 +282,8 @@ class Replacement(Base):
     join, and the run admits it after its next refresh (the survivors wait at step 10 until the
     request is in the store, so that the replacement comes in mid-run, not after the end)."""
 
-    def run_with_replacement(self, replacement_env, fault="2:backward (gradient reductions):30", timeout=60):
+    def run_with_replacement(self, replacement_env, fault="2:backward (gradient reductions):30", timeout=60,
+                             joiner_refresh_every=5, joiner_fault=None):
         import socket
         # Kept (bound, SO_REUSEADDR, not listening) until the run ends: no other process gets the
         # port, and the launcher's store still binds it.
@@ -303,9 +304,14 @@ class Replacement(Base):
             if "recovered:" in line:
                 break
         r = dict(os.environ, RANK="2", WORLD_SIZE="4", LOCAL_RANK="2", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", **replacement_env)
+                 MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+        r.update(replacement_env)
         r.pop("SHARDOPT_FAULT_IN_PHASE", None)
-        joiner = subprocess.run([WORKER, *args], env=r, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        if joiner_fault is not None:
+            r["SHARDOPT_FAULT_IN_PHASE"] = joiner_fault
+        joiner_args = [str(joiner_refresh_every) if a == "5" and args[i - 1] == "--refresh-every" else a
+                       for i, a in enumerate(args)]
+        joiner = subprocess.run([WORKER, *joiner_args], env=r, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 timeout=120)
         rest, _ = p.communicate(timeout=120)
         return p.returncode, "".join(lines) + rest, joiner.returncode, joiner.stdout
@@ -354,6 +360,32 @@ class Replacement(Base):
             self.assertRegex(out, rf"\[rank {r}\] admission: refused a replacement: global rank 2 runs shardopt 0\.3\.9")
             self.assertRegex(out, rf"\[rank {r}\] survivor global rank {r} \(rank \d of 3\)")
 
+    def test_a_replacement_with_other_options_is_refused(self):
+        code, out, jcode, jout = self.run_with_replacement({}, joiner_refresh_every=4)
+        self.assertEqual(jcode, 1, jout)
+        self.assertRegex(jout, r"survive_worker: shardopt: global rank 2 was started to replace a rank of a resilient "
+                               r"run, which refused it: global rank 2 has refresh_every 4 and min_world_size \d+, "
+                               r"this run 5 and \d+")
+        for r in (0, 1, 3):
+            self.assertRegex(out, rf"\[rank {r}\] admission: refused a replacement: global rank 2 has refresh_every 4")
+            self.assertRegex(out, rf"\[rank {r}\] survivor global rank {r} \(rank \d of 3\)")
+
+    def test_a_replacement_for_a_member_or_outside_the_run_is_refused(self):
+        for env, why in (({"RANK": "1", "LOCAL_RANK": "1"}, r"global rank 1 is still a member"),
+                         ({"RANK": "7", "WORLD_SIZE": "8"}, r"global rank 7 is outside this run's ranks 0\.\.3")):
+            with self.subTest(why=why):
+                code, out, jcode, jout = self.run_with_replacement(env)
+                self.assertEqual(jcode, 1, jout)
+                self.assertRegex(jout, r"which refused it: " + why)
+                for r in (0, 1, 3):
+                    self.assertRegex(out, rf"\[rank {r}\] admission: refused a replacement: " + why)
+
+    def test_a_replacement_keeps_no_fault_under_shardopt_replacement(self):
+        # The joiner is given a fault at its first backward: SHARDOPT_REPLACEMENT=1 turns it off.
+        code, out, jcode, jout = self.run_with_replacement({"SHARDOPT_REPLACEMENT": "1"},
+                                                           joiner_fault="2:backward (gradient reductions)")
+        self.assertEqual(jcode, 0, jout + out)
+        self.assertRegex(jout, r"joined: global rank 2 at step \d+, world size 4")
 
     def test_a_replacement_of_another_libtorch_version_is_refused(self):
         code, out, jcode, jout = self.run_with_replacement({"SHARDOPT_ANNOUNCE_TORCH_VERSION": "2.10.0"})
