@@ -169,6 +169,40 @@ TEST(Int8Wire, ABf16BucketIsSummedInFp32AndRoundedOnce) {
   }
 }
 
+// A double bucket is summed in double (Note [Int8 wire]): the mean of the dequantised blocks,
+// not fp32 values widened, on the rows' reduce-scatter and on the reduce to one owner.
+TEST(Int8Wire, ADoubleBucketIsSummedInDouble) {
+  for (Route route : {Route::kDirect, Route::kCollectives}) {
+    for (int world : {2, 3}) {
+      SCOPED_TRACE(std::string(name(route)) + ", world " + std::to_string(world));
+      run_ranks(world, [world, route](std::shared_ptr<ProcessGroup> g) {
+        take(route, *g);
+        const int r = g->rank();
+        const int64_t row = 700;
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(950 + r);  // this rank's own (ranks are threads)
+        const at::Tensor flat = at::randn({row * world}, gen, at::kDouble) * (r + 1);
+        const auto all = everyones(*g, flat);
+        auto mean = [&](int64_t begin, int64_t n) {
+          at::Tensor sum = at::zeros({n}, at::kDouble);
+          for (int k = 0; k < world; ++k) sum += quantised(all[k].narrow(0, begin, n).to(at::kFloat)).to(at::kDouble);
+          return sum / static_cast<double>(world);
+        };
+        auto check = [](const at::Tensor& got, const at::Tensor& want, const char* what) {
+          EXPECT_EQ(got.scalar_type(), at::kDouble) << what;
+          EXPECT_LT((got - want).abs().max().item<double>(), 1e-5) << what << ": the dequantised mean";
+          EXPECT_FALSE(got.equal(got.to(at::kFloat).to(at::kDouble))) << what << ": summed in fp32, then widened";
+        };
+        at::Tensor rows = flat.clone();
+        g->reduce_scatter_rows_async(rows, world, {}, at::kChar).wait();
+        check(rows.narrow(0, r * row, row), mean(r * row, row), "rows");
+        at::Tensor whole = flat.narrow(0, 0, row).clone();
+        g->reduce_mean_async(whole, 0, row, world, at::kChar).wait();
+        if (r == 0) check(whole, mean(0, row), "reduce to one owner");
+      });
+    }
+  }
+}
+
 // A block with inf or NaN arrives all NaN (the gradient scaler must see it); the other blocks
 // arrive within half a step of their scale.
 TEST(Int8Wire, ABlockWithInfOrNanArrivesNonFinite) {

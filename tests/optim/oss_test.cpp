@@ -456,6 +456,39 @@ TEST(OSS, ClipGradNormErrorIfNonfiniteRefusesOnEveryRank) {
   }
 }
 
+// layout()'s reference stays the same layout while the trainable set does not change, and a
+// step after a freeze makes a new one; a copy taken before keeps the old pieces.
+TEST(OSS, TheLayoutsReferenceLastsUntilTheNextLayoutAndACopyLongerStill) {
+  run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
+    Params q;
+    for (int i = 0; i < 4; ++i) q.push_back(at::zeros({50 + i}).requires_grad_());
+    OSS oss(q, optimizer<optim::Adam>(optim::AdamOptions(1e-3)), g);
+    auto step = [&] {
+      for (auto& t : q) t.mutable_grad() = t.requires_grad() ? at::ones_like(t) : at::Tensor();
+      oss.step();
+    };
+    step();
+    const FlatLayout* first = &oss.layout();
+    const FlatLayout copy = oss.layout();
+    const size_t pieces = copy.pieces().size();
+    auto trainable = [](const FlatLayout& l) {
+      std::set<size_t> params;
+      for (const auto& piece : l.pieces()) if (piece.owner >= 0) params.insert(piece.param);
+      return params;
+    };
+    ASSERT_EQ(trainable(copy), (std::set<size_t>{0, 1, 2, 3}));
+    step();
+    step();
+    EXPECT_EQ(&oss.layout(), first) << "the same trainable set keeps the layout";
+    q[0].requires_grad_(false);
+    step();
+    EXPECT_NE(&oss.layout(), first) << "a freeze makes a new layout";
+    EXPECT_EQ(trainable(oss.layout()), (std::set<size_t>{1, 2, 3}));
+    EXPECT_EQ(copy.pieces().size(), pieces);
+    EXPECT_EQ(trainable(copy), (std::set<size_t>{0, 1, 2, 3})) << "the copy keeps the old layout";
+  });
+}
+
 TEST(OSS, StateBytesAreSharded) {
   run_ranks(2, [](std::shared_ptr<ProcessGroup> g) {
     Params q;
