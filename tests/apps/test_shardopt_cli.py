@@ -398,6 +398,24 @@ class CliTest(unittest.TestCase):
         self.assertNotIn("cannot be reached", err)
         self.assertLess(elapsed, 15 + 3 + 5 + 20, err)
 
+    def test_survive_failures_saves_synchronously_and_survives_a_death_in_the_save(self):
+        # Rank 1 dies as the first save commits its main file. Only the synchronous save has that
+        # phase (the asynchronous one takes a snapshot, then writes in the background), so the
+        # death shows that --survive-failures saves synchronously; the run survives it, admits the
+        # replacement at step 20, and ends 0.
+        args = ["train", "--epochs", "2", "--train-samples", "1920", "--test-samples", "500", "--batch-size", "120",
+                "-n", "3", "--survive-failures", "--refresh-every", "5", "--checkpoint-dir", self.path("run")]
+        env = dict(os.environ, SHARDOPT_FAULT_IN_PHASE="1:saving a checkpoint (committing its main file)",
+                   SHARDOPT_AWAIT_JOINER_AT_STEP="20")
+        p = subprocess.run([EXE, *train_args(args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertRegex(p.stdout, r"rank 1 died \(seen in saving a checkpoint \(committing its main file\)\)")
+        self.assertRegex(p.stdout, r"global rank 1 joined at step 20; world size 2 -> 3")
+        # (The step whose save failed is run again from the refresh before it: 33 steps run.)
+        self.assertRegex(p.stdout, r"epoch 2/2  step 32/32 .*\nepoch 2/2: test accuracy")
+        self.assertRegex(p.stdout, r"done: 33 steps")
+
     def test_survive_failures_goes_on_after_a_rank_dies(self):
         # 4 ranks, rank 2 killed with SIGKILL before step 20 of 54: the other three go on at world
         # size 3 with the same global batches, take its replacement back at step 25, and reach the

@@ -34,6 +34,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 using namespace shardopt;
 
@@ -49,6 +50,10 @@ struct Args {
   int stop_rank = -1;                 // this global rank stops itself (SIGSTOP: hung) before --stop-at-step
   int64_t stop_at = -1;
   int64_t throw_at = -1;              // every rank's body throws an error of its own at this step
+  int sleep_rank = -1;                // this global rank's loop sleeps (its heartbeat goes on) ...
+  int64_t sleep_at = -1;              // ... at this step, for
+  int64_t sleep_s = 0;                // this many seconds: a collective times out with no rank gone
+  bool retry_after_error = false;     // after an error of the run, call run() once more and print what it says
   int shard_group_size = 0;           // > 0: replica blocks of this size while the world size is a multiple
   int64_t timeout_s = 20;             // the group's collective timeout
   bool scaler_on_rank_1 = false;      // only rank 1 passes a grad_scaler (a bad-input test)
@@ -70,6 +75,10 @@ Args parse(int argc, char** argv) {
     else if (k == "--stop-rank") a.stop_rank = std::stoi(v);
     else if (k == "--stop-at-step") a.stop_at = std::stoll(v);
     else if (k == "--throw-at-step") a.throw_at = std::stoll(v);
+    else if (k == "--sleep-rank") a.sleep_rank = std::stoi(v);
+    else if (k == "--sleep-at-step") a.sleep_at = std::stoll(v);
+    else if (k == "--sleep-seconds") a.sleep_s = std::stoll(v);
+    else if (k == "--retry-after-error") a.retry_after_error = v == "1";
     else if (k == "--shard-group-size") a.shard_group_size = std::stoi(v);
     else if (k == "--dir") a.dir = v;
     else if (k == "--optimizer") a.optimizer = v;
@@ -185,15 +194,30 @@ int main(int argc, char** argv) {
         std::raise(SIGSTOP);
       }
       set_trainable(model, t, args.freeze_at);
-      StepResult r = run.step(t, [&] {
-        // Not a failure of the group: Resilient rethrows it as it was.
-        if (t == args.throw_at) throw std::invalid_argument("the body's own error at step " + std::to_string(t));
-        auto [x, y] = global_batch(t);
-        auto [lo, hi] = share(run.rank(), run.world_size());
-        run.optimizer().zero_grad();
-        at::Tensor out = run.ddp()->forward(x.slice(0, lo, hi));
-        ((out - y.slice(0, lo, hi)).pow(2).sum() / static_cast<double>(kGlobalBatch)).backward();
-      });
+      if (group->global_rank() == args.sleep_rank && t == args.sleep_at) {
+        std::this_thread::sleep_for(std::chrono::seconds(args.sleep_s));
+      }
+      StepResult r;
+      try {
+        r = run.step(t, [&] {
+          // Not a failure of the group: Resilient rethrows it as it was.
+          if (t == args.throw_at) throw std::invalid_argument("the body's own error at step " + std::to_string(t));
+          auto [x, y] = global_batch(t);
+          auto [lo, hi] = share(run.rank(), run.world_size());
+          run.optimizer().zero_grad();
+          at::Tensor out = run.ddp()->forward(x.slice(0, lo, hi));
+          ((out - y.slice(0, lo, hi)).pow(2).sum() / static_cast<double>(kGlobalBatch)).backward();
+        });
+      } catch (const c10::Error&) {
+        if (args.retry_after_error) {  // what the run says when it is asked to go on
+          try {
+            run.run(t, [] {});
+          } catch (const c10::Error& again) {
+            std::cout << "asked again: " << again.what_without_backtrace() << std::endl;
+          }
+        }
+        throw;
+      }
       if (r.recovery) {
         report(*r.recovery);
         std::cout << "recovered at " << std::chrono::steady_clock::now().time_since_epoch().count() << std::endl;

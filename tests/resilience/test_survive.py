@@ -145,6 +145,17 @@ class RankZeroAndTwoFailures(Base):
             self.assertRegex(out, rf"\[rank {r}\] survive_worker: shardopt: recovery after a failure in .* failed: both "
                                   r"copies of global rank 1's shard are lost")
 
+    def test_a_collective_that_times_out_with_every_rank_there_is_an_error(self):
+        # Rank 1's loop sleeps 8 s at step 3 while its heartbeat goes on: rank 0's collective times
+        # out after 3 s, and the recovery finds no rank gone; both end with an error saying so.
+        code, out = run(2, None, "--steps", 8, "--sleep-rank", 1, "--sleep-at-step", 3, "--sleep-seconds", 8,
+                        "--timeout", 3)
+        self.assertNotEqual(code, 0)
+        for r in (0, 1):
+            self.assertRegex(out, rf"\[rank {r}\] survive_worker: shardopt: recovery after a failure in .* failed: the "
+                                  r"group failed in .* but every rank is still there \(a collective timed out or failed "
+                                  r"without a rank dying")
+
     def test_fewer_ranks_than_min_world_size_is_an_error(self):
         code, out = run(4, "3:backward (gradient reductions):30", "--steps", 24, "--min-world-size", 4)
         self.assertNotEqual(code, 0)
@@ -283,7 +294,7 @@ class Replacement(Base):
     request is in the store, so that the replacement comes in mid-run, not after the end)."""
 
     def run_with_replacement(self, replacement_env, fault="2:backward (gradient reductions):30", timeout=60,
-                             joiner_refresh_every=5, joiner_fault=None):
+                             joiner_refresh_every=5, joiner_fault=None, extra=()):
         import socket
         # Kept (bound, SO_REUSEADDR, not listening) until the run ends: no other process gets the
         # port, and the launcher's store still binds it.
@@ -294,7 +305,7 @@ class Replacement(Base):
         port = reserved.getsockname()[1]
         e = dict(os.environ, SHARDOPT_FAULT_IN_PHASE=fault)
         # (a 60 s collective timeout: the replacement starts LibTorch while the others wait)
-        args = ["--steps", "30", "--refresh-every", "5", "--timeout", str(timeout)]
+        args = ["--steps", "30", "--refresh-every", "5", "--timeout", str(timeout), *extra]
         p = subprocess.Popen([sys.executable, LAUNCH, "--port", str(port), "-n", "4", "--keep-going", WORKER, *args,
                               "--await-joiner-at", "10"], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
@@ -335,7 +346,8 @@ class Replacement(Base):
         import time
         start = time.monotonic()
         code, out, jcode, jout = self.run_with_replacement(
-            {}, fault="2:backward (gradient reductions):30;0:admitting a replacement (installing the state)")
+            {}, fault="2:backward (gradient reductions):30;0:admitting a replacement (installing the state)",
+            extra=("--retry-after-error", "1"))
         took = time.monotonic() - start
         ends = exits(out)
         self.assertEqual(ends[0], "was killed by signal 9", out)
@@ -345,6 +357,9 @@ class Replacement(Base):
             self.assertRegex(out, rf"\[rank {r}\] survive_worker: shardopt: a failure while admitting global rank 2 at "
                                   r"step \d+: .*; a failure during an admission is not survived: restart from the last "
                                   r"checkpoint")
+            # Asked to go on, the run refuses with an error of its own.
+            self.assertRegex(out, rf"\[rank {r}\] asked again: .*step \d+: this resilient run failed while admitting a "
+                                  r"replacement and cannot go on; restart from the last checkpoint")
         self.assertRegex(jout, r"survive_worker: shardopt: a failure while global rank 2 was being admitted at step "
                                r"\d+: .*; a failure during an admission is not survived: restart from the last "
                                r"checkpoint")

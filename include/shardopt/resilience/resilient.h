@@ -151,8 +151,9 @@ class Resilient {
   // Called on every survivor after each recovery, before step() returns.
   void on_recovery(std::function<void(const Recovery&)> callback) { callbacks_.push_back(std::move(callback)); }
 
-  // "buddy copies of every shard (rank r keeps rank r-1's), refreshed every 5 steps: 1.2 MB of host
-  // memory on this rank": what start-up output says.
+  // "buddy copies of every shard (rank r keeps rank r-1's, in host memory), refreshed every 5
+  // steps; runs on while at least 1 rank is left": what start-up output says (copy_bytes() gives
+  // the bytes).
   std::string describe() const;
   // The step of the last refresh (-1: none yet), and the host bytes the copies take on this rank.
   int64_t refreshed_at() const;
