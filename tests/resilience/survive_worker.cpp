@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <csignal>
+#include <unistd.h>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -47,8 +48,10 @@ struct Args {
   int min_world_size = 1, expect_recoveries = -1, expect_world = -1;
   int64_t refresh_every_rank_1 = -1;  // another refresh_every on rank 1 (a bad-input test)
   int64_t await_joiner_at = -1;       // before this step, wait until a replacement has asked to join
+  bool await_joiner_after = false;    // after the last step, too (its request is then pending as the run ends)
   int stop_rank = -1;                 // this global rank stops itself (SIGSTOP: hung) before --stop-at-step
   int64_t stop_at = -1;
+  int64_t wake_after_s = 0;           // > 0: a child process sends the stopped rank SIGCONT after this long
   int64_t throw_at = -1;              // every rank's body throws an error of its own at this step
   int sleep_rank = -1;                // this global rank's loop sleeps (its heartbeat goes on) ...
   int64_t sleep_at = -1;              // ... at this step, for
@@ -72,8 +75,10 @@ Args parse(int argc, char** argv) {
     else if (k == "--checkpoint-every") a.checkpoint_every = std::stoll(v);
     else if (k == "--refresh-every-rank-1") a.refresh_every_rank_1 = std::stoll(v);
     else if (k == "--await-joiner-at") a.await_joiner_at = std::stoll(v);
+    else if (k == "--await-joiner-after-the-run") a.await_joiner_after = v == "1";
     else if (k == "--stop-rank") a.stop_rank = std::stoi(v);
     else if (k == "--stop-at-step") a.stop_at = std::stoll(v);
+    else if (k == "--wake-after") a.wake_after_s = std::stoll(v);
     else if (k == "--throw-at-step") a.throw_at = std::stoll(v);
     else if (k == "--sleep-rank") a.sleep_rank = std::stoi(v);
     else if (k == "--sleep-at-step") a.sleep_at = std::stoll(v);
@@ -191,6 +196,11 @@ int main(int argc, char** argv) {
       }
       if (group->global_rank() == args.stop_rank && t == args.stop_at) {  // hung from here on
         std::cout << "stopping at " << std::chrono::steady_clock::now().time_since_epoch().count() << std::endl;
+        if (args.wake_after_s > 0 && ::fork() == 0) {  // the alarm clock: wakes the stopped parent
+          std::this_thread::sleep_for(std::chrono::seconds(args.wake_after_s));
+          ::kill(::getppid(), SIGCONT);
+          ::_exit(0);
+        }
         std::raise(SIGSTOP);
       }
       set_trainable(model, t, args.freeze_at);
@@ -248,6 +258,11 @@ int main(int argc, char** argv) {
           t = rec->resume_step;
         }
       }
+    }
+
+    if (args.await_joiner_after) {
+      std::cout << "loop done" << std::endl;
+      group->store()->wait({"shardopt/join/1"}, std::chrono::seconds(60));
     }
 
     // The reference: one process, plain torch::optim (Adam or SGD), the whole global batch of every step.

@@ -294,7 +294,8 @@ class Replacement(Base):
     request is in the store, so that the replacement comes in mid-run, not after the end)."""
 
     def run_with_replacement(self, replacement_env, fault="2:backward (gradient reductions):30", timeout=60,
-                             joiner_refresh_every=5, joiner_fault=None, extra=()):
+                             joiner_refresh_every=5, joiner_fault=None, extra=(), await_at=10,
+                             start_joiner_after="recovered:"):
         import socket
         # Kept (bound, SO_REUSEADDR, not listening) until the run ends: no other process gets the
         # port, and the launcher's store still binds it.
@@ -303,16 +304,19 @@ class Replacement(Base):
         reserved.bind(("127.0.0.1", 0))
         self.addCleanup(reserved.close)
         port = reserved.getsockname()[1]
-        e = dict(os.environ, SHARDOPT_FAULT_IN_PHASE=fault)
+        e = dict(os.environ)
+        e.pop("SHARDOPT_FAULT_IN_PHASE", None)
+        if fault:
+            e["SHARDOPT_FAULT_IN_PHASE"] = fault
         # (a 60 s collective timeout: the replacement starts LibTorch while the others wait)
         args = ["--steps", "30", "--refresh-every", "5", "--timeout", str(timeout), *extra]
         p = subprocess.Popen([sys.executable, LAUNCH, "--port", str(port), "-n", "4", "--keep-going", WORKER, *args,
-                              "--await-joiner-at", "10"], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              "--await-joiner-at", str(await_at)], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
         lines = []
         for line in p.stdout:
             lines.append(line)
-            if "recovered:" in line:
+            if start_joiner_after in line:
                 break
         r = dict(os.environ, RANK="2", WORLD_SIZE="4", LOCAL_RANK="2", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
@@ -402,6 +406,15 @@ class Replacement(Base):
         self.assertEqual(jcode, 0, jout + out)
         self.assertRegex(jout, r"joined: global rank 2 at step \d+, world size 4")
 
+    def test_a_request_still_pending_when_the_run_ends_is_told_so(self):
+        # The replacement asks once the survivors' loop is done: no refresh is left to admit it,
+        # and the run's end answers it.
+        code, out, jcode, jout = self.run_with_replacement({}, fault=None, await_at=-1, start_joiner_after="loop done",
+                                                           extra=("--await-joiner-after-the-run", "1"))
+        self.assertEqual(code, 0, out)
+        self.assertEqual(jcode, 1, jout)
+        self.assertRegex(jout, r"which refused it: the run ended before it could admit it")
+
     def test_a_replacement_of_another_libtorch_version_is_refused(self):
         code, out, jcode, jout = self.run_with_replacement({"SHARDOPT_ANNOUNCE_TORCH_VERSION": "2.10.0"})
         self.assertEqual(jcode, 1, jout)
@@ -445,6 +458,26 @@ class HungRank(Base):
             recovered = int(re.search(rf"\[rank {r}\] recovered at (\d+)", out).group(1))
             self.assertGreaterEqual((recovered - stopped) / 1e9, 9, out)
             self.assertLess((recovered - stopped) / 1e9, 15, out)
+
+
+    def test_a_stopped_rank_that_wakes_after_the_others_went_on_is_told_it_cannot_rejoin(self):
+        # Rank 2 stopped at step 10 and woken 15 s later: the others counted it gone after 10 s of
+        # silence and went on at world 3; it meets the broken group, finds itself left out of the
+        # survivors' list, and ends with an error saying so, while the others end as survivors.
+        e = dict(os.environ)
+        e.pop("SHARDOPT_FAULT_IN_PHASE", None)
+        p = subprocess.run([sys.executable, LAUNCH, "-n", "4", "--keep-going", "--finish-grace", "40", WORKER,
+                            "--steps", "24", "--refresh-every", "5", "--stop-rank", "2", "--stop-at-step", "10",
+                            "--wake-after", "15", "--expect-recoveries", "1", "--expect-world", "3", "--timeout", "60"],
+                           env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=150)
+        out = p.stdout
+        ends = exits(out)
+        for r in (0, 1, 3):
+            self.assertEqual(ends.get(r), "exited with code 0", f"rank {r}:\n{out}")
+        self.assertEqual(ends.get(2), "exited with code 1", out)
+        self.assertRegex(out, r"\[rank 2\] survive_worker: shardopt: .*the other survivors counted rank 2 .*as gone "
+                              r"\(its heartbeat stopped for \d+ ms: was this process stopped\?\); it cannot rejoin "
+                              r"this run")
 
 
 class BadInput(Base):
