@@ -249,8 +249,8 @@ std::vector<std::string> socket_interfaces() {
 // (a send writes its whole payload with the lock held), the transport thread cannot take it and
 // goes straight back to epoll, which reports the same socket again: it spins until the lock is
 // free. On a machine with more busy threads than cores, its wake-up can preempt the lock holder,
-// and then it burns its whole time slice (measured on 2 cores with 2 ranks: about 900 empty polls
-// per step of the small-tensor model, and steps 3-4 ms longer in bursts of hundreds of steps).
+// and then it burns its whole time slice (on 2 cores with 2 ranks, hundreds of empty polls per
+// step of the small-tensor model, and bursts of longer steps: docs/benchmarks-log.md).
 // Under SCHED_BATCH its wake-ups no longer preempt the running thread, while it keeps its full
 // share of a core for reading large messages when every core is busy; a nice value lowers that
 // share too (faster when the cores are otherwise idle, much slower when they are not:

@@ -22,9 +22,9 @@ namespace shardopt::detail {
 // Note [Row rounds]
 // Note [Rows]'s direct transfers cost each rank 2(size - 1) point-to-point operations per
 // collective. Where every transfer is latency (small rows, many ranks) that count is the cost:
-// at 16 ranks a 40,960-float bucket's reduce-scatter took 16-19 ms by direct transfers and 9-11
-// ms in four rounds of one peer each, its all-gather 14-17 against 7-9 (docs/benchmarks-log.md,
-// "Ranks as processes at world 16"). So at a size of at least kRoundsMinSize, on Gloo and for
+// at 16 ranks four rounds of one peer each took about half the direct transfers' time for a
+// bucket of 40,960 floats, in both collectives (docs/benchmarks-log.md, "Ranks as processes at
+// world 16"). So at a size of at least kRoundsMinSize, on Gloo and for
 // CPU buffers on the exact wire, the rows go in rounds, log2(size) at a power of two:
 // - reduce-scatter, recursive halving: at distance d = size/2, size/4, .., 1, a rank keeps the
 //   half of its range of rows that holds its own row, sends the other half to rank ^ d, and adds
@@ -35,7 +35,7 @@ namespace shardopt::detail {
 //   same on every run, but not the rank-order chain of the direct transfers and of the reduce
 //   to one owner. It is used only while a row is at most kRoundsRowBytes: on large rows the
 //   halving's passes over memory cost more than the transfers it saves (at 8 ranks a 4 MiB
-//   bucket's reduce-scatter took 13.6-13.9 ms in rounds against 10.2-10.6 direct).
+//   bucket's reduce-scatter was slower in rounds than direct: docs/benchmarks-log.md).
 // - all-gather, recursive doubling: at distance d = 1, 2, .., size/2, a rank sends the d rows it
 //   holds to rank ^ d and receives that rank's d, in place. Rounds were as fast or faster at every
 //   size measured, so it has no row limit. At any other size of at least kRoundsMinSize the
@@ -54,11 +54,10 @@ namespace shardopt::detail {
 //   direct transfers, with the same bits (this rank's row, then the others' in rank order, then
 //   the division, in one pass: sum_to), but as a work on the worker thread, which sums each
 //   bucket as its rows arrive, during backward, instead of on the rank's thread when it waits
-//   for the bucket. On the GPT-2 shape that took the step to 0.85-0.92x of the direct transfers'
-//   time at two ranks and 0.90-0.98x at four (docs/benchmarks-log.md, "Large rows summed on the
-//   worker thread"); on small rows the worker's hand-off cost more than the sum it moved (the
-//   small model's step 1.17, 1.04, 1.07 and 0.98x at two ranks with every row on the
-//   worker), hence the bound.
+//   for the bucket. On the GPT-2 shape that made the step faster at two and four ranks
+//   (docs/benchmarks-log.md, "Large rows summed on the worker thread"); on small rows the
+//   worker's hand-off cost more than the sum it moved (the small model's step was slower with
+//   every row on the worker), hence the bound.
 // Each rank sends (size - 1) / size of the buffer either way, the least any scheme can (the wire
 // bytes do not change), and each ordered pair of ranks exchanges at most one message per
 // collective (Bruck's distances are distinct below the size), so one tag serves it. A round can

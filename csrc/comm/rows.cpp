@@ -24,8 +24,8 @@ namespace shardopt {
 // wire: each rank's gradients of row r summed on rank r (a reduce-scatter), then each owner's
 // updated row copied to every rank (an all-gather). One collective each, whatever the world
 // size. On NCCL they are NCCL's own, in place (the output row inside the input buffer, as NCCL
-// allows). On Gloo, whose reduce-scatter is an all-reduce and whose all-gather was measured at
-// 4.5x the per-owner path (docs/benchmarks-log.md), they are direct transfers, as in Note [Reduce to
+// allows). On Gloo, whose reduce-scatter is an all-reduce and whose all-gather was several times
+// slower than the per-owner path (docs/benchmarks-log.md), they are direct transfers, as in Note [Reduce to
 // one owner]: at step k = 1 .. size-1, rank r sends row (r + k) % size to its owner and receives
 // its own row from rank (r - k) % size, so each rank sends (size - 1) / size of the buffer, the
 // least any scheme can, and no two ranks send to the same rank at the same step. The owner sums

@@ -28,31 +28,53 @@ namespace shardopt {
 //  2. Autograd accumulates into p.grad and runs the post-accumulation hook, GradReadyHook
 //     (sharded_ddp.cpp), which calls ShardedDDP::on_grad_ready: the first gradient of a backward
 //     waits for the trainability check of the forward (await_mask_check, sharded_ddp.cpp) and
-//     queues finish_reduction for the backward's end (Note [Reduction phases]).
+//     queues finish_reduction for the backward's end (Note [Reduction phases]); with
+//     step_in_backward it also begins each OSS's step (begin_backward_steps, step_in_backward.cpp).
 //  3. ShardedDDP::fill_param copies the gradient into its slot of each bucket holding it:
-//     bucket_buffer makes the reduce buffer (a row bucket's own row is owned_memory, the memory
-//     of GradSlabs::bucket_memory, grad_slabs.cpp), fill_small_on_host or copy_ writes the slot,
-//     release_local_grad drops the local gradient (an owner keeps a view of its slot).
+//     bucket_buffer makes the reduce buffer (the memory of the buckets sent to other owners from
+//     take_scratch, reduce_scratch.cpp, Note [Reduce scratch]; a row bucket's own row is
+//     owned_memory, the memory of GradSlabs::bucket_memory, grad_slabs.cpp), fill_small_on_host
+//     or copy_ writes the slot, release_local_grad drops the local gradient (an owner keeps a
+//     view of its slot).
 //  4. ShardedDDP::launch_ready_buckets launches each bucket, in bucket order, once all its slots
-//     are written: write_flags, then ProcessGroup::reduce_scatter_rows_into_async for a row bucket
-//     (csrc/comm/rows.cpp, Note [Rows]: on Gloo direct transfers summed by detail::sum_to in
-//     comm/sum_into.h; on NCCL its reduce-scatter) or reduce_async / reduce_mean_async to the
-//     owner for a bucket of whole parameters (Note [Reduce to one owner]).
+//     are written: write_flags, feed_back_error on a rounding wire with error feedback (this
+//     file, Note [Error feedback]; its residuals' checkpoints in error_feedback_state.cpp), then
+//     ProcessGroup::reduce_scatter_rows_into_async for a row bucket (csrc/comm/rows.cpp, Note
+//     [Rows]: on Gloo direct transfers summed by detail::sum_to, comm/sum_into.cpp, or the rounds
+//     of comm/row_rounds.cpp; on NCCL its reduce-scatter) or reduce_async / reduce_mean_async to
+//     the owner for a bucket of whole parameters (comm/process_group.cpp, Note [Reduce to one
+//     owner]). On the bf16 and int8 wires the contributions are packed and summed by the codecs
+//     of comm/wire.cpp and comm/on_wire.cpp (Note [Gradient wire], Note [Int8 wire]), with the
+//     loops of comm/wire_kernels.inc.
 //  5. At the backward's end, ShardedDDP::finish_reduction fills the parameters that had no
 //     gradient (fill_param), launches the rest, waits for every bucket (PendingWork::wait), reads
 //     the clearing evidence of split pieces (clearing_evidence), checks (reduction_error) and
 //     calls hand_over_reduced: across blocks the replica all-reduce, the division, the flags, and
 //     Entry::set_grad (executor.h) gives the owner its reduced gradient: a whole parameter's
 //     p.grad() becomes a view of the reduced row (alias_at), a split range's goes to
-//     ShardStore::set_grad (shard_grads.cpp). reset_executor readies the next backward.
-//  6. OSS::step (oss_step.cpp) runs step_with: settle_state (oss.cpp) moves state for a new
-//     plan; step_shard reads each holding's gradient through OSS::holding_grad (oss.cpp: the
-//     whole p.grad(), a range of it, or ShardStore::grad) into detail::FusedStepInputs, and
-//     detail::fused_step (fused_step.cpp) steps it: adam_like_step groups runs, adam_run joins
-//     adjacent tensors (joined_adjacent, adjacent.h), then the CPU loops of fused_kernels.inc
-//     (adam_kernel) or, on CUDA, detail::cuda_adam (cuda/kernels_adapter.cpp) and
-//     shardopt_adamw_fp32_segments (kernels/). ShardStore::sync_after_step (param_buffers.cpp)
-//     then sends the updated rows to every rank (allgather_rows_async, Note [Parameter sync]).
+//     ShardStore::set_grad (optim/shard_grads.cpp). reset_executor readies the next backward.
+//     With step_in_backward, step_reduced_buckets (step_in_backward.cpp) hands each bucket over
+//     as soon as its reduction is seen complete and its OSS steps it at once
+//     (OSS::step_reduced_bucket, optim/oss_step_in_backward.cpp, Note [A step in the backward]).
+//  6. OSS::step (optim/oss_step.cpp) runs step_with: settle_state (optim/oss.cpp) moves state for a
+//     new plan (optim/state_migration.cpp); a ShardedGradScaler's unscale and found-inf check run
+//     first (optim/grad_scaler.cpp), or in the step itself (Note [Unscaling in the step]).
+//     step_shard reads each holding's gradient through OSS::holding_grad (optim/oss.cpp: the
+//     whole p.grad(), a range of it, or ShardStore::grad) into detail::FusedStepInputs;
+//     step_by_bucket (Note [A step per bucket]) hands each bucket's holdings to detail::fused_step
+//     (optim/fused_step.cpp) and starts that bucket's sync (ShardStore::start_bucket_sync,
+//     optim/param_buffers.cpp) before it steps the next. fused_step groups runs (adam_like_step),
+//     joins adjacent tensors (joined_adjacent, optim/adjacent.h), then adam_kernel runs the CPU
+//     loops of optim/fused_kernels.inc (adam_loop; adam8_loop for 8-bit state, which decodes,
+//     updates and codes each block again in one pass), built per instruction set in
+//     fused_kernels_*.cpp and chosen by fused_kernels_dispatch.cpp; mixed precision's masters
+//     go through optim/fused_step_mixed.h and optim/master_weights.cpp, 8-bit state lives in the
+//     slabs of optim/state_slabs.cpp with the maps of optim/state_codes.cpp; on
+//     CUDA, detail::cuda_adam (cuda/kernels_adapter.cpp) and shardopt_adamw_fp32_segments
+//     (kernels/). An optimizer the fused step does not take (Muon, optim/muon.cpp, or a user's
+//     own) steps through its torch::optim step instead. ShardStore::sync_after_step
+//     (optim/param_buffers.cpp) then sends what is left to every rank (allgather_rows_async,
+//     Note [Overlapped parameter sync]).
 
 using detail::alias_at;
 

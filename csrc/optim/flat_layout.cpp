@@ -333,8 +333,9 @@ void FlatLayout::cut_buckets(const std::vector<LayoutParam>& params) {
 
 // Note [Kept state]
 // A frozen parameter's optimizer state waits for it to be unfrozen. Left with the ranks that
-// owned it while it trained, it piles up where the frozen layers happened to be: freezing half of
-// GPT-2 small at world 4 left the ranks holding 122, 122, 347 and 359 MiB. In split mode the
+// owned it while it trained, it piles up where the frozen layers happened to be (freezing half of
+// GPT-2 small at world 4 left two ranks with about three times the state of the other two:
+// docs/benchmarks-log.md). In split mode the
 // frozen parameters with state form a kept run per group (reverse parameter order, as the
 // trainable run), cut into world_size equal ranges: every rank keeps 1/world_size of the kept
 // state and steps 1/world_size of the trainable run, so memory and step time are both balanced;

@@ -48,11 +48,10 @@ std::vector<int64_t> Placement::partition_weights() const {
 // kept, cut across the ranks (Note [Kept state]). kAuto splits element-wise optimizers'
 // parameters unless whole parameters balance within split_above_imbalance (default 0: always),
 // and always when a whole-tensor optimizer (Muon) is in the OSS (Note [Ownership by kind]).
-// Before row buckets, one contiguous range per owner made a split step slower (on the
-// GPT-2-shaped model at two ranks 125-139 ms in backward against 98-111 ms with whole
-// parameters: for the first half of backward every reduction went to one rank) and kAuto split
-// only above 3%. A row bucket is reduce-scattered to every rank at once, and the same model
-// steps in 152 and 171 ms split against 150 and 176 ms whole, interleaved (docs/benchmarks-log.md).
+// Before row buckets, one contiguous range per owner made a split step slower (for the first
+// half of backward every reduction went to one rank) and kAuto split only above 3%. A row bucket
+// is reduce-scattered to every rank at once, and split steps then took as long as whole ones on
+// the GPT-2 shape (docs/benchmarks-log.md has the interleaved runs).
 
 // Note [Ownership by kind]
 // Each parameter's optimizer says how its state may be cut (shardopt/optim/state_layout.h): an
