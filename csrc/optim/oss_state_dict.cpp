@@ -322,9 +322,11 @@ void OSS::load_state_dict(const torch::IValue& sd) {
         if (codec.name != "Adagrad") local_state.erase(key);
         continue;
       }
-      const GenericDict full = codec.encode_state(*codec.decode_state(it->second));
+      // This holding's range of the saved state, as views of it, copied once, in the holding's
+      // dtype and on its device (the saved state is not decoded whole first).
       local_state[key] = detail::decode_state_like(
-          codec, detail::slice_state(full, h.in_param.begin, h.in_param.end, params_[i].numel()), h.tensor);
+          codec, detail::slice_state(it->second, h.in_param.begin, h.in_param.end, params_[i].numel(), /*copy=*/false),
+          h.tensor);
     }
   }
   place_state();
