@@ -147,6 +147,12 @@ void add_train_options(CLI::App& train, TrainOptions& o) {
                    "--mixed-precision fp16, --optimizer muon, --survive-failures or --device cuda")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
+  train.add_option("--overlap-sync", o.overlap_sync, "auto, on or off: the parameter sync after the step runs "
+                   "beside the next forward, the model waiting block by block for its own parameters "
+                   "(ShardedDDPOptions::overlap_param_sync); auto: on where the ranks span nodes, unless "
+                   "--survive-failures or --device cuda")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   train.add_option("--param-wire", o.param_wire, "exact, bf16 or int8: how the owners' updated parameters travel "
                    "(compressed: fp32 masters on the owners, every rank's parameters the rounded masters)")
       ->check(CLI::IsMember({"exact", "bf16", "int8"}))

@@ -69,6 +69,22 @@ bool steps_in_backward(const TrainOptions& o) {
   return conflict.empty() && (o.step_in_backward == "on" || measured);
 }
 
+// --overlap-sync: the parameter sync after the step runs beside the next forward
+// (ShardedDDPOptions::overlap_param_sync), the model waiting block by block for its own
+// parameters (Classifier::before_use), so its first block computes while later blocks' parameters
+// are still arriving. auto turns it on only where the ranks span nodes, as --step-in-backward:
+// over a shaped link it hid part of the sync behind the forward (docs/benchmarks.md §2), while
+// ranks sharing one machine's cores measured slower with it (docs/benchmarks-log.md, "Parameter
+// sync overlapped with the next forward"). Not with --survive-failures: a recovery replaces the
+// ShardedDDP the model would wait on.
+bool overlaps_sync(const TrainOptions& o) {
+  if (o.overlap_sync == "off") return false;
+  SHARDOPT_CHECK(o.overlap_sync != "on" || !o.survive_failures,
+                 "--overlap-sync on cannot go with --survive-failures: a recovery replaces the ShardedDDP the model "
+                 "waits on (use --overlap-sync auto or off)");
+  return o.overlap_sync == "on" || (!o.survive_failures && o.device == "cpu" && ranks_span_nodes());
+}
+
 // --optimizer muon: Muon on the conv and linear weights (a conv filter bank taken as the matrix
 // (out channels, the rest)), AdamW on the biases; both take --lr, Muon scaled to AdamW's update
 // size ("match_rms_adamw"), as Moonlight trains with one learning rate for both.
@@ -177,6 +193,7 @@ class Trainer {
   std::unique_ptr<OSS> owned_oss_;
   std::unique_ptr<ShardedDDP> owned_ddp_;
   std::unique_ptr<Resilient> resilient_;
+  bool overlap_ = false;  // --overlap-sync: the parameter sync beside the next forward
   PendingCheckpoint pending_save_;      // the checkpoint being written in the background
   std::unique_ptr<ShardedGradScaler> scaler_;  // fp16
   int64_t skipped_steps_ = 0;                  // fp16 steps skipped for inf/nan gradients
@@ -271,10 +288,11 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
   // Each rank's loss is the sum over its real samples; gradients are divided by the real
   // samples of the global step, so a padded last step weighs exactly right.
   const bool in_backward = steps_in_backward(o);
+  overlap_ = overlaps_sync(o);
   auto make_ddp = [this, in_backward](OSS& opt) {
     return std::make_unique<ShardedDDP>(model_, opt, ShardedDDPOptions().grad_scaling(GradScaling::kGlobalSamples).gradient_wire(
                                                               wire_from_name(o_.gradient_wire)).error_feedback(o_.error_feedback)
-                                                              .step_in_backward(in_backward));
+                                                              .step_in_backward(in_backward).overlap_param_sync(overlap_));
   };
   if (o.survive_failures) {
     resilient_ = std::make_unique<Resilient>(
@@ -294,6 +312,7 @@ Trainer::Trainer(const TrainOptions& o) : o_(o) {
     owned_ddp_ = make_ddp(*owned_oss_);
     oss_ = owned_oss_.get();
     ddp_ = owned_ddp_.get();
+    if (overlap_) model_->before_use = [ddp = ddp_](const std::vector<at::Tensor>& ps) { ddp->wait_param_sync(ps); };
   }
 }
 
@@ -457,7 +476,14 @@ double Trainer::train_step(int64_t epoch_step) {
   for (auto& g : oss_->param_groups()) g.options().set_lr(lr_at(o_, step_, total_steps_));
   ddp_->zero_grad(true);
   ddp_->set_global_samples(b.global_real);
-  const at::Tensor out = ddp_->forward(normalise(data_.train_images.index_select(0, idx)));
+  const at::Tensor images = normalise(data_.train_images.index_select(0, idx));
+  at::Tensor out;
+  if (overlap_) {  // the model waits for each block's parameters itself (Classifier::before_use)
+    ddp_->pre_forward(/*finish_sync=*/false);
+    out = model_->forward(images.to(params_[0].scalar_type()));
+  } else {
+    out = ddp_->forward(images);
+  }
   // The loss in fp32 whatever the model's dtype.
   const at::Tensor per_sample = torch::nn::functional::cross_entropy(
       out.to(at::kFloat), data_.train_labels.index_select(0, idx),
@@ -568,13 +594,13 @@ int Trainer::run() {
                                          std::max<int64_t>(1, steps_per_epoch_ / 4));
   if (rank_ == 0) {
     progress_->print(fmt::format("training the {} ({} parameters) on {} Fashion-MNIST images: {} rank{} on {}, global batch {}, "
-                                 "{} step{} per epoch, {}{}; {}",
+                                 "{} step{} per epoch, {}{}{}; {}",
                                  o_.model == "vit" ? "ViT" : "CNN", count_text(model_numel()),
                                  count_text(data_.train_images.size(0)), world_, world_ == 1 ? "" : "s",
                                  device_.is_cuda() ? "CUDA (NCCL)" : "CPU (Gloo)", o_.batch_size, steps_per_epoch_,
                                  steps_per_epoch_ == 1 ? "" : "s",
                                  o_.optimizer, oss_->steps_in_backward() ? " stepped in the backward" : "",
-                                 oss_->describe()));
+                                 overlap_ ? ", parameters synced beside the next forward" : "", oss_->describe()));
   }
   memory_every_ = std::max<int64_t>(1, steps_per_epoch_ / 25);
   if (metrics_) {
@@ -610,6 +636,7 @@ int Trainer::run() {
     ++epoch_;
     first_epoch_step_ = 0;
   }
+  ddp_->finish_param_sync();  // every rank's parameters current (--overlap-sync)
   pending_save_.wait();  // the last checkpoint is on disk before the run ends (an error on every rank)
   progress_->finish();
   summary();
@@ -682,6 +709,7 @@ void Trainer::recovered(const Recovery& r) {
 }
 
 std::pair<int64_t, int64_t> Trainer::evaluate() {
+  ddp_->finish_param_sync();  // (--overlap-sync: the last step's sync may be in flight)
   at::NoGradGuard no_grad;
   model_->eval();
   const int64_t n = data_.test_images.size(0);

@@ -39,6 +39,9 @@ struct TrainOptions {
   bool error_feedback = false;          // ShardedDDPOptions::error_feedback
   // auto | on | off (ShardedDDPOptions::step_in_backward); auto: on where it holds (steps_in_backward()).
   std::string step_in_backward = "auto";
+  // auto | on | off (ShardedDDPOptions::overlap_param_sync, the model waiting block by block);
+  // auto: on where the ranks span nodes (overlaps_sync()).
+  std::string overlap_sync = "auto";
   std::string device = "cpu";        // cpu (Gloo) | cuda (NCCL, the GPU of each rank's LOCAL_RANK)
   // The metrics file (metrics_log.h) and its chart beside it: this path; empty: DIR/metrics.jsonl
   // under --checkpoint-dir DIR, else none; "off": none.

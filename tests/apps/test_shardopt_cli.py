@@ -130,15 +130,21 @@ class CliTest(unittest.TestCase):
         self.assertRegex(out, r"epoch 2/2: test accuracy \d+\.\d+%")
         self.assertTrue(os.path.exists(self.path("full/last.ckpt")))
         # This run steps each bucket in the backward; the interrupted one below steps after it (the
-        # default with every rank on one node) and ends with the very same bits.
+        # default with every rank on one node), with its parameter sync beside the next forward
+        # through the freeze, the unfreeze, three checkpoints and an epoch's test, and the resumed
+        # one as by default: they end with the very same bits.
         self.assertIn("adam stepped in the backward;", out)
+        self.assertNotIn("beside the next forward", out)
 
         # Interrupted after step 130 (the last checkpoint at step 120), then resumed.
         part = ["train", "-n", "2", "--epochs", "2", *SMALL, *SCHEDULE, "--checkpoint-dir", self.path("part"),
                 "--checkpoint-every", "40"]
-        stopped = run([*part, "--stop-after-steps", "130"])
+        stopped = run([*part, "--stop-after-steps", "130", "--overlap-sync", "on"])
         self.assertNotIn("stepped in the backward", stopped.stdout)
+        self.assertIn("adam, parameters synced beside the next forward;", stopped.stdout)
+        self.assertRegex(stopped.stdout, r"epoch 1/2: test accuracy \d+\.\d+%")
         resumed = run([*part, "--resume"])
+        self.assertNotIn("beside the next forward", resumed.stdout)
         self.assertIn("resumed from", resumed.stdout)
         self.assertIn("step 120, epoch 2, step 20 of the epoch", resumed.stdout)
         a = read_checkpoint.load(self.path("full/last.ckpt"))
@@ -827,6 +833,9 @@ class CliTest(unittest.TestCase):
               ranks=2)
         fails(["train", "-n", "2", "--step-in-backward", "on", "--clip", "1", *SMALL],
               "--step-in-backward on cannot go with --clip", ranks=2)
+        fails(["train", "-n", "2", "--overlap-sync", "on", "--survive-failures", *SMALL],
+              "--overlap-sync on cannot go with --survive-failures", ranks=2)
+        fails(["train", "--overlap-sync", "sometimes"], "sometimes")
         # The environment's switches: a malformed value is one line naming the variable and what it takes.
         for value in ("1", "1:x", "-1:5", "1:5:"):
             fails(["train", "-n", "2", *SMALL], f"SHARDOPT_FAULT_AT_STEP='{value}' is not RANK:STEP", ranks=2,

@@ -12,9 +12,10 @@ Cnn::Cnn() {
 }
 
 at::Tensor Cnn::forward(at::Tensor x) {
-  x = at::max_pool2d(at::relu(conv1->forward(x)), 2);
-  x = at::max_pool2d(at::relu(conv2->forward(x)), 2);
-  return fc2->forward(at::relu(fc1->forward(x.flatten(1))));
+  x = at::max_pool2d(at::relu(use(conv1)->forward(x)), 2);
+  x = at::max_pool2d(at::relu(use(conv2)->forward(x)), 2);
+  x = at::relu(use(fc1)->forward(x.flatten(1)));
+  return use(fc2)->forward(x);
 }
 
 }  // namespace shardopt::app

@@ -68,9 +68,10 @@ Vit::Vit() {
 }
 
 at::Tensor Vit::forward(at::Tensor images) {
-  at::Tensor x = embed->forward(images);
-  for (const auto& block : blocks) x = block->forward(x);
-  return head->forward(norm->forward(x).select(1, 0));  // the class token
+  at::Tensor x = use(embed)->forward(images);
+  for (auto& block : blocks) x = use(block)->forward(x);
+  x = use(norm)->forward(x).select(1, 0);  // the class token
+  return use(head)->forward(x);
 }
 
 }  // namespace shardopt::app
