@@ -328,7 +328,19 @@ class Replacement(Base):
                        for i, a in enumerate(args)]
         joiner = subprocess.run([WORKER, *joiner_args], env=r, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 timeout=120)
-        rest, _ = p.communicate(timeout=120)
+        try:
+            rest, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            # What every rank printed, to tell which wait did not end (the launcher stops its ranks
+            # on SIGTERM).
+            p.terminate()
+            try:
+                rest, _ = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rest = ""
+            self.fail("the run did not end within 120 s of the replacement's end; the replacement printed:\n" +
+                      joiner.stdout + "\nthe run printed:\n" + "".join(lines) + (rest or ""))
         return p.returncode, "".join(lines) + rest, joiner.returncode, joiner.stdout
 
     def test_a_replacement_joins_and_the_run_ends_equal_to_the_reference(self):
